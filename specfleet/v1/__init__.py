@@ -1,0 +1,1 @@
+"""Generated gRPC stubs for proto/specfleet/v1 (regenerate with `make proto`)."""
