@@ -1,0 +1,93 @@
+"""From logits to the distributions that drafters draw from and the target verifies against.
+
+Both sides shape logits the same way, exactly as the user asked: temperature,
+then top-k, then top-p. Temperature 0 is greedy: a point mass on the argmax
+(ties go to the lowest token id, as torch.argmax does).
+
+Randomness is derived from (seed, position, stream) rather than kept in
+per-session generator state, so a request's random draws do not depend on how
+it was batched or whether its cache was evicted, and every round of a request
+uses fresh draws (each round commits at least one token, so positions differ).
+
+Shapes: B sessions, V vocabulary, K entries kept in a sparse distribution.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+
+import torch
+
+# Streams keep the drafter's and the verifier's draws independent of each other.
+STREAM_VERIFY = 0
+STREAM_DRAFT = 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+def probs_from_logits(
+    logits: torch.Tensor,  # [B, V]
+    temperature: torch.Tensor,  # [B]; 0 means greedy
+    top_k: torch.Tensor,  # [B] int; 0 means no limit
+    top_p: torch.Tensor,  # [B]; 1 means no limit
+) -> torch.Tensor:  # [B, V] float32, rows sum to 1
+    logits = logits.float()
+    batch, vocab = logits.shape
+    greedy = temperature <= 0
+    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(1)
+
+    sorted_logits, sorted_ids = scaled.sort(dim=1, descending=True)
+    rank = torch.arange(vocab, device=logits.device).expand(batch, vocab)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+    drop = rank >= k.unsqueeze(1)
+    sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=1)
+    # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass
+    # strictly before it already reaches top_p. The top token is always kept.
+    mass_before = sorted_probs.cumsum(dim=1) - sorted_probs
+    drop |= mass_before >= top_p.unsqueeze(1)
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = torch.zeros_like(scaled).scatter_(1, sorted_ids, sorted_logits.softmax(dim=1))
+
+    if greedy.any():
+        one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=1, keepdim=True), 1.0)
+        probs = torch.where(greedy.unsqueeze(1), one_hot, probs)
+    return probs
+
+
+def truncate(probs: torch.Tensor, max_entries: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The max_entries most likely tokens of each row, renormalised: [B, K] ids and probs.
+
+    Drafters sample from this truncated distribution, never from the full one, so
+    that the sparse distribution they send is exactly the one they drew from.
+    Entries with probability 0 are kept with probability 0.
+    """
+    k = min(max_entries, probs.shape[1])
+    top_probs, top_ids = probs.topk(k, dim=1)
+    return top_ids, top_probs / top_probs.sum(dim=1, keepdim=True)
+
+
+def generator_for(seed: int, position: int, stream: int, device: str | torch.device = "cpu") -> torch.Generator:
+    """A generator whose draws depend only on (seed, position, stream)."""
+    digest = hashlib.blake2b(struct.pack("<QQQ", seed & (2**64 - 1), position, stream), digest_size=8).digest()
+    gen = torch.Generator(device=device)
+    gen.manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+    return gen
+
+
+def sample_sparse(ids: torch.Tensor, probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """One token per row from sparse distributions [B, K]; row b uses generators[b]."""
+    picks = torch.stack([torch.multinomial(probs[b], 1, generator=g) for b, g in enumerate(generators)])
+    return ids.gather(1, picks).squeeze(1)

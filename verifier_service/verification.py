@@ -1,0 +1,118 @@
+"""Lossless verification of draft token trees: multi-step speculative sampling.
+
+One function, `verify_trees`, decides for a batch of sessions which drafted
+tokens the target accepts and which token it emits next. A chain of drafts is
+the tree in which every node has one child.
+
+Setting, per session. The committed context ends at the root. Draft node i has
+token x_i, a parent (-1 for the root), and the distribution q_i that x_i was
+really drawn from given its path: a point mass when the drafter chose
+deterministically (greedy or confidence-fused tokens), a sparse truncated
+distribution when it sampled. p_0 is the target's distribution after the root,
+p_{i+1} after node i, shaped by the user's temperature, top-k and top-p
+(a point mass on the argmax at temperature 0). Siblings are tried in node order.
+
+The walk (SpecInfer's multi-step speculative sampling; a chain reduces to
+Leviathan et al. / Chen et al. speculative sampling):
+    cur = root, r = p_cur
+    for each child c of cur, in order:
+        accept x_c with probability min(1, r(x_c) / q_c(x_c))
+        if accepted: cur = c, r = p_c, and continue with c's children
+        else:        r = normalise(max(0, r - q_c))
+    emit one token drawn from r
+When cur has no children left to try, r is either p_cur itself (a leaf: the
+bonus token) or the residual after its rejected children (the correction).
+
+Proof obligations, each checked by tests/test_verification.py:
+ 1. Lossless: for every context, the first emitted token is distributed
+    exactly as p_root, for any q_i and any number of siblings, provided each
+    sibling's token was drawn from its q_i independently of the other
+    siblings' tokens and of this module's random draws, and the sibling order
+    was fixed without looking at the drawn tokens. (Induction over siblings:
+    P(emit y) = P(accept y) + P(reject) * r'(y), and
+    min(r(y), q(y)) + (1 - sum_z min(r(z), q(z))) * max(0, r(y) - q(y)) / Z = r(y).)
+    Applied recursively down the accepted path, every emitted token is
+    distributed as the target's next-token distribution given all tokens
+    before it, so whole outputs are distributed as the target's.
+ 2. Greedy equality: when p is a point mass on the target's argmax, a token is
+    accepted iff it is the argmax, and the emitted token is the argmax.
+ 3. Point-mass proposals: q = delta_x accepts x with probability p(x) and
+    the residual is p without x, renormalised.
+ 4. Reproducible: the outcome is a deterministic function of the inputs,
+    including the caller's uniforms and exponential noise.
+
+Shapes: B sessions; N draft nodes (padded per session); K entries per sparse
+proposal; V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Residual mass below this is treated as empty. It can only be empty when the
+# rejected proposals covered p entirely, which has probability zero; floating
+# point can still get there, and then p itself is the right fallback.
+_EMPTY_RESIDUAL = 1e-12
+
+
+@dataclass
+class TreeBatch:
+    tokens: torch.Tensor  # [B, N] int64, draft token of each node
+    parents: torch.Tensor  # [B, N] int64, parent node index, -1 for the root
+    valid: torch.Tensor  # [B, N] bool, False for padding nodes
+    q_ids: torch.Tensor  # [B, N, K] int64, support of each node's proposal distribution
+    q_probs: torch.Tensor  # [B, N, K] float, probabilities on that support (0 for padding)
+
+
+@dataclass
+class Verdict:
+    accepted: torch.Tensor  # [B, N] int64, accepted node indices root to leaf, -1 after the last
+    num_accepted: torch.Tensor  # [B] int64
+    next_token: torch.Tensor  # [B] int64, the correction or bonus token
+
+
+def verify_trees(
+    target_probs: torch.Tensor,  # [B, N + 1, V]: p after the root, then after each node
+    trees: TreeBatch,
+    uniforms: torch.Tensor,  # [B, N] in [0, 1), one per node
+    exponentials: torch.Tensor,  # [B, V], Exp(1) noise for the final draw
+) -> Verdict:
+    batch, num_nodes = trees.tokens.shape
+    rows = torch.arange(batch, device=target_probs.device)
+
+    cur = torch.full((batch,), -1, dtype=torch.long, device=target_probs.device)
+    residual = target_probs[:, 0].clone()  # [B, V]
+    accepted = torch.full((batch, num_nodes), -1, dtype=torch.long, device=target_probs.device)
+    num_accepted = torch.zeros(batch, dtype=torch.long, device=target_probs.device)
+
+    for i in range(num_nodes):
+        # Sessions for which node i is the next untried child of the current node.
+        trying = trees.valid[:, i] & (trees.parents[:, i] == cur)
+        if not trying.any():
+            continue
+        token = trees.tokens[:, i]
+        # q_i(x_i): sum over the support, since a sparse support may list x_i once at most
+        # but the caller need not have put it first.
+        q_of_token = (trees.q_probs[:, i] * (trees.q_ids[:, i] == token.unsqueeze(1))).sum(dim=1)
+        r_of_token = residual.gather(1, token.unsqueeze(1)).squeeze(1)
+        # Accept with probability min(1, r/q): u < r/q, written without division.
+        accept = trying & (uniforms[:, i] * q_of_token < r_of_token)
+        reject = trying & ~accept
+
+        if accept.any():
+            accepted[rows[accept], num_accepted[accept]] = i
+            num_accepted += accept.long()
+            cur = torch.where(accept, torch.full_like(cur, i), cur)
+            residual = torch.where(accept.unsqueeze(1), target_probs[:, i + 1], residual)
+        if reject.any():
+            reduced = residual.scatter_add(1, trees.q_ids[:, i], -trees.q_probs[:, i]).clamp_(min=0.0)
+            mass = reduced.sum(dim=1, keepdim=True)
+            fallback = target_probs[rows, cur + 1]
+            reduced = torch.where(mass > _EMPTY_RESIDUAL, reduced / mass.clamp(min=_EMPTY_RESIDUAL), fallback)
+            residual = torch.where(reject.unsqueeze(1), reduced, residual)
+
+    # Exponential race: argmax r / E draws index v with probability r(v) / sum(r).
+    next_token = (residual / exponentials).argmax(dim=1)
+    return Verdict(accepted=accepted, num_accepted=num_accepted, next_token=next_token)
