@@ -1,0 +1,138 @@
+"""The drafter's gRPC service: specfleet.v1.Drafter over one or more `DraftModel`s, with dynamic batching."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+import grpc
+
+from specfleet import config as config_mod
+from specfleet.runtime import SessionStore, configure_torch, load_model
+from specfleet.sampling import SamplingParams
+from specfleet.serving import BatchQueue, serve, setup_logging
+from specfleet.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+from drafter_service.drafter import DraftItem, DraftModel
+
+log = logging.getLogger(__name__)
+
+
+class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
+    def __init__(self, models: dict[str, DraftModel], batcher: BatchQueue):
+        self.models = models
+        self.batcher = batcher
+
+    async def Draft(self, request: drafter_pb2.DraftRequest, context: grpc.aio.ServicerContext):
+        items = []
+        seen = set()
+        for s in request.sessions:
+            sid = s.sync.session_id
+            problem = None
+            if not sid:
+                problem = "sync.session_id is required"
+            elif s.model not in self.models:
+                problem = f"session {sid}: unknown draft model {s.model!r}; this server hosts {sorted(self.models)}"
+            elif (s.model, sid) in seen:
+                problem = f"session {sid} appears twice for model {s.model!r} in one call"
+            elif not 0 <= s.num_draft_tokens <= 64:
+                problem = f"session {sid}: num_draft_tokens must be in [0, 64], got {s.num_draft_tokens}"
+            elif s.sync.prefix_length < 0 or (s.sync.prefix_length == 0 and not s.sync.new_token_ids):
+                problem = f"session {sid}: a new session needs at least one token (sync.prefix_length = 0)"
+            else:
+                loaded = self.models[s.model].loaded
+                if any(not 0 <= t < loaded.vocab_size for t in s.sync.new_token_ids):
+                    problem = f"session {sid}: sync.new_token_ids has ids outside the vocabulary [0, {loaded.vocab_size})"
+                elif s.sync.prefix_length + len(s.sync.new_token_ids) + s.num_draft_tokens > loaded.max_context:
+                    problem = f"session {sid}: context plus drafts exceeds the draft model's {loaded.max_context} positions"
+                elif s.sampling.temperature < 0 or not 0 < s.sampling.top_p <= 1 or s.sampling.top_k < 0:
+                    problem = f"session {sid}: sampling needs temperature >= 0, top_p in (0, 1], top_k >= 0"
+            if problem:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+            seen.add((s.model, sid))
+            sampling = SamplingParams(s.sampling.temperature, s.sampling.top_p, s.sampling.top_k, s.sampling.seed)
+            items.append((s.model, DraftItem(sid, s.sync.prefix_length, list(s.sync.new_token_ids), s.num_draft_tokens, sampling)))
+        if not items:
+            return drafter_pb2.DraftResponse()
+        results, stats = await self.batcher.submit(items)
+        return drafter_pb2.DraftResponse(
+            sessions=[
+                drafter_pb2.DraftedSession(
+                    session_id=r.session_id,
+                    status=common_pb2.SESSION_OK if r.known else common_pb2.SESSION_UNKNOWN,
+                    token_ids=r.token_ids,
+                    proposals=[common_pb2.SparseDistribution(token_ids=ids, probs=probs) for ids, probs in r.proposals],
+                    confidences=r.confidences,
+                )
+                for r in results
+            ],
+            compute_ms=stats.compute_ms,
+        )
+
+    async def ReleaseSessions(self, request, context):
+        ids = list(request.session_ids)
+        released = 0
+        for model in self.models.values():
+            released += await asyncio.to_thread(model.store.release, ids, request.keep_tokens)
+        return common_pb2.ReleaseResponse(released=released)
+
+    async def GetInfo(self, request, context):
+        return drafter_pb2.DrafterInfo(
+            models=[
+                common_pb2.ModelInfo(
+                    name=m.loaded.name,
+                    path=m.loaded.path,
+                    vocab_size=m.loaded.vocab_size,
+                    max_context=m.loaded.max_context,
+                    eos_token_id=m.loaded.eos_token_id,
+                    tokenizer_fingerprint=m.loaded.fingerprint,
+                    parameters=m.loaded.parameters,
+                )
+                for m in self.models.values()
+            ]
+        )
+
+
+def draft_grouped(models: dict[str, DraftModel], tagged: list) -> list:
+    """Run each draft model once over its share of the batch; results in the input order."""
+    results = [None] * len(tagged)
+    for name, model in models.items():
+        idx = [i for i, (m, _) in enumerate(tagged) if m == name]
+        if idx:
+            for i, r in zip(idx, model.draft_batch([tagged[i][1] for i in idx])):
+                results[i] = r
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specfleet drafter", description="Serve one or more draft models.")
+    parser.add_argument("--config", help="deployment YAML (default: bundled demo models)")
+    parser.add_argument("--name", help="which drafter service of the config to run (default: the first)")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, help="port (default: the port of the service's address)")
+    parser.add_argument("--threads", type=int, help="torch threads (default: the service's threads)")
+    args = parser.parse_args(argv)
+    setup_logging("drafter")
+    cfg = config_mod.load(args.config) if args.config else config_mod.default_config(config_mod.REPO / ".cache")
+    if not cfg.drafters:
+        raise SystemExit("the config has no drafters section")
+    svc = cfg.drafter_service(args.name) if args.name else cfg.drafters[0]
+    configure_torch(args.threads or svc.threads)
+    models = {}
+    for m in svc.models:
+        loaded = load_model(m.name, m.path, dtype=svc.dtype)
+        store = SessionStore(max_cache_bytes=int(svc.max_cache_mb * 2**20), max_sessions=svc.max_sessions)
+        models[m.name] = DraftModel(loaded, store, svc.proposal_top_k)
+    fingerprints = {m.loaded.fingerprint for m in models.values()}
+    if len(fingerprints) > 1:
+        raise SystemExit(f"drafter service {svc.name}: its draft models use different tokenizers; they cannot serve one target")
+    batcher = BatchQueue(f"drafter-{svc.name}", lambda tagged: draft_grouped(models, tagged), svc.max_batch_size, svc.max_wait_ms / 1e3)
+    servicer = DrafterServicer(models, batcher)
+
+    def register(server):
+        drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
+        return [drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name]
+
+    port = args.port if args.port is not None else config_mod.port_of(svc.address)
+    asyncio.run(serve(f"drafter {svc.name}", args.host, port, register, on_stop=batcher.close))
+    return 0

@@ -1,0 +1,241 @@
+"""What every specfleet gRPC server shares: logging, health, reflection, graceful shutdown, dynamic batching."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger(__name__)
+
+# Token trees and many sessions per call make messages larger than gRPC's 4 MB default.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+class _JsonFormatter(logging.Formatter):
+    def __init__(self, service: str):
+        super().__init__()
+        self.service = service
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "service": self.service,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        entry.update(getattr(record, "fields", {}))
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def setup_logging(service: str, level: str | None = None) -> None:
+    """Logs to stderr: readable text by default, one JSON object a line with SPECFLEET_LOG_FORMAT=json."""
+    level = (level or os.environ.get("SPECFLEET_LOG_LEVEL", "INFO")).upper()
+    handler = logging.StreamHandler(sys.stderr)
+    if os.environ.get("SPECFLEET_LOG_FORMAT", "text") == "json":
+        handler.setFormatter(_JsonFormatter(service))
+    else:
+        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {service} %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    # Quieten libraries that log every weight file and progress bar.
+    for noisy in ("transformers", "httpx", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        pass
+
+
+async def serve(
+    name: str,
+    host: str,
+    port: int,
+    register: Callable[[grpc.aio.Server], Sequence[str]],
+    grace_s: float = 10.0,
+    on_stop: Callable[[], None] | None = None,
+) -> None:
+    """Run a gRPC server until SIGTERM or SIGINT, then let in-flight calls finish (up to grace_s).
+
+    `register` adds the servicers and returns their full service names; health
+    checking (grpc.health.v1) and reflection are added for all of them.
+    """
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    service_names = list(register(server))
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
+    )
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"{name}: cannot listen on {host}:{port} (port in use?)")
+    await server.start()
+    for service in ["", *service_names]:
+        await health.set(service, health_pb2.HealthCheckResponse.SERVING)
+    log.info("%s listening on %s:%d", name, host, bound)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("%s shutting down: finishing in-flight calls (up to %.0fs)", name, grace_s)
+    for service in ["", *service_names]:
+        await health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.stop(grace_s)
+    if on_stop is not None:
+        on_stop()
+    log.info("%s stopped", name)
+
+
+async def wait_until_serving(address: str, timeout_s: float, service: str = "") -> None:
+    """Poll grpc.health.v1 at address until it reports SERVING."""
+    deadline = time.monotonic() + timeout_s
+    last_error = "no answer"
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last_error = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            except grpc.aio.AioRpcError as err:
+                last_error = f"{err.code().name}: {err.details()}"
+            await asyncio.sleep(0.2)
+    raise TimeoutError(f"{address} did not become healthy within {timeout_s:.0f}s (last: {last_error})")
+
+
+# --- dynamic batching -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Pending:
+    items: list
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    enqueued: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class BatchStats:
+    """What the batch function reports back to each caller, with its results."""
+
+    compute_ms: float
+    batch_size: int
+
+
+class BatchQueue:
+    """Merges concurrent calls into one batch for a model thread.
+
+    Callers `await submit(items)` from the event loop. One worker thread owns the
+    model: it takes the first waiting call, then keeps collecting calls for up
+    to max_wait_s or until max_batch_items items, runs `process(all_items)`
+    once, and hands each caller its slice of the results. A call larger than
+    max_batch_items is processed alone, never split. If `process` raises, every
+    caller in that batch gets the exception; the worker keeps serving.
+    """
+
+    def __init__(self, name: str, process: Callable[[list], list], max_batch_items: int, max_wait_s: float):
+        self.name = name
+        self.process = process
+        self.max_batch_items = max_batch_items
+        self.max_wait_s = max_wait_s
+        self._queue: list[_Pending] = []
+        self._cond = threading.Condition()
+        self._closed = False
+        self.busy_s = 0.0
+        self.batches = 0
+        self._thread = threading.Thread(target=self._run, name=f"{name}-batcher", daemon=True)
+        self._thread.start()
+
+    async def submit(self, items: list) -> tuple[list, BatchStats]:
+        loop = asyncio.get_running_loop()
+        pending = _Pending(items=items, future=loop.create_future(), loop=loop)
+        with self._cond:
+            if self._closed:
+                raise RuntimeError(f"{self.name} is shutting down")
+            self._queue.append(pending)
+            self._cond.notify()
+        return await pending.future
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+    def _take_batch(self) -> list[_Pending] | None:
+        with self._cond:
+            while not self._queue and not self._closed:
+                self._cond.wait()
+            if not self._queue:
+                return None
+            deadline = self._queue[0].enqueued + self.max_wait_s
+            while sum(len(p.items) for p in self._queue) < self.max_batch_items and not self._closed:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            batch, count = [], 0
+            while self._queue and (not batch or count + len(self._queue[0].items) <= self.max_batch_items):
+                pending = self._queue.pop(0)
+                batch.append(pending)
+                count += len(pending.items)
+            return batch
+
+    def _run(self) -> None:
+        while (batch := self._take_batch()) is not None:
+            items = [item for pending in batch for item in pending.items]
+            started = time.perf_counter()
+            try:
+                results = self.process(items)
+                error = None
+            except Exception as exc:  # delivered to every caller of this batch
+                log.exception("%s: batch of %d items failed", self.name, len(items))
+                results, error = None, exc
+            elapsed = time.perf_counter() - started
+            self.busy_s += elapsed
+            self.batches += 1
+            stats = BatchStats(compute_ms=elapsed * 1e3, batch_size=len(items))
+            offset = 0
+            for pending in batch:
+                n = len(pending.items)
+                if error is None:
+                    value = (results[offset : offset + n], stats)
+                    pending.loop.call_soon_threadsafe(_resolve, pending.future, value, None)
+                else:
+                    pending.loop.call_soon_threadsafe(_resolve, pending.future, None, error)
+                offset += n
+
+
+def _resolve(future: asyncio.Future, value, error) -> None:
+    if future.done():  # the caller went away
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)

@@ -1,0 +1,5 @@
+import sys
+
+from verifier_service.server import main
+
+sys.exit(main())

@@ -1,0 +1,113 @@
+"""The verifier's gRPC service: specfleet.v1.Verifier over `Verifier.verify_batch`, with dynamic batching."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+import grpc
+
+from specfleet import config as config_mod
+from specfleet.runtime import SessionStore, configure_torch, load_model
+from specfleet.sampling import SamplingParams
+from specfleet.serving import BatchQueue, serve, setup_logging
+from specfleet.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from verifier_service.verifier import Verifier, VerifyItem, validate_item
+
+log = logging.getLogger(__name__)
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k, seed=msg.seed)
+
+
+class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
+    def __init__(self, verifier: Verifier, batcher: BatchQueue):
+        self.verifier = verifier
+        self.batcher = batcher
+
+    async def Verify(self, request: verifier_pb2.VerifyRequest, context: grpc.aio.ServicerContext):
+        loaded = self.verifier.loaded
+        items = []
+        seen = set()
+        for s in request.sessions:
+            item = VerifyItem(
+                session_id=s.sync.session_id,
+                prefix_length=s.sync.prefix_length,
+                new_token_ids=list(s.sync.new_token_ids),
+                sampling=sampling_from_proto(s.sampling),
+                tree_tokens=list(s.tree.token_ids),
+                tree_parents=list(s.tree.parents),
+                proposals=[(list(p.token_ids), list(p.probs)) for p in s.tree.proposals],
+            )
+            try:
+                if not item.session_id:
+                    raise ValueError("sync.session_id is required")
+                if item.session_id in seen:
+                    raise ValueError(f"session {item.session_id} appears twice in one call")
+                validate_item(item, loaded.vocab_size, loaded.max_context)
+            except ValueError as err:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            seen.add(item.session_id)
+            items.append(item)
+        if not items:
+            return verifier_pb2.VerifyResponse()
+        results, stats = await self.batcher.submit(items)
+        return verifier_pb2.VerifyResponse(
+            sessions=[
+                verifier_pb2.VerifiedSession(
+                    session_id=r.session_id,
+                    status=common_pb2.SESSION_OK if r.known else common_pb2.SESSION_UNKNOWN,
+                    accepted_nodes=r.accepted_nodes,
+                    token_ids=r.token_ids,
+                )
+                for r in results
+            ],
+            compute_ms=stats.compute_ms,
+            batch_size=stats.batch_size,
+        )
+
+    async def ReleaseSessions(self, request, context):
+        store = self.verifier.store
+        released = await asyncio.to_thread(store.release, list(request.session_ids), request.keep_tokens)
+        return common_pb2.ReleaseResponse(released=released)
+
+    async def GetInfo(self, request, context):
+        m = self.verifier.loaded
+        return common_pb2.ModelInfo(
+            name=m.name,
+            path=m.path,
+            vocab_size=m.vocab_size,
+            max_context=m.max_context,
+            eos_token_id=m.eos_token_id,
+            tokenizer_fingerprint=m.fingerprint,
+            parameters=m.parameters,
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specfleet verifier", description="Serve the target model for batched verification.")
+    parser.add_argument("--config", help="deployment YAML (default: bundled demo models)")
+    parser.add_argument("--model", help="target model directory (overrides the config)")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, help="port (default: the port of verifier.address)")
+    parser.add_argument("--threads", type=int, help="torch threads (default: verifier.threads)")
+    args = parser.parse_args(argv)
+    setup_logging("verifier")
+    cfg = config_mod.load(args.config) if args.config else config_mod.default_config(config_mod.REPO / ".cache")
+    vcfg = cfg.verifier
+    configure_torch(args.threads or vcfg.threads)
+    loaded = load_model("target", args.model or vcfg.model, dtype=vcfg.dtype)
+    store = SessionStore(max_cache_bytes=int(vcfg.max_cache_mb * 2**20), max_sessions=vcfg.max_sessions)
+    verifier = Verifier(loaded, store)
+    batcher = BatchQueue("verifier", verifier.verify_batch, vcfg.max_batch_size, vcfg.max_wait_ms / 1e3)
+    servicer = VerifierServicer(verifier, batcher)
+
+    def register(server):
+        verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
+        return [verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name]
+
+    port = args.port if args.port is not None else config_mod.port_of(vcfg.address)
+    asyncio.run(serve("verifier", args.host, port, register, on_stop=batcher.close))
+    return 0
