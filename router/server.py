@@ -1,0 +1,186 @@
+"""The router's gRPC service: specfleet.v1.Generation, the public entry point."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import time
+
+import grpc
+
+from router.request import Chunk, InvalidRequest, Limits, RequestState, parse_request
+from router.scheduler import Overloaded, Scheduler, SchedulerConfig
+from router.transport import GrpcDrafter, GrpcVerifier
+from specfleet import config as config_mod
+from specfleet.runtime import load_tokenizer, tokenizer_fingerprint
+from specfleet.serving import serve, setup_logging, wait_until_serving
+from specfleet.v1 import generation_pb2, generation_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class StartupError(RuntimeError):
+    pass
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, scheduler: Scheduler, tokenizer, limits: Limits, eos_token_id: int):
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.eos_token_id = eos_token_id
+
+    async def _start(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> RequestState:
+        try:
+            spec = parse_request(request, self.tokenizer, self.limits)
+        except InvalidRequest as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + remaining if remaining is not None else None
+        state = RequestState(
+            spec=spec, tokenizer=self.tokenizer, eos_token_id=self.eos_token_id, max_context=self.limits.max_context, deadline=deadline
+        )
+        try:
+            self.scheduler.submit(state)
+        except Overloaded as err:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+
+        def on_done(_):
+            state.cancelled = True
+
+        context.add_done_callback(on_done)
+        log.info(
+            "request %s: %d prompt tokens, max_tokens %d, temperature %g, drafter %s, k %d",
+            spec.request_id, len(spec.prompt_ids), spec.max_tokens, spec.sampling.temperature, state.drafter or "-", spec.draft_tokens,
+        )
+        return state
+
+    async def _updates(self, state: RequestState, context):
+        while True:
+            update = await state.updates.get()
+            if isinstance(update, tuple):  # (status code, message)
+                await context.abort(*update)
+            yield update
+            if update.final:
+                log.info(
+                    "request %s finished (%s): %d tokens in %d rounds, %d/%d drafts accepted, %.0f ms",
+                    state.spec.request_id, state.finish_reason, len(state.output_ids), state.rounds,
+                    state.stats().accepted_tokens, state.stats().draft_tokens, (time.monotonic() - state.admitted_at) * 1e3,
+                )
+                return
+
+    async def Generate(self, request, context):
+        state = await self._start(request, context)
+        async for _ in self._updates(state, context):
+            pass
+        return generation_pb2.GenerateResponse(
+            request_id=state.spec.request_id,
+            text=state.text,
+            token_ids=state.output_ids,
+            finish_reason=state.finish_reason,
+            usage=state.usage(),
+            speculation=state.stats(),
+        )
+
+    async def GenerateStream(self, request, context):
+        state = await self._start(request, context)
+        async for chunk in self._updates(state, context):
+            chunk: Chunk
+            msg = generation_pb2.GenerateChunk(request_id=state.spec.request_id, text=chunk.text, token_ids=chunk.token_ids)
+            if chunk.final:
+                msg.finish_reason = state.finish_reason
+                msg.usage.CopyFrom(state.usage())
+                msg.speculation.CopyFrom(state.stats())
+            yield msg
+
+
+async def build(cfg: config_mod.Config) -> tuple[GenerationServicer, Scheduler, list]:
+    """Connect to the verifier and drafters, check that they fit together, and build the scheduler."""
+    rcfg = cfg.router
+    timeout = rcfg.startup_timeout_s
+    verifier = GrpcVerifier(cfg.verifier.address)
+    services = {svc.name: GrpcDrafter(svc.name, svc.address) for svc in cfg.drafters}
+    log.info("waiting for the verifier at %s and %d drafter service(s)", cfg.verifier.address, len(services))
+    await asyncio.gather(
+        wait_until_serving(cfg.verifier.address, timeout),
+        *(wait_until_serving(svc.address, timeout) for svc in cfg.drafters),
+    )
+    target = await verifier.info(timeout_s=30)
+    tokenizer = load_tokenizer(rcfg.tokenizer or cfg.verifier.model)
+    if tokenizer_fingerprint(tokenizer) != target.tokenizer_fingerprint:
+        raise StartupError(
+            f"the router's tokenizer ({rcfg.tokenizer or cfg.verifier.model}) differs from the target's "
+            f"({target.path}); set router.tokenizer to the target's tokenizer"
+        )
+    drafters = {}
+    for svc_cfg in cfg.drafters:
+        transport = services[svc_cfg.name]
+        info = await transport.info(timeout_s=30)
+        for model in info.models:
+            if model.tokenizer_fingerprint != target.tokenizer_fingerprint:
+                raise StartupError(
+                    f"draft model {model.name!r} ({model.path}) on drafter service {svc_cfg.name!r} uses a different "
+                    f"tokenizer (vocabulary {model.vocab_size}, fingerprint {model.tokenizer_fingerprint}) from the "
+                    f"target {target.path} (vocabulary {target.vocab_size}, fingerprint {target.tokenizer_fingerprint}). "
+                    "A drafter's token ids must mean what the target's mean: use a draft model trained with the target's tokenizer."
+                )
+            drafters[model.name] = transport
+            log.info("draft model %s on %s (%s): %.1fM parameters", model.name, svc_cfg.name, svc_cfg.address, model.parameters / 1e6)
+    default = rcfg.default_drafter or next(iter(drafters), "")
+    if default and default not in drafters:
+        raise StartupError(f"router.default_drafter {default!r} is not served by any drafter service ({sorted(drafters)})")
+    if not default:
+        log.warning("no drafters configured: every request decodes with the target alone")
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_running=rcfg.max_running,
+            max_queued=rcfg.max_queued,
+            rpc_timeout_s=rcfg.rpc_timeout_s,
+            default_drafter=default,
+        ),
+        verifier,
+        drafters,
+    )
+    limits = Limits(
+        default_max_tokens=rcfg.default_max_tokens,
+        max_tokens_limit=rcfg.max_tokens_limit,
+        default_draft_tokens=rcfg.num_draft_tokens,
+        max_draft_tokens=rcfg.max_draft_tokens,
+        vocab_size=target.vocab_size,
+        max_context=target.max_context,
+    )
+    servicer = GenerationServicer(scheduler, tokenizer, limits, target.eos_token_id)
+    return servicer, scheduler, [verifier, *services.values()]
+
+
+async def run(cfg: config_mod.Config, host: str, port: int) -> None:
+    servicer, scheduler, transports = await build(cfg)
+    scheduler.start()
+
+    def register(server):
+        generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+        return [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name]
+
+    try:
+        await serve("router", host, port, register)
+    finally:
+        await scheduler.stop()
+        for transport in transports:
+            await transport.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specfleet router", description="Serve specfleet.v1.Generation.")
+    parser.add_argument("--config", help="deployment YAML (default: bundled demo models)")
+    parser.add_argument("--host", help="listen address (default: router.host)")
+    parser.add_argument("--port", type=int, help="port (default: router.port)")
+    args = parser.parse_args(argv)
+    setup_logging("router")
+    cfg = config_mod.load(args.config) if args.config else config_mod.default_config(config_mod.REPO / ".cache")
+    try:
+        asyncio.run(run(cfg, args.host or cfg.router.host, args.port if args.port is not None else cfg.router.port))
+    except (StartupError, TimeoutError) as err:
+        log.error("router cannot start: %s", err)
+        return 2
+    return 0

@@ -1,0 +1,68 @@
+"""How the router reaches drafters and the verifier.
+
+The scheduler talks to these two small interfaces only, in the messages of
+proto/specfleet/v1, so the transport underneath can change (gRPC today; Ray
+actors or in-process calls later) without touching scheduling.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import grpc
+
+from specfleet.serving import CHANNEL_OPTIONS
+from specfleet.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+
+
+class DrafterTransport(Protocol):
+    name: str
+
+    async def draft(self, request: drafter_pb2.DraftRequest, timeout_s: float) -> drafter_pb2.DraftResponse: ...
+    async def release(self, session_ids: list[str]) -> None: ...
+    async def info(self, timeout_s: float) -> drafter_pb2.DrafterInfo: ...
+
+
+class VerifierTransport(Protocol):
+    async def verify(self, request: verifier_pb2.VerifyRequest, timeout_s: float) -> verifier_pb2.VerifyResponse: ...
+    async def release(self, session_ids: list[str]) -> None: ...
+    async def info(self, timeout_s: float) -> common_pb2.ModelInfo: ...
+
+
+class GrpcDrafter:
+    def __init__(self, name: str, address: str):
+        self.name = name
+        self.address = address
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = drafter_pb2_grpc.DrafterStub(self._channel)
+
+    async def draft(self, request, timeout_s):
+        return await self._stub.Draft(request, timeout=timeout_s)
+
+    async def release(self, session_ids):
+        await self._stub.ReleaseSessions(common_pb2.ReleaseRequest(session_ids=session_ids), timeout=10.0)
+
+    async def info(self, timeout_s):
+        return await self._stub.GetInfo(common_pb2.InfoRequest(), timeout=timeout_s)
+
+    async def close(self):
+        await self._channel.close()
+
+
+class GrpcVerifier:
+    def __init__(self, address: str):
+        self.address = address
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = verifier_pb2_grpc.VerifierStub(self._channel)
+
+    async def verify(self, request, timeout_s):
+        return await self._stub.Verify(request, timeout=timeout_s)
+
+    async def release(self, session_ids):
+        await self._stub.ReleaseSessions(common_pb2.ReleaseRequest(session_ids=session_ids), timeout=10.0)
+
+    async def info(self, timeout_s):
+        return await self._stub.GetInfo(common_pb2.InfoRequest(), timeout=timeout_s)
+
+    async def close(self):
+        await self._channel.close()

@@ -1,0 +1,203 @@
+"""The `specfleet` command: start services, generate text, build the demo models.
+
+    specfleet serve [--config FILE] [--port N]   everything on this machine, one process per service
+    specfleet generate [--server ADDR] [--stream] PROMPT
+    specfleet verifier | drafter | router ...     one service, for multi-node deployments
+    specfleet models build | matrix ...           the bundled demo models
+
+The service subcommands run the services' own entry points; `serve` starts
+each of them as a child process (`python -m verifier_service ...`), so no
+service imports another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def _service_main(module: str):
+    def run(argv: list[str]) -> int:
+        import importlib
+
+        return importlib.import_module(f"{module}.server").main(argv)
+
+    return run
+
+
+def cmd_serve(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="specfleet serve", description="Start the verifier, the drafters and the router on this machine.")
+    parser.add_argument("--config", help="deployment YAML (default: bundled demo models, else small random models)")
+    parser.add_argument("--port", type=int, help="router port (default: router.port, 50051)")
+    parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for all services")
+    args = parser.parse_args(argv)
+
+    from specfleet import config as config_mod
+
+    try:
+        cfg = config_mod.load(args.config) if args.config else config_mod.default_config(config_mod.REPO / ".cache")
+    except config_mod.ConfigError as err:
+        print(f"specfleet serve: {err}", file=sys.stderr)
+        return 2
+    if args.port is not None:
+        cfg.router.port = args.port
+    # Children read the exact effective config, including defaults chosen here.
+    config_file = pathlib.Path(tempfile.mkdtemp(prefix="specfleet-")) / "config.yaml"
+    config_file.write_text(cfg.to_yaml())
+
+    py = sys.executable
+    commands = [("verifier", [py, "-m", "verifier_service", "--config", str(config_file), "--host", "127.0.0.1"])]
+    for svc in cfg.drafters:
+        commands.append((f"drafter {svc.name}", [py, "-m", "drafter_service", "--config", str(config_file), "--name", svc.name, "--host", "127.0.0.1"]))
+    commands.append(("router", [py, "-m", "router", "--config", str(config_file)]))
+    procs: list[tuple[str, subprocess.Popen]] = []
+
+    def stop_all(code: int) -> int:
+        for _, proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for _, proc in procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        return code
+
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        for name, command in commands:
+            procs.append((name, subprocess.Popen(command)))
+        router_address = f"{cfg.router.host}:{cfg.router.port}"
+        from specfleet.serving import wait_until_serving
+
+        ready = asyncio.run(_wait_ready(router_address, procs, args.startup_timeout, wait_until_serving))
+        if not ready:
+            return stop_all(1)
+        print(f"specfleet is ready: router listening on {router_address} (Ctrl-C stops everything)", flush=True)
+        print(f"  try: specfleet generate --server {router_address} 'def fibonacci(n):'", flush=True)
+        while True:
+            for name, proc in procs:
+                if proc.poll() is not None:
+                    print(f"specfleet serve: {name} exited with code {proc.returncode}; stopping", file=sys.stderr)
+                    return stop_all(1)
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("specfleet serve: stopping", file=sys.stderr)
+        return stop_all(0)
+
+
+async def _wait_ready(address, procs, timeout_s, wait_until_serving) -> bool:
+    task = asyncio.create_task(wait_until_serving(address, timeout_s))
+    while not task.done():
+        for name, proc in procs:
+            if proc.poll() is not None:
+                task.cancel()
+                print(f"specfleet serve: {name} exited with code {proc.returncode} during start-up", file=sys.stderr)
+                return False
+        await asyncio.sleep(0.2)
+    try:
+        task.result()
+    except TimeoutError as err:
+        print(f"specfleet serve: {err}", file=sys.stderr)
+        return False
+    return True
+
+
+def cmd_generate(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="specfleet generate", description="Generate text through a running router.")
+    parser.add_argument("prompt")
+    parser.add_argument("--server", default="127.0.0.1:50051")
+    parser.add_argument("--stream", action="store_true", help="print text as it is accepted")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--no-speculation", action="store_true", help="decode with the target alone")
+    parser.add_argument("--draft-tokens", type=int, default=0, help="draft tokens per round (0: server default)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
+    parser.add_argument("--stats", action="store_true", help="print speculation stats to stderr")
+    args = parser.parse_args(argv)
+
+    import grpc
+
+    from specfleet.v1 import generation_pb2, generation_pb2_grpc
+
+    request = generation_pb2.GenerateRequest(
+        prompt=args.prompt,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        stop=args.stop,
+        speculation=generation_pb2.SpeculationOptions(disabled=args.no_speculation, max_draft_tokens=args.draft_tokens),
+    )
+    if args.top_p is not None:
+        request.top_p = args.top_p
+    if args.seed is not None:
+        request.seed = args.seed
+    with grpc.insecure_channel(args.server) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        try:
+            if args.stream:
+                final = None
+                for chunk in stub.GenerateStream(request, timeout=args.timeout):
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+                    final = chunk
+                sys.stdout.write("\n")
+                stats, reason = final.speculation, final.finish_reason
+            else:
+                reply = stub.Generate(request, timeout=args.timeout)
+                print(reply.text)
+                stats, reason = reply.speculation, reply.finish_reason
+        except grpc.RpcError as err:
+            print(f"specfleet generate: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+    if args.stats:
+        rate = stats.accepted_tokens / stats.draft_tokens if stats.draft_tokens else 0.0
+        print(
+            f"[finish: {reason}; rounds: {stats.rounds}; drafts accepted: {stats.accepted_tokens}/{stats.draft_tokens} ({rate:.0%})]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def cmd_models(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="specfleet models", description="Build the bundled demo models or measure them.")
+    parser.add_argument("action", choices=["build", "matrix"])
+    args, rest = parser.parse_known_args(argv)
+    from specfleet import demo_models
+
+    return demo_models.build_main(rest) if args.action == "build" else demo_models.matrix_main(rest)
+
+
+COMMANDS = {
+    "serve": cmd_serve,
+    "generate": cmd_generate,
+    "verifier": _service_main("verifier_service"),
+    "drafter": _service_main("drafter_service"),
+    "router": _service_main("router"),
+    "models": cmd_models,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print(__doc__.strip())
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return COMMANDS[argv[0]](argv[1:]) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

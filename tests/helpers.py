@@ -1,0 +1,60 @@
+"""Reference outputs from the target model alone, for comparison with specfleet's."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from specfleet.v1 import generation_pb2
+
+PROMPTS = [
+    "def fibonacci(n):",
+    "The quick brown fox",
+    "name: specfleet\nversion:",
+    "Speculative decoding lets",
+    "import os\nimport sys\n",
+    "items:\n  - drafter\n",
+    "if __name__ == '__main__':",
+    "A large model verifies",
+    "return 0",
+    "over the lazy dog.",
+    "version: 1",
+    "def main(argv):",
+    "small model propose tokens",
+    "The",
+    "x = [i for i in range(10)]",
+    "# comment",
+    "jumps over",
+    "verifier:\n  model:",
+    "print('hello')",
+    "one pass.",
+]
+
+
+@functools.lru_cache(maxsize=4)
+def load_target(path: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+def target_greedy(path: str, prompt: str, max_new_tokens: int) -> list[int]:
+    """The target's own greedy `generate` (stops after end of sequence)."""
+    model, tokenizer = load_target(path)
+    ids = tokenizer.encode(prompt, add_special_tokens=False, return_tensors="pt")
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    return out[0, ids.shape[1] :].tolist()
+
+
+def greedy_request(prompt: str, max_tokens: int, k: int = 0, **kwargs) -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        speculation=generation_pb2.SpeculationOptions(max_draft_tokens=k),
+        **kwargs,
+    )
