@@ -2,23 +2,22 @@
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
-.PHONY: serve test proto bench clean
+.PHONY: serve test proto install clean
 
-$(STAMP): pyproject.toml
-	@test -x $(PY) || python3 -m venv .venv
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
-	@touch $(STAMP)
+$(STAMP): pyproject.toml scripts/install
+	scripts/install
+
+install: $(STAMP)
 
 serve: $(STAMP)
-	.venv/bin/specfleet serve
+	.venv/bin/specfleet serve $(ARGS)
 
 test: $(STAMP)
 	scripts/ensure-redis
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 proto: $(STAMP)
 	$(PY) -m specfleet.protogen
 
 clean:
-	rm -rf .venv .pytest_cache
+	rm -rf .venv .pytest_cache .cache/random-models

@@ -1,0 +1,84 @@
+"""Operational behaviour of the servers: health, reflection, start-up checks, graceful shutdown."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from specfleet.v1 import generation_pb2_grpc
+from tests.conftest import REPO, Cluster, cluster_config
+from tests.helpers import PROMPTS, greedy_request, target_greedy
+
+
+@pytest.mark.parametrize("which", ["router", "verifier", "drafter"])
+def test_every_server_has_health_and_reflection(cluster, which):
+    address = {"router": cluster.router, "verifier": cluster.verifier, "drafter": cluster.drafter}[which]
+    expected = {"router": "specfleet.v1.Generation", "verifier": "specfleet.v1.Verifier", "drafter": "specfleet.v1.Drafter"}[which]
+    with cluster.channel(address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", expected):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+        responses = reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+        names = {s.name for r in responses for s in r.list_services_response.service}
+        assert {expected, "grpc.health.v1.Health"} <= names
+
+
+def test_drafter_with_another_tokenizer_is_refused_at_startup(random_family, tmp_path):
+    from specfleet.random_models import _train_tokenizer  # a differently trained vocabulary
+    from transformers import AutoModelForCausalLM
+
+    other = tmp_path / "other-drafter"
+    tokenizer = _train_tokenizer(other, vocab_size=300)
+    model = AutoModelForCausalLM.from_pretrained(str(random_family["drafter-random"]))
+    model.resize_token_embeddings(len(tokenizer))
+    model.save_pretrained(str(other))
+    config = cluster_config(random_family)
+    config["drafters"][0]["models"] = [{"name": "mismatched", "path": str(other)}]
+    config["router"]["default_drafter"] = "mismatched"
+    cluster = Cluster(config, tmp_path, "mismatch")
+    with pytest.raises(RuntimeError) as err:
+        cluster.start(timeout_s=120)
+    log = cluster.log_path.read_text()
+    assert "uses a different tokenizer" in log and "mismatched" in log, log[-2000:]
+
+
+def test_sigterm_lets_in_flight_requests_finish(random_family, tmp_path):
+    config = cluster_config(random_family)
+    cluster = Cluster(config, tmp_path, "graceful").start()
+    try:
+        with cluster.channel() as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            request = greedy_request(PROMPTS[0], 200, 2)
+            request.speculation.disabled = True  # slow enough to still be running at SIGTERM
+            stream = stub.GenerateStream(request, timeout=120)
+            first = next(stream)
+            router = subprocess.run(["pgrep", "-P", str(cluster.proc.pid), "-f", "m router --config"], capture_output=True, text=True)
+            pid = int(router.stdout.split()[0])
+            subprocess.run(["kill", "-TERM", str(pid)], check=True)
+            tokens = list(first.token_ids) + [t for chunk in stream for t in chunk.token_ids]
+        assert tokens == target_greedy(str(random_family["target"]), PROMPTS[0], 200)
+    finally:
+        cluster.stop()
+
+
+def test_cli_generate_prints_text(cluster):
+    out = subprocess.run(
+        [sys.executable, "-m", "specfleet.cli", "generate", "--server", cluster.router, "--max-tokens", "8", "--stats", PROMPTS[0]],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "finish: length" in out.stderr
+    bad = subprocess.run(
+        [sys.executable, "-m", "specfleet.cli", "generate", "--server", cluster.router, "--temperature", "-1", "x"],
+        capture_output=True, text=True, timeout=60, cwd=REPO,
+    )
+    assert bad.returncode == 1 and "INVALID_ARGUMENT: temperature" in bad.stderr
