@@ -30,6 +30,7 @@ class DraftItem:
     new_token_ids: list[int]
     num_draft_tokens: int
     sampling: SamplingParams
+    stop_below_confidence: float = 0.0
 
 
 @dataclass
@@ -106,7 +107,10 @@ class DraftModel:
                 result.proposals.append((ids[b][keep].tolist(), q[b][keep].tolist()))
                 result.confidences.append(float(confidences[b]))
                 session.token_ids.append(token)
-                if len(result.token_ids) < item.num_draft_tokens:
+                path_confidence = 1.0
+                for c in result.confidences:
+                    path_confidence *= c
+                if len(result.token_ids) < item.num_draft_tokens and path_confidence >= item.stop_below_confidence:
                     still.append((result, item, session))
             active = still
             step += 1

@@ -18,12 +18,23 @@ from drafter_service.drafter import DraftItem, DraftModel
 log = logging.getLogger(__name__)
 
 
-class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
+class InvalidArgument(ValueError):
+    """A request the drafter refuses: INVALID_ARGUMENT over gRPC, raised as is to a Ray caller."""
+
+
+class IncompatibleModels(ValueError):
+    """The draft models of one service cannot serve together (different tokenizers)."""
+
+
+class DrafterCore:
+    """The drafter service's logic in proto messages, shared by the gRPC servicer and the Ray actor."""
+
     def __init__(self, models: dict[str, DraftModel], batcher: BatchQueue):
         self.models = models
         self.batcher = batcher
 
-    async def Draft(self, request: drafter_pb2.DraftRequest, context: grpc.aio.ServicerContext):
+    def items(self, request: drafter_pb2.DraftRequest) -> list[tuple[str, DraftItem]]:
+        """Validate a request and convert it to (model name, item) pairs; raises InvalidArgument naming the problem."""
         items = []
         seen = set()
         for s in request.sessions:
@@ -48,10 +59,16 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 elif s.sampling.temperature < 0 or not 0 < s.sampling.top_p <= 1 or s.sampling.top_k < 0:
                     problem = f"session {sid}: sampling needs temperature >= 0, top_p in (0, 1], top_k >= 0"
             if problem:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+                raise InvalidArgument(problem)
             seen.add((s.model, sid))
             sampling = SamplingParams(s.sampling.temperature, s.sampling.top_p, s.sampling.top_k, s.sampling.seed)
-            items.append((s.model, DraftItem(sid, s.sync.prefix_length, list(s.sync.new_token_ids), s.num_draft_tokens, sampling)))
+            items.append(
+                (s.model, DraftItem(sid, s.sync.prefix_length, list(s.sync.new_token_ids), s.num_draft_tokens, sampling, s.stop_below_confidence))
+            )
+        return items
+
+    async def draft(self, request: drafter_pb2.DraftRequest) -> drafter_pb2.DraftResponse:
+        items = self.items(request)
         if not items:
             return drafter_pb2.DraftResponse()
         results, stats = await self.batcher.submit(items)
@@ -69,14 +86,14 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             compute_ms=stats.compute_ms,
         )
 
-    async def ReleaseSessions(self, request, context):
+    async def release(self, request: common_pb2.ReleaseRequest) -> common_pb2.ReleaseResponse:
         ids = list(request.session_ids)
         released = 0
         for model in self.models.values():
             released += await asyncio.to_thread(model.store.release, ids, request.keep_tokens)
         return common_pb2.ReleaseResponse(released=released)
 
-    async def GetInfo(self, request, context):
+    def info(self) -> drafter_pb2.DrafterInfo:
         return drafter_pb2.DrafterInfo(
             models=[
                 common_pb2.ModelInfo(
@@ -92,6 +109,26 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             ]
         )
 
+    def close(self) -> None:
+        self.batcher.close()
+
+
+class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
+    def __init__(self, core: DrafterCore):
+        self.core = core
+
+    async def Draft(self, request: drafter_pb2.DraftRequest, context: grpc.aio.ServicerContext):
+        try:
+            return await self.core.draft(request)
+        except InvalidArgument as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+
+    async def ReleaseSessions(self, request, context):
+        return await self.core.release(request)
+
+    async def GetInfo(self, request, context):
+        return self.core.info()
+
 
 def draft_grouped(models: dict[str, DraftModel], tagged: list) -> list:
     """Run each draft model once over its share of the batch; results in the input order."""
@@ -102,6 +139,21 @@ def draft_grouped(models: dict[str, DraftModel], tagged: list) -> list:
             for i, r in zip(idx, model.draft_batch([tagged[i][1] for i in idx])):
                 results[i] = r
     return results
+
+
+def load_core(svc: config_mod.DrafterServiceConfig, threads: int | None = None) -> DrafterCore:
+    """Load a drafter service's draft models and build its batch queue, as the config says."""
+    configure_torch(threads or svc.threads)
+    models = {}
+    for m in svc.models:
+        loaded = load_model(m.name, m.path, dtype=svc.dtype)
+        store = SessionStore(max_cache_bytes=int(svc.max_cache_mb * 2**20), max_sessions=svc.max_sessions)
+        models[m.name] = DraftModel(loaded, store, svc.proposal_top_k)
+    fingerprints = {m.loaded.fingerprint for m in models.values()}
+    if len(fingerprints) > 1:
+        raise IncompatibleModels(f"drafter service {svc.name}: its draft models use different tokenizers; they cannot serve one target")
+    batcher = BatchQueue(f"drafter-{svc.name}", lambda tagged: draft_grouped(models, tagged), svc.max_batch_size, svc.max_wait_ms / 1e3)
+    return DrafterCore(models, batcher)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,22 +169,16 @@ def main(argv: list[str] | None = None) -> int:
     if not cfg.drafters:
         raise SystemExit("the config has no drafters section")
     svc = cfg.drafter_service(args.name) if args.name else cfg.drafters[0]
-    configure_torch(args.threads or svc.threads)
-    models = {}
-    for m in svc.models:
-        loaded = load_model(m.name, m.path, dtype=svc.dtype)
-        store = SessionStore(max_cache_bytes=int(svc.max_cache_mb * 2**20), max_sessions=svc.max_sessions)
-        models[m.name] = DraftModel(loaded, store, svc.proposal_top_k)
-    fingerprints = {m.loaded.fingerprint for m in models.values()}
-    if len(fingerprints) > 1:
-        raise SystemExit(f"drafter service {svc.name}: its draft models use different tokenizers; they cannot serve one target")
-    batcher = BatchQueue(f"drafter-{svc.name}", lambda tagged: draft_grouped(models, tagged), svc.max_batch_size, svc.max_wait_ms / 1e3)
-    servicer = DrafterServicer(models, batcher)
+    try:
+        core = load_core(svc, threads=args.threads)
+    except IncompatibleModels as err:
+        raise SystemExit(str(err)) from None
+    servicer = DrafterServicer(core)
 
     def register(server):
         drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
         return [drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name]
 
     port = args.port if args.port is not None else config_mod.port_of(svc.address)
-    asyncio.run(serve(f"drafter {svc.name}", args.host, port, register, on_stop=batcher.close))
+    asyncio.run(serve(f"drafter {svc.name}", args.host, port, register, on_stop=core.close))
     return 0

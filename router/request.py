@@ -38,6 +38,7 @@ class RequestSpec:
     stop: list[str]
     stop_at_eos: bool
     draft_tokens: int  # per round at most; 0 disables speculation
+    domain: str  # the client's domain hint, or ""
 
 
 def parse_request(req: generation_pb2.GenerateRequest, tokenizer, limits: Limits) -> RequestSpec:
@@ -85,6 +86,7 @@ def parse_request(req: generation_pb2.GenerateRequest, tokenizer, limits: Limits
         stop=list(req.stop),
         stop_at_eos=req.stop_at_eos if req.HasField("stop_at_eos") else True,
         draft_tokens=draft_tokens,
+        domain=req.domain,
     )
 
 
@@ -138,7 +140,13 @@ class RequestState:
     finish_reason: str = ""
     error: tuple | None = None  # (grpc.StatusCode, message) when it failed
     cancelled: bool = False
+    published_final: bool = False
+    routing: object = None  # router.routing.RequestRouting
+    round_drafters: list[str] = field(default_factory=list)  # this round's plan
+    round_k: int = 0
     rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
     per_drafter: dict[str, DrafterCounts] = field(default_factory=dict)
     timing_ms: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("draft_wall", "draft_compute", "verify_wall", "verify_compute"), 0.0))
     text: str = ""  # output text so far (stop strings removed)
@@ -221,9 +229,10 @@ class RequestState:
         ]
         return generation_pb2.SpeculationStats(
             rounds=self.rounds,
-            draft_tokens=sum(c.draft_tokens for c in self.per_drafter.values()),
-            accepted_tokens=sum(c.accepted_tokens for c in self.per_drafter.values()),
+            draft_tokens=self.draft_tokens,
+            accepted_tokens=self.accepted_tokens,
             drafters=drafters,
+            domain=self.routing.domain if self.routing else "",
             draft_wall_ms=self.timing_ms["draft_wall"],
             draft_compute_ms=self.timing_ms["draft_compute"],
             verify_wall_ms=self.timing_ms["verify_wall"],

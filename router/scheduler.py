@@ -1,17 +1,32 @@
-"""The router's scheduler: one loop that advances every running request by draft-then-verify rounds.
+"""The router's scheduler: advances every running request by draft-then-verify rounds.
 
-Each round takes the running requests, asks each request's drafter for up to
-k tokens (all sessions of one drafter service in one call, all services
-concurrently), then sends every request's draft tree to the verifier in one
-call, commits what the target accepted, and streams it out. Requests join
-and leave between rounds. A drafter that fails or lost a session only costs
-that round's drafts (the request decodes plainly for the round); a verifier
-that lost a session is sent the full token ids next round.
+The running requests are split into `pipeline_depth` groups (lanes), each a
+loop of rounds, so that while the verifier checks one group the drafters
+draft the next: drafters and verifier run on different machines and neither
+should wait. New requests join the least loaded lane between its rounds,
+earliest deadline first, up to `max_running`.
 
-Choosing the drafter (`choose_drafter`) and the draft length
-(`draft_length`) are the seams where expertise routing and adaptive
-speculation plug in; pipelining splits the running set into groups that are
-drafted and verified alternately.
+A round of one group:
+1. Plan. The drafter router picks each request's drafters (one, or several
+   that cooperate) and the speculation controller its draft length k (0 means
+   plain decoding this round).
+2. Draft. A request with one drafter gets a chain of k tokens from one call.
+   Cooperating drafters draft in lockstep, one position at a time: each
+   proposes a token, the most confident proposal continues the main branch
+   and is fed back to all of them, the others become side branches. Either
+   way the result is a token tree whose every node carries the distribution
+   it was drawn from. All sessions of one drafter service go in one call; all
+   services are called concurrently.
+3. Verify. One call carries every request's tree; the verifier merges
+   concurrent calls into one forward pass.
+4. Commit and learn. The accepted tokens plus the target's next token are
+   committed and streamed; each drafter's proposals are scored against what
+   the target emitted, and the routing and cost models learn from it.
+
+A drafter that fails, or lost a session, only costs that round's drafts (the
+request decodes plainly); a verifier that lost a session is sent the full
+token ids next round. Past its deadline a request ends with
+DEADLINE_EXCEEDED; what was streamed stays delivered.
 """
 
 from __future__ import annotations
@@ -20,12 +35,14 @@ import asyncio
 import collections
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
 from router.request import DrafterCounts, RequestState, SessionMirror
-from router.transport import DrafterTransport, VerifierTransport
+from router.routing import DrafterRouter
+from router.speculation import SpeculationController
+from router.transport import DrafterTransport, TransportError, VerifierTransport
 from specfleet.v1 import common_pb2, drafter_pb2, verifier_pb2
 
 log = logging.getLogger(__name__)
@@ -40,7 +57,7 @@ class SchedulerConfig:
     max_running: int
     max_queued: int
     rpc_timeout_s: float
-    default_drafter: str
+    pipeline_depth: int = 2
 
 
 @dataclass
@@ -52,6 +69,36 @@ class RouterMetrics:
     accepted_tokens: int = 0
     drafter_errors: int = 0
     session_misses: int = 0
+    verify_busy_ms: float = 0.0
+    # (domain, drafter) -> counts, for the router's metrics.
+    by_domain: dict = field(default_factory=lambda: collections.defaultdict(DrafterCounts))
+
+
+@dataclass
+class DraftTree:
+    """A request's drafts this round. Node order: every parent before its children."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    proposals: list[common_pb2.SparseDistribution] = field(default_factory=list)
+    owners: list[list[str]] = field(default_factory=list)  # drafters that proposed each node
+    # Per drafter, its proposal at each position of the main branch (scored after verification).
+    proposed: dict[str, list[int]] = field(default_factory=dict)
+    main: list[int] = field(default_factory=list)  # node index of the main branch at each position
+
+    def add(self, token: int, parent: int, proposal, owner: str) -> int:
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.proposals.append(proposal)
+        self.owners.append([owner])
+        return len(self.tokens) - 1
+
+    def to_proto(self) -> verifier_pb2.TokenTree:
+        return verifier_pb2.TokenTree(token_ids=self.tokens, parents=self.parents, proposals=self.proposals)
+
+
+def _point_mass(proposal: common_pb2.SparseDistribution) -> bool:
+    return len(proposal.token_ids) == 1
 
 
 def _sampling_proto(state: RequestState) -> common_pb2.SamplingParams:
@@ -65,72 +112,91 @@ class Scheduler:
         config: SchedulerConfig,
         verifier: VerifierTransport,
         drafters: dict[str, DrafterTransport],  # draft model name -> the service hosting it
+        router: DrafterRouter,
+        controller: SpeculationController,
     ):
         self.config = config
         self.verifier = verifier
         self.drafters = drafters
+        self.router = router
+        self.controller = controller
         self.metrics = RouterMetrics()
-        self._waiting: collections.deque[RequestState] = collections.deque()
-        self._running: list[RequestState] = []
+        self._waiting: list[RequestState] = []
+        self._lanes: list[list[RequestState]] = [[] for _ in range(max(1, config.pipeline_depth))]
         self._wake = asyncio.Event()
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
 
     # --- the public side -----------------------------------------------------------------------------------
 
-    def submit(self, state: RequestState) -> None:
+    def submit(self, state: RequestState, prompt_text: str, domain_hint: str = "") -> None:
         if len(self._waiting) >= self.config.max_queued:
             raise Overloaded(
-                f"{len(self._running)} requests running and {len(self._waiting)} queued (router.max_queued); retry later"
+                f"{self.running} requests running and {len(self._waiting)} queued (router.max_queued); retry later"
             )
-        state.drafter = self.choose_drafter(state)
+        state.routing = self.router.start(prompt_text, domain_hint)
         self._waiting.append(state)
         self._wake.set()
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._loop(), name="scheduler")
+        self._tasks = [asyncio.create_task(self._lane(i), name=f"lane-{i}") for i in range(len(self._lanes))]
+        self._tasks.append(asyncio.create_task(self._sync_routing_state(), name="routing-sync"))
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     @property
-    def load(self) -> tuple[int, int]:
-        return len(self._running), len(self._waiting)
+    def running(self) -> int:
+        return sum(len(lane) for lane in self._lanes)
 
-    # --- policy seams ----------------------------------------------------------------------------------------
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
 
-    def choose_drafter(self, state: RequestState) -> str:
-        return self.config.default_drafter
+    # --- lanes ---------------------------------------------------------------------------------------------------
 
-    def draft_length(self, state: RequestState) -> int:
-        # Never draft past max_tokens (the verifier adds one token of its own) or the context.
-        return max(0, min(state.spec.draft_tokens, state.remaining() - 1)) if state.drafter else 0
+    def _admit(self, lane: list[RequestState]) -> None:
+        """Move waiting requests into this lane: earliest deadline first, least loaded lane first."""
+        if not self._waiting:
+            return
+        self._waiting.sort(key=lambda s: (s.deadline if s.deadline is not None else float("inf"), s.admitted_at))
+        while self._waiting and self.running < self.config.max_running:
+            if len(lane) > min(len(other) for other in self._lanes):
+                break
+            lane.append(self._waiting.pop(0))
 
-    # --- the loop ----------------------------------------------------------------------------------------------
-
-    async def _loop(self) -> None:
+    async def _lane(self, index: int) -> None:
+        lane = self._lanes[index]
         while True:
-            while not self._waiting and not self._running:
+            self._admit(lane)
+            if not lane:
                 self._wake.clear()
                 await self._wake.wait()
-            while self._waiting and len(self._running) < self.config.max_running:
-                self._running.append(self._waiting.popleft())
+                continue
             try:
-                await self._round(list(self._running))
+                await self._round(list(lane))
             except Exception:  # a bug must not stop the router: fail this round's requests, keep serving
                 log.exception("round failed")
-                for state in self._running:
+                for state in lane:
                     state.error = (grpc.StatusCode.INTERNAL, "internal error in the router's scheduler; see its log")
-            for state in self._running:
+            for state in lane:
                 self._publish(state)
-            finished = [s for s in self._running if s.finished]
-            self._running = [s for s in self._running if not s.finished]
+            finished = [s for s in lane if s.finished]
+            lane[:] = [s for s in lane if not s.finished]
             if finished:
-                asyncio.create_task(self._release([s.spec.request_id for s in finished], {s.drafter for s in finished}))
+                self._wake.set()  # room for waiting requests in any lane
+                asyncio.create_task(self._release(finished))
+
+    async def _sync_routing_state(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            try:
+                await asyncio.to_thread(self.router.store.sync)
+            except Exception:
+                log.exception("routing state sync failed")
+
+    # --- a round -------------------------------------------------------------------------------------------------
 
     async def _round(self, batch: list[RequestState]) -> None:
         now = time.monotonic()
@@ -140,87 +206,160 @@ class Scheduler:
         batch = [s for s in batch if not s.finished]
         if not batch:
             return
-        drafts = await self._draft(batch)
-        await self._verify(batch, drafts)
+        self._plan(batch)
+        trees = await self._draft(batch)
+        await self._verify(batch, trees)
         self.metrics.rounds += 1
 
-    async def _draft(self, batch: list[RequestState]) -> dict[str, drafter_pb2.DraftedSession]:
-        """Ask every drafter service, concurrently, for its requests' drafts."""
-        by_service: dict[str, list[tuple[RequestState, drafter_pb2.DraftSession]]] = collections.defaultdict(list)
+    def _plan(self, batch: list[RequestState]) -> None:
+        caps, acceptance, rounds = [], [], []
         for state in batch:
-            k = self.draft_length(state)
-            if k == 0:
+            cap = max(0, min(state.spec.draft_tokens, state.remaining() - 1))
+            state.round_drafters = self.router.choose(state.routing) if cap > 0 else []
+            if not state.round_drafters:
+                cap = 0
+            caps.append(cap)
+            if state.round_drafters:
+                a, r = self.router.posterior(state.routing, state.round_drafters[0])
+                acceptance.append(a / (a + r))
+            else:
+                acceptance.append(0.0)
+            rounds.append(state.rounds)
+        for state, k in zip(batch, self.controller.plan(acceptance, caps, rounds)):
+            state.round_k = k
+
+    async def _draft(self, batch: list[RequestState]) -> dict[str, DraftTree]:
+        """Draft trees for every request that drafts this round, keyed by request id."""
+        trees = {s.spec.request_id: DraftTree() for s in batch if s.round_k > 0}
+        chains = [s for s in batch if s.round_k > 0 and len(s.round_drafters) == 1]
+        fused = [s for s in batch if s.round_k > 0 and len(s.round_drafters) > 1]
+
+        async def draft_chains():
+            # Every chain in one call per service, k tokens each.
+            calls = [(s, s.round_drafters[0], s.tokens, s.round_k) for s in chains]
+            for state, drafter, drafted in await self._draft_calls(calls):
+                tree = trees[state.spec.request_id]
+                parent = -1
+                for token, proposal in zip(drafted.token_ids, drafted.proposals):
+                    parent = tree.add(token, parent, proposal, drafter)
+                    tree.main.append(parent)
+                tree.proposed[drafter] = list(drafted.token_ids)
+
+        async def draft_fused():
+            # Lockstep, one position per step for all fused requests at once.
+            for step in range(max((s.round_k for s in fused), default=0)):
+                active = [s for s in fused if s.round_k > step and len(trees[s.spec.request_id].main) == step]
+                if not active:
+                    break
+                calls = []
+                for state in active:
+                    tree = trees[state.spec.request_id]
+                    path = state.tokens + [tree.tokens[i] for i in tree.main]
+                    calls.extend((state, d, path, 1) for d in state.round_drafters)
+                replies = collections.defaultdict(dict)
+                for state, drafter, drafted in await self._draft_calls(calls):
+                    if drafted.token_ids:
+                        replies[state.spec.request_id][drafter] = drafted
+                for state in active:
+                    self._fuse_position(state, trees[state.spec.request_id], replies[state.spec.request_id])
+
+        await asyncio.gather(draft_chains(), draft_fused())
+        return {rid: tree for rid, tree in trees.items() if tree.tokens}
+
+    def _fuse_position(self, state: RequestState, tree: DraftTree, replies: dict[str, drafter_pb2.DraftedSession]) -> None:
+        """Add one position's proposals: siblings in routing order, the most confident continues."""
+        parent = tree.main[-1] if tree.main else -1
+        nodes: list[tuple[int, float]] = []
+        for drafter in state.round_drafters:  # a fixed order, never the drawn tokens' order
+            drafted = replies.get(drafter)
+            if drafted is None:
                 continue
-            mirror = state.drafter_mirrors.setdefault(state.drafter, SessionMirror())
-            prefix, new = mirror.diff(state.tokens)
+            token, proposal, confidence = drafted.token_ids[0], drafted.proposals[0], drafted.confidences[0]
+            tree.proposed.setdefault(drafter, []).append(token)
+            # Identical point masses are one proposal; sampled duplicates stay separate siblings.
+            same = [i for i, _ in nodes if tree.tokens[i] == token and _point_mass(tree.proposals[i]) and _point_mass(proposal)]
+            if same:
+                tree.owners[same[0]].append(drafter)
+                nodes = [(i, max(c, confidence)) if i == same[0] else (i, c) for i, c in nodes]
+                continue
+            nodes.append((tree.add(token, parent, proposal, drafter), confidence))
+        if nodes:
+            tree.main.append(max(nodes, key=lambda n: n[1])[0])
+
+    async def _draft_calls(self, calls) -> list[tuple[RequestState, str, drafter_pb2.DraftedSession]]:
+        """calls: (request, drafter, tokens the drafter should hold, k). Returns the successful replies."""
+        by_service: dict[str, list] = collections.defaultdict(list)
+        for state, drafter, tokens, k in calls:
+            mirror = state.drafter_mirrors.setdefault(drafter, SessionMirror())
+            prefix, new = mirror.diff(tokens)
             session = drafter_pb2.DraftSession(
                 sync=common_pb2.SessionSync(session_id=state.spec.request_id, prefix_length=prefix, new_token_ids=new),
-                model=state.drafter,
+                model=drafter,
                 num_draft_tokens=k,
                 sampling=_sampling_proto(state),
+                stop_below_confidence=self.controller.stop_below,
             )
-            by_service[self.drafters[state.drafter].name].append((state, session))
+            by_service[self.drafters[drafter].name].append((state, drafter, tokens, session))
 
-        async def call(service_name: str, entries):
-            transport = self.drafters[entries[0][0].drafter]
+        async def call(entries):
+            transport = self.drafters[entries[0][1]]
             started = time.perf_counter()
             try:
-                reply = await transport.draft(
-                    drafter_pb2.DraftRequest(sessions=[s for _, s in entries]), self.config.rpc_timeout_s
-                )
-            except grpc.aio.AioRpcError as err:
+                reply = await transport.draft(drafter_pb2.DraftRequest(sessions=[e[3] for e in entries]), self.config.rpc_timeout_s)
+            except TransportError as err:
                 # Losing a drafter costs speed, never correctness: these requests decode plainly this round.
                 self.metrics.drafter_errors += 1
-                log.warning("drafter %s failed (%s: %s); decoding without drafts this round", service_name, err.code().name, err.details())
-                for state, _ in entries:
-                    state.drafter_mirrors[state.drafter].reset()
-                return {}
+                log.warning("drafter service %s failed (%s); decoding without its drafts this round", transport.name, err)
+                for state, drafter, _, _ in entries:
+                    state.drafter_mirrors[drafter].reset()
+                return []
             wall = (time.perf_counter() - started) * 1e3
-            out = {}
-            for (state, _), drafted in zip(entries, reply.sessions):
-                mirror = state.drafter_mirrors[state.drafter]
+            self.controller.cost.observe_draft(max((e[3].num_draft_tokens for e in entries), default=0), reply.compute_ms)
+            out = []
+            for (state, drafter, tokens, _), drafted in zip(entries, reply.sessions):
                 state.timing_ms["draft_wall"] += wall
                 state.timing_ms["draft_compute"] += reply.compute_ms
+                mirror = state.drafter_mirrors[drafter]
                 if drafted.status != common_pb2.SESSION_OK:
                     self.metrics.session_misses += 1
                     mirror.reset()
                     continue
-                mirror.held = state.tokens + list(drafted.token_ids)
-                out[state.spec.request_id] = drafted
+                mirror.held = tokens + list(drafted.token_ids)
+                out.append((state, drafter, drafted))
             return out
 
-        results = await asyncio.gather(*(call(name, entries) for name, entries in by_service.items()))
-        return {rid: drafted for part in results for rid, drafted in part.items()}
+        results = await asyncio.gather(*(call(entries) for entries in by_service.values()))
+        return [r for part in results for r in part]
 
-    async def _verify(self, batch: list[RequestState], drafts: dict[str, drafter_pb2.DraftedSession]) -> None:
+    async def _verify(self, batch: list[RequestState], trees: dict[str, DraftTree]) -> None:
         sessions = []
         for state in batch:
             prefix, new = state.verifier_mirror.diff(state.tokens)
-            drafted = drafts.get(state.spec.request_id)
-            tree = verifier_pb2.TokenTree()
-            if drafted is not None:
-                n = len(drafted.token_ids)
-                tree = verifier_pb2.TokenTree(token_ids=drafted.token_ids, parents=list(range(-1, n - 1)), proposals=drafted.proposals)
+            tree = trees.get(state.spec.request_id)
             sessions.append(
                 verifier_pb2.VerifySession(
                     sync=common_pb2.SessionSync(session_id=state.spec.request_id, prefix_length=prefix, new_token_ids=new),
-                    tree=tree,
+                    tree=tree.to_proto() if tree else verifier_pb2.TokenTree(),
                     sampling=_sampling_proto(state),
                 )
             )
         started = time.perf_counter()
         try:
             reply = await self.verifier.verify(verifier_pb2.VerifyRequest(sessions=sessions), self.config.rpc_timeout_s)
-        except grpc.aio.AioRpcError as err:
-            log.error("verifier failed (%s: %s)", err.code().name, err.details())
+        except TransportError as err:
+            log.error("verifier failed (%s)", err)
             for state in batch:
                 state.verifier_mirror.reset()
-                if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    state.error = (grpc.StatusCode.INTERNAL, f"the verifier refused the round: {err.details()}")
-                else:
-                    state.error = (grpc.StatusCode.UNAVAILABLE, f"the verifier is unavailable ({err.code().name}); retry")
+                state.error = (
+                    (grpc.StatusCode.INTERNAL, f"the verifier refused the round: {err}")
+                    if err.invalid_argument
+                    else (grpc.StatusCode.UNAVAILABLE, f"the verifier is unavailable ({err}); retry")
+                )
             return
         wall = (time.perf_counter() - started) * 1e3
+        self.metrics.verify_busy_ms += reply.compute_ms
+        fed = sum(1 + len(s.tree.token_ids) for s in sessions)
+        self.controller.cost.observe_verify(fed * reply.batch_size // max(1, len(sessions)), reply.compute_ms)
         for state, verified in zip(batch, reply.sessions):
             state.timing_ms["verify_wall"] += wall
             state.timing_ms["verify_compute"] += reply.compute_ms
@@ -229,33 +368,64 @@ class Scheduler:
                 self.metrics.session_misses += 1
                 state.verifier_mirror.reset()
                 continue
-            drafted = drafts.get(state.spec.request_id)
-            accepted = len(verified.accepted_nodes)
+            tree = trees.get(state.spec.request_id)
             state.rounds += 1
-            if drafted is not None:
-                counts = state.per_drafter.setdefault(state.drafter, DrafterCounts())
-                counts.rounds += 1
-                counts.draft_tokens += len(drafted.token_ids)
-                counts.accepted_tokens += accepted
-                self.metrics.draft_tokens += len(drafted.token_ids)
-                self.metrics.accepted_tokens += accepted
+            if tree is not None:
+                self._learn(state, tree, list(verified.accepted_nodes), list(verified.token_ids))
             state.commit(list(verified.token_ids))
             state.verifier_mirror.held = list(state.tokens)
 
+    def _learn(self, state: RequestState, tree: DraftTree, accepted_nodes: list[int], emitted: list[int]) -> None:
+        """Count drafted and accepted tokens, and score each drafter's proposals against what was emitted."""
+        state.draft_tokens += len(tree.tokens)
+        state.accepted_tokens += len(accepted_nodes)
+        self.metrics.draft_tokens += len(tree.tokens)
+        self.metrics.accepted_tokens += len(accepted_nodes)
+        accepted_owners = collections.Counter(d for node in accepted_nodes for d in tree.owners[node])
+        # Position j of the main branch was drafted given emitted[:j]; that holds while the accepted
+        # path follows the main branch, so score each drafter there, up to its first miss.
+        comparable = 0
+        while comparable < len(tree.main) and comparable < len(emitted):
+            comparable += 1
+            if comparable > len(accepted_nodes) or accepted_nodes[comparable - 1] != tree.main[comparable - 1]:
+                break
+        outcomes = {}
+        for drafter, proposals in tree.proposed.items():
+            hits = 0
+            while hits < min(comparable, len(proposals)) and proposals[hits] == emitted[hits]:
+                hits += 1
+            missed = 1 if hits < min(comparable, len(proposals)) else 0
+            outcomes[drafter] = (hits, missed)
+            counts = state.per_drafter.setdefault(drafter, DrafterCounts())
+            counts.rounds += 1
+            counts.draft_tokens += sum(1 for owners in tree.owners if drafter in owners)
+            counts.accepted_tokens += accepted_owners[drafter]
+            by_domain = self.metrics.by_domain[(state.routing.domain, drafter)]
+            by_domain.rounds += 1
+            by_domain.draft_tokens += len(proposals)
+            by_domain.accepted_tokens += hits
+        self.router.observe(state.routing, outcomes)
+
     def _publish(self, state: RequestState) -> None:
+        if state.published_final:
+            return
         if state.error is not None:
             self.metrics.requests_failed += 1
+            state.published_final = True
             state.updates.put_nowait(state.error)
             return
         chunk = state.take_chunk()
         if chunk is not None:
             if chunk.final:
                 self.metrics.requests_finished += 1
+                state.published_final = True
             state.updates.put_nowait(chunk)
 
-    async def _release(self, request_ids: list[str], drafters: set[str]) -> None:
-        services = {self.drafters[d].name: self.drafters[d] for d in drafters if d in self.drafters}
-        calls = [self.verifier.release(request_ids)] + [t.release(request_ids) for t in services.values()]
+    async def _release(self, finished: list[RequestState]) -> None:
+        ids = [s.spec.request_id for s in finished]
+        used = {d for s in finished for d in s.drafter_mirrors}
+        services = {self.drafters[d].name: self.drafters[d] for d in used if d in self.drafters}
+        calls = [self.verifier.release(ids)] + [t.release(ids) for t in services.values()]
         for result in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(result, Exception):
                 log.debug("release failed: %s", result)

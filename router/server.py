@@ -10,12 +10,14 @@ import time
 import grpc
 
 from router.request import Chunk, InvalidRequest, Limits, RequestState, parse_request
+from router.routing import DomainClassifier, DrafterProfile, DrafterRouter, ExpertiseStore, RedisExpertiseStore, RoutingConfig
 from router.scheduler import Overloaded, Scheduler, SchedulerConfig
+from router.speculation import CostModel, SpeculationController
 from router.transport import GrpcDrafter, GrpcVerifier
 from specfleet import config as config_mod
 from specfleet.runtime import load_tokenizer, tokenizer_fingerprint
 from specfleet.serving import serve, setup_logging, wait_until_serving
-from specfleet.v1 import generation_pb2, generation_pb2_grpc
+from specfleet.v1 import common_pb2, drafter_pb2, generation_pb2, generation_pb2_grpc, verifier_pb2
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +43,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         state = RequestState(
             spec=spec, tokenizer=self.tokenizer, eos_token_id=self.eos_token_id, max_context=self.limits.max_context, deadline=deadline
         )
+        prompt_text = request.prompt or self.tokenizer.decode(spec.prompt_ids)
         try:
-            self.scheduler.submit(state)
+            self.scheduler.submit(state, prompt_text, spec.domain)
         except Overloaded as err:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
 
@@ -51,8 +54,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
         context.add_done_callback(on_done)
         log.info(
-            "request %s: %d prompt tokens, max_tokens %d, temperature %g, drafter %s, k %d",
-            spec.request_id, len(spec.prompt_ids), spec.max_tokens, spec.sampling.temperature, state.drafter or "-", spec.draft_tokens,
+            "request %s: %d prompt tokens, max_tokens %d, temperature %g, domain %s, k <= %d",
+            spec.request_id, len(spec.prompt_ids), spec.max_tokens, spec.sampling.temperature, state.routing.domain or "-", spec.draft_tokens,
         )
         return state
 
@@ -66,7 +69,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 log.info(
                     "request %s finished (%s): %d tokens in %d rounds, %d/%d drafts accepted, %.0f ms",
                     state.spec.request_id, state.finish_reason, len(state.output_ids), state.rounds,
-                    state.stats().accepted_tokens, state.stats().draft_tokens, (time.monotonic() - state.admitted_at) * 1e3,
+                    state.accepted_tokens, state.draft_tokens, (time.monotonic() - state.admitted_at) * 1e3,
                 )
                 return
 
@@ -95,17 +98,24 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             yield msg
 
 
-async def build(cfg: config_mod.Config) -> tuple[GenerationServicer, Scheduler, list]:
-    """Connect to the verifier and drafters, check that they fit together, and build the scheduler."""
+async def build(cfg: config_mod.Config, transports: tuple | None = None) -> tuple[GenerationServicer, Scheduler, list]:
+    """Connect to the verifier and drafters, check that they fit together, and build the scheduler.
+
+    transports: (verifier, {drafter service name: drafter}) already connected and ready,
+    e.g. Ray actors (`router.ray_transport.connect`); default: gRPC to the configured addresses.
+    """
     rcfg = cfg.router
     timeout = rcfg.startup_timeout_s
-    verifier = GrpcVerifier(cfg.verifier.address)
-    services = {svc.name: GrpcDrafter(svc.name, svc.address) for svc in cfg.drafters}
-    log.info("waiting for the verifier at %s and %d drafter service(s)", cfg.verifier.address, len(services))
-    await asyncio.gather(
-        wait_until_serving(cfg.verifier.address, timeout),
-        *(wait_until_serving(svc.address, timeout) for svc in cfg.drafters),
-    )
+    if transports is None:
+        verifier = GrpcVerifier(cfg.verifier.address)
+        services = {svc.name: GrpcDrafter(svc.name, svc.address) for svc in cfg.drafters}
+        log.info("waiting for the verifier at %s and %d drafter service(s)", cfg.verifier.address, len(services))
+        await asyncio.gather(
+            wait_until_serving(cfg.verifier.address, timeout),
+            *(wait_until_serving(svc.address, timeout) for svc in cfg.drafters),
+        )
+    else:
+        verifier, services = transports
     target = await verifier.info(timeout_s=30)
     tokenizer = load_tokenizer(rcfg.tokenizer or cfg.verifier.model)
     if tokenizer_fingerprint(tokenizer) != target.tokenizer_fingerprint:
@@ -126,21 +136,35 @@ async def build(cfg: config_mod.Config) -> tuple[GenerationServicer, Scheduler, 
                     "A drafter's token ids must mean what the target's mean: use a draft model trained with the target's tokenizer."
                 )
             drafters[model.name] = transport
-            log.info("draft model %s on %s (%s): %.1fM parameters", model.name, svc_cfg.name, svc_cfg.address, model.parameters / 1e6)
-    default = rcfg.default_drafter or next(iter(drafters), "")
-    if default and default not in drafters:
-        raise StartupError(f"router.default_drafter {default!r} is not served by any drafter service ({sorted(drafters)})")
-    if not default:
+            log.info("draft model %s on %s (%s): %.1fM parameters", model.name, svc_cfg.name, transport.address, model.parameters / 1e6)
+    if rcfg.default_drafter and rcfg.default_drafter not in drafters:
+        raise StartupError(f"router.default_drafter {rcfg.default_drafter!r} is not served by any drafter service ({sorted(drafters)})")
+    if not drafters:
         log.warning("no drafters configured: every request decodes with the target alone")
+    drafter_router = build_drafter_router(cfg, sorted(drafters))
+    controller = SpeculationController(
+        cost=CostModel(
+            verify_base=rcfg.verify_base_ms,
+            verify_per_token=rcfg.verify_per_token_ms,
+            draft_per_token=rcfg.draft_per_token_ms,
+            pinned=rcfg.pin_cost_model,
+        ),
+        adaptive=rcfg.adaptive_speculation,
+        stop_below=rcfg.stop_below_confidence,
+    )
+    if not rcfg.pin_cost_model:
+        await profile_costs(verifier, drafters, controller.cost, target.eos_token_id)
     scheduler = Scheduler(
         SchedulerConfig(
             max_running=rcfg.max_running,
             max_queued=rcfg.max_queued,
             rpc_timeout_s=rcfg.rpc_timeout_s,
-            default_drafter=default,
+            pipeline_depth=rcfg.pipeline_depth,
         ),
         verifier,
         drafters,
+        drafter_router,
+        controller,
     )
     limits = Limits(
         default_max_tokens=rcfg.default_max_tokens,
@@ -154,8 +178,68 @@ async def build(cfg: config_mod.Config) -> tuple[GenerationServicer, Scheduler, 
     return servicer, scheduler, [verifier, *services.values()]
 
 
-async def run(cfg: config_mod.Config, host: str, port: int) -> None:
-    servicer, scheduler, transports = await build(cfg)
+def build_drafter_router(cfg: config_mod.Config, served: list[str]) -> DrafterRouter:
+    """The routing policy, prior and learned-state store the config asks for."""
+    rcfg = cfg.router
+    profiles, exemplars = [], {}
+    for svc in cfg.drafters:
+        for model in svc.models:
+            if model.name not in served:
+                continue
+            profiles.append(DrafterProfile(model.name, list(model.specialities)))
+            for label in model.specialities:
+                exemplars.setdefault(label, []).extend(config_mod.exemplars_of(model))
+    store = RedisExpertiseStore(rcfg.redis_url, rcfg.expertise_decay) if rcfg.redis_url else ExpertiseStore(rcfg.expertise_decay)
+    routing = RoutingConfig(
+        policy=rcfg.routing_policy,
+        default_drafter=rcfg.default_drafter,
+        fusion_width=rcfg.fusion_width,
+        fusion_below=rcfg.fusion_below,
+    )
+    log.info(
+        "routing: policy %s, fusion width %d, domains %s, state in %s",
+        routing.policy, routing.fusion_width, sorted(exemplars) or "-", "redis " + rcfg.redis_url if rcfg.redis_url else "memory",
+    )
+    return DrafterRouter(routing, profiles, DomainClassifier(exemplars), store)
+
+
+async def profile_costs(verifier, drafters: dict, cost: CostModel, token: int) -> None:
+    """Seed the cost model with a few timed passes of different sizes."""
+    sampling = common_pb2.SamplingParams(temperature=0.0, top_p=1.0)
+    for n in (1, 8, 32):
+        ids = [f"profile-{n}-{i}" for i in range(n)]
+        sessions = [
+            verifier_pb2.VerifySession(sync=common_pb2.SessionSync(session_id=sid, new_token_ids=[token]), sampling=sampling)
+            for sid in ids
+        ]
+        reply = await verifier.verify(verifier_pb2.VerifyRequest(sessions=sessions), 60)
+        cost.observe_verify(n, reply.compute_ms)
+        await verifier.release(ids)
+    for name, transport in drafters.items():
+        request = drafter_pb2.DraftRequest(
+            sessions=[
+                drafter_pb2.DraftSession(
+                    sync=common_pb2.SessionSync(session_id="profile", new_token_ids=[token]), model=name, num_draft_tokens=4, sampling=sampling
+                )
+            ]
+        )
+        reply = await transport.draft(request, 60)
+        cost.observe_draft(4, reply.compute_ms)
+        await transport.release(["profile"])
+    log.info(
+        "cost model: verify %.2f ms + %.3f ms/token, draft %.2f ms/token",
+        cost.verify_base, cost.verify_per_token, cost.draft_per_token,
+    )
+
+
+async def run(cfg: config_mod.Config, host: str, port: int, ray_address: str | None = None, ray_namespace: str = "specfleet") -> None:
+    """Serve; with ray_address, reach the verifier and drafters as Ray actors (`specfleet serve --ray`) instead of gRPC."""
+    given = None
+    if ray_address is not None:
+        from router import ray_transport
+
+        given = await ray_transport.connect(cfg, ray_address, ray_namespace, cfg.router.startup_timeout_s)
+    servicer, scheduler, transports = await build(cfg, given)
     scheduler.start()
 
     def register(server):
@@ -175,11 +259,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", help="deployment YAML (default: bundled demo models)")
     parser.add_argument("--host", help="listen address (default: router.host)")
     parser.add_argument("--port", type=int, help="port (default: router.port)")
+    parser.add_argument("--ray", metavar="ADDRESS", help="reach the verifier and drafters as Ray actors in the cluster at ADDRESS (`auto`: this node's)")
+    parser.add_argument("--ray-namespace", default="specfleet", help="Ray namespace of the actors (default: specfleet)")
     args = parser.parse_args(argv)
     setup_logging("router")
     cfg = config_mod.load(args.config) if args.config else config_mod.default_config(config_mod.REPO / ".cache")
     try:
-        asyncio.run(run(cfg, args.host or cfg.router.host, args.port if args.port is not None else cfg.router.port))
+        asyncio.run(
+            run(cfg, args.host or cfg.router.host, args.port if args.port is not None else cfg.router.port, args.ray, args.ray_namespace)
+        )
     except (StartupError, TimeoutError) as err:
         log.error("router cannot start: %s", err)
         return 2

@@ -1,8 +1,9 @@
 """How the router reaches drafters and the verifier.
 
 The scheduler talks to these two small interfaces only, in the messages of
-proto/specfleet/v1, so the transport underneath can change (gRPC today; Ray
-actors or in-process calls later) without touching scheduling.
+proto/specfleet/v1, so the transport underneath can change (gRPC, Ray actors,
+in-process calls) without touching scheduling. Every transport raises
+`TransportError` when a call fails.
 """
 
 from __future__ import annotations
@@ -13,6 +14,18 @@ import grpc
 
 from specfleet.serving import CHANNEL_OPTIONS
 from specfleet.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+
+
+class TransportError(Exception):
+    """A call to a drafter or the verifier failed; the scheduler treats every transport's failures alike."""
+
+    def __init__(self, message: str, invalid_argument: bool = False):
+        super().__init__(message)
+        self.invalid_argument = invalid_argument  # the server refused the request itself, retrying will not help
+
+
+def _wrap(err: grpc.aio.AioRpcError) -> TransportError:
+    return TransportError(f"{err.code().name}: {err.details()}", invalid_argument=err.code() == grpc.StatusCode.INVALID_ARGUMENT)
 
 
 class DrafterTransport(Protocol):
@@ -37,7 +50,10 @@ class GrpcDrafter:
         self._stub = drafter_pb2_grpc.DrafterStub(self._channel)
 
     async def draft(self, request, timeout_s):
-        return await self._stub.Draft(request, timeout=timeout_s)
+        try:
+            return await self._stub.Draft(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as err:
+            raise _wrap(err) from None
 
     async def release(self, session_ids):
         await self._stub.ReleaseSessions(common_pb2.ReleaseRequest(session_ids=session_ids), timeout=10.0)
@@ -56,7 +72,10 @@ class GrpcVerifier:
         self._stub = verifier_pb2_grpc.VerifierStub(self._channel)
 
     async def verify(self, request, timeout_s):
-        return await self._stub.Verify(request, timeout=timeout_s)
+        try:
+            return await self._stub.Verify(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as err:
+            raise _wrap(err) from None
 
     async def release(self, session_ids):
         await self._stub.ReleaseSessions(common_pb2.ReleaseRequest(session_ids=session_ids), timeout=10.0)

@@ -14,6 +14,16 @@ at start-up with the key's path in the message.
           - {name: general, path: models/demo/drafters/general}
     router:
       port: 50051
+
+With `specfleet serve --ray`, the verifier and each drafter service run as Ray
+actors instead of gRPC servers; their optional `ray` key says what the actor
+needs from a node (the `address` keys are then unused):
+
+    verifier:
+      ray: {num_cpus: 1, num_gpus: 1, resources: {big_gpu: 1}, max_restarts: 3}
+    drafters:
+      - name: drafters-a
+        ray: {num_cpus: 1, label_selector: {specfleet/gpu: small}}
 """
 
 from __future__ import annotations
@@ -33,6 +43,22 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class RayPlacement:
+    """Where a service's Ray actor may run and how Ray treats it (`specfleet serve --ray`)."""
+
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    # Custom node resources, e.g. {big_gpu: 1}: declared by `ray start --resources`, consumed by the actor.
+    resources: dict[str, float] = field(default_factory=dict)
+    # Node labels the actor needs, e.g. {ray.io/accelerator-type: H100} (`ray start --labels`).
+    label_selector: dict[str, str] = field(default_factory=dict)
+    # Restarts after the actor's process or node dies (-1: without limit); each restart reloads the model.
+    max_restarts: int = 3
+    # Ray's memory reservation for the actor in MB (0: none); the scheduler uses it for placement only.
+    memory_mb: float = 0.0
+
+
+@dataclass
 class VerifierConfig:
     model: str = ""
     address: str = "127.0.0.1:50061"
@@ -46,12 +72,20 @@ class VerifierConfig:
     max_cache_mb: float = 1024.0
     # Sessions whose token ids are kept at all; past it the oldest are forgotten.
     max_sessions: int = 4096
+    # Placement as a Ray actor (`specfleet serve --ray`); unset: RayPlacement's defaults.
+    ray: RayPlacement | None = None
 
 
 @dataclass
 class DraftModelConfig:
     name: str = ""
     path: str = ""
+    # What this draft model is good at (labels such as code, prose, docs, structured), and
+    # a few texts typical of it, for routing prompts before anything is learned. Exemplars
+    # may also come from a file of JSON lines with a "text" field.
+    specialities: list[str] = field(default_factory=list)
+    exemplars: list[str] = field(default_factory=list)
+    exemplars_file: str = ""
 
 
 @dataclass
@@ -67,6 +101,8 @@ class DrafterServiceConfig:
     max_sessions: int = 4096
     # Entries kept in a sampled proposal's sparse distribution.
     proposal_top_k: int = 16
+    # Placement as a Ray actor (`specfleet serve --ray`); unset: RayPlacement's defaults.
+    ray: RayPlacement | None = None
 
 
 @dataclass
@@ -80,8 +116,29 @@ class RouterConfig:
     # Draft tokens per round when the request does not say, and the most a request may ask for.
     num_draft_tokens: int = 4
     max_draft_tokens: int = 16
-    # The draft model used for every request (expertise routing replaces this choice).
+    # Which drafters draft for a request: expertise (learned online), fixed (default_drafter),
+    # random, or oracle (the specialist of the request's declared domain).
+    routing_policy: str = "expertise"
     default_drafter: str = ""
+    # Cooperating drafters per request at most (1: no fusion), used when the best drafter's
+    # expected acceptance is below fusion_below.
+    fusion_width: int = 1
+    fusion_below: float = 0.75
+    # Shared routing state: redis://host:port/db, or empty for in-process state.
+    redis_url: str = ""
+    # Weight left on old routing evidence after each update (follows drifting traffic).
+    expertise_decay: float = 0.995
+    # Groups of requests drafted and verified alternately (1: no pipelining).
+    pipeline_depth: int = 2
+    # Choose k per request and round from predicted acceptance and load; false: always num_draft_tokens.
+    adaptive_speculation: bool = True
+    # Drafters stop early once the product of their confidences falls below this (0: never).
+    stop_below_confidence: float = 0.0
+    # Cost model, in ms: initial guesses refined online, or fixed when pin_cost_model.
+    verify_base_ms: float = 8.0
+    verify_per_token_ms: float = 0.3
+    draft_per_token_ms: float = 1.0
+    pin_cost_model: bool = False
     # Requests being generated at once; more wait (RESOURCE_EXHAUSTED past max_queued).
     max_running: int = 64
     max_queued: int = 1024
@@ -126,6 +183,15 @@ def _build(cls, data, path: str):
             if not isinstance(value, list):
                 raise ConfigError(f"{where}: expected a list")
             value = [_build(DraftModelConfig, v, f"{where}[{i}]") for i, v in enumerate(value)]
+        elif key == "ray":
+            value = None if value is None else _build(RayPlacement, value, where)
+        elif key in ("resources", "label_selector"):
+            want, name = ((int, float), "number") if key == "resources" else (str, "string")
+            if not isinstance(value, dict) or any(
+                not isinstance(k, str) or not k or not isinstance(v, want) or isinstance(v, bool) for k, v in value.items()
+            ):
+                raise ConfigError(f"{where}: expected a mapping of names to {name}s, got {value!r}")
+            value = {k: float(v) for k, v in value.items()} if key == "resources" else dict(value)
         elif f.type in ("int", "float", "str"):
             want = {"int": int, "float": (int, float), "str": str}[f.type]
             if not isinstance(value, want) or isinstance(value, bool):
@@ -192,8 +258,53 @@ def validate(config: Config) -> None:
             if m.name in seen_models:
                 raise ConfigError(f"drafters[{i}].models[{j}].name: draft model {m.name!r} is configured twice")
             seen_models.add(m.name)
+    for where, placement in [("verifier.ray", v.ray)] + [(f"drafters[{i}].ray", d.ray) for i, d in enumerate(config.drafters)]:
+        if placement is not None:
+            _validate_placement(placement, where)
+    policies = ("expertise", "fixed", "random", "oracle")
+    if r.routing_policy not in policies:
+        raise ConfigError(f"router.routing_policy: must be one of {list(policies)}, got {r.routing_policy!r}")
+    if r.fusion_width < 1 or r.pipeline_depth < 1:
+        raise ConfigError("router.fusion_width and router.pipeline_depth: must be at least 1")
+    if not 0 < r.expertise_decay <= 1:
+        raise ConfigError(f"router.expertise_decay: must be in (0, 1], got {r.expertise_decay}")
     if r.default_drafter and r.default_drafter not in seen_models:
         raise ConfigError(f"router.default_drafter: {r.default_drafter!r} is not a configured draft model {sorted(seen_models)}")
+
+
+def _validate_placement(p: RayPlacement, where: str) -> None:
+    for key in ("num_cpus", "num_gpus", "memory_mb"):
+        if getattr(p, key) < 0:
+            raise ConfigError(f"{where}.{key}: must be at least 0, got {getattr(p, key)}")
+    if p.num_gpus > 1 and p.num_gpus != int(p.num_gpus):
+        raise ConfigError(f"{where}.num_gpus: a fraction only below 1 (Ray's rule), got {p.num_gpus}")
+    for name, amount in p.resources.items():
+        if name in ("CPU", "GPU", "memory", "object_store_memory"):
+            raise ConfigError(f"{where}.resources.{name}: use num_cpus, num_gpus or memory_mb instead")
+        if amount <= 0:
+            raise ConfigError(f"{where}.resources.{name}: must be above 0, got {amount}")
+    if p.max_restarts < -1:
+        raise ConfigError(f"{where}.max_restarts: -1 (no limit) or at least 0, got {p.max_restarts}")
+
+
+def exemplars_of(model: DraftModelConfig) -> list[str]:
+    """The model's exemplar texts: inline ones, then those in exemplars_file."""
+    texts = list(model.exemplars)
+    if model.exemplars_file:
+        import json
+
+        path = pathlib.Path(model.exemplars_file)
+        try:
+            lines = path.read_text().splitlines()
+        except OSError as err:
+            raise ConfigError(f"draft model {model.name}: cannot read exemplars_file {path}: {err}") from None
+        for n, line in enumerate(lines, 1):
+            if line.strip():
+                try:
+                    texts.append(json.loads(line)["text"])
+                except (ValueError, KeyError, TypeError):
+                    raise ConfigError(f"{path}:{n}: expected a JSON object with a \"text\" field") from None
+    return texts
 
 
 def port_of(address: str) -> int:
@@ -209,7 +320,12 @@ def default_config(work_dir: pathlib.Path) -> Config:
     drafter_root = DEMO_MODELS / "drafters"
     if (target / "config.json").exists() and drafter_root.is_dir():
         models = [
-            DraftModelConfig(name=d.name, path=str(d))
+            DraftModelConfig(
+                name=d.name,
+                path=str(d),
+                specialities=[] if d.name == "general" else [d.name],
+                exemplars_file=str(d / "exemplars.jsonl") if (d / "exemplars.jsonl").exists() else "",
+            )
             for d in sorted(drafter_root.iterdir())
             if (d / "config.json").exists()
         ]

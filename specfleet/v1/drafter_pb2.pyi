@@ -8,16 +8,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftSession(_message.Message):
-    __slots__ = ("sync", "model", "num_draft_tokens", "sampling")
+    __slots__ = ("sync", "model", "num_draft_tokens", "sampling", "stop_below_confidence")
     SYNC_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    STOP_BELOW_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     sync: _common_pb2.SessionSync
     model: str
     num_draft_tokens: int
     sampling: _common_pb2.SamplingParams
-    def __init__(self, sync: _Optional[_Union[_common_pb2.SessionSync, _Mapping]] = ..., model: _Optional[str] = ..., num_draft_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    stop_below_confidence: float
+    def __init__(self, sync: _Optional[_Union[_common_pb2.SessionSync, _Mapping]] = ..., model: _Optional[str] = ..., num_draft_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop_below_confidence: _Optional[float] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("sessions",)

@@ -15,7 +15,7 @@ class SpeculationOptions(_message.Message):
     def __init__(self, disabled: _Optional[bool] = ..., max_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "request_id", "speculation", "stop_at_eos")
+    __slots__ = ("prompt", "prompt_token_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "request_id", "speculation", "stop_at_eos", "domain")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class GenerateRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     STOP_AT_EOS_FIELD_NUMBER: _ClassVar[int]
+    DOMAIN_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_tokens: int
@@ -38,7 +39,8 @@ class GenerateRequest(_message.Message):
     request_id: str
     speculation: SpeculationOptions
     stop_at_eos: bool
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ..., speculation: _Optional[_Union[SpeculationOptions, _Mapping]] = ..., stop_at_eos: _Optional[bool] = ...) -> None: ...
+    domain: str
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ..., speculation: _Optional[_Union[SpeculationOptions, _Mapping]] = ..., stop_at_eos: _Optional[bool] = ..., domain: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")
@@ -61,11 +63,12 @@ class DrafterStats(_message.Message):
     def __init__(self, drafter: _Optional[str] = ..., rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "drafters", "draft_wall_ms", "draft_compute_ms", "verify_wall_ms", "verify_compute_ms")
+    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "drafters", "domain", "draft_wall_ms", "draft_compute_ms", "verify_wall_ms", "verify_compute_ms")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFTERS_FIELD_NUMBER: _ClassVar[int]
+    DOMAIN_FIELD_NUMBER: _ClassVar[int]
     DRAFT_WALL_MS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_WALL_MS_FIELD_NUMBER: _ClassVar[int]
@@ -74,11 +77,12 @@ class SpeculationStats(_message.Message):
     draft_tokens: int
     accepted_tokens: int
     drafters: _containers.RepeatedCompositeFieldContainer[DrafterStats]
+    domain: str
     draft_wall_ms: float
     draft_compute_ms: float
     verify_wall_ms: float
     verify_compute_ms: float
-    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., drafters: _Optional[_Iterable[_Union[DrafterStats, _Mapping]]] = ..., draft_wall_ms: _Optional[float] = ..., draft_compute_ms: _Optional[float] = ..., verify_wall_ms: _Optional[float] = ..., verify_compute_ms: _Optional[float] = ...) -> None: ...
+    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., drafters: _Optional[_Iterable[_Union[DrafterStats, _Mapping]]] = ..., domain: _Optional[str] = ..., draft_wall_ms: _Optional[float] = ..., draft_compute_ms: _Optional[float] = ..., verify_wall_ms: _Optional[float] = ..., verify_compute_ms: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "speculation")

@@ -1,0 +1,292 @@
+"""Expertise routing: which drafters draft for a request.
+
+Three parts, read top to bottom:
+
+1. `DomainClassifier`, the prior. Each drafter declares specialities (labels)
+   and a few exemplar texts. A prompt's domain is the speciality whose
+   exemplars it resembles most (cosine similarity of hashed character
+   trigrams and layout shapes: no model, microseconds per prompt).
+2. `ExpertiseStore`, the learned state: per (domain, drafter), decayed counts
+   of accepted and rejected draft tokens, a Beta posterior on the drafter's
+   per-token acceptance in that domain. In process by default; in Redis when a
+   URL is configured, so router replicas learn together and a restarted router
+   keeps what was learned. If Redis goes away, the store keeps working on its
+   local copy and pushes what it learned meanwhile when Redis returns.
+3. `DrafterRouter`, the policy. Per request and round it draws a Thompson
+   sample of each drafter's acceptance from the domain's posterior plus what
+   this request has shown so far (a request whose acceptance drops moves on
+   by itself), and takes the best; it adds cooperating drafters for fusion
+   when even the best is not confidently good.
+
+Policies for comparison: `fixed` (one drafter for everything), `random`,
+`oracle` (the drafter whose speciality is the request's declared domain),
+`expertise` (the above).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import random
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("fixed", "random", "oracle", "expertise")
+
+
+# --- 1. the prior -------------------------------------------------------------------------------------------
+
+
+def _shape(ch: str) -> str:
+    if ch.isalpha():
+        return "a"
+    if ch.isdigit():
+        return "0"
+    return ch
+
+
+def _trigram_vector(text: str, dims: int = 8192) -> dict[int, float]:
+    """Hashed counts of character trigrams (what words it uses) and of 4-grams of character
+    shapes, letters and digits folded (how it is laid out: indentation, `key: value`, brackets)."""
+    counts: dict[int, float] = collections.defaultdict(float)
+    padded = f"  {text}  "
+    for i in range(len(padded) - 2):
+        counts[zlib.crc32(padded[i : i + 3].encode()) % dims] += 1.0
+    shapes = "".join(_shape(c) for c in padded)
+    shapes = "".join(c for i, c in enumerate(shapes) if not (c == "a" and i and shapes[i - 1] == "a"))
+    for i in range(len(shapes) - 3):
+        counts[zlib.crc32(b"shape" + shapes[i : i + 4].encode()) % dims] += 1.0
+    norm = math.sqrt(sum(v * v for v in counts.values())) or 1.0
+    return {k: v / norm for k, v in counts.items()}
+
+
+def _cosine(a: dict[int, float], b: dict[int, float]) -> float:
+    if len(a) > len(b):
+        a, b = b, a
+    return sum(v * b.get(k, 0.0) for k, v in a.items())
+
+
+class DomainClassifier:
+    """The speciality of the exemplar most similar to the prompt (nearest neighbour)."""
+
+    def __init__(self, exemplars: dict[str, list[str]]):
+        self.vectors: dict[str, list[dict[int, float]]] = {
+            label: [_trigram_vector(text) for text in texts] for label, texts in exemplars.items() if texts
+        }
+
+    def scores(self, prompt: str) -> dict[str, float]:
+        vec = _trigram_vector(prompt[-2000:])
+        return {label: max(_cosine(vec, v) for v in vectors) for label, vectors in self.vectors.items()}
+
+    def classify(self, prompt: str) -> str:
+        scores = self.scores(prompt)
+        return max(scores, key=scores.get) if scores else ""
+
+
+# --- 2. the learned state -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Evidence:
+    accepted: float = 0.0
+    rejected: float = 0.0
+
+
+class ExpertiseStore:
+    """Decayed acceptance counts per (domain, drafter), in process."""
+
+    def __init__(self, decay: float):
+        self.decay = decay  # multiplies old evidence at every update, so routing follows drifting traffic
+        self._local: dict[tuple[str, str], Evidence] = {}
+        self._lock = threading.Lock()
+
+    def get(self, domain: str, drafter: str) -> Evidence:
+        with self._lock:
+            e = self._local.get((domain, drafter))
+            return Evidence(e.accepted, e.rejected) if e else Evidence()
+
+    def add(self, domain: str, drafter: str, accepted: float, rejected: float) -> None:
+        with self._lock:
+            e = self._local.setdefault((domain, drafter), Evidence())
+            e.accepted = e.accepted * self.decay + accepted
+            e.rejected = e.rejected * self.decay + rejected
+
+    def snapshot(self) -> dict[tuple[str, str], Evidence]:
+        with self._lock:
+            return {k: Evidence(v.accepted, v.rejected) for k, v in self._local.items()}
+
+    def sync(self) -> None:
+        """Exchange state with other routers; nothing to do in process."""
+
+    @property
+    def backend(self) -> str:
+        return "memory"
+
+
+# Decay and add atomically, so concurrent routers never lose each other's updates.
+# KEYS[1]: the hash; ARGV: decay, then (field, accepted, rejected) triples.
+_REDIS_ADD = """
+local d = tonumber(ARGV[1])
+for i = 2, #ARGV, 3 do
+  local a, r = 0, 0
+  local old = redis.call('HGET', KEYS[1], ARGV[i])
+  if old then
+    local sep = string.find(old, ',')
+    a = tonumber(string.sub(old, 1, sep - 1))
+    r = tonumber(string.sub(old, sep + 1))
+  end
+  a = a * d + tonumber(ARGV[i + 1])
+  r = r * d + tonumber(ARGV[i + 2])
+  redis.call('HSET', KEYS[1], ARGV[i], string.format('%.6f,%.6f', a, r))
+end
+return 1
+"""
+
+
+class RedisExpertiseStore(ExpertiseStore):
+    """The same counts, shared through one Redis hash.
+
+    Reads come from the local copy, so routing never waits on Redis. `sync()`
+    (the scheduler calls it off the event loop, a few times a second) pushes
+    what this router learned and pulls what every router learned. While Redis
+    is away the local copy keeps serving and the updates wait; they are pushed
+    when it returns.
+    """
+
+    def __init__(self, url: str, decay: float, key: str = "specfleet:expertise"):
+        super().__init__(decay)
+        import redis
+
+        self.url = url
+        self.key = key
+        self._client = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        self._script = self._client.register_script(_REDIS_ADD)
+        self._pending: list[tuple[str, str, float, float]] = []
+        self._down_since: float | None = None
+
+    def add(self, domain: str, drafter: str, accepted: float, rejected: float) -> None:
+        super().add(domain, drafter, accepted, rejected)
+        with self._lock:
+            self._pending.append((domain, drafter, accepted, rejected))
+
+    def sync(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        try:
+            # Updates from one round apply one decay each, as they would locally.
+            for domain, drafter, accepted, rejected in pending:
+                self._script(keys=[self.key], args=[self.decay, f"{domain}\x1f{drafter}", accepted, rejected])
+            shared = self._client.hgetall(self.key)
+        except Exception as err:
+            with self._lock:
+                self._pending = pending + self._pending
+            if self._down_since is None:
+                self._down_since = time.monotonic()
+                log.warning("redis at %s unavailable (%s); routing continues on local state", self.url, err)
+            return
+        if self._down_since is not None:
+            log.info("redis at %s is back after %.1fs", self.url, time.monotonic() - self._down_since)
+            self._down_since = None
+        with self._lock:
+            for name, value in shared.items():
+                domain, drafter = name.decode().split("\x1f", 1)
+                a, r = value.decode().split(",")
+                self._local[(domain, drafter)] = Evidence(float(a), float(r))
+
+    @property
+    def backend(self) -> str:
+        return "redis" if self._down_since is None else "memory (redis unavailable)"
+
+
+# --- 3. the policy -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DrafterProfile:
+    name: str
+    specialities: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RoutingConfig:
+    policy: str = "expertise"
+    default_drafter: str = ""
+    # Cooperating drafters per request at most (1 disables fusion), and the posterior
+    # mean acceptance of the best drafter below which it asks for help.
+    fusion_width: int = 1
+    fusion_below: float = 0.75
+    # Pseudo-counts: the prior for a drafter in its own speciality and elsewhere.
+    prior_specialist: tuple[float, float] = (4.0, 1.0)
+    prior_other: tuple[float, float] = (1.0, 1.0)
+    # Weight of this request's own evidence against the domain's.
+    request_weight: float = 2.0
+
+
+@dataclass
+class RequestRouting:
+    """What the router knows about one request."""
+
+    domain: str
+    evidence: dict[str, Evidence] = field(default_factory=dict)
+
+
+class DrafterRouter:
+    def __init__(self, config: RoutingConfig, drafters: list[DrafterProfile], classifier: DomainClassifier, store: ExpertiseStore, seed: int = 0):
+        if config.policy not in POLICIES:
+            raise ValueError(f"routing policy must be one of {POLICIES}, got {config.policy!r}")
+        self.config = config
+        self.drafters = {d.name: d for d in drafters}
+        self.classifier = classifier
+        self.store = store
+        self.rng = random.Random(seed)
+        self.rounds_by_drafter: collections.Counter[str] = collections.Counter()
+
+    def start(self, prompt: str, domain_hint: str = "") -> RequestRouting:
+        return RequestRouting(domain=domain_hint or self.classifier.classify(prompt))
+
+    def _prior(self, drafter: str, domain: str) -> tuple[float, float]:
+        specialist = domain in self.drafters[drafter].specialities
+        return self.config.prior_specialist if specialist else self.config.prior_other
+
+    def posterior(self, routing: RequestRouting, drafter: str) -> tuple[float, float]:
+        prior_a, prior_r = self._prior(drafter, routing.domain)
+        shared = self.store.get(routing.domain, drafter)
+        mine = routing.evidence.get(drafter, Evidence())
+        w = self.config.request_weight
+        return prior_a + shared.accepted + w * mine.accepted, prior_r + shared.rejected + w * mine.rejected
+
+    def choose(self, routing: RequestRouting) -> list[str]:
+        """The drafters for this round, best first."""
+        if not self.drafters:
+            return []
+        policy = self.config.policy
+        if policy == "fixed":
+            chosen = [self.config.default_drafter or next(iter(self.drafters))]
+        elif policy == "random":
+            chosen = [self.rng.choice(sorted(self.drafters))]
+        elif policy == "oracle":
+            experts = [d for d, p in self.drafters.items() if routing.domain in p.specialities]
+            chosen = [experts[0] if experts else (self.config.default_drafter or next(iter(self.drafters)))]
+        else:
+            posteriors = {d: self.posterior(routing, d) for d in self.drafters}
+            samples = {d: self.rng.betavariate(a, r) for d, (a, r) in posteriors.items()}
+            ranked = sorted(samples, key=samples.get, reverse=True)
+            best_mean = max(a / (a + r) for a, r in posteriors.values())
+            width = 1 if best_mean >= self.config.fusion_below else self.config.fusion_width
+            chosen = ranked[: max(1, width)]
+        self.rounds_by_drafter[chosen[0]] += 1
+        return chosen
+
+    def observe(self, routing: RequestRouting, outcomes: dict[str, tuple[int, int]]) -> None:
+        """outcomes: drafter -> (accepted, rejected) draft tokens this round."""
+        for drafter, (accepted, rejected) in outcomes.items():
+            mine = routing.evidence.setdefault(drafter, Evidence())
+            mine.accepted += accepted
+            mine.rejected += rejected
+            if self.config.policy == "expertise":
+                self.store.add(routing.domain, drafter, accepted, rejected)

@@ -1,0 +1,100 @@
+"""Adaptive speculation length: how many tokens each request drafts this round, down to none.
+
+A round costs, by a cost model fitted online from the servers' reported
+compute times,
+    T(k) = verify_base + verify_per_token * sum_i (k_i + 1) + draft_per_token * max_i k_i
+and request i is expected to gain E_i(k_i) = 1 + a_i + a_i^2 + ... + a_i^k_i
+tokens, where a_i is its predicted per-token acceptance. The plan maximises
+goodput, sum_i E_i / T, greedily: starting from k = 0 everywhere, it keeps
+giving one more draft token to the request whose next token is most likely
+accepted (gain a_i^(k_i + 1)) while that raises goodput (SmartSpec's idea).
+So k grows with acceptance and falls with load, and is 0 when drafting costs
+more than it returns. A request planned at k = 0 still drafts one token every
+`probe_every` rounds, so its acceptance estimate can recover.
+
+Within a round the drafter may stop early (SpecDec++): it is told to stop once
+the product of its own confidences, its estimate that every token so far is
+accepted, falls below `stop_below`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class CostModel:
+    """Milliseconds. Starts from a guess (drafter ~1/8 of the target), then follows measurements.
+
+    Verification time is fitted as base + per_token * tokens by least squares
+    over recent passes (older ones weigh less by `forget` per pass); draft time
+    per token is a moving average.
+    """
+
+    verify_base: float = 8.0
+    verify_per_token: float = 0.3
+    draft_per_token: float = 1.0
+    forget: float = 0.97
+    pinned: bool = False  # keep the configured numbers
+
+    def __post_init__(self) -> None:
+        self._sums = [0.0] * 5  # weight, x, y, xx, xy
+
+    def round_ms(self, ks: list[int]) -> float:
+        if not ks:
+            return 0.0
+        return self.verify_base + self.verify_per_token * sum(k + 1 for k in ks) + self.draft_per_token * max(ks)
+
+    def observe_verify(self, tokens: int, compute_ms: float) -> None:
+        """One verification pass that fed `tokens` tokens took compute_ms."""
+        if self.pinned or tokens <= 0:
+            return
+        w, sx, sy, sxx, sxy = (v * self.forget for v in self._sums)
+        x, y = float(tokens), compute_ms
+        self._sums = [w + 1, sx + x, sy + y, sxx + x * x, sxy + x * y]
+        w, sx, sy, sxx, sxy = self._sums
+        var = sxx * w - sx * sx
+        if var > 1e-6 * w * w:  # enough spread in batch sizes to separate the two terms
+            slope = (sxy * w - sx * sy) / var
+            self.verify_per_token = max(0.0, slope)
+            self.verify_base = max(0.0, (sy - self.verify_per_token * sx) / w)
+        else:
+            self.verify_base = max(0.0, sy / w - self.verify_per_token * sx / w)
+
+    def observe_draft(self, steps: int, compute_ms: float) -> None:
+        if self.pinned or steps == 0:
+            return
+        self.draft_per_token += (1 - self.forget) * 5 * (compute_ms / steps - self.draft_per_token)
+
+
+@dataclass
+class SpeculationController:
+    cost: CostModel
+    adaptive: bool = True
+    probe_every: int = 8
+    stop_below: float = 0.0  # 0 disables early stopping in the drafter
+
+    def plan(self, acceptance: list[float], max_k: list[int], rounds: list[int]) -> list[int]:
+        """Draft lengths for one round's requests (acceptance a_i, caps, rounds so far)."""
+        if not self.adaptive:
+            return list(max_k)
+        ks = [0] * len(max_k)
+        gains = [1.0] * len(max_k)  # E_i(k_i), the expected tokens so far
+        best = sum(gains) / self.cost.round_ms(ks) if ks else 0.0
+        while True:
+            candidates = [i for i in range(len(ks)) if ks[i] < max_k[i]]
+            if not candidates:
+                break
+            i = max(candidates, key=lambda j: acceptance[j] ** (ks[j] + 1))
+            gain = acceptance[i] ** (ks[i] + 1)
+            ks[i] += 1
+            goodput = (sum(gains) + gain) / self.cost.round_ms(ks)
+            if goodput <= best:
+                ks[i] -= 1
+                break
+            gains[i] += gain
+            best = goodput
+        for i in range(len(ks)):
+            if ks[i] == 0 and max_k[i] > 0 and rounds[i] % self.probe_every == self.probe_every - 1:
+                ks[i] = 1
+        return ks

@@ -1,0 +1,131 @@
+"""Expertise routing and adaptive speculation, on simulated acceptance (fast, deterministic)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from router.routing import DomainClassifier, DrafterProfile, DrafterRouter, ExpertiseStore, RoutingConfig
+from router.speculation import CostModel, SpeculationController
+
+EXEMPLARS = {
+    "code": ["def main(argv):\n    return 0\n", "import os\nfor x in range(10):\n    print(x)\n", "class Foo:\n    def bar(self): pass"],
+    "prose": ["It was a bright cold day in April, and the clocks were striking thirteen.", "She walked slowly along the river."],
+    "structured": ["name: web\nports:\n  - 80\n  - 443\n", '{"key": "value", "items": [1, 2, 3]}', "[server]\nhost = example\n"],
+}
+# Per-token acceptance of each drafter in each domain.
+ACCEPTANCE = {
+    "code": {"code": 0.85, "prose": 0.3, "structured": 0.45, "general": 0.6},
+    "prose": {"code": 0.25, "prose": 0.8, "structured": 0.3, "general": 0.6},
+    "structured": {"code": 0.4, "prose": 0.3, "structured": 0.9, "general": 0.6},
+}
+
+
+def make_router(policy="expertise", specialities=True, decay=0.98, fusion_width=1, fusion_below=0.75) -> DrafterRouter:
+    profiles = [DrafterProfile(d, [d] if specialities and d != "general" else []) for d in ("code", "prose", "structured", "general")]
+    return DrafterRouter(
+        RoutingConfig(policy=policy, default_drafter="general", fusion_width=fusion_width, fusion_below=fusion_below),
+        profiles,
+        DomainClassifier(EXEMPLARS),
+        ExpertiseStore(decay=decay),
+        seed=1,
+    )
+
+
+def simulate_round(router: DrafterRouter, routing, domain: str, rng: random.Random, k: int = 4) -> str:
+    drafter = router.choose(routing)[0]
+    accepted = 0
+    while accepted < k and rng.random() < ACCEPTANCE[domain][drafter]:
+        accepted += 1
+    router.observe(routing, {drafter: (accepted, 1 if accepted < k else 0)})
+    return drafter
+
+
+def test_classifier_recognises_domains():
+    classifier = DomainClassifier(EXEMPLARS)
+    assert classifier.classify("def fibonacci(n):\n    if n < 2:\n        return n") == "code"
+    assert classifier.classify("The old man looked out over the sea and remembered") == "prose"
+    assert classifier.classify("name: db\nports:\n  - 5432\nreplicas: 2\n") == "structured"
+    assert classifier.classify('{"id": 7, "tags": ["a", "b"]}') == "structured"
+
+
+@pytest.mark.parametrize("specialities", [True, False], ids=["with-prior", "learned-only"])
+def test_routing_converges_to_the_domain_expert_and_follows_a_switch(specialities):
+    router = make_router(specialities=specialities)
+    rng = random.Random(0)
+    for domain in ("code", "prose", "structured"):
+        chosen = []
+        for _ in range(60):  # requests of 10 rounds each
+            routing = router.start("", domain_hint=domain)
+            chosen += [simulate_round(router, routing, domain, rng) for _ in range(10)]
+        after_warmup = chosen[100:]
+        share = sum(d == domain for d in after_warmup) / len(after_warmup)
+        assert share >= 0.9, (domain, share)
+
+
+def test_a_request_whose_acceptance_drops_moves_to_another_drafter():
+    router = make_router(specialities=False)
+    rng = random.Random(1)
+    for _ in range(40):  # learn that code requests like the code drafter
+        routing = router.start("", domain_hint="code")
+        for _ in range(10):
+            simulate_round(router, routing, "code", rng)
+    # This "code" request actually behaves like prose: its own evidence should move it.
+    routing = router.start("", domain_hint="code")
+    chosen = [simulate_round(router, routing, "prose", rng) for _ in range(40)]
+    assert sum(d == "prose" for d in chosen[20:]) >= 14
+
+
+def test_fusion_adds_cooperating_drafters_only_when_the_best_is_uncertain():
+    router = make_router(fusion_width=3, fusion_below=0.85)
+    routing = router.start("", domain_hint="prose")
+    assert len(router.choose(routing)) == 3  # only the prior (mean 0.8) so far: ask for help
+    router.store.add("prose", "prose", 500, 20)
+    chosen = [router.choose(router.start("", domain_hint="prose")) for _ in range(50)]
+    assert all(len(c) == 1 for c in chosen)
+    assert sum(c == ["prose"] for c in chosen) >= 40  # the rest is exploration
+
+
+def test_baseline_policies():
+    fixed = make_router(policy="fixed")
+    assert {fixed.choose(fixed.start("x"))[0] for _ in range(10)} == {"general"}
+    oracle = make_router(policy="oracle")
+    assert oracle.choose(oracle.start("", domain_hint="structured")) == ["structured"]
+    rand = make_router(policy="random")
+    assert len({rand.choose(rand.start("x"))[0] for _ in range(50)}) == 4
+
+
+def pinned_controller() -> SpeculationController:
+    return SpeculationController(cost=CostModel(verify_base=10.0, verify_per_token=0.2, draft_per_token=0.5, pinned=True))
+
+
+def test_k_is_zero_for_a_useless_drafter_and_maximal_for_a_perfect_one():
+    controller = pinned_controller()
+    assert controller.plan([0.01], [8], [0]) == [0]
+    assert controller.plan([0.999], [8], [0]) == [8]
+    mid = controller.plan([0.6], [8], [0])[0]
+    assert 1 <= mid < 8
+
+
+def test_k_shrinks_under_load():
+    controller = SpeculationController(cost=CostModel(verify_base=10.0, verify_per_token=1.0, draft_per_token=0.5, pinned=True))
+    light = controller.plan([0.7], [8], [0])[0]
+    heavy = controller.plan([0.7] * 64, [8] * 64, [0] * 64)
+    assert max(heavy) < light
+
+
+def test_requests_at_k_zero_still_probe():
+    controller = pinned_controller()
+    ks = [controller.plan([0.01], [8], [r])[0] for r in range(16)]
+    assert ks.count(1) == 2 and ks.count(0) == 14
+
+
+def test_cost_model_fits_verification_time():
+    cost = CostModel(verify_base=1.0, verify_per_token=1.0)
+    rng = random.Random(0)
+    for _ in range(200):
+        tokens = rng.randint(1, 64)
+        cost.observe_verify(tokens, 6.0 + 0.25 * tokens + rng.uniform(-0.1, 0.1))
+    assert cost.verify_base == pytest.approx(6.0, abs=0.3)
+    assert cost.verify_per_token == pytest.approx(0.25, abs=0.02)
