@@ -1,0 +1,151 @@
+"""Several drafters behind one router, through real gRPC: fusion stays lossless, k adapts, nothing starves."""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+
+import grpc
+import pytest
+import torch
+
+from specfleet.v1 import generation_pb2, generation_pb2_grpc
+from tests.conftest import Cluster, cluster_config
+from tests.helpers import PROMPTS, greedy_request, load_target, target_greedy
+
+MAX_TOKENS = 48
+DRAFTERS = ["drafter-noisy", "drafter-random", "drafter-copy"]
+
+
+def multi_drafter_config(family, **router):
+    config = cluster_config(family)
+    config["drafters"][0]["models"] = [{"name": d, "path": str(family[d])} for d in DRAFTERS]
+    config["router"].update({"default_drafter": "drafter-noisy", **router})
+    return config
+
+
+@pytest.fixture(scope="module")
+def fused_cluster(random_family, tmp_path_factory):
+    """Every request fuses all three drafters (one copy of the target, one close, one random)."""
+    config = multi_drafter_config(random_family, fusion_width=3, fusion_below=1.01, adaptive_speculation=False)
+    cluster = Cluster(config, tmp_path_factory.mktemp("fused"), "fused").start()
+    yield cluster
+    cluster.stop()
+
+
+def test_fused_greedy_output_equals_target(fused_cluster, random_family):
+    path = str(random_family["target"])
+    with fused_cluster.channel() as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        futures = {p: stub.Generate.future(greedy_request(p, MAX_TOKENS, 4), timeout=300) for p in PROMPTS[:10]}
+        used = collections.Counter()
+        for prompt, future in futures.items():
+            reply = future.result()
+            assert list(reply.token_ids) == target_greedy(path, prompt, MAX_TOKENS), prompt
+            for d in reply.speculation.drafters:
+                used[d.drafter] += d.rounds
+            # Trees: more nodes than a chain of k per round.
+            assert reply.speculation.draft_tokens > 4 * (reply.speculation.rounds - 1)
+    assert set(used) == set(DRAFTERS)
+
+
+def test_fused_sampled_output_is_distributed_as_target(fused_cluster, random_family):
+    """Two sampled tokens per request, 1200 seeds: their joint law matches the target's exactly computed one."""
+    prompt, temperature, top_k = PROMPTS[1], 1.0, 3
+    model, tokenizer = load_target(str(random_family["target"]))
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+
+    def next_probs(context: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            logits = model(torch.tensor([context])).logits[0, -1].float() / temperature
+        top = logits.topk(top_k)
+        return torch.zeros_like(logits).scatter_(0, top.indices, top.values.softmax(0))
+
+    first = next_probs(ids)
+    exact = {}
+    for a in first.nonzero().flatten().tolist():
+        second = next_probs(ids + [a])
+        for b in second.nonzero().flatten().tolist():
+            exact[(a, b)] = float(first[a] * second[b])
+
+    samples = 1200
+    with fused_cluster.channel() as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        requests = [
+            generation_pb2.GenerateRequest(
+                prompt=prompt, max_tokens=2, temperature=temperature, top_k=top_k, seed=seed, stop_at_eos=False,
+                speculation=generation_pb2.SpeculationOptions(max_draft_tokens=2),
+            )
+            for seed in range(samples)
+        ]
+        counts = collections.Counter()
+        drafted = 0
+        for start in range(0, samples, 100):
+            futures = [stub.Generate.future(r, timeout=300) for r in requests[start : start + 100]]
+            for f in futures:
+                reply = f.result()
+                counts[tuple(reply.token_ids)] += 1
+                drafted += reply.speculation.draft_tokens
+    assert drafted > samples  # the drafters really proposed trees
+    tv = 0.5 * sum(abs(counts.get(k, 0) / samples - exact.get(k, 0.0)) for k in set(counts) | set(exact))
+    # Sampling noise at this size is about 0.03; a wrong proposal distribution in the tree shifts mass far more.
+    assert tv < 0.07, (tv, counts.most_common(5))
+
+
+@pytest.mark.parametrize(
+    "drafter,expect",
+    [("drafter-random", "falls to zero"), ("drafter-copy", "rises to the maximum")],
+)
+def test_k_adapts_to_acceptance(random_family, tmp_path, drafter, expect):
+    config = cluster_config(random_family, drafter=drafter)
+    # Pinned costs: drafting costs a tenth of verification, as with a real drafter.
+    config["router"].update(
+        {"pin_cost_model": True, "verify_base_ms": 10.0, "verify_per_token_ms": 0.1, "draft_per_token_ms": 0.5, "max_draft_tokens": 8}
+    )
+    cluster = Cluster(config, tmp_path, drafter).start()
+    try:
+        with cluster.channel() as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            reply = stub.Generate(greedy_request(PROMPTS[0], 96, 8, stop_at_eos=False), timeout=300)
+    finally:
+        cluster.stop()
+    spec = reply.speculation
+    assert list(reply.token_ids) == target_greedy(str(random_family["target"]), PROMPTS[0], 96)[: len(reply.token_ids)]
+    if expect == "falls to zero":
+        # A fixed k of 8 would draft 8 per round; adapted, only the first rounds and probes draft.
+        assert spec.rounds >= 90
+        assert spec.draft_tokens <= 12 + spec.rounds // 8
+    else:
+        # Every round drafts the maximum and all is accepted: 9 tokens per round.
+        assert spec.accepted_tokens >= 0.95 * spec.draft_tokens
+        assert spec.rounds <= 96 // 9 + 3
+
+
+def test_saturation_every_request_finishes_or_reports_its_deadline(random_family, tmp_path):
+    config = cluster_config(random_family)
+    config["router"].update({"max_running": 2})
+    cluster = Cluster(config, tmp_path, "saturated").start()
+    reference = target_greedy(str(random_family["target"]), PROMPTS[2], 120)
+
+    def client(i):
+        tokens = []
+        request = greedy_request(PROMPTS[2], 120, 2, stop_at_eos=False)
+        with cluster.channel() as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            try:
+                for chunk in stub.GenerateStream(request, timeout=5.0):
+                    tokens += chunk.token_ids
+                return "finished", tokens
+            except grpc.RpcError as err:
+                return err.code(), tokens
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(10) as pool:
+            results = list(pool.map(client, range(10)))
+    finally:
+        cluster.stop()
+    outcomes = collections.Counter(r[0] for r in results)
+    assert set(outcomes) <= {"finished", grpc.StatusCode.DEADLINE_EXCEEDED}, outcomes
+    assert outcomes["finished"] >= 1 and outcomes[grpc.StatusCode.DEADLINE_EXCEEDED] >= 1, outcomes
+    for _, tokens in results:
+        assert tokens == reference[: len(tokens)]
