@@ -1,9 +1,11 @@
 """The `specfleet` command: start services, generate text, build the demo models.
 
     specfleet serve [--config FILE] [--port N]   everything on this machine, one process per service
+    specfleet serve --ray [ADDRESS] [--config FILE]  verifier and drafters as Ray actors, placed by the config
     specfleet generate [--server ADDR] [--stream] PROMPT
     specfleet verifier | drafter | router ...     one service, for multi-node deployments
     specfleet models build | matrix ...           the bundled demo models
+    specfleet bench [compare|single-stream|run] ...  specfleet against the alternatives, side by side
 
 The service subcommands run the services' own entry points; `serve` starts
 each of them as a child process (`python -m verifier_service ...`), so no
@@ -37,6 +39,12 @@ def cmd_serve(argv: list[str]) -> int:
     parser.add_argument("--config", help="deployment YAML (default: bundled demo models, else small random models)")
     parser.add_argument("--port", type=int, help="router port (default: router.port, 50051)")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for all services")
+    parser.add_argument(
+        "--ray", nargs="?", const="", metavar="ADDRESS",
+        help="run the verifier and drafters as Ray actors in the cluster at ADDRESS (no ADDRESS: start a local Ray); the router uses them over Ray",
+    )
+    parser.add_argument("--namespace", default="specfleet", help="Ray namespace of the actors (with --ray)")
+    parser.add_argument("--detached", action="store_true", help="with --ray: the actors outlive this command (reused when it runs again)")
     args = parser.parse_args(argv)
 
     from specfleet import config as config_mod
@@ -48,6 +56,10 @@ def cmd_serve(argv: list[str]) -> int:
         return 2
     if args.port is not None:
         cfg.router.port = args.port
+    if args.ray is not None:
+        from specfleet import ray_cluster
+
+        return ray_cluster.serve(cfg, args.ray or None, args.namespace, args.detached, args.startup_timeout)
     # Children read the exact effective config, including defaults chosen here.
     config_file = pathlib.Path(tempfile.mkdtemp(prefix="specfleet-")) / "config.yaml"
     config_file.write_text(cfg.to_yaml())
@@ -180,6 +192,12 @@ def cmd_models(argv: list[str]) -> int:
     return demo_models.build_main(rest) if args.action == "build" else demo_models.matrix_main(rest)
 
 
+def cmd_bench(argv: list[str]) -> int:
+    from specfleet import bench
+
+    return bench.main(argv)
+
+
 COMMANDS = {
     "serve": cmd_serve,
     "generate": cmd_generate,
@@ -187,6 +205,7 @@ COMMANDS = {
     "drafter": _service_main("drafter_service"),
     "router": _service_main("router"),
     "models": cmd_models,
+    "bench": cmd_bench,
 }
 
 

@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -77,11 +77,13 @@ async def serve(
     register: Callable[[grpc.aio.Server], Sequence[str]],
     grace_s: float = 10.0,
     on_stop: Callable[[], None] | None = None,
+    on_reload: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """Run a gRPC server until SIGTERM or SIGINT, then let in-flight calls finish (up to grace_s).
 
     `register` adds the servicers and returns their full service names; health
     checking (grpc.health.v1) and reflection are added for all of them.
+    SIGHUP calls `on_reload`, when given.
     """
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
     service_names = list(register(server))
@@ -102,6 +104,8 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if on_reload is not None:
+        loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(_reload(name, on_reload)))
     await stop.wait()
     log.info("%s shutting down: finishing in-flight calls (up to %.0fs)", name, grace_s)
     for service in ["", *service_names]:
@@ -110,6 +114,14 @@ async def serve(
     if on_stop is not None:
         on_stop()
     log.info("%s stopped", name)
+
+
+async def _reload(name: str, on_reload) -> None:
+    log.info("%s: SIGHUP, reloading its configuration", name)
+    try:
+        await on_reload()
+    except Exception as err:  # a bad new config must not take down a serving process
+        log.error("%s: reload failed, keeping the running configuration: %s", name, err)
 
 
 async def wait_until_serving(address: str, timeout_s: float, service: str = "") -> None:

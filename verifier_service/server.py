@@ -22,12 +22,19 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     return SamplingParams(temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k, seed=msg.seed)
 
 
-class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
+class InvalidArgument(ValueError):
+    """A request the verifier refuses: INVALID_ARGUMENT over gRPC, raised as is to a Ray caller."""
+
+
+class VerifierCore:
+    """The verifier service's logic in proto messages, shared by the gRPC servicer and the Ray actor."""
+
     def __init__(self, verifier: Verifier, batcher: BatchQueue):
         self.verifier = verifier
         self.batcher = batcher
 
-    async def Verify(self, request: verifier_pb2.VerifyRequest, context: grpc.aio.ServicerContext):
+    def items(self, request: verifier_pb2.VerifyRequest) -> list[VerifyItem]:
+        """Validate a request and convert it; raises InvalidArgument naming the problem."""
         loaded = self.verifier.loaded
         items = []
         seen = set()
@@ -48,9 +55,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     raise ValueError(f"session {item.session_id} appears twice in one call")
                 validate_item(item, loaded.vocab_size, loaded.max_context)
             except ValueError as err:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+                raise InvalidArgument(str(err)) from None
             seen.add(item.session_id)
             items.append(item)
+        return items
+
+    async def verify(self, request: verifier_pb2.VerifyRequest) -> verifier_pb2.VerifyResponse:
+        items = self.items(request)
         if not items:
             return verifier_pb2.VerifyResponse()
         results, stats = await self.batcher.submit(items)
@@ -68,12 +79,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             batch_size=stats.batch_size,
         )
 
-    async def ReleaseSessions(self, request, context):
+    async def release(self, request: common_pb2.ReleaseRequest) -> common_pb2.ReleaseResponse:
         store = self.verifier.store
         released = await asyncio.to_thread(store.release, list(request.session_ids), request.keep_tokens)
         return common_pb2.ReleaseResponse(released=released)
 
-    async def GetInfo(self, request, context):
+    def info(self) -> common_pb2.ModelInfo:
         m = self.verifier.loaded
         return common_pb2.ModelInfo(
             name=m.name,
@@ -84,6 +95,36 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             tokenizer_fingerprint=m.fingerprint,
             parameters=m.parameters,
         )
+
+    def close(self) -> None:
+        self.batcher.close()
+
+
+def load_core(vcfg: config_mod.VerifierConfig, model: str | None = None, threads: int | None = None) -> VerifierCore:
+    """Load the target model and build the verifier with its batch queue, as the config says."""
+    configure_torch(threads or vcfg.threads)
+    loaded = load_model("target", model or vcfg.model, dtype=vcfg.dtype)
+    store = SessionStore(max_cache_bytes=int(vcfg.max_cache_mb * 2**20), max_sessions=vcfg.max_sessions)
+    verifier = Verifier(loaded, store)
+    batcher = BatchQueue("verifier", verifier.verify_batch, vcfg.max_batch_size, vcfg.max_wait_ms / 1e3)
+    return VerifierCore(verifier, batcher)
+
+
+class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
+    def __init__(self, core: VerifierCore):
+        self.core = core
+
+    async def Verify(self, request: verifier_pb2.VerifyRequest, context: grpc.aio.ServicerContext):
+        try:
+            return await self.core.verify(request)
+        except InvalidArgument as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+
+    async def ReleaseSessions(self, request, context):
+        return await self.core.release(request)
+
+    async def GetInfo(self, request, context):
+        return self.core.info()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,17 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("verifier")
     cfg = config_mod.load(args.config) if args.config else config_mod.default_config(config_mod.REPO / ".cache")
     vcfg = cfg.verifier
-    configure_torch(args.threads or vcfg.threads)
-    loaded = load_model("target", args.model or vcfg.model, dtype=vcfg.dtype)
-    store = SessionStore(max_cache_bytes=int(vcfg.max_cache_mb * 2**20), max_sessions=vcfg.max_sessions)
-    verifier = Verifier(loaded, store)
-    batcher = BatchQueue("verifier", verifier.verify_batch, vcfg.max_batch_size, vcfg.max_wait_ms / 1e3)
-    servicer = VerifierServicer(verifier, batcher)
+    core = load_core(vcfg, model=args.model, threads=args.threads)
+    servicer = VerifierServicer(core)
 
     def register(server):
         verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
         return [verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name]
 
     port = args.port if args.port is not None else config_mod.port_of(vcfg.address)
-    asyncio.run(serve("verifier", args.host, port, register, on_stop=batcher.close))
+    asyncio.run(serve("verifier", args.host, port, register, on_stop=core.close))
     return 0

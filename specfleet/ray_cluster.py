@@ -1,0 +1,335 @@
+"""specfleet on Ray: the verifier and the drafter services as Ray actors, placed by the config.
+
+    specfleet serve --ray [ADDRESS]   connect to a Ray cluster (none given: start a local one),
+                                      create the actors, print where each runs, start the router
+
+Each service's `ray` key in the config (`specfleet.config.RayPlacement`) says what
+its actor needs: CPUs, GPUs, custom resources (`ray start --resources`) or node
+labels (`ray start --labels`), and how often Ray restarts it. The actors are named
+(`verifier`, `drafter-<service name>`) in a Ray namespace, so a router anywhere
+in the cluster finds them (`specfleet router --ray ADDRESS`) and talks to them
+through `router.ray_transport`, the same interfaces as over gRPC.
+
+Ray token authentication (RAY_AUTH_MODE=token, Ray >= 2.52; on by default for
+local clusters in the Ray this project pins) stays on: every process that joins
+the cluster needs the token, from RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or
+~/.ray/auth_token. This module never turns it off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pathlib
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from specfleet import config as config_mod
+
+log = logging.getLogger(__name__)
+
+DEFAULT_NAMESPACE = "specfleet"
+VERIFIER_ACTOR = "verifier"
+# Environment every actor process sets before it imports the model stack (Ray workers inherit the
+# raylet's environment, not the driver's).
+ACTOR_ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def prepare_actor_process() -> None:
+    for key, value in ACTOR_ENV.items():
+        os.environ.setdefault(key, value)
+
+
+def drafter_actor_name(service: str) -> str:
+    return f"drafter-{service}"
+
+
+def where() -> dict:
+    """Where the calling Ray worker runs: node id and IP, host, pid, the resources Ray assigned it."""
+    import ray
+
+    ctx = ray.get_runtime_context()
+    try:
+        gpu_ids = [str(g) for g in ray.get_gpu_ids()]
+    except Exception:  # not in a worker with GPUs
+        gpu_ids = []
+    return {
+        "node_id": ctx.get_node_id(),
+        "node_ip": ray.util.get_node_ip_address(),
+        "hostname": socket.gethostname(),
+        "pid": os.getpid(),
+        "actor_id": ctx.get_actor_id(),
+        "resources": dict(ctx.get_assigned_resources()),
+        "gpu_ids": gpu_ids,
+        "restarted": _restarted(ctx),
+    }
+
+
+def _restarted(ctx) -> bool:
+    import warnings
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Ray's property uses a deprecated API of its own
+            return bool(ctx.was_current_actor_reconstructed)
+    except Exception:
+        return False
+
+
+def actor_options(placement: config_mod.RayPlacement | None, name: str, namespace: str, detached: bool) -> dict:
+    """Ray actor options for one service, from its `ray` config key."""
+    p = placement or config_mod.RayPlacement()
+    options = {
+        "name": name,
+        "namespace": namespace,
+        "num_cpus": p.num_cpus,
+        "num_gpus": p.num_gpus,
+        "max_restarts": p.max_restarts,
+        # Calls that were in flight when the actor died fail (the scheduler handles that); new calls wait for the restart.
+        "max_task_retries": 0,
+        # Async actor: calls run concurrently on its event loop and meet in the BatchQueue.
+        "max_concurrency": 1000,
+    }
+    if p.resources:
+        options["resources"] = dict(p.resources)
+    if p.label_selector:
+        options["label_selector"] = dict(p.label_selector)
+    if p.memory_mb:
+        options["memory"] = int(p.memory_mb * 2**20)
+    if detached:
+        options["lifetime"] = "detached"
+        options["get_if_exists"] = True
+    return options
+
+
+def resolve_model_paths(cfg: config_mod.Config) -> None:
+    """Relative model paths that exist here become absolute (an actor's working directory is Ray's, not ours).
+
+    Model directories must exist at these paths on every node that may run the actor
+    (the same container image or shared storage); Ray does not copy them.
+    """
+
+    def fix(path: str) -> str:
+        p = pathlib.Path(path)
+        return str(p.resolve()) if not p.is_absolute() and p.exists() else path
+
+    cfg.verifier.model = fix(cfg.verifier.model)
+    if cfg.router.tokenizer:
+        cfg.router.tokenizer = fix(cfg.router.tokenizer)
+    for svc in cfg.drafters:
+        for m in svc.models:
+            m.path = fix(m.path)
+
+
+def connect(address: str | None, namespace: str, **init_kwargs) -> str:
+    """Join the Ray cluster at address (None: start a local one); returns the cluster's GCS address."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=address, namespace=namespace, **init_kwargs)
+    return ray.get_runtime_context().gcs_address
+
+
+def create_actors(cfg: config_mod.Config, namespace: str, detached: bool = False) -> dict:
+    """Create the verifier and one actor per drafter service; returns {actor name: handle}."""
+    import ray
+
+    from drafter_service.actor import DrafterActor
+    from verifier_service.actor import VerifierActor
+
+    config_yaml = cfg.to_yaml()
+    handles = {}
+    specs = [(VERIFIER_ACTOR, VerifierActor, cfg.verifier.ray, (config_yaml,))]
+    specs += [(drafter_actor_name(s.name), DrafterActor, s.ray, (config_yaml, s.name)) for s in cfg.drafters]
+    for name, cls, placement, args in specs:
+        options = actor_options(placement, name, namespace, detached)
+        try:
+            handles[name] = ray.remote(cls).options(**options).remote(*args)
+        except ValueError as err:  # the name is taken
+            raise RuntimeError(
+                f"cannot create actor {name!r} in Ray namespace {namespace!r}: {err}. Another specfleet runs there: "
+                "stop it, or pick another namespace (--namespace)"
+            ) from None
+    return handles
+
+
+def lookup_actors(cfg: config_mod.Config, namespace: str, timeout_s: float) -> dict:
+    """The named actors of this config, waiting (up to timeout_s) for them to be registered."""
+    import ray
+
+    names = [VERIFIER_ACTOR] + [drafter_actor_name(s.name) for s in cfg.drafters]
+    deadline = time.monotonic() + timeout_s
+    handles = {}
+    while True:
+        for name in names:
+            if name not in handles:
+                try:
+                    handles[name] = ray.get_actor(name, namespace=namespace)
+                except ValueError:
+                    pass
+        missing = [n for n in names if n not in handles]
+        if not missing:
+            return handles
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no Ray actor(s) {missing} in namespace {namespace!r} after {timeout_s:.0f}s; is `specfleet serve --ray` running?")
+        time.sleep(0.5)
+
+
+class ActorStartError(RuntimeError):
+    pass
+
+
+async def wait_ready(handles: dict, timeout_s: float, cfg: config_mod.Config | None = None) -> dict:
+    """Wait until every actor has loaded its model; returns {actor name: where()}.
+
+    The first actor that fails to start (a missing model, say) ends the wait with its
+    error. An actor no node can host stays pending: the timeout's error then names
+    what it asked for and what the cluster has.
+    """
+    import ray
+
+    async def one(name, handle):
+        try:
+            return name, await handle.where.remote()
+        except ray.exceptions.RayError as err:
+            raise ActorStartError(f"actor {name!r} failed to start: {_root_cause(err)}") from None
+
+    tasks = {name: asyncio.ensure_future(one(name, h)) for name, h in handles.items()}
+    done, pending = await asyncio.wait(tasks.values(), timeout=timeout_s, return_when=asyncio.FIRST_EXCEPTION)
+    for t in pending:
+        t.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    for t in done:
+        if t.exception() is not None:
+            raise t.exception()
+    if pending:
+        waiting = [n for n, t in tasks.items() if t in pending]
+        asked = ""
+        if cfg is not None:
+            wants = {VERIFIER_ACTOR: cfg.verifier.ray, **{drafter_actor_name(s.name): s.ray for s in cfg.drafters}}
+            keys = ("num_cpus", "num_gpus", "resources", "label_selector", "memory")
+            asked = "; ".join(
+                f"{n} asks for {({k: v for k, v in actor_options(wants.get(n), n, '', False).items() if k in keys})}" for n in waiting
+            )
+        raise TimeoutError(
+            f"Ray actor(s) {waiting} not ready after {timeout_s:.0f}s (still loading, or no node has the resources or labels "
+            f"they need). {asked}. Cluster resources: {ray.cluster_resources()}"
+        )
+    return dict(t.result() for t in done)
+
+
+def _root_cause(err: BaseException) -> str:
+    """The last line of the actor's traceback (e.g. `FileNotFoundError: ...`), not Ray's whole report."""
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    for line in reversed(lines):
+        if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)\b.*:", line):
+            return line
+    return lines[-1] if lines else type(err).__name__
+
+
+def format_placement(placements: dict) -> str:
+    lines = []
+    for name in sorted(placements, key=lambda n: (n != VERIFIER_ACTOR, n)):
+        w = placements[name]
+        res = ", ".join(f"{k}={v:g}" for k, v in sorted(w.get("resources", {}).items())) or "-"
+        gpus = f" gpus {','.join(w['gpu_ids'])}" if w.get("gpu_ids") else ""
+        lines.append(f"  {name:<24} node {w['node_id'][:12]} ip {w['node_ip']} host {w['hostname']} pid {w['pid']} [{res}]{gpus}")
+    return "\n".join(lines)
+
+
+def _local_resources(cfg: config_mod.Config) -> dict[str, float]:
+    """Custom resources the config asks for, to declare on a local one-node cluster so the same config runs."""
+    wanted: dict[str, float] = {}
+    for placement in [cfg.verifier.ray] + [s.ray for s in cfg.drafters]:
+        for k, v in (placement.resources if placement else {}).items():
+            wanted[k] = wanted.get(k, 0.0) + v
+    return wanted
+
+
+def serve(cfg: config_mod.Config, address: str | None, namespace: str, detached: bool, startup_timeout_s: float) -> int:
+    """`specfleet serve --ray`: actors on the Ray cluster, the router as a child process using Ray transports."""
+    import ray
+
+    from specfleet.serving import wait_until_serving
+
+    resolve_model_paths(cfg)
+    init_kwargs = {"log_to_driver": True, "logging_level": logging.WARNING}
+    if address is None:
+        resources = _local_resources(cfg)
+        init_kwargs["resources"] = resources
+        needs_gpu = max([cfg.verifier.ray.num_gpus if cfg.verifier.ray else 0] + [s.ray.num_gpus for s in cfg.drafters if s.ray])
+        print(
+            f"specfleet serve: starting a local Ray cluster (custom resources {resources or 'none'}"
+            f"{'; the config asks for GPUs: this machine must have them' if needs_gpu else ''})",
+            flush=True,
+        )
+    try:
+        gcs_address = connect(address, namespace, **init_kwargs)
+    except Exception as err:
+        print(f"specfleet serve: cannot connect to Ray at {address or '(local)'}: {err}", file=sys.stderr)
+        return 1
+    print(f"specfleet serve: Ray cluster at {gcs_address}, namespace {namespace!r}, {len(ray.nodes())} node(s)", flush=True)
+    router_proc: subprocess.Popen | None = None
+    handles: dict = {}
+    config_dir = _tempdir()
+
+    def stop_all(code: int) -> int:
+        if router_proc is not None and router_proc.poll() is None:
+            router_proc.send_signal(signal.SIGTERM)
+            try:
+                router_proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                router_proc.kill()
+        if not detached:
+            for handle in handles.values():
+                try:
+                    ray.kill(handle, no_restart=True)
+                except Exception:
+                    pass
+        ray.shutdown()
+        shutil.rmtree(config_dir, ignore_errors=True)
+        return code
+
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        try:
+            handles = create_actors(cfg, namespace, detached)
+            placements = asyncio.run(wait_ready(handles, startup_timeout_s, cfg))
+        except Exception as err:
+            print(f"specfleet serve: the Ray actors did not start: {err}", file=sys.stderr)
+            return stop_all(1)
+        print("specfleet serve: placement", flush=True)
+        print(format_placement(placements), flush=True)
+        log.info("placement:\n%s", format_placement(placements))
+
+        config_file = pathlib.Path(config_dir) / "config.yaml"
+        config_file.write_text(cfg.to_yaml())
+        command = [sys.executable, "-m", "router", "--config", str(config_file), "--ray", gcs_address, "--ray-namespace", namespace]
+        router_proc = subprocess.Popen(command)
+        router_address = f"{cfg.router.host}:{cfg.router.port}"
+        from specfleet.cli import _wait_ready
+
+        if not asyncio.run(_wait_ready(router_address, [("router", router_proc)], startup_timeout_s, wait_until_serving)):
+            return stop_all(1)
+        print(f"specfleet is ready: router listening on {router_address} (Ray actors in namespace {namespace!r}; Ctrl-C stops)", flush=True)
+        print(f"  try: specfleet generate --server {router_address} 'def fibonacci(n):'", flush=True)
+        while True:
+            if router_proc.poll() is not None:
+                print(f"specfleet serve: router exited with code {router_proc.returncode}; stopping", file=sys.stderr)
+                return stop_all(1)
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("specfleet serve: stopping", file=sys.stderr)
+        return stop_all(0)
+
+
+def _tempdir() -> str:
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="specfleet-ray-")
