@@ -9,6 +9,8 @@ import time
 
 import grpc
 
+from router.metrics import render as render_metrics
+from router.metrics import serve_metrics
 from router.request import Chunk, InvalidRequest, Limits, RequestState, parse_request
 from router.routing import DomainClassifier, DrafterProfile, DrafterRouter, ExpertiseStore, RedisExpertiseStore, RoutingConfig
 from router.scheduler import Overloaded, Scheduler, SchedulerConfig
@@ -123,24 +125,7 @@ async def build(cfg: config_mod.Config, transports: tuple | None = None) -> tupl
             f"the router's tokenizer ({rcfg.tokenizer or cfg.verifier.model}) differs from the target's "
             f"({target.path}); set router.tokenizer to the target's tokenizer"
         )
-    drafters = {}
-    for svc_cfg in cfg.drafters:
-        transport = services[svc_cfg.name]
-        info = await transport.info(timeout_s=30)
-        for model in info.models:
-            if model.tokenizer_fingerprint != target.tokenizer_fingerprint:
-                raise StartupError(
-                    f"draft model {model.name!r} ({model.path}) on drafter service {svc_cfg.name!r} uses a different "
-                    f"tokenizer (vocabulary {model.vocab_size}, fingerprint {model.tokenizer_fingerprint}) from the "
-                    f"target {target.path} (vocabulary {target.vocab_size}, fingerprint {target.tokenizer_fingerprint}). "
-                    "A drafter's token ids must mean what the target's mean: use a draft model trained with the target's tokenizer."
-                )
-            drafters[model.name] = transport
-            log.info("draft model %s on %s (%s): %.1fM parameters", model.name, svc_cfg.name, transport.address, model.parameters / 1e6)
-    if rcfg.default_drafter and rcfg.default_drafter not in drafters:
-        raise StartupError(f"router.default_drafter {rcfg.default_drafter!r} is not served by any drafter service ({sorted(drafters)})")
-    if not drafters:
-        log.warning("no drafters configured: every request decodes with the target alone")
+    drafters = await collect_drafters(cfg, services, target)
     drafter_router = build_drafter_router(cfg, sorted(drafters))
     controller = SpeculationController(
         cost=CostModel(
@@ -175,7 +160,63 @@ async def build(cfg: config_mod.Config, transports: tuple | None = None) -> tupl
         max_context=target.max_context,
     )
     servicer = GenerationServicer(scheduler, tokenizer, limits, target.eos_token_id)
+    servicer.target = target
     return servicer, scheduler, [verifier, *services.values()]
+
+
+async def collect_drafters(cfg: config_mod.Config, services: dict, target) -> dict:
+    """Draft model name -> the transport of its service, refusing models with another tokenizer."""
+    drafters = {}
+    for svc_cfg in cfg.drafters:
+        transport = services[svc_cfg.name]
+        info = await transport.info(timeout_s=30)
+        for model in info.models:
+            if model.tokenizer_fingerprint != target.tokenizer_fingerprint:
+                raise StartupError(
+                    f"draft model {model.name!r} ({model.path}) on drafter service {svc_cfg.name!r} uses a different "
+                    f"tokenizer (vocabulary {model.vocab_size}, fingerprint {model.tokenizer_fingerprint}) from the "
+                    f"target {target.path} (vocabulary {target.vocab_size}, fingerprint {target.tokenizer_fingerprint}). "
+                    "A drafter's token ids must mean what the target's mean: use a draft model trained with the target's tokenizer."
+                )
+            drafters[model.name] = transport
+            log.info("draft model %s on %s (%s): %.1fM parameters", model.name, svc_cfg.name, transport.address, model.parameters / 1e6)
+    if cfg.router.default_drafter and cfg.router.default_drafter not in drafters:
+        raise StartupError(f"router.default_drafter {cfg.router.default_drafter!r} is not served by any drafter service ({sorted(drafters)})")
+    if not drafters:
+        log.warning("no drafters configured: every request decodes with the target alone")
+    return drafters
+
+
+async def reload(servicer: GenerationServicer, scheduler: Scheduler, config_path: str, over_grpc: bool) -> None:
+    """Apply a changed config file without a restart (SIGHUP).
+
+    Drafter services (gRPC only; Ray actors are placed by `serve --ray`), routing,
+    speculation and request limits change; what the router learned is kept. The
+    verifier and the tokenizer stay: changing the target needs a restart.
+    """
+    cfg = config_mod.load(config_path)
+    rcfg = cfg.router
+    drafters = scheduler.drafters
+    if over_grpc:
+        existing = {t.name: t for t in scheduler.drafters.values()}
+        services = {}
+        for svc in cfg.drafters:
+            old = existing.get(svc.name)
+            services[svc.name] = old if old is not None and old.address == svc.address else GrpcDrafter(svc.name, svc.address)
+            await wait_until_serving(svc.address, 30.0)
+        drafters = await collect_drafters(cfg, services, servicer.target)
+    new_router = build_drafter_router(cfg, sorted(drafters))
+    new_router.store = scheduler.router.store
+    scheduler.drafters, scheduler.router = drafters, new_router
+    scheduler.controller.adaptive = rcfg.adaptive_speculation
+    scheduler.controller.stop_below = rcfg.stop_below_confidence
+    scheduler.config.max_running = rcfg.max_running
+    scheduler.config.max_queued = rcfg.max_queued
+    scheduler.config.rpc_timeout_s = rcfg.rpc_timeout_s
+    limits = servicer.limits
+    limits.default_max_tokens, limits.max_tokens_limit = rcfg.default_max_tokens, rcfg.max_tokens_limit
+    limits.default_draft_tokens, limits.max_draft_tokens = rcfg.num_draft_tokens, rcfg.max_draft_tokens
+    log.info("reloaded %s: drafters %s, routing policy %s", config_path, sorted(drafters), rcfg.routing_policy)
 
 
 def build_drafter_router(cfg: config_mod.Config, served: list[str]) -> DrafterRouter:
@@ -232,7 +273,14 @@ async def profile_costs(verifier, drafters: dict, cost: CostModel, token: int) -
     )
 
 
-async def run(cfg: config_mod.Config, host: str, port: int, ray_address: str | None = None, ray_namespace: str = "specfleet") -> None:
+async def run(
+    cfg: config_mod.Config,
+    host: str,
+    port: int,
+    ray_address: str | None = None,
+    ray_namespace: str = "specfleet",
+    config_path: str | None = None,
+) -> None:
     """Serve; with ray_address, reach the verifier and drafters as Ray actors (`specfleet serve --ray`) instead of gRPC."""
     given = None
     if ray_address is not None:
@@ -241,14 +289,20 @@ async def run(cfg: config_mod.Config, host: str, port: int, ray_address: str | N
         given = await ray_transport.connect(cfg, ray_address, ray_namespace, cfg.router.startup_timeout_s)
     servicer, scheduler, transports = await build(cfg, given)
     scheduler.start()
+    metrics_server = None
+    if cfg.router.metrics_port:
+        metrics_server = await serve_metrics(host, cfg.router.metrics_port, lambda: render_metrics(scheduler))
+    on_reload = (lambda: reload(servicer, scheduler, config_path, over_grpc=given is None)) if config_path else None
 
     def register(server):
         generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
         return [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name]
 
     try:
-        await serve("router", host, port, register)
+        await serve("router", host, port, register, on_reload=on_reload)
     finally:
+        if metrics_server is not None:
+            metrics_server.close()
         await scheduler.stop()
         for transport in transports:
             await transport.close()
@@ -266,7 +320,14 @@ def main(argv: list[str] | None = None) -> int:
     cfg = config_mod.load(args.config) if args.config else config_mod.default_config(config_mod.REPO / ".cache")
     try:
         asyncio.run(
-            run(cfg, args.host or cfg.router.host, args.port if args.port is not None else cfg.router.port, args.ray, args.ray_namespace)
+            run(
+                cfg,
+                args.host or cfg.router.host,
+                args.port if args.port is not None else cfg.router.port,
+                args.ray,
+                args.ray_namespace,
+                config_path=args.config,
+            )
         )
     except (StartupError, TimeoutError) as err:
         log.error("router cannot start: %s", err)

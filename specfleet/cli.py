@@ -93,6 +93,23 @@ def cmd_serve(argv: list[str]) -> int:
         ready = asyncio.run(_wait_ready(router_address, procs, args.startup_timeout, wait_until_serving))
         if not ready:
             return stop_all(1)
+
+        def reload_config(*_):
+            # The router re-reads its config on SIGHUP; refresh the copy it reads first.
+            if not args.config:
+                print("specfleet serve: SIGHUP ignored: there is no --config file to reload", file=sys.stderr)
+                return
+            try:
+                new = config_mod.load(args.config)
+            except config_mod.ConfigError as err:
+                print(f"specfleet serve: reload refused, keeping the running config: {err}", file=sys.stderr)
+                return
+            if args.port is not None:
+                new.router.port = args.port
+            config_file.write_text(new.to_yaml())
+            procs[-1][1].send_signal(signal.SIGHUP)
+
+        signal.signal(signal.SIGHUP, reload_config)
         print(f"specfleet is ready: router listening on {router_address} (Ctrl-C stops everything)", flush=True)
         print(f"  try: specfleet generate --server {router_address} 'def fibonacci(n):'", flush=True)
         while True:

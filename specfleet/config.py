@@ -146,6 +146,8 @@ class RouterConfig:
     rpc_timeout_s: float = 60.0
     # How long start-up waits for the verifier and drafters to become healthy.
     startup_timeout_s: float = 180.0
+    # Prometheus metrics at http://host:metrics_port/metrics; 0 turns them off.
+    metrics_port: int = 0
 
 
 @dataclass

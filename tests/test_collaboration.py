@@ -149,3 +149,41 @@ def test_saturation_every_request_finishes_or_reports_its_deadline(random_family
     assert outcomes["finished"] >= 1 and outcomes[grpc.StatusCode.DEADLINE_EXCEEDED] >= 1, outcomes
     for _, tokens in results:
         assert tokens == reference[: len(tokens)]
+
+
+def test_config_reload_and_metrics(random_family, tmp_path):
+    """SIGHUP to `specfleet serve` applies a changed config; /metrics reports per-drafter, per-domain counts."""
+    import signal
+    import time
+    import urllib.request
+
+    import yaml
+
+    from tests.conftest import free_port
+
+    config = multi_drafter_config(random_family, routing_policy="fixed", default_drafter="drafter-random", metrics_port=free_port())
+    cluster = Cluster(config, tmp_path, "reload").start()
+    try:
+        with cluster.channel() as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+
+            def drafters_used():
+                reply = stub.Generate(greedy_request(PROMPTS[0], 16, 4), timeout=120)
+                return {d.drafter for d in reply.speculation.drafters}
+
+            assert drafters_used() == {"drafter-random"}
+            config["router"]["default_drafter"] = "drafter-copy"
+            cluster.config_path.write_text(yaml.safe_dump(config))
+            cluster.proc.send_signal(signal.SIGHUP)
+            deadline = time.monotonic() + 30
+            while drafters_used() != {"drafter-copy"}:
+                assert time.monotonic() < deadline, "the reloaded default drafter was never used"
+                time.sleep(0.5)
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{config['router']['metrics_port']}/metrics", timeout=10).read().decode()
+    finally:
+        cluster.stop()
+    assert "reloaded" in cluster.log_path.read_text()
+    rounds = [line for line in metrics.splitlines() if line.startswith("specfleet_router_rounds_total")]
+    assert rounds and float(rounds[0].split()[-1]) > 0
+    assert 'specfleet_router_drafter_proposed_tokens_total{domain="-",drafter="drafter-copy"}' in metrics
+    assert "# TYPE specfleet_router_accepted_tokens_total counter" in metrics

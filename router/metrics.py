@@ -1,0 +1,94 @@
+"""The router's metrics in Prometheus text format, on a small HTTP endpoint (GET /metrics).
+
+No client library: the format is a few lines of text, and the router already
+keeps the counters (`RouterMetrics`) and the learned routing state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+
+def _labels(**labels: str) -> str:
+    if not labels:
+        return ""
+    inner = ",".join(f'{k}="{str(v).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"' for k, v in labels.items())
+    return "{" + inner + "}"
+
+
+def render(scheduler) -> str:
+    """All router metrics, one `# TYPE` block per family."""
+    m = scheduler.metrics
+    lines: list[str] = []
+
+    def family(name: str, kind: str, help_text: str, samples: list[tuple[dict, float]]) -> None:
+        lines.append(f"# HELP specfleet_router_{name} {help_text}")
+        lines.append(f"# TYPE specfleet_router_{name} {kind}")
+        for labels, value in samples:
+            lines.append(f"specfleet_router_{name}{_labels(**labels)} {value:g}")
+
+    family("requests_running", "gauge", "Requests being generated.", [({}, scheduler.running)])
+    family("requests_waiting", "gauge", "Requests queued for admission.", [({}, scheduler.waiting)])
+    family("requests_finished_total", "counter", "Requests completed.", [({}, m.requests_finished)])
+    family("requests_failed_total", "counter", "Requests that ended with an error.", [({}, m.requests_failed)])
+    family("rounds_total", "counter", "Draft-and-verify rounds.", [({}, m.rounds)])
+    family("draft_tokens_total", "counter", "Draft tokens sent for verification.", [({}, m.draft_tokens)])
+    family("accepted_tokens_total", "counter", "Draft tokens the target accepted.", [({}, m.accepted_tokens)])
+    family("drafter_errors_total", "counter", "Failed drafter calls (the round decoded without drafts).", [({}, m.drafter_errors)])
+    family("session_misses_total", "counter", "Sessions a server had lost and was sent again.", [({}, m.session_misses)])
+    family("verify_busy_seconds_total", "counter", "Verifier compute time reported for this router's calls.", [({}, m.verify_busy_ms / 1e3)])
+    by_domain = sorted(m.by_domain.items())
+    family(
+        "drafter_proposed_tokens_total", "counter", "Tokens each drafter proposed, per request domain.",
+        [({"domain": d or "-", "drafter": dr}, c.draft_tokens) for (d, dr), c in by_domain],
+    )
+    family(
+        "drafter_accepted_tokens_total", "counter", "Proposals of each drafter that matched the target's tokens, per domain.",
+        [({"domain": d or "-", "drafter": dr}, c.accepted_tokens) for (d, dr), c in by_domain],
+    )
+    expertise = sorted(scheduler.router.store.snapshot().items())
+    family(
+        "expertise_acceptance", "gauge", "Learned per-token acceptance (posterior mean without prior) per domain and drafter.",
+        [
+            ({"domain": d or "-", "drafter": dr}, e.accepted / (e.accepted + e.rejected))
+            for (d, dr), e in expertise
+            if e.accepted + e.rejected > 0
+        ],
+    )
+    cost = scheduler.controller.cost
+    family(
+        "cost_model_ms", "gauge", "The fitted cost model used for adaptive speculation.",
+        [({"term": "verify_base"}, cost.verify_base), ({"term": "verify_per_token"}, cost.verify_per_token), ({"term": "draft_per_token"}, cost.draft_per_token)],
+    )
+    return "\n".join(lines) + "\n"
+
+
+async def serve_metrics(host: str, port: int, render_text: Callable[[], str]) -> asyncio.Server:
+    """GET /metrics on host:port; anything else is 404."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request_line = await asyncio.wait_for(reader.readline(), timeout=5)
+            while (await asyncio.wait_for(reader.readline(), timeout=5)).strip():
+                pass  # headers
+            parts = request_line.decode("latin-1").split()
+            if len(parts) >= 2 and parts[0] == "GET" and parts[1].split("?")[0] == "/metrics":
+                body, status, ctype = render_text().encode(), "200 OK", "text/plain; version=0.0.4"
+            else:
+                body, status, ctype = b"not found: try /metrics\n", "404 Not Found", "text/plain"
+            writer.write(
+                f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body
+            )
+            await writer.drain()
+        except (asyncio.TimeoutError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, host, port)
+    log.info("metrics on http://%s:%d/metrics", host, port)
+    return server
