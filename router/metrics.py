@@ -50,6 +50,10 @@ def render(scheduler) -> str:
         "drafter_accepted_tokens_total", "counter", "Proposals of each drafter that matched the target's tokens, per domain.",
         [({"domain": d or "-", "drafter": dr}, c.accepted_tokens) for (d, dr), c in by_domain],
     )
+    family(
+        "routed_rounds_total", "counter", "Rounds in which each drafter led a request's drafting, per request domain.",
+        [({"domain": d or "-", "drafter": dr}, n) for (d, dr), n in sorted(scheduler.router.led.items())],
+    )
     expertise = sorted(scheduler.router.store.snapshot().items())
     family(
         "expertise_acceptance", "gauge", "Learned per-token acceptance (posterior mean without prior) per domain and drafter.",

@@ -244,7 +244,8 @@ class DrafterRouter:
         self.classifier = classifier
         self.store = store
         self.rng = random.Random(seed)
-        self.rounds_by_drafter: collections.Counter[str] = collections.Counter()
+        # (domain, drafter) -> rounds in which the drafter led (was chosen first).
+        self.led: collections.Counter[tuple[str, str]] = collections.Counter()
 
     def start(self, prompt: str, domain_hint: str = "") -> RequestRouting:
         return RequestRouting(domain=domain_hint or self.classifier.classify(prompt))
@@ -279,7 +280,7 @@ class DrafterRouter:
             best_mean = max(a / (a + r) for a, r in posteriors.values())
             width = 1 if best_mean >= self.config.fusion_below else self.config.fusion_width
             chosen = ranked[: max(1, width)]
-        self.rounds_by_drafter[chosen[0]] += 1
+        self.led[(routing.domain, chosen[0])] += 1
         return chosen
 
     def observe(self, routing: RequestRouting, outcomes: dict[str, tuple[int, int]]) -> None:
