@@ -225,6 +225,8 @@ class RoutingConfig:
     prior_other: tuple[float, float] = (1.0, 1.0)
     # Weight of this request's own evidence against the domain's.
     request_weight: float = 2.0
+    # Take a request's declared domain over the classifier's guess.
+    use_domain_hint: bool = True
 
 
 @dataclass
@@ -248,7 +250,8 @@ class DrafterRouter:
         self.led: collections.Counter[tuple[str, str]] = collections.Counter()
 
     def start(self, prompt: str, domain_hint: str = "") -> RequestRouting:
-        return RequestRouting(domain=domain_hint or self.classifier.classify(prompt))
+        hint = domain_hint if self.config.use_domain_hint else ""
+        return RequestRouting(domain=hint or self.classifier.classify(prompt))
 
     def _prior(self, drafter: str, domain: str) -> tuple[float, float]:
         specialist = domain in self.drafters[drafter].specialities

@@ -236,6 +236,7 @@ def build_drafter_router(cfg: config_mod.Config, served: list[str]) -> DrafterRo
         default_drafter=rcfg.default_drafter,
         fusion_width=rcfg.fusion_width,
         fusion_below=rcfg.fusion_below,
+        use_domain_hint=rcfg.use_domain_hint,
     )
     log.info(
         "routing: policy %s, fusion width %d, domains %s, state in %s",

@@ -120,6 +120,9 @@ class RouterConfig:
     # random, or oracle (the specialist of the request's declared domain).
     routing_policy: str = "expertise"
     default_drafter: str = ""
+    # Take GenerateRequest.domain over the prompt classifier's guess (benchmarks turn it off
+    # to measure the classifier and the learning alone).
+    use_domain_hint: bool = True
     # Cooperating drafters per request at most (1: no fusion), used when the best drafter's
     # expected acceptance is below fusion_below.
     fusion_width: int = 1
