@@ -1,0 +1,328 @@
+"""``specfleet models build``: corpora -> tokenizer -> target -> distilled drafters -> models/demo.
+
+Every stage writes its result into the work dir and is skipped when it is already
+there; the training loops checkpoint regularly, so an interrupted build resumes
+where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+DRAFTER_NAMES = ("code", "prose", "docs", "structured", "general")
+STAGES = ("corpus", "tokenizer", "target", "teacher", "drafters", "export", "matrix")
+
+
+@dataclass
+class Plan:
+    vocab: int
+    target: "object"
+    drafter: "object"
+    target_steps: int
+    target_minutes: float
+    target_batch: int
+    target_lr: float
+    seq: int
+    teacher_seqs: int  # per domain
+    teacher_topk: int
+    drafter_steps: int
+    drafter_minutes: float
+    drafter_batch: int
+    drafter_lr: float
+
+
+def make_plan(args) -> Plan:
+    from .train import ModelSpec
+
+    if args.quick:
+        return Plan(
+            vocab=args.vocab or 1024,
+            target=ModelSpec(layers=2, hidden=64, intermediate=128, heads=2),
+            drafter=ModelSpec(layers=1, hidden=32, intermediate=64, heads=2),
+            target_steps=args.target_steps or 40,
+            target_minutes=args.target_minutes or 0.4,
+            target_batch=8,
+            target_lr=3e-3,
+            seq=64,
+            teacher_seqs=args.teacher_seqs or 32,
+            teacher_topk=16,
+            drafter_steps=args.drafter_steps or 20,
+            drafter_minutes=args.drafter_minutes or 0.1,
+            drafter_batch=8,
+            drafter_lr=3e-3,
+        )
+    return Plan(
+        vocab=args.vocab or 8192,
+        target=ModelSpec(layers=16, hidden=256, intermediate=512, heads=4),
+        drafter=ModelSpec(layers=2, hidden=128, intermediate=384, heads=4),
+        target_steps=args.target_steps or 100_000,
+        target_minutes=args.target_minutes or 45.0,
+        target_batch=8,
+        target_lr=1.5e-3,
+        seq=256,
+        teacher_seqs=args.teacher_seqs or 1600,
+        teacher_topk=32,
+        drafter_steps=args.drafter_steps or 100_000,
+        drafter_minutes=args.drafter_minutes or 5.0,
+        drafter_batch=8,
+        drafter_lr=2e-3,
+    )
+
+
+def _progress():
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.percentage:>5.1f}%"),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        transient=False,
+    )
+
+
+def _card(title: str, body: dict, command: str) -> str:
+    lines = [f"# {title}", ""]
+    for k, v in body.items():
+        lines.append(f"- **{k}**: {v}")
+    lines += ["", "Made by:", "", "```", command, "```", ""]
+    return "\n".join(lines)
+
+
+def build_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="specfleet models build", description=__doc__)
+    ap.add_argument("--out", default="models/demo", help="where the final models go")
+    ap.add_argument("--work", default=".cache/demo_models", help="work dir (corpora, checkpoints)")
+    ap.add_argument("--quick", action="store_true", help="tiny models and corpora, stdlib only, no network")
+    ap.add_argument("--vocab", type=int, default=0)
+    ap.add_argument("--target-minutes", type=float, default=0, help="training-time budget for the target")
+    ap.add_argument("--target-steps", type=int, default=0)
+    ap.add_argument("--drafter-minutes", type=float, default=0, help="training-time budget per drafter")
+    ap.add_argument("--drafter-steps", type=int, default=0)
+    ap.add_argument("--teacher-seqs", type=int, default=0, help="target-labelled windows per domain")
+    ap.add_argument("--stop-after", choices=STAGES, default=None)
+    ap.add_argument("--no-matrix", action="store_true", help="skip the acceptance matrix at the end")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+
+    import numpy as np
+    import torch
+    from rich.console import Console
+
+    torch.set_num_threads(args.threads)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+    from . import corpus as corpus_mod
+    from .tokenizer import train_tokenizer, roundtrip_ok
+    from . import train as T
+
+    console = Console(stderr=True)
+    log = console.log
+    work = Path(args.work)
+    out = Path(args.out)
+    work.mkdir(parents=True, exist_ok=True)
+    plan = make_plan(args)
+    command = "specfleet models build " + " ".join(shlex.quote(a) for a in argv)
+    T.save_json(work / "plan.json", {"plan": plan.__dict__, "argv": argv})
+    t_start = time.time()
+
+    def stop(stage: str) -> bool:
+        return args.stop_after == stage
+
+    # 1. corpora
+    corpus = corpus_mod.build_corpora(work, quick=args.quick, log=log)
+    if stop("corpus"):
+        return 0
+
+    # 2. tokenizer
+    tok = train_tokenizer(corpus, work / "tokenizer", vocab_size=plan.vocab)
+    for d in corpus_mod.DOMAINS:
+        for text in corpus_mod.load_split(corpus, d, "heldout")[:20]:
+            if not roundtrip_ok(tok, text):
+                log(f"[red]tokenizer does not round-trip a {d} text")
+                return 1
+    tokens = T.tokenize_corpus(corpus, tok, work / "tokens", log=log)
+    if stop("tokenizer"):
+        return 0
+
+    streams = {d: T.load_stream(tokens, d, "train") for d in corpus_mod.DOMAINS}
+
+    # 3. target
+    tdir = work / "target"
+    tdir.mkdir(exist_ok=True)
+    target = T.new_model(plan.target, tok, seed=1)
+    tstate_f = tdir / "state.json"
+    if not tstate_f.exists():
+        budget = T.TrainBudget(
+            max_steps=plan.target_steps,
+            max_seconds=plan.target_minutes * 60,
+            batch=plan.target_batch,
+            seq=plan.seq,
+            lr=plan.target_lr,
+        )
+        n_params = sum(p.numel() for p in target.parameters())
+        log(f"target {plan.target} {n_params / 1e6:.1f}M params, budget {budget}")
+        with _progress() as prog:
+            task = prog.add_task("target", total=1.0, info="")
+            state = T.train_loop(
+                target,
+                budget,
+                tdir / "ckpt.pt",
+                T.mix_batch_fn(streams, plan.seq),
+                T.lm_loss,
+                "target",
+                progress_cb=lambda f, s: prog.update(task, completed=f, info=f"step {s['step']} loss {s['loss']:.3f}"),
+                log=log,
+                seed=1,
+            )
+        torch.save(target.state_dict(), tdir / "final.pt")
+        T.save_json(tstate_f, {k: v for k, v in state.items()})
+    else:
+        target.load_state_dict(torch.load(tdir / "final.pt", map_location="cpu"))
+    target.eval()
+    tstate = json.loads(tstate_f.read_text())
+    if stop("target"):
+        return 0
+
+    # 4. teacher labels: target top-k log-probs on windows of each domain
+    caches = {}
+    with _progress() as prog:
+        for i, d in enumerate(corpus_mod.DOMAINS):
+            task = prog.add_task(f"teacher {d}", total=1.0, info="")
+            cdir = T.cache_teacher(
+                target,
+                streams[d],
+                plan.teacher_seqs,
+                plan.seq,
+                plan.teacher_topk,
+                work / "teacher" / d,
+                seed=100 + i,
+                progress_cb=lambda f, task=task: prog.update(task, completed=f),
+            )
+            prog.update(task, completed=1.0)
+            caches[d] = T.load_teacher_cache(cdir)
+    if stop("teacher"):
+        return 0
+
+    # 5. drafters: one per domain + general over the mix, same budget each
+    dstates = {}
+    for j, name in enumerate(DRAFTER_NAMES):
+        ddir = work / "drafters" / name
+        ddir.mkdir(parents=True, exist_ok=True)
+        sf = ddir / "state.json"
+        if sf.exists():
+            dstates[name] = json.loads(sf.read_text())
+            continue
+        model = T.new_model(plan.drafter, tok, seed=10 + j)
+        T.init_embeddings_from_target(model, target)  # same vocab; PCA-projected to the drafter's width
+        src = [caches[name]] if name != "general" else [caches[d] for d in corpus_mod.DOMAINS]
+        budget = T.TrainBudget(
+            max_steps=plan.drafter_steps,
+            max_seconds=plan.drafter_minutes * 60,
+            batch=plan.drafter_batch,
+            seq=plan.seq,
+            lr=plan.drafter_lr,
+        )
+        with _progress() as prog:
+            task = prog.add_task(f"drafter {name}", total=1.0, info="")
+            state = T.train_loop(
+                model,
+                budget,
+                ddir / "ckpt.pt",
+                T.distill_batch_fn(src),
+                T.distill_loss,
+                f"drafter {name}",
+                progress_cb=lambda f, s: prog.update(task, completed=f, info=f"step {s['step']} kl {s['loss']:.3f}"),
+                log=log,
+                seed=10 + j,
+            )
+        torch.save(model.state_dict(), ddir / "final.pt")
+        T.save_json(sf, state)
+        dstates[name] = state
+    if stop("drafters"):
+        return 0
+
+    # 6. export
+    # save_pretrained overwrites our files in place; other files in these dirs (e.g. serving
+    # exemplars added by hand) are left alone.
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(str(out / "tokenizer"))
+    stats = json.loads((corpus / "stats.json").read_text())
+    data_desc = {d: f"{stats[d]['train']['chars']:,} chars train" for d in stats}
+    srcs = {
+        "code": "Python 3.11 standard library source",
+        "prose": "Debian fortunes, dict-gcide, jargon-text, bible-kjv-text",
+        "docs": "Debian python3.11-doc (reST), manpages, perl-doc (POD), vim-runtime help",
+        "structured": "YAML/JSON/INI/TOML/CFG files of Debian ansible",
+    }
+    if args.quick:
+        srcs = {d: "local Python stdlib tree (quick mode)" for d in srcs}
+    T.export_model(
+        target,
+        tok,
+        out / "target",
+        _card(
+            "specfleet demo target",
+            {
+                "architecture": f"LlamaForCausalLM {plan.target.layers} layers x {plan.target.hidden} hidden, "
+                f"{plan.target.heads} heads, vocab {len(tok)}, tied embeddings, bf16 weights",
+                "data": "; ".join(f"{d}: {srcs[d]} ({data_desc[d]})" for d in srcs),
+                "training": f"{tstate['step']} steps x {plan.target_batch} x {plan.seq} tokens "
+                f"({tstate['tokens']:,} tokens, {tstate['elapsed'] / 60:.1f} min on one CPU thread), AdamW, cosine LR",
+                "final train loss": f"{tstate['final_loss']:.3f} nats/token (EMA)",
+                "purpose": "verifier for specfleet demos; tiny and undertrained, not a useful language model",
+            },
+            command,
+        ),
+    )
+    for name in DRAFTER_NAMES:
+        model = T.new_model(plan.drafter, tok, seed=0)
+        model.load_state_dict(torch.load(work / "drafters" / name / "final.pt", map_location="cpu"))
+        st = dstates[name]
+        data = srcs[name] if name != "general" else "all four domains, mixed uniformly"
+        T.export_model(
+            model,
+            tok,
+            out / "drafters" / name,
+            _card(
+                f"specfleet demo drafter: {name}",
+                {
+                    "architecture": f"LlamaForCausalLM {plan.drafter.layers} layers x {plan.drafter.hidden} hidden, "
+                    f"vocab {len(tok)}, tied embeddings, bf16 weights; same tokenizer as the target",
+                    "data": f"{data}; {plan.teacher_seqs} windows x {plan.seq} tokens per domain labelled by the target",
+                    "training": f"distilled from the target (cross-entropy to its top-{plan.teacher_topk} "
+                    f"temperature-1 distribution + tail bucket), {st['step']} steps x {plan.drafter_batch} x {plan.seq} "
+                    f"tokens ({st['elapsed'] / 60:.1f} min on one CPU thread); tied embedding initialised from the "
+                    "target's embedding projected onto its top principal directions",
+                    "final distillation loss": f"{st['final_loss']:.3f} nats/token (EMA)",
+                },
+                command,
+            ),
+        )
+    log(f"exported models to {out} ({sum(f.stat().st_size for f in out.rglob('*') if f.is_file()) / 1e6:.1f} MB)")
+    if stop("export"):
+        return 0
+
+    # 7. acceptance matrix
+    if not args.no_matrix:
+        from .acceptance import matrix_main
+
+        margv = ["--models", str(out), "--work", str(work), "--output", str(out / "acceptance.md")]
+        if args.quick:
+            margv += ["--quick"]
+        rc = matrix_main(margv)
+        if rc:
+            return rc
+    log(f"build finished in {time.time() - t_start:.0f}s")
+    return 0

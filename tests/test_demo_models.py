@@ -1,0 +1,135 @@
+"""Demo-model pipeline (specfleet.demo_models) and the bundled models in models/demo."""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from specfleet.demo_models import build_main, matrix_main  # noqa: E402
+from specfleet.demo_models.corpus import DOMAINS, load_split  # noqa: E402
+
+torch.set_num_threads(1)
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "models" / "demo"
+MODEL_DIRS = ["target"] + [f"drafters/{n}" for n in ("code", "prose", "docs", "structured", "general")]
+
+SAMPLES = {
+    "code": (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text(encoding="utf-8")[:6000],
+    "prose": (
+        "Q:\tHow many Bell Labs Vice Presidents does it take to change a light bulb?\n"
+        "A:\tThat's proprietary information.  Answer available from AT&T on payment of license fee.\n%\n"
+        "  3 And God said, Let there be light: and there was light.\n"
+        "Abandon \\A*ban\"don\\, v. t. [imp. & p. p. {Abandoned}; p. pr. & vb. n. {Abandoning}.]\n"
+    ),
+    "docs": (
+        ".TH LS 1 2023-01-01 \"GNU coreutils\"\n.SH NAME\nls \\- list directory contents\n.B \\-a\n"
+        "=head1 NAME\n\nperlfunc - Perl builtin functions\n\n=over 4\n\n=item C<abs VALUE>\n\n"
+        "*:help*\t*help*\n:h[elp]\t\tOpen a window and display the help file.  |CTRL-W|\n"
+        ":mod:`textwrap` --- Text wrapping and filling\n=============================================\n"
+    ),
+    "structured": (
+        "---\n- name: Install packages\n  hosts: all\n  tasks:\n    - apt:\n        name: \"{{ item }}\"\n"
+        '{"a": [1, 2.5e-3, null, true], "b": {"c": "\\u00e9"}}\n'
+        "[section]\nkey = value ; comment\n\n[tool.black]\nline-length = 100\n"
+    ),
+    "edge": "tabs\tand  spaces \n\n\r\n trailing  \u00e9\u00e8 \u65e5\u672c\u8a9e \U0001f600 \x00\x7f <|endoftext|> done",
+}
+
+
+def _roundtrip(tok, text: str) -> bool:
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    return tok.decode(ids, clean_up_tokenization_spaces=False) == text
+
+
+@pytest.fixture(scope="module")
+def quick_build(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("demo_quick")
+    out, work = tmp / "out", tmp / "work"
+    rc = build_main(["--quick", "--out", str(out), "--work", str(work)])
+    assert rc == 0
+    return out, work
+
+
+def test_quick_pipeline_end_to_end(quick_build):
+    out, work = quick_build
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    for sub in MODEL_DIRS:
+        d = out / sub
+        assert (d / "model.safetensors").exists(), d
+        assert (d / "README.md").exists()
+        m = AutoModelForCausalLM.from_pretrained(str(d))
+        tok = AutoTokenizer.from_pretrained(str(d))
+        assert m.dtype in (torch.bfloat16, torch.float16)
+        assert m.generation_config.eos_token_id == tok.eos_token_id
+    md = (out / "acceptance.md").read_text()
+    assert "Greedy per-token acceptance" in md and "Per-token cost" in md
+    # the corpora have fixed splits and the tokenizer round-trips them
+    tok = AutoTokenizer.from_pretrained(str(out / "tokenizer"))
+    for d in DOMAINS:
+        for split in ("train", "heldout", "unseen"):
+            texts = load_split(work / "corpus", d, split)
+            assert texts, (d, split)
+            assert all(_roundtrip(tok, t) for t in texts[:10]), (d, split)
+
+
+def test_quick_pipeline_resumes(quick_build):
+    """A second run finds every stage done and only re-exports / re-measures."""
+    out, work = quick_build
+    rc = build_main(["--quick", "--out", str(out), "--work", str(work), "--no-matrix"])
+    assert rc == 0
+    assert json.loads((work / "target" / "state.json").read_text())["step"] > 0
+
+
+def test_matrix_cli(quick_build, tmp_path):
+    out, work = quick_build
+    dest = tmp_path / "m.md"
+    assert matrix_main(["--quick", "--no-cost", "--models", str(out), "--work", str(work), "--output", str(dest)]) == 0
+    assert "| general |" in dest.read_text()
+
+
+# --------------------------------------------------------------------------- bundled models
+
+
+def test_bundled_models_present_and_small():
+    assert (DEMO / "tokenizer" / "tokenizer.json").exists(), "models/demo is missing; run the build"
+    total = sum(f.stat().st_size for f in DEMO.rglob("*") if f.is_file())
+    assert total <= 80 * 1024 * 1024, total
+    for sub in MODEL_DIRS:
+        cfg = json.loads((DEMO / sub / "config.json").read_text())
+        assert cfg.get("dtype", cfg.get("torch_dtype")) in ("bfloat16", "float16")
+        assert (DEMO / sub / "README.md").read_text().strip()
+
+
+@pytest.mark.parametrize("sub", MODEL_DIRS)
+def test_bundled_model_loads_and_generates(sub):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d = DEMO / sub
+    tok = AutoTokenizer.from_pretrained(str(d))
+    model = AutoModelForCausalLM.from_pretrained(str(d))
+    assert model.generation_config.eos_token_id == tok.eos_token_id
+    ids = tok("def main(argv):\n    ", return_tensors="pt")
+    out = model.generate(**ids, max_new_tokens=5, do_sample=False)
+    assert out.shape[1] == ids["input_ids"].shape[1] + 5 or tok.eos_token_id in out[0].tolist()
+    assert isinstance(tok.decode(out[0]), str)
+
+
+def test_bundled_tokenizer_roundtrips_every_domain():
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(DEMO / "tokenizer"))
+    assert tok.eos_token is not None
+    for name, text in SAMPLES.items():
+        assert _roundtrip(tok, text), name
+    # every model dir ships the same tokenizer
+    ref = (DEMO / "tokenizer" / "tokenizer.json").read_text()
+    for sub in MODEL_DIRS:
+        assert (DEMO / sub / "tokenizer.json").read_text() == ref, sub
