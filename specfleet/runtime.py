@@ -115,16 +115,24 @@ class UnknownSession(Exception):
 @dataclass
 class Session:
     token_ids: list[int]
-    # Per layer (keys, values), each [H, kv_len, D], covering token_ids[:kv_len]. None when evicted.
-    kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     kv_len: int = 0
     # Scratch space for the service (the drafter's pending draft tokens, say).
     extra: dict = field(default_factory=dict)
+    # Per layer (keys, values) buffers, each [H, capacity, D]; the first kv_len positions
+    # hold the KV of token_ids[:kv_len]. Spare capacity makes appending a write, not a copy.
+    _buffers: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    @property
+    def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Per layer (keys, values), each [H, kv_len, D]; None when evicted."""
+        if self._buffers is None:
+            return None
+        return [(k[:, : self.kv_len], v[:, : self.kv_len]) for k, v in self._buffers]
 
     def kv_bytes(self) -> int:
-        if self.kv is None:
+        if self._buffers is None:
             return 0
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv)
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self._buffers)
 
     def truncate(self, length: int) -> None:
         """Keep only the first `length` tokens (rolling back rejected drafts)."""
@@ -132,22 +140,36 @@ class Session:
         self.crop_kv(length)
 
     def crop_kv(self, length: int) -> None:
-        if self.kv is not None and self.kv_len > length:
-            self.kv = [(k[:, :length], v[:, :length]) for k, v in self.kv]
-            self.kv_len = length
+        self.kv_len = min(self.kv_len, length)
 
     def append_kv(self, new_kv: list[tuple[torch.Tensor, torch.Tensor]], count: int) -> None:
         """Extend the cache by `count` positions whose KV is new_kv ([H, count, D] per layer)."""
-        if self.kv is None:
+        needed = self.kv_len + count
+        if self._buffers is None:
             if self.kv_len != 0:
                 raise AssertionError("an evicted session must be rebuilt from position 0")
-            self.kv = [(k.contiguous(), v.contiguous()) for k, v in new_kv]
-        else:
-            self.kv = [(torch.cat([k, nk], dim=1), torch.cat([v, nv], dim=1)) for (k, v), (nk, nv) in zip(self.kv, new_kv)]
-        self.kv_len += count
+            self._buffers = [(self._alloc(k, needed), self._alloc(v, needed)) for k, v in new_kv]
+        elif needed > self._buffers[0][0].shape[1]:
+            grown = []
+            for k, v in self._buffers:
+                nk, nv = self._alloc(k, needed), self._alloc(v, needed)
+                nk[:, : self.kv_len] = k[:, : self.kv_len]
+                nv[:, : self.kv_len] = v[:, : self.kv_len]
+                grown.append((nk, nv))
+            self._buffers = grown
+        for (k, v), (nk, nv) in zip(self._buffers, new_kv):
+            k[:, self.kv_len : needed] = nk
+            v[:, self.kv_len : needed] = nv
+        self.kv_len = needed
+
+    @staticmethod
+    def _alloc(like: torch.Tensor, needed: int) -> torch.Tensor:
+        # Room to grow: doubling keeps appends amortised O(1) per position.
+        capacity = max(64, 1 << (needed - 1).bit_length())
+        return like.new_empty(like.shape[0], capacity, like.shape[2])
 
     def evict_kv(self) -> None:
-        self.kv = None
+        self._buffers = None
         self.kv_len = 0
 
 
@@ -219,7 +241,7 @@ class SessionStore:
         for sid, session in self._sessions.items():
             if total <= self.max_cache_bytes:
                 break
-            if sid in protect or session.kv is None:
+            if sid in protect or session.kv_bytes() == 0:
                 continue
             total -= session.kv_bytes()
             session.evict_kv()
@@ -275,23 +297,27 @@ def forward_batch(loaded: LoadedModel, items: list[ForwardItem]) -> tuple[torch.
 
     cache = DynamicCache(config=model.config)
     if max_past > 0:
-        layers = []
-        for layer in range(loaded.num_layers):
+        pasts = [it.session.kv for it in items]
+        ref_past = next(p for p in pasts if p is not None)
+        for layer_idx, layer in enumerate(cache.layers):
             keys, values = [], []
-            for b, it in enumerate(items):
+            for b, past in enumerate(pasts):
                 pad = max_past - past_lens[b]
-                if it.session.kv is None:
-                    ref = next(x.session.kv for x in items if x.session.kv is not None)[layer][0]
+                if past is None:
+                    ref = ref_past[layer_idx][0]
                     k = v = ref.new_zeros(ref.shape[0], max_past, ref.shape[2])
                 else:
-                    k, v = it.session.kv[layer]
+                    k, v = past[layer_idx]
                     if pad:
                         k = torch.nn.functional.pad(k, (0, 0, pad, 0))
                         v = torch.nn.functional.pad(v, (0, 0, pad, 0))
                 keys.append(k)
                 values.append(v)
-            layers.append((torch.stack(keys), torch.stack(values)))
-        cache = DynamicCache(ddp_cache_data=layers, config=model.config)
+            # Hand the layer its past directly: DynamicCache's own constructor would copy it once more.
+            k_all = keys[0].unsqueeze(0) if batch == 1 else torch.stack(keys)
+            v_all = values[0].unsqueeze(0) if batch == 1 else torch.stack(values)
+            layer.lazy_initialization(k_all, v_all)
+            layer.keys, layer.values = k_all, v_all
 
     out = model(
         input_ids=input_ids.to(device),
@@ -328,8 +354,6 @@ def prefill(loaded: LoadedModel, sessions: list[Session], keep_last: int = 1) ->
         session.crop_kv(target)
         if session.kv_len == target:
             continue
-        if session.kv is None:
-            session.kv_len = 0
         ids = session.token_ids[session.kv_len : target]
         positions = list(range(session.kv_len, target))
         _, new_kv = forward_batch(loaded, [ForwardItem(session, ids, positions)])
