@@ -1,0 +1,5 @@
+import sys
+
+from specfleet.bench import main
+
+sys.exit(main())

