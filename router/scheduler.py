@@ -357,7 +357,8 @@ class Scheduler:
                 )
             return
         wall = (time.perf_counter() - started) * 1e3
-        self.metrics.verify_busy_ms += reply.compute_ms
+        # A merged batch reports its whole compute time to every caller: count this call's share.
+        self.metrics.verify_busy_ms += reply.compute_ms * len(sessions) / max(reply.batch_size, len(sessions))
         fed = sum(1 + len(s.tree.token_ids) for s in sessions)
         self.controller.cost.observe_verify(fed * reply.batch_size // max(1, len(sessions)), reply.compute_ms)
         for state, verified in zip(batch, reply.sessions):

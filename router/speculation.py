@@ -5,11 +5,12 @@ compute times,
     T(k) = verify_base + verify_per_token * sum_i (k_i + 1) + draft_per_token * max_i k_i
 and request i is expected to gain E_i(k_i) = 1 + a_i + a_i^2 + ... + a_i^k_i
 tokens, where a_i is its predicted per-token acceptance. The plan maximises
-goodput, sum_i E_i / T, greedily: starting from k = 0 everywhere, it keeps
-giving one more draft token to the request whose next token is most likely
-accepted (gain a_i^(k_i + 1)) while that raises goodput (SmartSpec's idea).
-So k grows with acceptance and falls with load, and is 0 when drafting costs
-more than it returns. A request planned at k = 0 still drafts one token every
+goodput, sum_i E_i / T (SmartSpec's idea): the next draft token goes to the
+request whose next token is most likely accepted (gain a_i^(k_i + 1)), as
+long as that raises goodput. So k grows with acceptance and falls with load, and is 0 when drafting costs
+more than it returns. The drafting term depends only on the deepest draft, so
+the plan tries each depth D and, for that D, adds draft tokens in order of
+gain while they raise goodput. A request planned at k = 0 still drafts one token every
 `probe_every` rounds, so its acceptance estimate can recover.
 
 Within a round the drafter may stop early (SpecDec++): it is told to stop once
@@ -78,22 +79,31 @@ class SpeculationController:
         """Draft lengths for one round's requests (acceptance a_i, caps, rounds so far)."""
         if not self.adaptive:
             return list(max_k)
-        ks = [0] * len(max_k)
-        gains = [1.0] * len(max_k)  # E_i(k_i), the expected tokens so far
-        best = sum(gains) / self.cost.round_ms(ks) if ks else 0.0
-        while True:
-            candidates = [i for i in range(len(ks)) if ks[i] < max_k[i]]
-            if not candidates:
-                break
-            i = max(candidates, key=lambda j: acceptance[j] ** (ks[j] + 1))
-            gain = acceptance[i] ** (ks[i] + 1)
-            ks[i] += 1
-            goodput = (sum(gains) + gain) / self.cost.round_ms(ks)
-            if goodput <= best:
-                ks[i] -= 1
-                break
-            gains[i] += gain
-            best = goodput
+        n = len(max_k)
+        best_goodput, ks = n / self.cost.round_ms([0] * n) if n else 0.0, [0] * n
+        # The drafting term depends on the deepest draft only, so fix the depth D first;
+        # for a given D, adding a draft token with gain g pays iff it raises sum E / T.
+        for depth in range(1, max(max_k, default=0) + 1):
+            trial, expected = [0] * n, float(n)
+            fixed = self.cost.verify_base + self.cost.verify_per_token * n + self.cost.draft_per_token * depth
+            per_token = self.cost.verify_per_token
+            drafted = 0
+            while True:
+                candidates = [i for i in range(n) if trial[i] < min(max_k[i], depth)]
+                if not candidates:
+                    break
+                i = max(candidates, key=lambda j: acceptance[j] ** (trial[j] + 1))
+                gain = acceptance[i] ** (trial[i] + 1)
+                if (expected + gain) / (fixed + per_token * (drafted + 1)) <= expected / (fixed + per_token * drafted):
+                    break
+                trial[i] += 1
+                expected += gain
+                drafted += 1
+            if max(trial, default=0) < depth:
+                continue  # this depth is not used; a shallower one covers the plan
+            goodput = expected / (fixed + per_token * drafted)
+            if goodput > best_goodput:
+                best_goodput, ks = goodput, trial
         for i in range(len(ks)):
             if ks[i] == 0 and max_k[i] > 0 and rounds[i] % self.probe_every == self.probe_every - 1:
                 ks[i] = 1

@@ -64,10 +64,11 @@ class VerifierConfig:
     address: str = "127.0.0.1:50061"
     dtype: str = "float32"
     threads: int = 1
-    # Dynamic batching: merge concurrent Verify calls up to this many sessions,
-    # waiting at most this long after the first one arrives.
+    # Dynamic batching: merge concurrent Verify calls up to this many sessions, waiting at
+    # most max_wait_ms after the first arrives. 0 merges only what arrived while the previous
+    # batch ran (no added latency for a single stream; measured 4.3 -> 1.3 ms per round).
     max_batch_size: int = 64
-    max_wait_ms: float = 2.0
+    max_wait_ms: float = 0.0
     # KV cache memory budget; least recently used caches are dropped (and rebuilt on use) past it.
     max_cache_mb: float = 1024.0
     # Sessions whose token ids are kept at all; past it the oldest are forgotten.
@@ -96,7 +97,7 @@ class DrafterServiceConfig:
     dtype: str = "float32"
     threads: int = 1
     max_batch_size: int = 64
-    max_wait_ms: float = 1.0
+    max_wait_ms: float = 0.0
     max_cache_mb: float = 512.0
     max_sessions: int = 4096
     # Entries kept in a sampled proposal's sparse distribution.

@@ -129,3 +129,9 @@ def test_cost_model_fits_verification_time():
         cost.observe_verify(tokens, 6.0 + 0.25 * tokens + rng.uniform(-0.1, 0.1))
     assert cost.verify_base == pytest.approx(6.0, abs=0.3)
     assert cost.verify_per_token == pytest.approx(0.25, abs=0.02)
+
+
+def test_several_requests_draft_together_when_the_shared_drafting_step_pays():
+    """The drafting step is shared by the batch: one request alone may not pay for it, four together do."""
+    controller = SpeculationController(cost=CostModel(verify_base=22.0, verify_per_token=0.5, draft_per_token=3.0, pinned=True))
+    assert all(k >= 1 for k in controller.plan([0.7] * 4, [8] * 4, [0] * 4))
