@@ -94,20 +94,7 @@ class DrafterCore:
         return common_pb2.ReleaseResponse(released=released)
 
     def info(self) -> drafter_pb2.DrafterInfo:
-        return drafter_pb2.DrafterInfo(
-            models=[
-                common_pb2.ModelInfo(
-                    name=m.loaded.name,
-                    path=m.loaded.path,
-                    vocab_size=m.loaded.vocab_size,
-                    max_context=m.loaded.max_context,
-                    eos_token_id=m.loaded.eos_token_id,
-                    tokenizer_fingerprint=m.loaded.fingerprint,
-                    parameters=m.loaded.parameters,
-                )
-                for m in self.models.values()
-            ]
-        )
+        return drafter_pb2.DrafterInfo(models=[m.loaded.info() for m in self.models.values()])
 
     def close(self) -> None:
         self.batcher.close()

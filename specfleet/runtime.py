@@ -68,6 +68,20 @@ class LoadedModel:
     parameters: int
     num_layers: int
 
+    def info(self):
+        """This model as the contract's ModelInfo (what GetInfo answers)."""
+        from specfleet.v1 import common_pb2
+
+        return common_pb2.ModelInfo(
+            name=self.name,
+            path=self.path,
+            vocab_size=self.vocab_size,
+            max_context=self.max_context,
+            eos_token_id=self.eos_token_id,
+            tokenizer_fingerprint=self.fingerprint,
+            parameters=self.parameters,
+        )
+
 
 def load_model(name: str, path: str | os.PathLike, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
     """Load a Hugging Face causal LM and its tokenizer from a local directory, offline."""

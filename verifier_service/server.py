@@ -85,16 +85,7 @@ class VerifierCore:
         return common_pb2.ReleaseResponse(released=released)
 
     def info(self) -> common_pb2.ModelInfo:
-        m = self.verifier.loaded
-        return common_pb2.ModelInfo(
-            name=m.name,
-            path=m.path,
-            vocab_size=m.vocab_size,
-            max_context=m.max_context,
-            eos_token_id=m.eos_token_id,
-            tokenizer_fingerprint=m.fingerprint,
-            parameters=m.parameters,
-        )
+        return self.verifier.loaded.info()
 
     def close(self) -> None:
         self.batcher.close()
