@@ -72,6 +72,11 @@ class CostModel:
 class SpeculationController:
     cost: CostModel
     adaptive: bool = True
+    # Drafting overlaps verification (pipelined lanes): a round lasts max(draft, verify), not their sum.
+    overlap: bool = False
+    # Below this predicted acceptance a request does not draft (but probes): costs the model
+    # leaves out (network, the router's own work) outweigh so small a gain.
+    min_acceptance: float = 0.1
     probe_every: int = 8
     stop_below: float = 0.0  # 0 disables early stopping in the drafter
 
@@ -85,23 +90,28 @@ class SpeculationController:
         # for a given D, adding a draft token with gain g pays iff it raises sum E / T.
         for depth in range(1, max(max_k, default=0) + 1):
             trial, expected = [0] * n, float(n)
-            fixed = self.cost.verify_base + self.cost.verify_per_token * n + self.cost.draft_per_token * depth
-            per_token = self.cost.verify_per_token
+            drafting = self.cost.draft_per_token * depth
+
+            def round_ms(drafted: int) -> float:
+                verifying = self.cost.verify_base + self.cost.verify_per_token * (n + drafted)
+                # Pipelined, one group drafts while another is verified: the slower side sets the pace.
+                return max(verifying, drafting) if self.overlap else verifying + drafting
+
             drafted = 0
             while True:
-                candidates = [i for i in range(n) if trial[i] < min(max_k[i], depth)]
+                candidates = [i for i in range(n) if trial[i] < min(max_k[i], depth) and acceptance[i] >= self.min_acceptance]
                 if not candidates:
                     break
                 i = max(candidates, key=lambda j: acceptance[j] ** (trial[j] + 1))
                 gain = acceptance[i] ** (trial[i] + 1)
-                if (expected + gain) / (fixed + per_token * (drafted + 1)) <= expected / (fixed + per_token * drafted):
+                if (expected + gain) / round_ms(drafted + 1) <= expected / round_ms(drafted):
                     break
                 trial[i] += 1
                 expected += gain
                 drafted += 1
             if max(trial, default=0) < depth:
                 continue  # this depth is not used; a shallower one covers the plan
-            goodput = expected / (fixed + per_token * drafted)
+            goodput = expected / round_ms(drafted)
             if goodput > best_goodput:
                 best_goodput, ks = goodput, trial
         for i in range(len(ks)):
