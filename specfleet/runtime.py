@@ -130,8 +130,6 @@ class UnknownSession(Exception):
 class Session:
     token_ids: list[int]
     kv_len: int = 0
-    # Scratch space for the service (the drafter's pending draft tokens, say).
-    extra: dict = field(default_factory=dict)
     # Per layer (keys, values) buffers, each [H, capacity, D]; the first kv_len positions
     # hold the KV of token_ids[:kv_len]. Spare capacity makes appending a write, not a copy.
     _buffers: list[tuple[torch.Tensor, torch.Tensor]] | None = None

@@ -180,8 +180,6 @@ class BatchQueue:
         self._queue: list[_Pending] = []
         self._cond = threading.Condition()
         self._closed = False
-        self.busy_s = 0.0
-        self.batches = 0
         self._thread = threading.Thread(target=self._run, name=f"{name}-batcher", daemon=True)
         self._thread.start()
 
@@ -230,8 +228,6 @@ class BatchQueue:
                 log.exception("%s: batch of %d items failed", self.name, len(items))
                 results, error = None, exc
             elapsed = time.perf_counter() - started
-            self.busy_s += elapsed
-            self.batches += 1
             stats = BatchStats(compute_ms=elapsed * 1e3, batch_size=len(items))
             offset = 0
             for pending in batch:
