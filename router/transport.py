@@ -42,46 +42,42 @@ class VerifierTransport(Protocol):
     async def info(self, timeout_s: float) -> common_pb2.ModelInfo: ...
 
 
-class GrpcDrafter:
-    def __init__(self, name: str, address: str):
-        self.name = name
+class _GrpcPeer:
+    """A channel to one drafter or verifier service; the calls both kinds answer alike."""
+
+    def __init__(self, address: str, stub_class):
         self.address = address
         self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self._stub = drafter_pb2_grpc.DrafterStub(self._channel)
+        self._stub = stub_class(self._channel)
+
+    async def _call(self, method: str, request, timeout_s: float):
+        try:
+            return await getattr(self._stub, method)(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as err:
+            raise _wrap(err) from None
+
+    async def release(self, session_ids):
+        await self._call("ReleaseSessions", common_pb2.ReleaseRequest(session_ids=session_ids), 10.0)
+
+    async def info(self, timeout_s):
+        return await self._call("GetInfo", common_pb2.InfoRequest(), timeout_s)
+
+    async def close(self):
+        await self._channel.close()
+
+
+class GrpcDrafter(_GrpcPeer):
+    def __init__(self, name: str, address: str):
+        super().__init__(address, drafter_pb2_grpc.DrafterStub)
+        self.name = name
 
     async def draft(self, request, timeout_s):
-        try:
-            return await self._stub.Draft(request, timeout=timeout_s)
-        except grpc.aio.AioRpcError as err:
-            raise _wrap(err) from None
-
-    async def release(self, session_ids):
-        await self._stub.ReleaseSessions(common_pb2.ReleaseRequest(session_ids=session_ids), timeout=10.0)
-
-    async def info(self, timeout_s):
-        return await self._stub.GetInfo(common_pb2.InfoRequest(), timeout=timeout_s)
-
-    async def close(self):
-        await self._channel.close()
+        return await self._call("Draft", request, timeout_s)
 
 
-class GrpcVerifier:
+class GrpcVerifier(_GrpcPeer):
     def __init__(self, address: str):
-        self.address = address
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self._stub = verifier_pb2_grpc.VerifierStub(self._channel)
+        super().__init__(address, verifier_pb2_grpc.VerifierStub)
 
     async def verify(self, request, timeout_s):
-        try:
-            return await self._stub.Verify(request, timeout=timeout_s)
-        except grpc.aio.AioRpcError as err:
-            raise _wrap(err) from None
-
-    async def release(self, session_ids):
-        await self._stub.ReleaseSessions(common_pb2.ReleaseRequest(session_ids=session_ids), timeout=10.0)
-
-    async def info(self, timeout_s):
-        return await self._stub.GetInfo(common_pb2.InfoRequest(), timeout=timeout_s)
-
-    async def close(self):
-        await self._channel.close()
+        return await self._call("Verify", request, timeout_s)
