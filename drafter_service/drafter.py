@@ -80,7 +80,7 @@ class DraftModel:
         step = 0
         while active:
             forward_items = [ForwardItem(s, [s.token_ids[-1]], [len(s.token_ids) - 1]) for _, _, s in active]
-            logits, new_kv = forward_batch(self.loaded, forward_items)
+            logits = forward_batch(self.loaded, forward_items)
             params = [item.sampling for _, item, _ in active]
             probs = probs_from_logits(
                 logits[:, 0],
@@ -100,7 +100,7 @@ class DraftModel:
 
             still = []
             for b, (result, item, session) in enumerate(active):
-                session.append_kv(new_kv[b], 1)
+                session.commit([0])
                 token = int(tokens[b])
                 keep = q[b] > 0
                 result.token_ids.append(token)

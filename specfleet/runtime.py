@@ -5,19 +5,17 @@ Caches extend incrementally, roll back rejected positions, and are evicted
 least-recently-used under a memory budget; an evicted cache is rebuilt from
 the session's token ids on its next use, so eviction never changes output.
 
-`forward_batch` runs many sessions in one forward pass. Their past KV caches
-have different lengths; they are left-padded to a common length and masked
-out, and each session's new tokens carry their own attention pattern (causal
-for a chain, ancestor-only for a token tree) and position ids.
-
-Shapes: B sessions; L past length (padded); N new tokens (padded); H KV heads;
-D head dim; V vocabulary.
+`forward_batch` runs many sessions in one forward pass (`specfleet.llama`):
+each session feeds its own new tokens at its own positions with its own
+attention pattern among them (causal for a chain, ancestor-only for a token
+tree), and the pass writes their keys and values into the session's buffer
+just past its cached prefix. The caller then keeps the positions it wants
+(`Session.commit`): all of them for a prompt, the accepted path of a tree.
 """
 
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import logging
 import os
@@ -28,6 +26,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+
+from specfleet import llama
+from specfleet.llama import LlamaModel, check_supported, from_hf
 
 log = logging.getLogger(__name__)
 
@@ -59,14 +60,13 @@ def tokenizer_fingerprint(tokenizer) -> str:
 class LoadedModel:
     name: str
     path: str
-    model: torch.nn.Module
+    model: LlamaModel
     tokenizer: object
     fingerprint: str
     vocab_size: int
     max_context: int
     eos_token_id: int
     parameters: int
-    num_layers: int
 
     def info(self):
         """This model as the contract's ModelInfo (what GetInfo answers)."""
@@ -84,8 +84,8 @@ class LoadedModel:
 
 
 def load_model(name: str, path: str | os.PathLike, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
-    """Load a Hugging Face causal LM and its tokenizer from a local directory, offline."""
-    from transformers import AutoModelForCausalLM
+    """Load a Hugging Face Llama-family causal LM and its tokenizer from a local directory, offline."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     path = pathlib.Path(path)
     if not (path / "config.json").exists():
@@ -93,24 +93,27 @@ def load_model(name: str, path: str | os.PathLike, dtype: str = "float32", devic
     if dtype not in DTYPES:
         raise ValueError(f"model '{name}': dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     started = time.perf_counter()
+    try:
+        check_supported(AutoConfig.from_pretrained(str(path), local_files_only=True))
+    except ValueError as e:
+        raise ValueError(f"model '{name}' at {path}: {e}") from None
     tokenizer = load_tokenizer(path)
-    model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=DTYPES[dtype])
-    model.to(device).eval()
-    config = model.config.get_text_config(decoder=True)
+    hf_model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=DTYPES[dtype])
+    hf_model.to(device).eval()
+    config = hf_model.config
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else config.eos_token_id
     if isinstance(eos, list):
         eos = eos[0]
     loaded = LoadedModel(
         name=name,
         path=str(path),
-        model=model,
+        model=from_hf(hf_model),
         tokenizer=tokenizer,
         fingerprint=tokenizer_fingerprint(tokenizer),
         vocab_size=int(config.vocab_size),
-        max_context=int(getattr(config, "max_position_embeddings", 2048)),
+        max_context=int(config.max_position_embeddings),
         eos_token_id=int(eos) if eos is not None else -1,
-        parameters=sum(p.numel() for p in model.parameters()),
-        num_layers=int(config.num_hidden_layers),
+        parameters=sum(p.numel() for p in hf_model.parameters()),
     )
     log.info(
         "loaded model %s from %s: %.1fM parameters, %s, %.1fs",
@@ -130,21 +133,12 @@ class UnknownSession(Exception):
 class Session:
     token_ids: list[int]
     kv_len: int = 0
-    # Per layer (keys, values) buffers, each [H, capacity, D]; the first kv_len positions
-    # hold the KV of token_ids[:kv_len]. Spare capacity makes appending a write, not a copy.
-    _buffers: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-
-    @property
-    def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        """Per layer (keys, values), each [H, kv_len, D]; None when evicted."""
-        if self._buffers is None:
-            return None
-        return [(k[:, : self.kv_len], v[:, : self.kv_len]) for k, v in self._buffers]
+    # [layers, 2, KV heads, capacity, head dim]; positions [0, kv_len) hold the KV of
+    # token_ids[:kv_len]. Spare capacity makes appending a write, not a copy.
+    kv: torch.Tensor | None = None
 
     def kv_bytes(self) -> int:
-        if self._buffers is None:
-            return 0
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self._buffers)
+        return 0 if self.kv is None else self.kv.numel() * self.kv.element_size()
 
     def truncate(self, length: int) -> None:
         """Keep only the first `length` tokens (rolling back rejected drafts)."""
@@ -154,34 +148,29 @@ class Session:
     def crop_kv(self, length: int) -> None:
         self.kv_len = min(self.kv_len, length)
 
-    def append_kv(self, new_kv: list[tuple[torch.Tensor, torch.Tensor]], count: int) -> None:
-        """Extend the cache by `count` positions whose KV is new_kv ([H, count, D] per layer)."""
+    def reserve(self, model: LlamaModel, count: int) -> None:
+        """Make room for `count` positions past the cached prefix."""
         needed = self.kv_len + count
-        if self._buffers is None:
-            if self.kv_len != 0:
-                raise AssertionError("an evicted session must be rebuilt from position 0")
-            self._buffers = [(self._alloc(k, needed), self._alloc(v, needed)) for k, v in new_kv]
-        elif needed > self._buffers[0][0].shape[1]:
-            grown = []
-            for k, v in self._buffers:
-                nk, nv = self._alloc(k, needed), self._alloc(v, needed)
-                nk[:, : self.kv_len] = k[:, : self.kv_len]
-                nv[:, : self.kv_len] = v[:, : self.kv_len]
-                grown.append((nk, nv))
-            self._buffers = grown
-        for (k, v), (nk, nv) in zip(self._buffers, new_kv):
-            k[:, self.kv_len : needed] = nk
-            v[:, self.kv_len : needed] = nv
-        self.kv_len = needed
-
-    @staticmethod
-    def _alloc(like: torch.Tensor, needed: int) -> torch.Tensor:
-        # Room to grow: doubling keeps appends amortised O(1) per position.
+        if self.kv is not None and needed <= self.kv.shape[3]:
+            return
+        # Doubling keeps appends amortised O(1) per position.
         capacity = max(64, 1 << (needed - 1).bit_length())
-        return like.new_empty(like.shape[0], capacity, like.shape[2])
+        grown = torch.empty(
+            model.num_layers, 2, model.kv_heads, capacity, model.head_dim, dtype=model.dtype, device=model.device
+        )
+        if self.kv is not None and self.kv_len:
+            grown[:, :, :, : self.kv_len] = self.kv[:, :, :, : self.kv_len]
+        self.kv = grown
+
+    def commit(self, rows: list[int]) -> None:
+        """Keep these of the positions the last forward pass wrote past the cached prefix, in this order."""
+        if rows != list(range(len(rows))):
+            src = torch.tensor(rows, device=self.kv.device) + self.kv_len
+            self.kv[:, :, :, self.kv_len : self.kv_len + len(rows)] = self.kv[:, :, :, src]
+        self.kv_len += len(rows)
 
     def evict_kv(self) -> None:
-        self._buffers = None
+        self.kv = None
         self.kv_len = 0
 
 
@@ -273,86 +262,38 @@ class ForwardItem:
     attend: torch.Tensor | None = None  # [n, n] bool: new token i may attend to new token j; None = causal
 
 
-@torch.inference_mode()
-def forward_batch(loaded: LoadedModel, items: list[ForwardItem]) -> tuple[torch.Tensor, list]:
-    """One forward pass over many sessions.
+def forward_batch(loaded: LoadedModel, items: list[ForwardItem], logits: bool = True) -> torch.Tensor | None:
+    """One forward pass over many sessions: logits [B, N, V] float32 (row b valid for its first n_b positions).
 
-    Returns logits [B, N, V] (row b valid for its first n_b positions) and, per
-    item, the new KV per layer as (keys, values), each [H, n_b, D]. The caller
-    decides which of the new positions to keep in the session's cache.
+    Each session's new KV is written just past its cached prefix and is not yet
+    part of it: the caller keeps what it wants with `Session.commit`.
     """
-    from transformers import DynamicCache
-
     model = loaded.model
-    device = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
-    batch = len(items)
-    past_lens = [it.session.kv_len for it in items]
     new_lens = [len(it.input_ids) for it in items]
-    max_past, max_new = max(past_lens), max(new_lens)
-
-    input_ids = torch.zeros(batch, max_new, dtype=torch.long)
-    position_ids = torch.zeros(batch, max_new, dtype=torch.long)
-    allowed = torch.zeros(batch, max_new, max_past + max_new, dtype=torch.bool)
+    width = max(new_lens)
+    input_ids = torch.zeros(len(items), width, dtype=torch.long)
+    positions = torch.zeros(len(items), width, dtype=torch.long)
+    attends = []
     for b, it in enumerate(items):
         n = new_lens[b]
         input_ids[b, :n] = torch.tensor(it.input_ids)
-        position_ids[b, :n] = torch.tensor(it.positions)
-        allowed[b, :n, max_past - past_lens[b] : max_past] = True
-        attend = it.attend if it.attend is not None else torch.ones(n, n, dtype=torch.bool).tril()
-        allowed[b, :n, max_past : max_past + n] = attend
-        # Padding queries attend to themselves only, so softmax never sees an empty row.
-        idx = torch.arange(n, max_new)
-        allowed[b, idx, max_past + idx] = True
-    mask = torch.zeros(batch, 1, max_new, max_past + max_new, dtype=dtype)
-    mask.masked_fill_(~allowed.unsqueeze(1), torch.finfo(dtype).min)
-
-    cache = DynamicCache(config=model.config)
-    if max_past > 0:
-        pasts = [it.session.kv for it in items]
-        ref_past = next(p for p in pasts if p is not None)
-        for layer_idx, layer in enumerate(cache.layers):
-            keys, values = [], []
-            for b, past in enumerate(pasts):
-                pad = max_past - past_lens[b]
-                if past is None:
-                    ref = ref_past[layer_idx][0]
-                    k = v = ref.new_zeros(ref.shape[0], max_past, ref.shape[2])
-                else:
-                    k, v = past[layer_idx]
-                    if pad:
-                        k = torch.nn.functional.pad(k, (0, 0, pad, 0))
-                        v = torch.nn.functional.pad(v, (0, 0, pad, 0))
-                keys.append(k)
-                values.append(v)
-            # Hand the layer its past directly: DynamicCache's own constructor would copy it once more.
-            k_all = keys[0].unsqueeze(0) if batch == 1 else torch.stack(keys)
-            v_all = values[0].unsqueeze(0) if batch == 1 else torch.stack(values)
-            layer.lazy_initialization(k_all, v_all)
-            layer.keys, layer.values = k_all, v_all
-
-    out = model(
-        input_ids=input_ids.to(device),
-        attention_mask=mask.to(device),
-        position_ids=position_ids.to(device),
-        use_cache=True,
-        **{_cache_kwarg(model): cache},
+        positions[b, :n] = torch.tensor(it.positions)
+        it.session.reserve(model, n)
+        if n == 1:
+            attends.append(None)
+        else:
+            attends.append(it.attend if it.attend is not None else torch.ones(n, n, dtype=torch.bool).tril())
+    out = llama.forward(
+        model,
+        input_ids,
+        positions,
+        [it.session.kv for it in items],
+        [it.session.kv_len for it in items],
+        new_lens,
+        attends,
+        logits=logits,
     )
-    # The forward pass appended the new positions to `cache` in place.
-    new_kv = []
-    for b in range(batch):
-        n = new_lens[b]
-        new_kv.append([(layer.keys[b, :, max_past : max_past + n], layer.values[b, :, max_past : max_past + n]) for layer in cache.layers])
-    return out.logits.float(), new_kv
-
-
-def _cache_kwarg(model) -> str:
-    # transformers renamed `past_key_values` to `cache` during 5.x.
-    name = "_specfleet_cache_kwarg"
-    if not hasattr(model, name):
-        params = inspect.signature(model.forward).parameters
-        setattr(model, name, "cache" if "cache" in params else "past_key_values")
-    return getattr(model, name)
+    return None if out is None else out.float()
 
 
 def prefill(loaded: LoadedModel, sessions: list[Session], keep_last: int = 1) -> None:
@@ -368,5 +309,5 @@ def prefill(loaded: LoadedModel, sessions: list[Session], keep_last: int = 1) ->
             continue
         ids = session.token_ids[session.kv_len : target]
         positions = list(range(session.kv_len, target))
-        _, new_kv = forward_batch(loaded, [ForwardItem(session, ids, positions)])
-        session.append_kv(new_kv[0], len(ids))
+        forward_batch(loaded, [ForwardItem(session, ids, positions)], logits=False)
+        session.commit(list(range(len(ids))))

@@ -118,7 +118,7 @@ class Verifier:
                     attend,
                 )
             )
-        logits, new_kv = forward_batch(self.loaded, forward_items)  # [B, 1 + N, V]
+        logits = forward_batch(self.loaded, forward_items)  # [B, 1 + N, V]
 
         batch, width, vocab = logits.shape
         num_nodes = width - 1
@@ -158,8 +158,7 @@ class Verifier:
         for b, (_, item, session) in enumerate(live):
             count = int(verdict.num_accepted[b])
             path = verdict.accepted[b, :count].tolist()
-            rows = [0] + [node + 1 for node in path]
-            session.append_kv([(k[:, rows], v[:, rows]) for k, v in new_kv[b]], len(rows))
+            session.commit([0] + [node + 1 for node in path])
             tokens = [item.tree_tokens[node] for node in path] + [int(verdict.next_token[b])]
             session.token_ids.extend(tokens)
             results.append(VerifyResult(item.session_id, known=True, accepted_nodes=path, token_ids=tokens))
