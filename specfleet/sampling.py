@@ -46,25 +46,27 @@ def probs_from_logits(
     logits = logits.float()
     batch, vocab = logits.shape
     greedy = temperature <= 0
+    one_hot = torch.zeros_like(logits).scatter_(1, logits.argmax(dim=1, keepdim=True), 1.0)
+    if greedy.all():
+        return one_hot
     scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(1)
-
-    sorted_logits, sorted_ids = scaled.sort(dim=1, descending=True)
-    rank = torch.arange(vocab, device=logits.device).expand(batch, vocab)
-    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
-    drop = rank >= k.unsqueeze(1)
-    sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=1)
-    # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass
-    # strictly before it already reaches top_p. The top token is always kept.
-    mass_before = sorted_probs.cumsum(dim=1) - sorted_probs
-    drop |= mass_before >= top_p.unsqueeze(1)
-    drop[:, 0] = False
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    probs = torch.zeros_like(scaled).scatter_(1, sorted_ids, sorted_logits.softmax(dim=1))
-
-    if greedy.any():
-        one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=1, keepdim=True), 1.0)
-        probs = torch.where(greedy.unsqueeze(1), one_hot, probs)
-    return probs
+    if bool(((top_k <= 0) | (top_k >= vocab)).all() and (top_p >= 1).all()):
+        # No truncation asked for: the sort below would change nothing, and it is the costly part.
+        probs = scaled.softmax(dim=1)
+    else:
+        sorted_logits, sorted_ids = scaled.sort(dim=1, descending=True)
+        rank = torch.arange(vocab, device=logits.device).expand(batch, vocab)
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+        drop = rank >= k.unsqueeze(1)
+        sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=1)
+        # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass
+        # strictly before it already reaches top_p. The top token is always kept.
+        mass_before = sorted_probs.cumsum(dim=1) - sorted_probs
+        drop |= mass_before >= top_p.unsqueeze(1)
+        drop[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        probs = torch.zeros_like(scaled).scatter_(1, sorted_ids, sorted_logits.softmax(dim=1))
+    return torch.where(greedy.unsqueeze(1), one_hot, probs)
 
 
 def truncate(probs: torch.Tensor, max_entries: int) -> tuple[torch.Tensor, torch.Tensor]:
