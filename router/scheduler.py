@@ -225,7 +225,9 @@ class Scheduler:
             else:
                 acceptance.append(0.0)
             rounds.append(state.rounds)
-        for state, k in zip(batch, self.controller.plan(acceptance, caps, rounds)):
+        # Drafting hides behind verification only while another lane has requests to verify.
+        overlap = sum(1 for lane in self._lanes if lane) > 1
+        for state, k in zip(batch, self.controller.plan(acceptance, caps, rounds, overlap)):
             state.round_k = k
 
     async def _draft(self, batch: list[RequestState]) -> dict[str, DraftTree]:

@@ -135,7 +135,6 @@ async def build(cfg: config_mod.Config, transports: tuple | None = None) -> tupl
             pinned=rcfg.pin_cost_model,
         ),
         adaptive=rcfg.adaptive_speculation,
-        overlap=rcfg.pipeline_depth > 1,
         stop_below=rcfg.stop_below_confidence,
     )
     if not rcfg.pin_cost_model:

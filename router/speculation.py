@@ -72,16 +72,18 @@ class CostModel:
 class SpeculationController:
     cost: CostModel
     adaptive: bool = True
-    # Drafting overlaps verification (pipelined lanes): a round lasts max(draft, verify), not their sum.
-    overlap: bool = False
     # Below this predicted acceptance a request does not draft (but probes): costs the model
     # leaves out (network, the router's own work) outweigh so small a gain.
     min_acceptance: float = 0.1
     probe_every: int = 8
     stop_below: float = 0.0  # 0 disables early stopping in the drafter
 
-    def plan(self, acceptance: list[float], max_k: list[int], rounds: list[int]) -> list[int]:
-        """Draft lengths for one round's requests (acceptance a_i, caps, rounds so far)."""
+    def plan(self, acceptance: list[float], max_k: list[int], rounds: list[int], overlap: bool = False) -> list[int]:
+        """Draft lengths for one round's requests (acceptance a_i, caps, rounds so far).
+
+        overlap: another group's verification runs while this group drafts (pipelined lanes
+        with work in more than one), so a round lasts max(draft, verify), not their sum.
+        """
         if not self.adaptive:
             return list(max_k)
         n = len(max_k)
@@ -95,7 +97,7 @@ class SpeculationController:
             def round_ms(drafted: int) -> float:
                 verifying = self.cost.verify_base + self.cost.verify_per_token * (n + drafted)
                 # Pipelined, one group drafts while another is verified: the slower side sets the pace.
-                return max(verifying, drafting) if self.overlap else verifying + drafting
+                return max(verifying, drafting) if overlap else verifying + drafting
 
             drafted = 0
             while True:

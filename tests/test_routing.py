@@ -140,5 +140,5 @@ def test_several_requests_draft_together_when_the_shared_drafting_step_pays():
 def test_pipelined_rounds_hide_drafting_so_k_can_be_deeper():
     cost = dict(verify_base=22.0, verify_per_token=1.0, draft_per_token=3.0, pinned=True)
     sequential = SpeculationController(cost=CostModel(**cost)).plan([0.8] * 8, [8] * 8, [0] * 8)
-    overlapped = SpeculationController(cost=CostModel(**cost), overlap=True).plan([0.8] * 8, [8] * 8, [0] * 8)
+    overlapped = SpeculationController(cost=CostModel(**cost)).plan([0.8] * 8, [8] * 8, [0] * 8, overlap=True)
     assert sum(overlapped) > sum(sequential)

@@ -5,7 +5,7 @@ with client-side timestamps (submit, first token, done), so that all of them
 are measured the same way:
 
   hf-target     transformers `generate`, greedy, target alone, in this process on one thread
-  hf-assisted   transformers assisted generation (`assistant_model=` the drafter), greedy
+  hf-assisted   transformers assisted generation (`assistant_model=` the drafter)
   specfleet-off `specfleet serve` with every request sent `speculation.disabled=true`
   specfleet     `specfleet serve` with one drafter (the chosen one)
   specfleet-multi  `specfleet serve` hosting every drafter of the family
@@ -35,6 +35,7 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field
 
 from specfleet.bench.workload import Request
@@ -147,7 +148,7 @@ class _Timer:
 
 class HFTarget(System):
     name = "hf-target"
-    description = "transformers generate, greedy, target alone, in process, one thread"
+    description = "transformers generate, target alone, in process, one thread"
     _models: dict = {}
 
     def __init__(self, family, settings, label=None):
@@ -179,6 +180,8 @@ class HFTarget(System):
 
     def _kwargs(self) -> dict:
         kw = {"do_sample": False}
+        if self.settings.temperature > 0:
+            kw = {"do_sample": True, "temperature": self.settings.temperature, "top_k": 0, "top_p": 1.0}
         if self.settings.ignore_eos:
             kw["eos_token_id"] = None
         return kw
@@ -217,7 +220,7 @@ class HFTarget(System):
 
 class HFAssisted(HFTarget):
     name = "hf-assisted"
-    description = "transformers assisted generation (assistant_model = the drafter), greedy, in process, one thread"
+    description = "transformers assisted generation (assistant_model = the drafter), in process, one thread"
 
     def _load(self):
         super()._load()
@@ -406,6 +409,7 @@ class Specfleet(System):
             prompt_token_ids=req.prompt_ids,
             max_tokens=req.max_tokens,
             temperature=self.settings.temperature,
+            seed=zlib.crc32(req.id.encode()),
             stop_at_eos=not self.settings.ignore_eos,
             request_id=req.id.replace("#", "-") + f"-{time.monotonic_ns()}",
             speculation=generation_pb2.SpeculationOptions(disabled=self.disabled, max_draft_tokens=0 if self.disabled else self.settings.k),
