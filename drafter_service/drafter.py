@@ -31,6 +31,7 @@ class DraftItem:
     num_draft_tokens: int
     sampling: SamplingParams
     stop_below_confidence: float = 0.0
+    score_context: bool = False
 
 
 @dataclass
@@ -40,6 +41,8 @@ class DraftResult:
     token_ids: list[int] = field(default_factory=list)
     proposals: list[tuple[list[int], list[float]]] = field(default_factory=list)
     confidences: list[float] = field(default_factory=list)
+    context_log_prob: float = 0.0  # mean over context_tokens, with score_context
+    context_tokens: int = 0
 
 
 class DraftModel:
@@ -58,7 +61,7 @@ class DraftModel:
 
     def _draft_batch(self, items: list[DraftItem]) -> list[DraftResult]:
         results: list[DraftResult | None] = [None] * len(items)
-        live = []
+        live, scored = [], []
         for idx, item in enumerate(items):
             try:
                 session = self.store.sync(item.session_id, item.prefix_length, item.new_token_ids)
@@ -66,11 +69,16 @@ class DraftModel:
                 results[idx] = DraftResult(item.session_id, known=False)
                 continue
             results[idx] = DraftResult(item.session_id, known=True)
+            if item.score_context:
+                scored.append((results[idx], session))
             if item.num_draft_tokens > 0:
                 live.append((results[idx], item, session))
+        if scored:
+            for (result, _), (total, count) in zip(scored, prefill(self.loaded, [s for _, s in scored], score=True)):
+                result.context_log_prob, result.context_tokens = total / max(1, count), count
         if live:
             self._draft(live)
-        self.store.enforce_budget(protect={item.session_id for _, item, _ in live})
+        self.store.enforce_budget(protect={item.session_id for _, item, _ in live} | {r.session_id for r, _ in scored})
         return results
 
     def _draft(self, live) -> None:

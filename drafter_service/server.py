@@ -63,7 +63,13 @@ class DrafterCore:
             seen.add((s.model, sid))
             sampling = SamplingParams(s.sampling.temperature, s.sampling.top_p, s.sampling.top_k, s.sampling.seed)
             items.append(
-                (s.model, DraftItem(sid, s.sync.prefix_length, list(s.sync.new_token_ids), s.num_draft_tokens, sampling, s.stop_below_confidence))
+                (
+                    s.model,
+                    DraftItem(
+                        sid, s.sync.prefix_length, list(s.sync.new_token_ids), s.num_draft_tokens, sampling,
+                        s.stop_below_confidence, s.score_context,
+                    ),
+                )
             )
         return items
 
@@ -80,6 +86,8 @@ class DrafterCore:
                     token_ids=r.token_ids,
                     proposals=[common_pb2.SparseDistribution(token_ids=ids, probs=probs) for ids, probs in r.proposals],
                     confidences=r.confidences,
+                    context_log_prob=r.context_log_prob,
+                    context_tokens=r.context_tokens,
                 )
                 for r in results
             ],

@@ -2,10 +2,15 @@
 
 Three parts, read top to bottom:
 
-1. `DomainClassifier`, the prior. Each drafter declares specialities (labels)
-   and a few exemplar texts. A prompt's domain is the speciality whose
-   exemplars it resembles most (cosine similarity of hashed character
-   trigrams and layout shapes: no model, microseconds per prompt).
+1. The prior: a new request's domain. Each drafter declares specialities
+   (labels) and a few exemplar texts. By default every specialist scores the
+   prompt while prefilling it (its mean log-probability of the prompt's
+   tokens, one call before the first round) and the best one's speciality is
+   the domain: the drafter that predicts the prompt best is the one most
+   likely to be accepted on its continuation. `DomainClassifier` is the
+   model-free fallback (and the `exemplars` prior): the speciality whose
+   exemplars the prompt resembles most (cosine similarity of hashed
+   character trigrams and layout shapes, microseconds per prompt).
 2. `ExpertiseStore`, the learned state: per (domain, drafter), decayed counts
    of accepted and rejected draft tokens, a Beta posterior on the drafter's
    per-token acceptance in that domain. In process by default; in Redis when a
@@ -227,6 +232,9 @@ class RoutingConfig:
     request_weight: float = 2.0
     # Take a request's declared domain over the classifier's guess.
     use_domain_hint: bool = True
+    # likelihood: the expertise policy asks the specialists to score each new prompt
+    # (`assign_domain`); exemplars: the classifier's guess stands.
+    domain_prior: str = "likelihood"
 
 
 @dataclass
@@ -235,6 +243,8 @@ class RequestRouting:
 
     domain: str
     evidence: dict[str, Evidence] = field(default_factory=dict)
+    # The domain is the classifier's provisional guess until the specialists have scored the prompt.
+    needs_scores: bool = False
 
 
 class DrafterRouter:
@@ -251,7 +261,22 @@ class DrafterRouter:
 
     def start(self, prompt: str, domain_hint: str = "") -> RequestRouting:
         hint = domain_hint if self.config.use_domain_hint else ""
-        return RequestRouting(domain=hint or self.classifier.classify(prompt))
+        if hint:
+            return RequestRouting(domain=hint)
+        scored = self.config.policy == "expertise" and self.config.domain_prior == "likelihood" and bool(self.scorers())
+        return RequestRouting(domain=self.classifier.classify(prompt), needs_scores=scored)
+
+    def scorers(self) -> list[str]:
+        """The drafters that score new prompts: those that declare specialities."""
+        return [name for name, profile in self.drafters.items() if profile.specialities]
+
+    def assign_domain(self, routing: RequestRouting, scores: dict[str, float]) -> None:
+        """scores: drafter -> its mean log-probability of the prompt. The best specialist's speciality wins;
+        with no scores (drafters unreachable) the classifier's guess stands."""
+        routing.needs_scores = False
+        if scores:
+            best = max(scores, key=scores.get)
+            routing.domain = self.drafters[best].specialities[0]
 
     def _prior(self, drafter: str, domain: str) -> tuple[float, float]:
         specialist = domain in self.drafters[drafter].specialities

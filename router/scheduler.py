@@ -206,6 +206,9 @@ class Scheduler:
         batch = [s for s in batch if not s.finished]
         if not batch:
             return
+        unscored = [s for s in batch if s.routing.needs_scores]
+        if unscored:
+            await self._score_prompts(unscored)
         self._plan(batch)
         trees = await self._draft(batch)
         await self._verify(batch, trees)
@@ -288,8 +291,20 @@ class Scheduler:
         if nodes:
             tree.main.append(max(nodes, key=lambda n: n[1])[0])
 
-    async def _draft_calls(self, calls) -> list[tuple[RequestState, str, drafter_pb2.DraftedSession]]:
-        """calls: (request, drafter, tokens the drafter should hold, k). Returns the successful replies."""
+    async def _score_prompts(self, batch: list[RequestState]) -> None:
+        """Before a request's first round: every specialist prefills and scores its prompt; the best one sets its domain."""
+        calls = [(s, d, s.tokens, 0) for s in batch for d in self.router.scorers()]
+        scores: dict[str, dict[str, float]] = collections.defaultdict(dict)
+        for state, drafter, drafted in await self._draft_calls(calls, score=True):
+            if drafted.context_tokens > 0:
+                scores[state.spec.request_id][drafter] = drafted.context_log_prob
+        for state in batch:
+            self.router.assign_domain(state.routing, scores[state.spec.request_id])
+
+    async def _draft_calls(self, calls, score: bool = False) -> list[tuple[RequestState, str, drafter_pb2.DraftedSession]]:
+        """calls: (request, drafter, tokens the drafter should hold, k). Returns the successful replies.
+
+        score: also have each drafter score the context it prefills (DraftSession.score_context)."""
         by_service: dict[str, list] = collections.defaultdict(list)
         for state, drafter, tokens, k in calls:
             mirror = state.drafter_mirrors.setdefault(drafter, SessionMirror())
@@ -300,6 +315,7 @@ class Scheduler:
                 num_draft_tokens=k,
                 sampling=_sampling_proto(state),
                 stop_below_confidence=self.controller.stop_below,
+                score_context=score,
             )
             by_service[self.drafters[drafter].name].append((state, drafter, tokens, session))
 

@@ -237,10 +237,11 @@ def build_drafter_router(cfg: config_mod.Config, served: list[str]) -> DrafterRo
         fusion_width=rcfg.fusion_width,
         fusion_below=rcfg.fusion_below,
         use_domain_hint=rcfg.use_domain_hint,
+        domain_prior=rcfg.domain_prior,
     )
     log.info(
-        "routing: policy %s, fusion width %d, domains %s, state in %s",
-        routing.policy, routing.fusion_width, sorted(exemplars) or "-", "redis " + rcfg.redis_url if rcfg.redis_url else "memory",
+        "routing: policy %s, domain prior %s, fusion width %d, domains %s, state in %s",
+        routing.policy, routing.domain_prior, routing.fusion_width, sorted(exemplars) or "-", "redis " + rcfg.redis_url if rcfg.redis_url else "memory",
     )
     return DrafterRouter(routing, profiles, DomainClassifier(exemplars), store)
 

@@ -124,6 +124,10 @@ class RouterConfig:
     # Take GenerateRequest.domain over the prompt classifier's guess (benchmarks turn it off
     # to measure the classifier and the learning alone).
     use_domain_hint: bool = True
+    # How a new request's domain is guessed before anything is learned: likelihood (each
+    # specialist scores the prompt while prefilling it; the best one's speciality wins) or
+    # exemplars (character n-gram similarity to the drafters' exemplar texts, no model call).
+    domain_prior: str = "likelihood"
     # Cooperating drafters per request at most (1: no fusion), used when the best drafter's
     # expected acceptance is below fusion_below.
     fusion_width: int = 1
@@ -270,6 +274,8 @@ def validate(config: Config) -> None:
     policies = ("expertise", "fixed", "random", "oracle")
     if r.routing_policy not in policies:
         raise ConfigError(f"router.routing_policy: must be one of {list(policies)}, got {r.routing_policy!r}")
+    if r.domain_prior not in ("likelihood", "exemplars"):
+        raise ConfigError(f"router.domain_prior: must be likelihood or exemplars, got {r.domain_prior!r}")
     if r.fusion_width < 1 or r.pipeline_depth < 1:
         raise ConfigError("router.fusion_width and router.pipeline_depth: must be at least 1")
     if not 0 < r.expertise_decay <= 1:

@@ -296,18 +296,30 @@ def forward_batch(loaded: LoadedModel, items: list[ForwardItem], logits: bool = 
     return None if out is None else out.float()
 
 
-def prefill(loaded: LoadedModel, sessions: list[Session], keep_last: int = 1) -> None:
+def prefill(loaded: LoadedModel, sessions: list[Session], keep_last: int = 1, score: bool = False) -> list[tuple[float, int]]:
     """Bring each session's cache up to all but its last `keep_last` tokens, one session at a time.
 
     Rebuilding a long context inside a batched decode step would pad every other
-    session to its length; doing it first keeps the decode batch narrow.
+    session to its length; doing it first keeps the decode batch narrow. With
+    `score`, also returns per session (sum of log-probabilities, count) of each
+    prefilled token's successor given what precedes it: how well the model
+    knows this text. Without it, the pass skips the vocabulary projection.
     """
+    scores = []
     for session in sessions:
         target = len(session.token_ids) - keep_last
         session.crop_kv(target)
         if session.kv_len == target:
+            scores.append((0.0, 0))
             continue
-        ids = session.token_ids[session.kv_len : target]
-        positions = list(range(session.kv_len, target))
-        forward_batch(loaded, [ForwardItem(session, ids, positions)], logits=False)
+        start = session.kv_len
+        ids = session.token_ids[start:target]
+        logits = forward_batch(loaded, [ForwardItem(session, ids, list(range(start, target)))], logits=score)
         session.commit(list(range(len(ids))))
+        if not score:
+            scores.append((0.0, 0))
+            continue
+        successors = torch.tensor(session.token_ids[start + 1 : target + 1])
+        log_probs = logits[0].log_softmax(dim=-1).gather(1, successors.unsqueeze(1))
+        scores.append((float(log_probs.sum()), len(ids)))
+    return scores

@@ -142,3 +142,18 @@ def test_pipelined_rounds_hide_drafting_so_k_can_be_deeper():
     sequential = SpeculationController(cost=CostModel(**cost)).plan([0.8] * 8, [8] * 8, [0] * 8)
     overlapped = SpeculationController(cost=CostModel(**cost)).plan([0.8] * 8, [8] * 8, [0] * 8, overlap=True)
     assert sum(overlapped) > sum(sequential)
+
+
+def test_specialists_scores_set_the_domain_and_the_classifier_is_the_fallback():
+    router = make_router()
+    routing = router.start("The old man looked out over the sea and remembered")
+    assert routing.needs_scores and routing.domain == "prose"  # the classifier's provisional guess
+    assert set(router.scorers()) == {"code", "prose", "structured"}  # the general drafter declares nothing
+    router.assign_domain(routing, {"code": -1.2, "prose": -3.5, "structured": -2.0})
+    assert routing.domain == "code" and not routing.needs_scores
+    unreachable = router.start("name: db\nports:\n  - 5432\n")
+    router.assign_domain(unreachable, {})
+    assert unreachable.domain == "structured"
+    # A declared domain, or another policy, needs no scoring.
+    assert not router.start("anything", domain_hint="prose").needs_scores
+    assert not make_router(policy="random").start("def f(): pass").needs_scores

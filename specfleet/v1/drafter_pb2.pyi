@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftSession(_message.Message):
-    __slots__ = ("sync", "model", "num_draft_tokens", "sampling", "stop_below_confidence")
+    __slots__ = ("sync", "model", "num_draft_tokens", "sampling", "stop_below_confidence", "score_context")
     SYNC_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOP_BELOW_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    SCORE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     sync: _common_pb2.SessionSync
     model: str
     num_draft_tokens: int
     sampling: _common_pb2.SamplingParams
     stop_below_confidence: float
-    def __init__(self, sync: _Optional[_Union[_common_pb2.SessionSync, _Mapping]] = ..., model: _Optional[str] = ..., num_draft_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop_below_confidence: _Optional[float] = ...) -> None: ...
+    score_context: bool
+    def __init__(self, sync: _Optional[_Union[_common_pb2.SessionSync, _Mapping]] = ..., model: _Optional[str] = ..., num_draft_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop_below_confidence: _Optional[float] = ..., score_context: _Optional[bool] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("sessions",)
@@ -28,18 +30,22 @@ class DraftRequest(_message.Message):
     def __init__(self, sessions: _Optional[_Iterable[_Union[DraftSession, _Mapping]]] = ...) -> None: ...
 
 class DraftedSession(_message.Message):
-    __slots__ = ("session_id", "status", "token_ids", "proposals", "confidences")
+    __slots__ = ("session_id", "status", "token_ids", "proposals", "confidences", "context_log_prob", "context_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROPOSALS_FIELD_NUMBER: _ClassVar[int]
     CONFIDENCES_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LOG_PROB_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     status: _common_pb2.SessionStatus
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     proposals: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
     confidences: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, session_id: _Optional[str] = ..., status: _Optional[_Union[_common_pb2.SessionStatus, str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., proposals: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., confidences: _Optional[_Iterable[float]] = ...) -> None: ...
+    context_log_prob: float
+    context_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., status: _Optional[_Union[_common_pb2.SessionStatus, str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., proposals: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., confidences: _Optional[_Iterable[float]] = ..., context_log_prob: _Optional[float] = ..., context_tokens: _Optional[int] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
     __slots__ = ("sessions", "compute_ms")
