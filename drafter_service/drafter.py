@@ -5,6 +5,12 @@ followed by what the target accepted), then draft autoregressively. Step 1
 feeds each session's last committed token; step j feeds draft j - 1. Every
 step is one batched forward pass over the sessions still drafting.
 
+Sessions of one call that share a lockstep group (one request's cooperating
+draft models) draft in lockstep: at each step each proposes its token, and
+all of them continue from the lead proposal (`specfleet.fusion.lead`), so the
+router gets every model's proposal at every position of one main branch
+without a network round trip per position.
+
 Each draft token comes with the exact distribution it was drawn from:
 greedy requests get a point mass on the draft model's argmax; sampled
 requests draw from the draft model's distribution (shaped like the target's:
@@ -14,11 +20,13 @@ tokens and renormalised, and that truncated distribution is what is sent.
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 from dataclasses import dataclass, field
 
 import torch
 
+from specfleet.fusion import lead
 from specfleet.runtime import ForwardItem, LoadedModel, SessionStore, UnknownSession, forward_batch, prefill
 from specfleet.sampling import STREAM_DRAFT, SamplingParams, generator_for, probs_from_logits, sample_sparse, truncate
 
@@ -32,6 +40,7 @@ class DraftItem:
     sampling: SamplingParams
     stop_below_confidence: float = 0.0
     score_context: bool = False
+    lockstep_group: str = ""
 
 
 @dataclass
@@ -55,70 +64,101 @@ class DraftModel:
         # Different draft models of one request draw independently.
         self.stream = STREAM_DRAFT + zlib.crc32(loaded.name.encode())
 
-    def draft_batch(self, items: list[DraftItem]) -> list[DraftResult]:
-        with self.store.lock:
-            return self._draft_batch(items)
+    def propose(self, drafting: list[Drafting], step: int) -> None:
+        """One batched forward pass: each session's next token, its proposal and its confidence."""
+        forward_items = [ForwardItem(d.session, [d.session.token_ids[-1]], [len(d.session.token_ids) - 1]) for d in drafting]
+        logits = forward_batch(self.loaded, forward_items)[:, 0]
+        params = [d.item.sampling for d in drafting]
+        probs = probs_from_logits(
+            logits,
+            torch.tensor([p.temperature for p in params]),
+            torch.tensor([p.top_k for p in params], dtype=torch.long),
+            torch.tensor([p.top_p for p in params]),
+        )
+        ids, q = truncate(probs, self.proposal_top_k)
+        gens = [generator_for(p.seed, d.committed + step, self.stream) for p, d in zip(params, drafting)]
+        tokens = sample_sparse(ids, q, gens)
+        # Confidence: the model's own probability of its token; for greedy requests,
+        # at temperature 1, since the point mass says nothing.
+        confidence_probs = torch.where(torch.tensor([p.greedy for p in params]).unsqueeze(1), logits.softmax(dim=1), probs)
+        confidences = confidence_probs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        for b, d in enumerate(drafting):
+            d.session.commit([0])
+            keep = q[b] > 0
+            d.result.token_ids.append(int(tokens[b]))
+            d.result.proposals.append((ids[b][keep].tolist(), q[b][keep].tolist()))
+            d.result.confidences.append(float(confidences[b]))
 
-    def _draft_batch(self, items: list[DraftItem]) -> list[DraftResult]:
-        results: list[DraftResult | None] = [None] * len(items)
-        live, scored = [], []
-        for idx, item in enumerate(items):
-            try:
-                session = self.store.sync(item.session_id, item.prefix_length, item.new_token_ids)
-            except UnknownSession:
-                results[idx] = DraftResult(item.session_id, known=False)
-                continue
-            results[idx] = DraftResult(item.session_id, known=True)
-            if item.score_context:
-                scored.append((results[idx], session))
-            if item.num_draft_tokens > 0:
-                live.append((results[idx], item, session))
-        if scored:
-            for (result, _), (total, count) in zip(scored, prefill(self.loaded, [s for _, s in scored], score=True)):
-                result.context_log_prob, result.context_tokens = total / max(1, count), count
-        if live:
-            self._draft(live)
-        self.store.enforce_budget(protect={item.session_id for _, item, _ in live} | {r.session_id for r, _ in scored})
-        return results
 
-    def _draft(self, live) -> None:
-        prefill(self.loaded, [session for _, _, session in live], keep_last=1)
-        committed = {id(session): len(session.token_ids) for _, _, session in live}
-        active = live
-        step = 0
-        while active:
-            forward_items = [ForwardItem(s, [s.token_ids[-1]], [len(s.token_ids) - 1]) for _, _, s in active]
-            logits = forward_batch(self.loaded, forward_items)
-            params = [item.sampling for _, item, _ in active]
-            probs = probs_from_logits(
-                logits[:, 0],
-                torch.tensor([p.temperature for p in params]),
-                torch.tensor([p.top_k for p in params], dtype=torch.long),
-                torch.tensor([p.top_p for p in params]),
-            )
-            ids, q = truncate(probs, self.proposal_top_k)
-            gens = [generator_for(p.seed, committed[id(s)] + step, self.stream) for p, (_, _, s) in zip(params, active)]
-            tokens = sample_sparse(ids, q, gens)
-            # Confidence: the model's own probability of its token; for greedy requests,
-            # at temperature 1, since the point mass says nothing.
-            confidence_probs = torch.where(
-                torch.tensor([p.greedy for p in params]).unsqueeze(1), logits[:, 0].softmax(dim=1), probs
-            )
-            confidences = confidence_probs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+@dataclass
+class Drafting:
+    """One session being drafted in this call."""
 
-            still = []
-            for b, (result, item, session) in enumerate(active):
-                session.commit([0])
-                token = int(tokens[b])
-                keep = q[b] > 0
-                result.token_ids.append(token)
-                result.proposals.append((ids[b][keep].tolist(), q[b][keep].tolist()))
-                result.confidences.append(float(confidences[b]))
-                session.token_ids.append(token)
-                path_confidence = 1.0
-                for c in result.confidences:
-                    path_confidence *= c
-                if len(result.token_ids) < item.num_draft_tokens and path_confidence >= item.stop_below_confidence:
-                    still.append((result, item, session))
-            active = still
-            step += 1
+    model: DraftModel
+    item: DraftItem
+    session: object
+    result: DraftResult
+    committed: int  # the session's length before drafting
+
+
+def draft_batch(models: dict[str, DraftModel], tagged: list[tuple[str, DraftItem]]) -> list[DraftResult]:
+    """Draft for (model name, item) pairs, every model's sessions batched per step; results in input order."""
+    with contextlib.ExitStack() as locks:
+        for name in sorted({name for name, _ in tagged}):
+            locks.enter_context(models[name].store.lock)
+        return _draft_batch(models, tagged)
+
+
+def _draft_batch(models: dict[str, DraftModel], tagged: list[tuple[str, DraftItem]]) -> list[DraftResult]:
+    results, drafting, scored = [], [], []
+    for name, item in tagged:
+        model = models[name]
+        try:
+            session = model.store.sync(item.session_id, item.prefix_length, item.new_token_ids)
+        except UnknownSession:
+            results.append(DraftResult(item.session_id, known=False))
+            continue
+        result = DraftResult(item.session_id, known=True)
+        results.append(result)
+        if item.score_context:
+            scored.append((model, result, session))
+        if item.num_draft_tokens > 0:
+            drafting.append(Drafting(model, item, session, result, committed=len(session.token_ids)))
+
+    for model, result, session in scored:
+        (total, count), = prefill(model.loaded, [session], score=True)
+        result.context_log_prob, result.context_tokens = total / max(1, count), count
+    for model in models.values():
+        prefill(model.loaded, [d.session for d in drafting if d.model is model], keep_last=1)
+
+    step, active = 0, drafting
+    while active:
+        for model in models.values():
+            mine = [d for d in active if d.model is model]
+            if mine:
+                model.propose(mine, step)
+        # What each session continues from: its own token, or its lockstep group's lead token.
+        groups: dict[str, list[Drafting]] = {}
+        for d in active:
+            if d.item.lockstep_group:
+                groups.setdefault(d.item.lockstep_group, []).append(d)
+        fed = {id(d): d.result.token_ids[-1] for d in active}
+        for members in groups.values():
+            leader = members[lead([m.result.confidences[-1] for m in members])]
+            for m in members:
+                fed[id(m)] = leader.result.token_ids[-1]
+        still = []
+        for d in active:
+            d.session.token_ids.append(fed[id(d)])
+            path_confidence = 1.0
+            for c in d.result.confidences:
+                path_confidence *= c
+            more = len(d.result.token_ids) < d.item.num_draft_tokens
+            # Lockstep members draft all k positions together; a lone session may stop early.
+            if more and (d.item.lockstep_group or path_confidence >= d.item.stop_below_confidence):
+                still.append(d)
+        active = still
+        step += 1
+    for model in models.values():
+        model.store.enforce_budget(protect={r.session_id for r in results if r.known})
+    return results

@@ -13,7 +13,7 @@ from specfleet.runtime import SessionStore, configure_torch, load_model
 from specfleet.sampling import SamplingParams
 from specfleet.serving import BatchQueue, serve, setup_logging
 from specfleet.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
-from drafter_service.drafter import DraftItem, DraftModel
+from drafter_service.drafter import DraftItem, DraftModel, draft_batch
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class DrafterCore:
                     s.model,
                     DraftItem(
                         sid, s.sync.prefix_length, list(s.sync.new_token_ids), s.num_draft_tokens, sampling,
-                        s.stop_below_confidence, s.score_context,
+                        s.stop_below_confidence, s.score_context, s.lockstep_group,
                     ),
                 )
             )
@@ -125,17 +125,6 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         return self.core.info()
 
 
-def draft_grouped(models: dict[str, DraftModel], tagged: list) -> list:
-    """Run each draft model once over its share of the batch; results in the input order."""
-    results = [None] * len(tagged)
-    for name, model in models.items():
-        idx = [i for i, (m, _) in enumerate(tagged) if m == name]
-        if idx:
-            for i, r in zip(idx, model.draft_batch([tagged[i][1] for i in idx])):
-                results[i] = r
-    return results
-
-
 def load_core(svc: config_mod.DrafterServiceConfig, threads: int | None = None) -> DrafterCore:
     """Load a drafter service's draft models and build its batch queue, as the config says."""
     configure_torch(threads or svc.threads)
@@ -147,7 +136,7 @@ def load_core(svc: config_mod.DrafterServiceConfig, threads: int | None = None) 
     fingerprints = {m.loaded.fingerprint for m in models.values()}
     if len(fingerprints) > 1:
         raise IncompatibleModels(f"drafter service {svc.name}: its draft models use different tokenizers; they cannot serve one target")
-    batcher = BatchQueue(f"drafter-{svc.name}", lambda tagged: draft_grouped(models, tagged), svc.max_batch_size, svc.max_wait_ms / 1e3)
+    batcher = BatchQueue(f"drafter-{svc.name}", lambda tagged: draft_batch(models, tagged), svc.max_batch_size, svc.max_wait_ms / 1e3)
     return DrafterCore(models, batcher)
 
 

@@ -11,12 +11,13 @@ A round of one group:
    that cooperate) and the speculation controller its draft length k (0 means
    plain decoding this round).
 2. Draft. A request with one drafter gets a chain of k tokens from one call.
-   Cooperating drafters draft in lockstep, one position at a time: each
-   proposes a token, the most confident proposal continues the main branch
-   and is fed back to all of them, the others become side branches. Either
-   way the result is a token tree whose every node carries the distribution
-   it was drawn from. All sessions of one drafter service go in one call; all
-   services are called concurrently.
+   Cooperating drafters (hosted by one service) draft in lockstep inside that
+   service, in the same call: at each position each proposes a token, the
+   most confident proposal (`specfleet.fusion.lead`) continues the main
+   branch and is fed back to all of them, the others become side branches.
+   Either way the result is a token tree whose every node carries the
+   distribution it was drawn from. All sessions of one drafter service go in
+   one call; all services are called concurrently.
 3. Verify. One call carries every request's tree; the verifier merges
    concurrent calls into one forward pass.
 4. Commit and learn. The accepted tokens plus the target's next token are
@@ -43,6 +44,7 @@ from router.request import DrafterCounts, RequestState, SessionMirror
 from router.routing import DrafterRouter
 from router.speculation import SpeculationController
 from router.transport import DrafterTransport, TransportError, VerifierTransport
+from specfleet.fusion import lead
 from specfleet.v1 import common_pb2, drafter_pb2, verifier_pb2
 
 log = logging.getLogger(__name__)
@@ -218,7 +220,9 @@ class Scheduler:
         caps, acceptance, rounds = [], [], []
         for state in batch:
             cap = max(0, min(state.spec.draft_tokens, state.remaining() - 1))
-            state.round_drafters = self.router.choose(state.routing) if cap > 0 else []
+            chosen = self.router.choose(state.routing) if cap > 0 else []
+            # Cooperating drafters draft in lockstep inside one service: keep those hosted with the lead.
+            state.round_drafters = [d for d in chosen if self.drafters[d] is self.drafters[chosen[0]]]
             if not state.round_drafters:
                 cap = 0
             caps.append(cap)
@@ -241,7 +245,7 @@ class Scheduler:
 
         async def draft_chains():
             # Every chain in one call per service, k tokens each.
-            calls = [(s, s.round_drafters[0], s.tokens, s.round_k) for s in chains]
+            calls = [(s, s.round_drafters[0], s.tokens, s.round_k, "") for s in chains]
             for state, drafter, drafted in await self._draft_calls(calls):
                 tree = trees[state.spec.request_id]
                 parent = -1
@@ -251,49 +255,48 @@ class Scheduler:
                 tree.proposed[drafter] = list(drafted.token_ids)
 
         async def draft_fused():
-            # Lockstep, one position per step for all fused requests at once.
-            for step in range(max((s.round_k for s in fused), default=0)):
-                active = [s for s in fused if s.round_k > step and len(trees[s.spec.request_id].main) == step]
-                if not active:
-                    break
-                calls = []
-                for state in active:
-                    tree = trees[state.spec.request_id]
-                    path = state.tokens + [tree.tokens[i] for i in tree.main]
-                    calls.extend((state, d, path, 1) for d in state.round_drafters)
-                replies = collections.defaultdict(dict)
-                for state, drafter, drafted in await self._draft_calls(calls):
-                    if drafted.token_ids:
-                        replies[state.spec.request_id][drafter] = drafted
-                for state in active:
-                    self._fuse_position(state, trees[state.spec.request_id], replies[state.spec.request_id])
+            # The cooperating drafters of a request share a service and draft in lockstep there, all k positions in one call.
+            calls = [(s, d, s.tokens, s.round_k, s.spec.request_id) for s in fused for d in s.round_drafters]
+            replies: dict[str, dict[str, drafter_pb2.DraftedSession]] = collections.defaultdict(dict)
+            for state, drafter, drafted in await self._draft_calls(calls):
+                replies[state.spec.request_id][drafter] = drafted
+            for state in fused:
+                tree, mine = trees[state.spec.request_id], replies[state.spec.request_id]
+                for position in range(state.round_k):
+                    self._fuse_position(state, tree, mine, position)
+                # Each drafter's session continued from the lead tokens, the main branch.
+                for drafter in mine:
+                    state.drafter_mirrors[drafter].held = state.tokens + [tree.tokens[i] for i in tree.main]
 
         await asyncio.gather(draft_chains(), draft_fused())
         return {rid: tree for rid, tree in trees.items() if tree.tokens}
 
-    def _fuse_position(self, state: RequestState, tree: DraftTree, replies: dict[str, drafter_pb2.DraftedSession]) -> None:
-        """Add one position's proposals: siblings in routing order, the most confident continues."""
+    def _fuse_position(self, state: RequestState, tree: DraftTree, replies: dict[str, drafter_pb2.DraftedSession], position: int) -> None:
+        """Add one position's proposals: siblings in routing order, the lead's node continues the main branch."""
+        members = [(d, replies[d]) for d in state.round_drafters if d in replies and len(replies[d].token_ids) > position]
+        if not members:
+            return
         parent = tree.main[-1] if tree.main else -1
-        nodes: list[tuple[int, float]] = []
-        for drafter in state.round_drafters:  # a fixed order, never the drawn tokens' order
-            drafted = replies.get(drafter)
-            if drafted is None:
-                continue
-            token, proposal, confidence = drafted.token_ids[0], drafted.proposals[0], drafted.confidences[0]
+        leader = lead([drafted.confidences[position] for _, drafted in members])
+        member_nodes = []
+        for drafter, drafted in members:  # a fixed order, never the drawn tokens' order
+            token, proposal = drafted.token_ids[position], drafted.proposals[position]
             tree.proposed.setdefault(drafter, []).append(token)
             # Identical point masses are one proposal; sampled duplicates stay separate siblings.
-            same = [i for i, _ in nodes if tree.tokens[i] == token and _point_mass(tree.proposals[i]) and _point_mass(proposal)]
+            same = [
+                i for i in range(len(tree.tokens))
+                if tree.parents[i] == parent and tree.tokens[i] == token and _point_mass(tree.proposals[i]) and _point_mass(proposal)
+            ]
             if same:
                 tree.owners[same[0]].append(drafter)
-                nodes = [(i, max(c, confidence)) if i == same[0] else (i, c) for i, c in nodes]
-                continue
-            nodes.append((tree.add(token, parent, proposal, drafter), confidence))
-        if nodes:
-            tree.main.append(max(nodes, key=lambda n: n[1])[0])
+                member_nodes.append(same[0])
+            else:
+                member_nodes.append(tree.add(token, parent, proposal, drafter))
+        tree.main.append(member_nodes[leader])
 
     async def _score_prompts(self, batch: list[RequestState]) -> None:
         """Before a request's first round: every specialist prefills and scores its prompt; the best one sets its domain."""
-        calls = [(s, d, s.tokens, 0) for s in batch for d in self.router.scorers()]
+        calls = [(s, d, s.tokens, 0, "") for s in batch for d in self.router.scorers()]
         scores: dict[str, dict[str, float]] = collections.defaultdict(dict)
         for state, drafter, drafted in await self._draft_calls(calls, score=True):
             if drafted.context_tokens > 0:
@@ -302,11 +305,11 @@ class Scheduler:
             self.router.assign_domain(state.routing, scores[state.spec.request_id])
 
     async def _draft_calls(self, calls, score: bool = False) -> list[tuple[RequestState, str, drafter_pb2.DraftedSession]]:
-        """calls: (request, drafter, tokens the drafter should hold, k). Returns the successful replies.
+        """calls: (request, drafter, tokens the drafter should hold, k, lockstep group). Returns the successful replies.
 
         score: also have each drafter score the context it prefills (DraftSession.score_context)."""
         by_service: dict[str, list] = collections.defaultdict(list)
-        for state, drafter, tokens, k in calls:
+        for state, drafter, tokens, k, group in calls:
             mirror = state.drafter_mirrors.setdefault(drafter, SessionMirror())
             prefix, new = mirror.diff(tokens)
             session = drafter_pb2.DraftSession(
@@ -316,6 +319,7 @@ class Scheduler:
                 sampling=_sampling_proto(state),
                 stop_below_confidence=self.controller.stop_below,
                 score_context=score,
+                lockstep_group=group,
             )
             by_service[self.drafters[drafter].name].append((state, drafter, tokens, session))
 
@@ -334,7 +338,7 @@ class Scheduler:
             wall = (time.perf_counter() - started) * 1e3
             self.controller.cost.observe_draft(max((e[3].num_draft_tokens for e in entries), default=0), reply.compute_ms)
             out = []
-            for (state, drafter, tokens, _), drafted in zip(entries, reply.sessions):
+            for (state, drafter, tokens, session), drafted in zip(entries, reply.sessions):
                 state.timing_ms["draft_wall"] += wall
                 state.timing_ms["draft_compute"] += reply.compute_ms
                 mirror = state.drafter_mirrors[drafter]
@@ -342,7 +346,8 @@ class Scheduler:
                     self.metrics.session_misses += 1
                     mirror.reset()
                     continue
-                mirror.held = tokens + list(drafted.token_ids)
+                # A lockstep session continues from the lead tokens; the caller records them.
+                mirror.held = tokens + ([] if session.lockstep_group else list(drafted.token_ids))
                 out.append((state, drafter, drafted))
             return out
 

@@ -49,6 +49,33 @@ def test_fused_greedy_output_equals_target(fused_cluster, random_family):
     assert set(used) == set(DRAFTERS)
 
 
+def test_lockstep_drafters_continue_from_the_lead_proposal(fused_cluster, random_family):
+    """One call, one lockstep group: each drafter's proposal at position j is what it drafts alone
+    after the context plus the lead tokens of positions < j."""
+    from specfleet.fusion import lead
+    from specfleet.runtime import load_tokenizer
+    from specfleet.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+
+    context = load_tokenizer(random_family["target"]).encode(PROMPTS[2], add_special_tokens=False)
+    greedy = common_pb2.SamplingParams(temperature=0.0, top_p=1.0)
+    members = ["drafter-random", "drafter-noisy"]
+
+    def session(sid, model, tokens, k, group=""):
+        sync = common_pb2.SessionSync(session_id=sid, prefix_length=0, new_token_ids=tokens)
+        return drafter_pb2.DraftSession(sync=sync, model=model, num_draft_tokens=k, sampling=greedy, lockstep_group=group)
+
+    with fused_cluster.channel(fused_cluster.config["drafters"][0]["address"]) as channel:
+        stub = drafter_pb2_grpc.DrafterStub(channel)
+        reply = stub.Draft(drafter_pb2.DraftRequest(sessions=[session("ls", m, context, 4, "g") for m in members]), timeout=60)
+        own = {m: list(s.token_ids) for m, s in zip(members, reply.sessions)}
+        leads = [own[members[lead([s.confidences[j] for s in reply.sessions])]][j] for j in range(4)]
+        assert own["drafter-random"] != own["drafter-noisy"]  # they disagree, so the lead matters
+        for j in range(4):
+            alone = drafter_pb2.DraftRequest(sessions=[session(f"alone-{m}-{j}", m, context + leads[:j], 1) for m in members])
+            for m, s in zip(members, stub.Draft(alone, timeout=60).sessions):
+                assert s.token_ids[0] == own[m][j], (m, j)
+
+
 def test_fused_sampled_output_is_distributed_as_target(fused_cluster, random_family):
     """Two sampled tokens per request, 1200 seeds: their joint law matches the target's exactly computed one."""
     prompt, temperature, top_k = PROMPTS[1], 1.0, 3

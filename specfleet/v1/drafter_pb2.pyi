@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftSession(_message.Message):
-    __slots__ = ("sync", "model", "num_draft_tokens", "sampling", "stop_below_confidence", "score_context")
+    __slots__ = ("sync", "model", "num_draft_tokens", "sampling", "stop_below_confidence", "score_context", "lockstep_group")
     SYNC_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOP_BELOW_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     SCORE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    LOCKSTEP_GROUP_FIELD_NUMBER: _ClassVar[int]
     sync: _common_pb2.SessionSync
     model: str
     num_draft_tokens: int
     sampling: _common_pb2.SamplingParams
     stop_below_confidence: float
     score_context: bool
-    def __init__(self, sync: _Optional[_Union[_common_pb2.SessionSync, _Mapping]] = ..., model: _Optional[str] = ..., num_draft_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop_below_confidence: _Optional[float] = ..., score_context: _Optional[bool] = ...) -> None: ...
+    lockstep_group: str
+    def __init__(self, sync: _Optional[_Union[_common_pb2.SessionSync, _Mapping]] = ..., model: _Optional[str] = ..., num_draft_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop_below_confidence: _Optional[float] = ..., score_context: _Optional[bool] = ..., lockstep_group: _Optional[str] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("sessions",)
