@@ -14,7 +14,8 @@ that continuation (teacher-forced, so every position sees the target's own prefi
   position sampled acceptance beta along the chain (expected value);
 * the target's loss (nats/token) on held-out and unseen text;
 * per-token cost of target and drafters (one thread, KV-cached one-token decode
-  step, fp32 and bf16; and the target's 5-token verification step).
+  step, fp32 and bf16, through specfleet's own forward pass; and the target's 5-token
+  verification step).
 """
 
 from __future__ import annotations
@@ -126,28 +127,39 @@ def _heldout_loss(model, stream, n: int, length: int, seed: int) -> float:
 
 
 def step_costs_ms(cases: dict, vocab: int, context: int = 128, reps: int = 60) -> dict:
-    """Median wall time (ms) of one KV-cached decode step, batch 1, for each ``name: (model, k)``.
+    """Median wall time (ms) of one KV-cached decode step, batch 1, for each ``name: (model, k)``,
+    through specfleet's own forward pass (`specfleet.llama`, what the services run).
 
     ``k`` tokens are fed at once (k = 1: a drafter/target decode step; k > 1: a verification
-    step). The cases are timed round-robin so that background load hits all of them alike.
+    step) after ``context`` cached tokens; nothing is committed, so every step sees the same
+    context. The cases are timed round-robin so that background load hits all of them alike.
     """
     import torch
 
+    from specfleet import llama
+    from specfleet.runtime import Session
+
     g = torch.Generator().manual_seed(0)
     ctx = torch.randint(0, vocab, (1, context), generator=g)
-    caches, times = {}, {n: [] for n in cases}
-    with torch.inference_mode():
-        for n, (m, k) in cases.items():
-            caches[n] = m(input_ids=ctx, use_cache=True).cache
-        for r in range(reps + 5):
-            for n, (m, k) in cases.items():
-                x = torch.randint(0, vocab, (1, k), generator=g)
-                t = time.perf_counter()
-                out = m(input_ids=x, cache=caches[n], use_cache=True)
-                dt = time.perf_counter() - t
-                out.cache.crop(-k)  # every step sees the same context length
-                if r >= 5:
-                    times[n].append(dt)
+    runs, times = {}, {n: [] for n in cases}
+    for n, (m, k) in cases.items():
+        model = llama.from_hf(m)
+        session = Session(token_ids=ctx[0].tolist())
+        session.reserve(model, context + k)
+        causal = torch.ones(context, context, dtype=torch.bool).tril()
+        llama.forward(model, ctx, torch.arange(context)[None], [session.kv], [0], [context], [causal], logits=False)
+        session.kv_len = context
+        attend = None if k == 1 else torch.ones(k, k, dtype=torch.bool).tril()
+        runs[n] = (model, session, k, attend)
+    for r in range(reps + 5):
+        for n, (model, session, k, attend) in runs.items():
+            x = torch.randint(0, vocab, (1, k), generator=g)
+            positions = torch.arange(context, context + k)[None]
+            t = time.perf_counter()
+            llama.forward(model, x, positions, [session.kv], [context], [k], [attend])
+            dt = time.perf_counter() - t
+            if r >= 5:
+                times[n].append(dt)
     return {n: statistics.median(v) * 1000 for n, v in times.items()}
 
 
