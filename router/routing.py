@@ -230,6 +230,10 @@ class RoutingConfig:
     prior_other: tuple[float, float] = (1.0, 1.0)
     # Weight of this request's own evidence against the domain's.
     request_weight: float = 2.0
+    # The domain's shared evidence counts as at most this many draft tokens: it is a prior for
+    # each request, strong enough to route well at once, weak enough that a request whose
+    # acceptance drops can overturn it within a few rounds.
+    shared_evidence_cap: float = 32.0
     # Take a request's declared domain over the classifier's guess.
     use_domain_hint: bool = True
     # likelihood: the expertise policy asks the specialists to score each new prompt
@@ -285,9 +289,13 @@ class DrafterRouter:
     def posterior(self, routing: RequestRouting, drafter: str) -> tuple[float, float]:
         prior_a, prior_r = self._prior(drafter, routing.domain)
         shared = self.store.get(routing.domain, drafter)
+        scale = min(1.0, self.config.shared_evidence_cap / max(1e-9, shared.accepted + shared.rejected))
         mine = routing.evidence.get(drafter, Evidence())
         w = self.config.request_weight
-        return prior_a + shared.accepted + w * mine.accepted, prior_r + shared.rejected + w * mine.rejected
+        return (
+            prior_a + scale * shared.accepted + w * mine.accepted,
+            prior_r + scale * shared.rejected + w * mine.rejected,
+        )
 
     def choose(self, routing: RequestRouting) -> list[str]:
         """The drafters for this round, best first."""
