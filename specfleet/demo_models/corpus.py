@@ -3,13 +3,18 @@
 Everything comes from sources a fresh Debian/Ubuntu machine can get through its
 package managers:
 
-* code:        the Python standard library's own source (``sysconfig`` stdlib path);
+* code:        Python source of several code bases: the standard library's own source
+               (``sysconfig`` stdlib path) plus the modules of ``python3-setuptools``,
+               ``python3-docutils`` and ``python3-pygments``;
 * prose:       ``fortunes``, ``dict-gcide``, ``jargon-text`` and ``bible-kjv-text``
                (the KJV text is stored compressed; it is decoded with the ``bible``
                binary from ``bible-kjv``, unpacked next to it, never installed);
 * docs:        ``python3.11-doc`` (reST sources), ``manpages`` (roff), ``perl-doc``
                (POD), ``vim-runtime`` (vim help files);
-* structured:  YAML / JSON / INI / TOML / CFG files of ``ansible``.
+* structured:  YAML / JSON / INI / TOML / CFG files of ``ansible`` (playbooks, roles,
+               changelogs, JSON fixtures), ``rubocop`` (YAML configuration),
+               ``cloud-init`` (YAML configs, JSON schemas) and ``pandoc-data`` (YAML
+               translations).
 
 Debian packages are fetched with ``apt-get download`` and unpacked with
 ``dpkg-deb -x`` into the work dir (``<work>/debs``, ``<work>/pkgs``).
@@ -18,7 +23,10 @@ Each domain gets a deterministic train / held-out split (by source file, or by
 block of chunks for single-file sources) plus an *unseen* set from a source the
 training never uses:
 
-* code:       Python modules of the ``ansible`` package (a different Python code base);
+* code:       Python modules of ``python3-jinja2``, ``python3-requests`` and
+              ``python3-urllib3`` (code bases that no training split of any domain
+              uses; ``ansible``'s own Python is used nowhere, since its YAML/JSON
+              files are the structured training set);
 * prose:      ``fortune-anarchism``;
 * docs:       ``manpages-dev`` (sections 2 and 3, never trained on);
 * structured: YAML / JSON / INI files of ``ansible-core``.
@@ -58,7 +66,16 @@ DEB_PACKAGES = [
     "perl-doc",
     "vim-runtime",
     "ansible",
+    "python3-setuptools",
+    "python3-docutils",
+    "python3-pygments",
+    "rubocop",
+    "cloud-init",
+    "pandoc-data",
     # unseen sources
+    "python3-jinja2",
+    "python3-requests",
+    "python3-urllib3",
     "fortune-anarchism",
     "manpages-dev",
     "ansible-core",
@@ -246,9 +263,16 @@ def full_sources(pkgs: Path) -> dict[str, dict[str, list[Callable[[], Iterator[D
         paths = _files(stdlib, ["*.py"], lambda p: "site-packages" in p.parts or "__pycache__" in p.parts)
         return _file_docs(stdlib, paths)
 
+    def py_pkg(name: str):
+        def docs():
+            root = P(name)
+            return _file_docs(root, _files(root, ["*.py"], lambda p: "__pycache__" in p.parts))
+
+        return docs
+
     def code_unseen():
-        root = P("ansible")
-        return _file_docs(root, _files(root, ["*.py"]))
+        for name in ("python3-jinja2", "python3-requests", "python3-urllib3"):
+            yield from py_pkg(name)()
 
     def docs_py():
         root = P("python3.11-doc") / "usr/share/doc/python3.11/html/_sources"
@@ -270,16 +294,22 @@ def full_sources(pkgs: Path) -> dict[str, dict[str, list[Callable[[], Iterator[D
         root = P("manpages-dev") / "usr/share/man"
         return _file_docs(root, _files(root, ["*.gz"]))
 
-    def struct_train():
-        root = P("ansible")
-        return _file_docs(root, _files(root, STRUCT_PATTERNS))
+    def struct_pkg(name: str):
+        def docs():
+            root = P(name)
+            return _file_docs(root, _files(root, STRUCT_PATTERNS))
+
+        return docs
 
     def struct_unseen():
         root = P("ansible-core")
         return _file_docs(root, _files(root, STRUCT_PATTERNS))
 
     return {
-        "code": {"train": [code_train], "unseen": [code_unseen]},
+        "code": {
+            "train": [code_train, py_pkg("python3-setuptools"), py_pkg("python3-docutils"), py_pkg("python3-pygments")],
+            "unseen": [code_unseen],
+        },
         "prose": {
             "train": [
                 lambda: _fortune_docs(P("fortunes")),
@@ -290,7 +320,10 @@ def full_sources(pkgs: Path) -> dict[str, dict[str, list[Callable[[], Iterator[D
             "unseen": [lambda: _fortune_docs(P("fortune-anarchism"))],
         },
         "docs": {"train": [docs_py, docs_man, docs_perl, docs_vim], "unseen": [docs_unseen]},
-        "structured": {"train": [struct_train], "unseen": [struct_unseen]},
+        "structured": {
+            "train": [struct_pkg(n) for n in ("ansible", "rubocop", "cloud-init", "pandoc-data")],
+            "unseen": [struct_unseen],
+        },
     }
 
 
