@@ -337,6 +337,7 @@ class Scheduler:
                 return []
             wall = (time.perf_counter() - started) * 1e3
             self.controller.cost.observe_draft(max((e[3].num_draft_tokens for e in entries), default=0), reply.compute_ms)
+            self.controller.cost.observe_calls(draft_overhead_ms=wall - reply.compute_ms)
             out = []
             for (state, drafter, tokens, session), drafted in zip(entries, reply.sessions):
                 state.timing_ms["draft_wall"] += wall
@@ -384,6 +385,7 @@ class Scheduler:
         self.metrics.verify_busy_ms += reply.compute_ms * len(sessions) / max(reply.batch_size, len(sessions))
         fed = sum(1 + len(s.tree.token_ids) for s in sessions)
         self.controller.cost.observe_verify(fed * reply.batch_size // max(1, len(sessions)), reply.compute_ms)
+        self.controller.cost.observe_calls(verify_overhead_ms=wall - reply.compute_ms)
         for state, verified in zip(batch, reply.sessions):
             state.timing_ms["verify_wall"] += wall
             state.timing_ms["verify_compute"] += reply.compute_ms

@@ -1,8 +1,11 @@
 """Adaptive speculation length: how many tokens each request drafts this round, down to none.
 
 A round costs, by a cost model fitted online from the servers' reported
-compute times,
-    T(k) = verify_base + verify_per_token * sum_i (k_i + 1) + draft_per_token * max_i k_i
+compute times and the calls' wall times,
+    T(k) = verify_call + verify_base + verify_per_token * sum_i (k_i + 1)
+           + [any k_i > 0] * (draft_call + draft_per_token * max_i k_i)
+where the *_call terms are what a call costs beyond the servers' compute
+(network, serialisation, queueing): a round that drafts pays for one more call.
 and request i is expected to gain E_i(k_i) = 1 + a_i + a_i^2 + ... + a_i^k_i
 tokens, where a_i is its predicted per-token acceptance. The plan maximises
 goodput, sum_i E_i / T (SmartSpec's idea): the next draft token goes to the
@@ -35,6 +38,8 @@ class CostModel:
     verify_base: float = 8.0
     verify_per_token: float = 0.3
     draft_per_token: float = 1.0
+    verify_call: float = 1.0  # per call, beyond compute
+    draft_call: float = 1.0
     forget: float = 0.97
     pinned: bool = False  # keep the configured numbers
 
@@ -44,7 +49,18 @@ class CostModel:
     def round_ms(self, ks: list[int]) -> float:
         if not ks:
             return 0.0
-        return self.verify_base + self.verify_per_token * sum(k + 1 for k in ks) + self.draft_per_token * max(ks)
+        verifying = self.verify_call + self.verify_base + self.verify_per_token * sum(k + 1 for k in ks)
+        return verifying + (self.draft_call + self.draft_per_token * max(ks) if max(ks) > 0 else 0.0)
+
+    def observe_calls(self, draft_overhead_ms: float | None = None, verify_overhead_ms: float | None = None) -> None:
+        """What a call cost beyond the server's compute (wall minus compute), as moving averages."""
+        if self.pinned:
+            return
+        rate = (1 - self.forget) * 5
+        if draft_overhead_ms is not None:
+            self.draft_call += rate * (max(0.0, draft_overhead_ms) - self.draft_call)
+        if verify_overhead_ms is not None:
+            self.verify_call += rate * (max(0.0, verify_overhead_ms) - self.verify_call)
 
     def observe_verify(self, tokens: int, compute_ms: float) -> None:
         """One verification pass that fed `tokens` tokens took compute_ms."""
@@ -92,10 +108,10 @@ class SpeculationController:
         # for a given D, adding a draft token with gain g pays iff it raises sum E / T.
         for depth in range(1, max(max_k, default=0) + 1):
             trial, expected = [0] * n, float(n)
-            drafting = self.cost.draft_per_token * depth
+            drafting = self.cost.draft_call + self.cost.draft_per_token * depth
 
             def round_ms(drafted: int) -> float:
-                verifying = self.cost.verify_base + self.cost.verify_per_token * (n + drafted)
+                verifying = self.cost.verify_call + self.cost.verify_base + self.cost.verify_per_token * (n + drafted)
                 # Pipelined, one group drafts while another is verified: the slower side sets the pace.
                 return max(verifying, drafting) if overlap else verifying + drafting
 

@@ -138,7 +138,7 @@ def test_several_requests_draft_together_when_the_shared_drafting_step_pays():
 
 
 def test_pipelined_rounds_hide_drafting_so_k_can_be_deeper():
-    cost = dict(verify_base=22.0, verify_per_token=1.0, draft_per_token=3.0, pinned=True)
+    cost = dict(verify_base=22.0, verify_per_token=1.0, draft_per_token=3.0, verify_call=0.0, draft_call=0.0, pinned=True)
     sequential = SpeculationController(cost=CostModel(**cost)).plan([0.8] * 8, [8] * 8, [0] * 8)
     overlapped = SpeculationController(cost=CostModel(**cost)).plan([0.8] * 8, [8] * 8, [0] * 8, overlap=True)
     assert sum(overlapped) > sum(sequential)
@@ -157,3 +157,11 @@ def test_specialists_scores_set_the_domain_and_the_classifier_is_the_fallback():
     # A declared domain, or another policy, needs no scoring.
     assert not router.start("anything", domain_hint="prose").needs_scores
     assert not make_router(policy="random").start("def f(): pass").needs_scores
+
+
+def test_a_call_overhead_makes_drafting_deeper_not_shallower():
+    """A round that drafts pays for one more call; once paid, deeper drafts amortise it."""
+    cost = dict(verify_base=7.0, verify_per_token=1.5, draft_per_token=1.75, pinned=True)
+    cheap_calls = SpeculationController(cost=CostModel(**cost, verify_call=0.0, draft_call=0.0)).plan([0.75], [8], [0])
+    costly_calls = SpeculationController(cost=CostModel(**cost, verify_call=3.0, draft_call=3.0)).plan([0.75], [8], [0])
+    assert costly_calls[0] > cheap_calls[0] >= 1
