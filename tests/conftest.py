@@ -44,7 +44,8 @@ class Cluster:
         self.log_path = workdir / f"{name}.log"
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout_s: float = 180.0) -> "Cluster":
+    def start(self, timeout_s: float = 180.0, sigint_ignored: bool = False) -> "Cluster":
+        """sigint_ignored: start as a shell's background job would, with SIGINT ignored."""
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "specfleet.cli", "serve", "--config", str(self.config_path)],
@@ -53,6 +54,7 @@ class Cluster:
             text=True,
             cwd=REPO,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None,
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

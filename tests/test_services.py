@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 import signal
 import subprocess
 import sys
@@ -49,6 +50,31 @@ def test_drafter_with_another_tokenizer_is_refused_at_startup(random_family, tmp
         cluster.start(timeout_s=120)
     log = cluster.log_path.read_text()
     assert "uses a different tokenizer" in log and "mismatched" in log, log[-2000:]
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:  # the field after the state is the parent's pid
+            found.append(int(stat.parent.name))
+    return found
+
+
+def test_ctrl_c_stops_every_service_even_when_started_as_a_background_job(random_family, tmp_path):
+    cluster = Cluster(cluster_config(random_family), tmp_path, "bg").start(sigint_ignored=True)
+    children = _children(cluster.proc.pid)
+    assert len(children) == 3  # verifier, drafter, router
+    cluster.proc.send_signal(signal.SIGINT)
+    assert cluster.proc.wait(timeout=20) == 0
+    deadline = time.monotonic() + 10
+    while any(pathlib.Path(f"/proc/{pid}").exists() for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in children if pathlib.Path(f"/proc/{pid}").exists()]
+    cluster.stop()
 
 
 def test_sigterm_lets_in_flight_requests_finish(random_family, tmp_path):
