@@ -56,6 +56,9 @@ def cmd_serve(argv: list[str]) -> int:
         return 2
     if args.port is not None:
         cfg.router.port = args.port
+    # A shell starts background jobs with SIGINT ignored, and Python keeps it so: without this,
+    # Ctrl-C (or a supervisor's SIGINT) would leave the services or actors running.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if args.ray is not None:
         from specfleet import ray_cluster
 
@@ -84,9 +87,6 @@ def cmd_serve(argv: list[str]) -> int:
         return code
 
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    # A shell starts background jobs with SIGINT ignored, and Python keeps it so: without this,
-    # Ctrl-C (or a supervisor's SIGINT) would leave the services running.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         for name, command in commands:
             procs.append((name, subprocess.Popen(command)))

@@ -316,7 +316,20 @@ def test_killed_drafter_actor_costs_only_speed(ray_serve, random_family):
     prompt = "import os\nimport sys\n"
     reply = _generate(ray_serve, prompt, max_tokens=12)
     assert list(reply.token_ids) == target_greedy(str(random_family["target"]), prompt, 12)
-    after = ray_query(ray_serve, WHERE_BOTH)["drafter-small"]
+    # The request above may finish (decoding plainly) before Ray has restarted the actor: wait for it.
+    after = ray_query(
+        ray_serve,
+        "import time\n"
+        "deadline = time.monotonic() + 120\n"
+        "while True:\n"
+        "    try:\n"
+        "        result = ray.get(ray.get_actor('drafter-small').where.remote(), timeout=120)\n"
+        "        break\n"
+        "    except ray.exceptions.ActorUnavailableError:\n"
+        "        if time.monotonic() > deadline:\n"
+        "            raise\n"
+        "        time.sleep(0.5)\n",
+    )
     assert after["pid"] != before["pid"] and after["restarted"] and after["node_id"] == before["node_id"]
     # The restarted drafter has lost its sessions (the router resends them) and drafts again through its transport.
     reply = _generate(ray_serve, prompt, max_tokens=12)
