@@ -159,6 +159,7 @@ def _draft_batch(models: dict[str, DraftModel], tagged: list[tuple[str, DraftIte
                 still.append(d)
         active = still
         step += 1
+    in_use = {r.session_id for r in results if r.known}
     for model in models.values():
-        model.store.enforce_budget(protect={r.session_id for r in results if r.known})
+        model.store.enforce_budget(protect=in_use)
     return results

@@ -283,10 +283,7 @@ class Scheduler:
             token, proposal = drafted.token_ids[position], drafted.proposals[position]
             tree.proposed.setdefault(drafter, []).append(token)
             # Identical point masses are one proposal; sampled duplicates stay separate siblings.
-            same = [
-                i for i in range(len(tree.tokens))
-                if tree.parents[i] == parent and tree.tokens[i] == token and _point_mass(tree.proposals[i]) and _point_mass(proposal)
-            ]
+            same = [i for i in member_nodes if tree.tokens[i] == token and _point_mass(tree.proposals[i]) and _point_mass(proposal)]
             if same:
                 tree.owners[same[0]].append(drafter)
                 member_nodes.append(same[0])

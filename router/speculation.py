@@ -46,11 +46,18 @@ class CostModel:
     def __post_init__(self) -> None:
         self._sums = [0.0] * 5  # weight, x, y, xx, xy
 
+    def verify_ms(self, tokens: int) -> float:
+        """One verification call that feeds `tokens` tokens."""
+        return self.verify_call + self.verify_base + self.verify_per_token * tokens
+
+    def draft_ms(self, depth: int) -> float:
+        """One draft call `depth` tokens deep (none when nothing is drafted)."""
+        return self.draft_call + self.draft_per_token * depth if depth > 0 else 0.0
+
     def round_ms(self, ks: list[int]) -> float:
         if not ks:
             return 0.0
-        verifying = self.verify_call + self.verify_base + self.verify_per_token * sum(k + 1 for k in ks)
-        return verifying + (self.draft_call + self.draft_per_token * max(ks) if max(ks) > 0 else 0.0)
+        return self.verify_ms(sum(k + 1 for k in ks)) + self.draft_ms(max(ks))
 
     def observe_calls(self, draft_overhead_ms: float | None = None, verify_overhead_ms: float | None = None) -> None:
         """What a call cost beyond the server's compute (wall minus compute), as moving averages."""
@@ -108,10 +115,10 @@ class SpeculationController:
         # for a given D, adding a draft token with gain g pays iff it raises sum E / T.
         for depth in range(1, max(max_k, default=0) + 1):
             trial, expected = [0] * n, float(n)
-            drafting = self.cost.draft_call + self.cost.draft_per_token * depth
+            drafting = self.cost.draft_ms(depth)
 
             def round_ms(drafted: int) -> float:
-                verifying = self.cost.verify_call + self.cost.verify_base + self.cost.verify_per_token * (n + drafted)
+                verifying = self.cost.verify_ms(n + drafted)
                 # Pipelined, one group drafts while another is verified: the slower side sets the pace.
                 return max(verifying, drafting) if overlap else verifying + drafting
 

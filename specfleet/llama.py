@@ -3,8 +3,8 @@
 Why not call the Hugging Face module: for the small models a drafter runs (and
 on CPU even for the target) its per-call overhead (cache objects, mask
 builders, hooks, a module call per projection) costs more than the arithmetic;
-measured on the demo target, one decode step took 11.1 ms through
-`LlamaForCausalLM.forward` and 6.5 ms here. Weights still come from any Hugging
+measured interleaved on the demo target, one decode step took 12.4 ms through
+`LlamaForCausalLM.forward` and 8.7 ms here. Weights still come from any Hugging
 Face checkpoint of a supported family, loaded by `transformers`.
 
 One pass serves many sessions with ragged contexts: B sessions, each feeding

@@ -35,9 +35,10 @@ def resolve_family(models: str, drafter: str | None, cache: pathlib.Path) -> Fam
     if models == "demo" or (models == "auto" and (DEMO_MODELS / "target" / "config.json").exists()):
         return from_dir(DEMO_MODELS, "demo")
     if models in ("auto", "random"):
-        from specfleet.bench.models import ensure_bench_random_family
+        from specfleet.random_models import ensure_random_family
 
-        paths = ensure_bench_random_family(cache / "bench-random-models")
+        # 32-wide heads: vLLM's CPU attention refuses the 16-wide heads of the test family.
+        paths = ensure_random_family(cache / "bench-random-models", head_dim=32)
         drafters = {n: paths[n] for n in ("drafter-noisy", "drafter-copy", "drafter-random")}
         return Family("random", paths["target"], drafters, _pick(drafters, drafter, "drafter-noisy"))
     return from_dir(pathlib.Path(models), str(models))
