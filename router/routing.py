@@ -247,8 +247,10 @@ class RequestRouting:
 
     domain: str
     evidence: dict[str, Evidence] = field(default_factory=dict)
-    # The domain is the classifier's provisional guess until the specialists have scored the prompt.
+    # Set while the domain waits for the specialists to score the prompt; the exemplar
+    # classifier then runs only if no specialist could (it costs the router real CPU).
     needs_scores: bool = False
+    prompt: str = ""
 
 
 class DrafterRouter:
@@ -267,8 +269,9 @@ class DrafterRouter:
         hint = domain_hint if self.config.use_domain_hint else ""
         if hint:
             return RequestRouting(domain=hint)
-        scored = self.config.policy == "expertise" and self.config.domain_prior == "likelihood" and bool(self.scorers())
-        return RequestRouting(domain=self.classifier.classify(prompt), needs_scores=scored)
+        if self.config.policy == "expertise" and self.config.domain_prior == "likelihood" and self.scorers():
+            return RequestRouting(domain="", needs_scores=True, prompt=prompt)
+        return RequestRouting(domain=self.classifier.classify(prompt))
 
     def scorers(self) -> list[str]:
         """The drafters that score new prompts: those that declare specialities."""
@@ -276,11 +279,14 @@ class DrafterRouter:
 
     def assign_domain(self, routing: RequestRouting, scores: dict[str, float]) -> None:
         """scores: drafter -> its mean log-probability of the prompt. The best specialist's speciality wins;
-        with no scores (drafters unreachable) the classifier's guess stands."""
+        with no scores (drafters unreachable) the exemplar classifier decides."""
         routing.needs_scores = False
         if scores:
             best = max(scores, key=scores.get)
             routing.domain = self.drafters[best].specialities[0]
+        else:
+            routing.domain = self.classifier.classify(routing.prompt)
+        routing.prompt = ""
 
     def _prior(self, drafter: str, domain: str) -> tuple[float, float]:
         specialist = domain in self.drafters[drafter].specialities

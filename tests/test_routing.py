@@ -147,7 +147,7 @@ def test_pipelined_rounds_hide_drafting_so_k_can_be_deeper():
 def test_specialists_scores_set_the_domain_and_the_classifier_is_the_fallback():
     router = make_router()
     routing = router.start("The old man looked out over the sea and remembered")
-    assert routing.needs_scores and routing.domain == "prose"  # the classifier's provisional guess
+    assert routing.needs_scores and routing.domain == ""  # undecided until the specialists score it
     assert set(router.scorers()) == {"code", "prose", "structured"}  # the general drafter declares nothing
     router.assign_domain(routing, {"code": -1.2, "prose": -3.5, "structured": -2.0})
     assert routing.domain == "code" and not routing.needs_scores
