@@ -62,12 +62,14 @@ def simulate(
     depth: int,
     gen: torch.Generator,
     claimed: list[torch.Tensor] | None = None,
+    constant_noise: bool = False,
 ) -> torch.Tensor:
     """[SAMPLES, LENGTH] first tokens of generations that start after token 0.
 
     Each round drafts a tree: one child of the root per drafter (siblings), and
     under each child a chain of depth - 1 more tokens from the same drafter.
     `claimed` replaces the distributions sent with the proposals (the negative control).
+    `constant_noise` passes the fixed noise the verifier gives greedy sessions.
     """
     claimed = claimed or drafters
     out = torch.full((SAMPLES, LENGTH), -1, dtype=torch.long)
@@ -94,12 +96,11 @@ def simulate(
             q_probs=torch.stack(q_probs, 1),
         )
         target_probs = torch.stack([target[last]] + [target[c] for c in contexts], 1)
-        verdict = verify_trees(
-            target_probs,
-            trees,
-            torch.rand(SAMPLES, n, generator=gen),
-            torch.empty(SAMPLES, V).exponential_(generator=gen),
-        )
+        if constant_noise:
+            uniforms, exponentials = torch.zeros(SAMPLES, n), torch.ones(SAMPLES, V)
+        else:
+            uniforms, exponentials = torch.rand(SAMPLES, n, generator=gen), torch.empty(SAMPLES, V).exponential_(generator=gen)
+        verdict = verify_trees(target_probs, trees, uniforms, exponentials)
         # This round emits the accepted drafts, then the next token.
         accepted_tokens = trees.tokens.gather(1, verdict.accepted.clamp(min=0))
         for j in range(n + 1):
@@ -170,6 +171,18 @@ def test_greedy_emits_exactly_the_target_argmax(depth, siblings):
     first = target[0].argmax()
     assert (samples[:, 0] == first).all()
     assert (samples[:, 1] == target[first].argmax()).all()
+
+
+def test_greedy_needs_no_noise():
+    """The verifier skips random draws for greedy sessions: with constant noise a point-mass target
+    still emits exactly its argmax chain, whatever the proposals (here sampled ones that disagree)."""
+    target = greedy_table(target_table(1.0, 0, 1.0))
+    drafters = [drafter_table(k, target_table(1.0, 0, 1.0), i) for i, k in enumerate(["good", "random", "bad"])]
+    samples = simulate(target, drafters, 3, torch.Generator().manual_seed(11), constant_noise=True)
+    expected = [0]
+    for _ in range(LENGTH):
+        expected.append(int(target[expected[-1]].argmax()))
+    assert (samples == torch.tensor(expected[1:])).all()
 
 
 def test_verdict_shapes_and_accepted_path():

@@ -139,8 +139,10 @@ class Verifier:
             q_ids=torch.zeros(batch, num_nodes, k_max, dtype=torch.long),
             q_probs=torch.zeros(batch, num_nodes, k_max),
         )
-        uniforms = torch.empty(batch, num_nodes)
-        exponentials = torch.empty(batch, vocab)
+        # A greedy session's p is a point mass, so its verdict does not depend on the noise
+        # (verification.py, obligation 2): it gets constant noise instead of 8k random draws.
+        uniforms = torch.zeros(batch, num_nodes)
+        exponentials = torch.ones(batch, vocab)
         for b, (_, item, session) in enumerate(live):
             n = len(item.tree_tokens)
             trees.tokens[b, :n] = torch.tensor(item.tree_tokens, dtype=torch.long)
@@ -149,9 +151,10 @@ class Verifier:
             for i, (ids, probs) in enumerate(item.proposals):
                 trees.q_ids[b, i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
                 trees.q_probs[b, i, : len(ids)] = torch.tensor(probs)
-            gen = generator_for(item.sampling.seed, len(session.token_ids), STREAM_VERIFY)
-            uniforms[b] = torch.rand(num_nodes, generator=gen)
-            exponentials[b] = torch.empty(vocab).exponential_(generator=gen)
+            if not item.sampling.greedy:
+                gen = generator_for(item.sampling.seed, len(session.token_ids), STREAM_VERIFY)
+                uniforms[b] = torch.rand(num_nodes, generator=gen)
+                exponentials[b].exponential_(generator=gen)
         verdict = verify_trees(target_probs, trees, uniforms, exponentials)
 
         results = []
