@@ -159,8 +159,9 @@ def forward(
         if attend is None:
             masks.append(None)
             continue
-        mask = torch.ones(n, kv_len + n, dtype=torch.bool, device=model.device)
-        mask[:, kv_len:] = attend.to(model.device)
+        # Additive, in the model's dtype: SDPA would convert a boolean mask on every layer.
+        mask = torch.zeros(n, kv_len + n, dtype=model.dtype, device=model.device)
+        mask[:, kv_len:].masked_fill_(~attend.to(model.device), float("-inf"))
         masks.append(mask)
     for i, layer in enumerate(model.layers):
         h = F.rms_norm(x, (x.shape[-1],), layer.input_norm, model.eps)
@@ -169,20 +170,19 @@ def forward(
         q = _rotate(q.view(batch, width, H, D).transpose(1, 2), cos, sin)  # [B, H, N, D]
         k = _rotate(k.view(batch, width, KV, D).transpose(1, 2), cos, sin)  # [B, KV, N, D]
         v = v.view(batch, width, KV, D).transpose(1, 2)
-        attn = x.new_zeros(batch, H, width, D)
+        new_kv = torch.stack([k, v], dim=1)  # [B, 2, KV, N, D]
+        # Per session, as few tensor ops as possible: at 32 sessions and 16 layers this loop
+        # runs 512 times a pass, and each op costs about a microsecond of dispatch.
+        outs = []
         for b in range(batch):
             kv_len, n = kv_lens[b], new_lens[b]
-            keys, values = kv_buffers[b][i, 0], kv_buffers[b][i, 1]  # [KV, capacity, D]
-            keys[:, kv_len : kv_len + n] = k[b, :, :n]
-            values[:, kv_len : kv_len + n] = v[b, :, :n]
+            cache = kv_buffers[b][i]  # [2, KV, capacity, D]
+            cache[:, :, kv_len : kv_len + n] = new_kv[b, :, :, :n]
             # 4-D operands: the 3-D form falls back to a slower kernel on CPU.
-            attn[b : b + 1, :, :n] = F.scaled_dot_product_attention(
-                q[b : b + 1, :, :n],
-                keys[None, :, : kv_len + n],
-                values[None, :, : kv_len + n],
-                attn_mask=masks[b],
-                enable_gqa=KV != H,
-            )
+            keys, values = cache[:, None, :, : kv_len + n].unbind(0)
+            out = F.scaled_dot_product_attention(q[b : b + 1, :, :n], keys, values, attn_mask=masks[b], enable_gqa=KV != H)
+            outs.append(out if n == width else F.pad(out, (0, 0, 0, width - n)))
+        attn = torch.cat(outs)  # [B, H, N, D]
         x = x + F.linear(attn.transpose(1, 2).reshape(batch, width, H * D), layer.out)
         h = F.rms_norm(x, (x.shape[-1],), layer.mlp_norm, model.eps)
         gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
