@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from specfleet.sampling import probs_from_logits, truncate
-from verifier_service.verification import TreeBatch, verify_trees
+from verifier_service.verification import TreeBatch, verify_trees, verify_trees_greedy
 
 V = 6  # vocabulary
 SAMPLES = 200_000
@@ -183,6 +183,34 @@ def test_greedy_needs_no_noise():
     for _ in range(LENGTH):
         expected.append(int(target[expected[-1]].argmax()))
     assert (samples == torch.tensor(expected[1:])).all()
+
+
+def test_greedy_specialisation_gives_the_same_verdict():
+    """verify_trees_greedy on argmax ids == verify_trees on the point masses, for random ragged trees
+    whose tokens often hit the argmax, with point-mass and sparse sampled proposals (obligation 5)."""
+    gen = torch.Generator().manual_seed(5)
+    batch, num_nodes, k = 64, 9, 3
+    logits = torch.randn(batch, num_nodes + 1, V, generator=gen)
+    argmax = logits.argmax(dim=-1)
+    parents = torch.full((batch, num_nodes), -2, dtype=torch.long)
+    tokens = torch.zeros(batch, num_nodes, dtype=torch.long)
+    for b in range(batch):
+        n = int(torch.randint(0, num_nodes + 1, (1,), generator=gen))
+        for i in range(n):
+            parents[b, i] = int(torch.randint(-1, i, (1,), generator=gen))
+            hit = torch.rand(1, generator=gen) < 0.6
+            tokens[b, i] = argmax[b, parents[b, i] + 1] if hit else torch.randint(0, V, (1,), generator=gen)
+    q_ids = torch.cat([tokens.unsqueeze(2), torch.randint(0, V, (batch, num_nodes, k - 1), generator=gen)], dim=2)
+    sampled = torch.rand(batch, num_nodes, 1, generator=gen) < 0.5
+    q_probs = torch.where(sampled, torch.full((batch, num_nodes, k), 1.0 / k), torch.tensor([1.0] + [0.0] * (k - 1)))
+    trees = TreeBatch(tokens=tokens, parents=parents, valid=parents > -2, q_ids=q_ids, q_probs=q_probs)
+    point_masses = torch.zeros(batch, num_nodes + 1, V).scatter_(2, argmax.unsqueeze(2), 1.0)
+    general = verify_trees(point_masses, trees, torch.rand(batch, num_nodes, generator=gen), torch.ones(batch, V))
+    greedy = verify_trees_greedy(argmax, trees)
+    assert torch.equal(general.accepted, greedy.accepted)
+    assert torch.equal(general.num_accepted, greedy.num_accepted)
+    assert torch.equal(general.next_token, greedy.next_token)
+    assert general.num_accepted.max() >= 2  # the trees exercise deep acceptance, not only rejections
 
 
 def test_verdict_shapes_and_accepted_path():

@@ -40,6 +40,10 @@ Proof obligations, each checked by tests/test_verification.py:
     the residual is p without x, renormalised.
  4. Reproducible: the outcome is a deterministic function of the inputs,
     including the caller's uniforms and exponential noise.
+ 5. `verify_trees_greedy` is `verify_trees` specialised to point-mass p: it
+    returns the same verdict from the argmax ids alone. With r a point mass on
+    y, a child is accepted iff its token is y, and rejecting a child leaves r
+    on y (r - q keeps 1 - q(y) > 0 there), so the walk only compares ids.
 
 Shapes: B sessions; N draft nodes (padded per session); K entries per sparse
 proposal; V vocabulary.
@@ -116,3 +120,24 @@ def verify_trees(
     # Exponential race: argmax r / E draws index v with probability r(v) / sum(r).
     next_token = (residual / exponentials).argmax(dim=1)
     return Verdict(accepted=accepted, num_accepted=num_accepted, next_token=next_token)
+
+
+def verify_trees_greedy(
+    target_argmax: torch.Tensor,  # [B, N + 1] int64: the target's argmax after the root, then after each node
+    trees: TreeBatch,
+) -> Verdict:
+    """`verify_trees` for sessions at temperature 0, without [B, N + 1, V] probabilities or noise."""
+    batch, num_nodes = trees.tokens.shape
+    rows = torch.arange(batch, device=target_argmax.device)
+    cur = torch.full((batch,), -1, dtype=torch.long, device=target_argmax.device)
+    wanted = target_argmax[:, 0].clone()  # [B], the token the point-mass residual sits on
+    accepted = torch.full((batch, num_nodes), -1, dtype=torch.long, device=target_argmax.device)
+    num_accepted = torch.zeros(batch, dtype=torch.long, device=target_argmax.device)
+    for i in range(num_nodes):
+        accept = trees.valid[:, i] & (trees.parents[:, i] == cur) & (trees.tokens[:, i] == wanted)
+        if accept.any():
+            accepted[rows[accept], num_accepted[accept]] = i
+            num_accepted += accept.long()
+            cur = torch.where(accept, torch.full_like(cur, i), cur)
+            wanted = torch.where(accept, target_argmax[:, i + 1], wanted)
+    return Verdict(accepted=accepted, num_accepted=num_accepted, next_token=wanted)

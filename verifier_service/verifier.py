@@ -3,8 +3,9 @@
 Per session and round: sync the session's tokens (the client sends only what
 changed), feed the last committed token followed by the tree's nodes with
 tree attention, shape the target's logits into p as the request asked, run
-`verification.verify_trees`, keep the KV of the accepted path only, and
-append the accepted tokens and the next token to the session.
+`verification.verify_trees` (or, when every session in the batch is greedy,
+`verify_trees_greedy` on the argmax ids alone), keep the KV of the accepted
+path only, and append the accepted tokens and the next token to the session.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from specfleet.runtime import ForwardItem, LoadedModel, SessionStore, UnknownSession, forward_batch, prefill
 from specfleet.sampling import STREAM_VERIFY, SamplingParams, generator_for, probs_from_logits
-from verifier_service.verification import TreeBatch, verify_trees
+from verifier_service.verification import TreeBatch, verify_trees, verify_trees_greedy
 
 log = logging.getLogger(__name__)
 
@@ -102,24 +103,46 @@ class Verifier:
         for _, item, session in live:
             root_pos = len(session.token_ids) - 1
             n = len(item.tree_tokens)
+            # Row j: which of [root, node 0, ..., node n-1] token j sees (itself and its ancestors).
+            # Built in Python, one tensor at the end: per-element tensor ops cost more than the pass.
             depth = [0] * n
-            attend = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-            attend[:, 0] = True
+            rows = [[True] + [False] * n]
             for i, parent in enumerate(item.tree_parents):
                 depth[i] = 1 if parent < 0 else depth[parent] + 1
-                attend[i + 1, i + 1] = True
-                if parent >= 0:
-                    attend[i + 1] |= attend[parent + 1]
+                row = list(rows[parent + 1])
+                row[i + 1] = True
+                rows.append(row)
             forward_items.append(
                 ForwardItem(
                     session,
                     [session.token_ids[-1], *item.tree_tokens],
                     [root_pos] + [root_pos + d for d in depth],
-                    attend,
+                    torch.tensor(rows) if n else None,
                 )
             )
         logits = forward_batch(self.loaded, forward_items)  # [B, 1 + N, V]
 
+        batch, width, vocab = logits.shape
+        num_nodes = width - 1
+        trees = self._tree_batch(live, num_nodes)
+        params = [item.sampling for _, item, _ in live]
+        if all(p.greedy for p in params):
+            verdict = verify_trees_greedy(logits.argmax(dim=-1), trees)
+        else:
+            verdict = self._verify_sampled(live, logits, trees)
+
+        results = []
+        for b, (_, item, session) in enumerate(live):
+            count = int(verdict.num_accepted[b])
+            path = verdict.accepted[b, :count].tolist()
+            session.commit([0] + [node + 1 for node in path])
+            tokens = [item.tree_tokens[node] for node in path] + [int(verdict.next_token[b])]
+            session.token_ids.extend(tokens)
+            results.append(VerifyResult(item.session_id, known=True, accepted_nodes=path, token_ids=tokens))
+        return results
+
+    def _verify_sampled(self, live, logits: torch.Tensor, trees: TreeBatch):
+        """The general case: p shaped as each session asked, with its seeded noise."""
         batch, width, vocab = logits.shape
         num_nodes = width - 1
         params = [item.sampling for _, item, _ in live]
@@ -131,38 +154,35 @@ class Verifier:
             per_row([p.top_p for p in params], torch.float32),
         ).reshape(batch, width, vocab)
 
-        k_max = max([len(ids) for _, item, _ in live for ids, _ in item.proposals] or [1])
-        trees = TreeBatch(
-            tokens=torch.zeros(batch, num_nodes, dtype=torch.long),
-            parents=torch.full((batch, num_nodes), -2, dtype=torch.long),
-            valid=torch.zeros(batch, num_nodes, dtype=torch.bool),
-            q_ids=torch.zeros(batch, num_nodes, k_max, dtype=torch.long),
-            q_probs=torch.zeros(batch, num_nodes, k_max),
-        )
         # A greedy session's p is a point mass, so its verdict does not depend on the noise
         # (verification.py, obligation 2): it gets constant noise instead of 8k random draws.
         uniforms = torch.zeros(batch, num_nodes)
         exponentials = torch.ones(batch, vocab)
         for b, (_, item, session) in enumerate(live):
-            n = len(item.tree_tokens)
-            trees.tokens[b, :n] = torch.tensor(item.tree_tokens, dtype=torch.long)
-            trees.parents[b, :n] = torch.tensor(item.tree_parents, dtype=torch.long)
-            trees.valid[b, :n] = True
-            for i, (ids, probs) in enumerate(item.proposals):
-                trees.q_ids[b, i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-                trees.q_probs[b, i, : len(ids)] = torch.tensor(probs)
             if not item.sampling.greedy:
                 gen = generator_for(item.sampling.seed, len(session.token_ids), STREAM_VERIFY)
                 uniforms[b] = torch.rand(num_nodes, generator=gen)
                 exponentials[b].exponential_(generator=gen)
-        verdict = verify_trees(target_probs, trees, uniforms, exponentials)
+        return verify_trees(target_probs, trees, uniforms, exponentials)
 
-        results = []
-        for b, (_, item, session) in enumerate(live):
-            count = int(verdict.num_accepted[b])
-            path = verdict.accepted[b, :count].tolist()
-            session.commit([0] + [node + 1 for node in path])
-            tokens = [item.tree_tokens[node] for node in path] + [int(verdict.next_token[b])]
-            session.token_ids.extend(tokens)
-            results.append(VerifyResult(item.session_id, known=True, accepted_nodes=path, token_ids=tokens))
-        return results
+    @staticmethod
+    def _tree_batch(live, num_nodes: int) -> TreeBatch:
+        batch = len(live)
+        k_max = max([len(ids) for _, item, _ in live for ids, _ in item.proposals] or [1])
+        # Padded to [B, N] / [B, N, K] in Python lists, converted once.
+        tokens, parents, q_ids, q_probs = [], [], [], []
+        for _, item, _ in live:
+            pad = num_nodes - len(item.tree_tokens)
+            tokens.append(item.tree_tokens + [0] * pad)
+            parents.append(item.tree_parents + [-2] * pad)
+            q_ids.append([ids + [0] * (k_max - len(ids)) for ids, _ in item.proposals] + [[0] * k_max] * pad)
+            q_probs.append([probs + [0.0] * (k_max - len(probs)) for _, probs in item.proposals] + [[0.0] * k_max] * pad)
+        parents_t = torch.tensor(parents, dtype=torch.long).reshape(batch, num_nodes)
+        trees = TreeBatch(
+            tokens=torch.tensor(tokens, dtype=torch.long).reshape(batch, num_nodes),
+            parents=parents_t,
+            valid=parents_t > -2,
+            q_ids=torch.tensor(q_ids, dtype=torch.long).reshape(batch, num_nodes, k_max),
+            q_probs=torch.tensor(q_probs, dtype=torch.float32).reshape(batch, num_nodes, k_max),
+        )
+        return trees
