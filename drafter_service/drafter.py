@@ -77,11 +77,13 @@ class DraftModel:
         )
         ids, q = truncate(probs, self.proposal_top_k)
         gens = [generator_for(p.seed, d.committed + step, self.stream) for p, d in zip(params, drafting)]
-        tokens = sample_sparse(ids, q, gens)
+        local_tokens = sample_sparse(ids, q, gens)
         # Confidence: the model's own probability of its token; for greedy requests,
         # at temperature 1, since the point mass says nothing.
         confidence_probs = torch.where(torch.tensor([p.greedy for p in params]).unsqueeze(1), logits.softmax(dim=1), probs)
-        confidences = confidence_probs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        confidences = confidence_probs.gather(1, local_tokens.unsqueeze(1)).squeeze(1)
+        # Positions along the logits are vocabulary ids unless the model has a token map.
+        ids, tokens = self.loaded.global_ids(ids), self.loaded.global_ids(local_tokens)
         for b, d in enumerate(drafting):
             d.session.commit([0])
             keep = q[b] > 0

@@ -130,7 +130,7 @@ def load_core(svc: config_mod.DrafterServiceConfig, threads: int | None = None) 
     configure_torch(threads or svc.threads)
     models = {}
     for m in svc.models:
-        loaded = load_model(m.name, m.path, dtype=svc.dtype)
+        loaded = load_model(m.name, m.path, dtype=svc.dtype, use_token_map=True)
         store = SessionStore(max_cache_bytes=int(svc.max_cache_mb * 2**20), max_sessions=svc.max_sessions)
         models[m.name] = DraftModel(loaded, store, svc.proposal_top_k)
     fingerprints = {m.loaded.fingerprint for m in models.values()}

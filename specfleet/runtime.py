@@ -67,6 +67,13 @@ class LoadedModel:
     max_context: int
     eos_token_id: int
     parameters: int
+    # Draft models only: the vocabulary ids the output layer scores (see `load_model`), or None for all.
+    token_map: torch.Tensor | None = None  # [V'] int64, global ids in the order of the logits
+    local_index: torch.Tensor | None = None  # [vocab] int64: position in token_map, -1 if absent
+
+    def global_ids(self, local: torch.Tensor) -> torch.Tensor:
+        """Vocabulary ids of positions along the logits' last dimension."""
+        return local if self.token_map is None else self.token_map[local]
 
     def info(self):
         """This model as the contract's ModelInfo (what GetInfo answers)."""
@@ -83,8 +90,23 @@ class LoadedModel:
         )
 
 
-def load_model(name: str, path: str | os.PathLike, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
-    """Load a Hugging Face Llama-family causal LM and its tokenizer from a local directory, offline."""
+TOKEN_MAP_FILE = "token_map.json"
+
+
+def load_model(
+    name: str, path: str | os.PathLike, dtype: str = "float32", device: str = "cpu", use_token_map: bool = False
+) -> LoadedModel:
+    """Load a Hugging Face Llama-family causal LM and its tokenizer from a local directory, offline.
+
+    use_token_map (drafters only): if the directory has `token_map.json`, a JSON list of
+    vocabulary ids, the output layer keeps only those rows (FR-Spec's frequency-ranked
+    draft vocabulary; SGLang's speculative token map). On a small drafter the output
+    layer is most of a step's cost, and the target's tokens rarely fall outside the few
+    thousand most frequent ones. Proposals are then distributions over those ids, which
+    is still exactly what they were drawn from, so verification stays lossless; a token
+    outside the map can only be reached as the target's correction. The target never
+    uses one: its distribution must be whole.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = pathlib.Path(path)
@@ -104,22 +126,45 @@ def load_model(name: str, path: str | os.PathLike, dtype: str = "float32", devic
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else config.eos_token_id
     if isinstance(eos, list):
         eos = eos[0]
+    model = from_hf(hf_model)
+    token_map = local_index = None
+    if use_token_map and (path / TOKEN_MAP_FILE).exists():
+        token_map = _read_token_map(name, path / TOKEN_MAP_FILE, int(config.vocab_size))
+        model.lm_head = model.lm_head[token_map.to(model.lm_head.device)].contiguous()
+        local_index = torch.full((int(config.vocab_size),), -1, dtype=torch.long)
+        local_index[token_map] = torch.arange(len(token_map))
     loaded = LoadedModel(
         name=name,
         path=str(path),
-        model=from_hf(hf_model),
+        model=model,
         tokenizer=tokenizer,
         fingerprint=tokenizer_fingerprint(tokenizer),
         vocab_size=int(config.vocab_size),
         max_context=int(config.max_position_embeddings),
         eos_token_id=int(eos) if eos is not None else -1,
         parameters=sum(p.numel() for p in hf_model.parameters()),
+        token_map=token_map,
+        local_index=local_index,
     )
     log.info(
-        "loaded model %s from %s: %.1fM parameters, %s, %.1fs",
-        name, path, loaded.parameters / 1e6, dtype, time.perf_counter() - started,
+        "loaded model %s from %s: %.1fM parameters, %s, %s, %.1fs",
+        name, path, loaded.parameters / 1e6, dtype,
+        f"output layer over {len(token_map)} ids ({TOKEN_MAP_FILE})" if token_map is not None else "full output layer",
+        time.perf_counter() - started,
     )
     return loaded
+
+
+def _read_token_map(name: str, path: pathlib.Path, vocab_size: int) -> torch.Tensor:
+    try:
+        ids = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"model '{name}': cannot read {path}: {err}") from None
+    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
+        raise ValueError(f"model '{name}': {path} must be a non-empty JSON list of vocabulary ids in [0, {vocab_size})")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"model '{name}': {path} lists some ids twice")
+    return torch.tensor(ids, dtype=torch.long)
 
 
 # --- sessions -------------------------------------------------------------------------------------------------
@@ -265,6 +310,9 @@ class ForwardItem:
 def forward_batch(loaded: LoadedModel, items: list[ForwardItem], logits: bool = True) -> torch.Tensor | None:
     """One forward pass over many sessions: logits [B, N, V] float32 (row b valid for its first n_b positions).
 
+    V is the vocabulary, or the token map's ids in its order when the model has one
+    (`LoadedModel.global_ids` turns positions into vocabulary ids).
+
     Each session's new KV is written just past its cached prefix and is not yet
     part of it: the caller keeps what it wants with `Session.commit`.
     """
@@ -320,6 +368,15 @@ def prefill(loaded: LoadedModel, sessions: list[Session], keep_last: int = 1, sc
             scores.append((0.0, 0))
             continue
         successors = torch.tensor(session.token_ids[start + 1 : target + 1])
-        log_probs = logits[0].log_softmax(dim=-1).gather(1, successors.unsqueeze(1))
+        log_probs = logits[0].log_softmax(dim=-1)
+        if loaded.token_map is None:
+            log_probs = log_probs.gather(1, successors.unsqueeze(1))
+        else:
+            # A successor outside the token map is one the model cannot propose: it scores as
+            # unlikely as the model's least likely mapped token.
+            local = loaded.local_index[successors]
+            log_probs = torch.where(
+                local >= 0, log_probs.gather(1, local.clamp(min=0).unsqueeze(1)).squeeze(1), log_probs.min(dim=1).values
+            )
         scores.append((float(log_probs.sum()), len(ids)))
     return scores

@@ -69,8 +69,11 @@ def test_quick_pipeline_end_to_end(quick_build):
         tok = AutoTokenizer.from_pretrained(str(d))
         assert m.dtype in (torch.bfloat16, torch.float16)
         assert m.generation_config.eos_token_id == tok.eos_token_id
+        if sub.startswith("drafters/"):  # each drafter scores only its token map's ids when served
+            token_map = json.loads((d / "token_map.json").read_text())
+            assert len(token_map) == len(set(token_map)) == 256 and max(token_map) < len(tok)
     md = (out / "acceptance.md").read_text()
-    assert "Greedy per-token acceptance" in md and "Per-token cost" in md
+    assert "Greedy per-token acceptance" in md and "Per-token cost" in md and "token_map.json" in md
     # the corpora have fixed splits and the tokenizer round-trips them
     tok = AutoTokenizer.from_pretrained(str(out / "tokenizer"))
     for d in DOMAINS:

@@ -126,9 +126,19 @@ def _heldout_loss(model, stream, n: int, length: int, seed: int) -> float:
     return sum(losses) / (n * length)
 
 
+def _token_map(model_dir: Path):
+    import torch
+
+    from specfleet.runtime import TOKEN_MAP_FILE
+
+    path = model_dir / TOKEN_MAP_FILE
+    return torch.tensor(json.loads(path.read_text()), dtype=torch.long) if path.exists() else None
+
+
 def step_costs_ms(cases: dict, vocab: int, context: int = 128, reps: int = 60) -> dict:
-    """Median wall time (ms) of one KV-cached decode step, batch 1, for each ``name: (model, k)``,
-    through specfleet's own forward pass (`specfleet.llama`, what the services run).
+    """Median wall time (ms) of one KV-cached decode step, batch 1, for each ``name: (model, k[, token_map])``,
+    through specfleet's own forward pass (`specfleet.llama`, what the services run; a token map
+    keeps only those rows of the output layer, as the drafter service does).
 
     ``k`` tokens are fed at once (k = 1: a drafter/target decode step; k > 1: a verification
     step) after ``context`` cached tokens; nothing is committed, so every step sees the same
@@ -142,8 +152,10 @@ def step_costs_ms(cases: dict, vocab: int, context: int = 128, reps: int = 60) -
     g = torch.Generator().manual_seed(0)
     ctx = torch.randint(0, vocab, (1, context), generator=g)
     runs, times = {}, {n: [] for n in cases}
-    for n, (m, k) in cases.items():
+    for n, (m, k, *token_map) in cases.items():
         model = llama.from_hf(m)
+        if token_map and token_map[0] is not None:
+            model.lm_head = model.lm_head[token_map[0]].contiguous()
         session = Session(token_ids=ctx[0].tolist())
         session.reserve(model, context + k)
         causal = torch.ones(context, context, dtype=torch.bool).tril()
@@ -201,6 +213,8 @@ def matrix_main(argv: list[str]) -> int:
     tok = AutoTokenizer.from_pretrained(str(models / "tokenizer"))
     target = _load(models / "target", torch.float32)
     drafters = {n: _load(models / "drafters" / n, torch.float32) for n in DRAFTERS if (models / "drafters" / n).exists()}
+    # As served: a drafter with a token map scores only the mapped ids (specfleet.runtime.load_model).
+    token_maps = {n: _token_map(models / "drafters" / n) for n in drafters}
 
     sets = [(d, s) for d in DOMAINS for s in ("heldout", "unseen")] if not args.cost_only else []
     res: dict = {"greedy": {}, "sampled": {}, "tpv_greedy": {}, "tpv_sampled": {}, "loss": {}}
@@ -217,6 +231,10 @@ def matrix_main(argv: list[str]) -> int:
             res["loss"][(d, s)] = _heldout_loss(target, stream, args.loss_windows, 256 if not args.quick else 32, seed=si)
             for n, m in drafters.items():
                 q_logits = _cont_logits(m, seq, args.prompt_len)
+                if token_maps[n] is not None:
+                    unmapped = torch.ones(q_logits.shape[-1], dtype=torch.bool)
+                    unmapped[token_maps[n]] = False
+                    q_logits = q_logits.masked_fill(unmapped, float("-inf"))
                 match = (q_logits.argmax(-1) == p_arg).numpy()
                 beta = torch.minimum(p_T, torch.softmax(q_logits / T, -1)).sum(-1).numpy()
                 res["greedy"][(n, d, s)] = float(match.mean())
@@ -235,13 +253,13 @@ def matrix_main(argv: list[str]) -> int:
             cases = {("target", dn, 1): (copy.deepcopy(target).to(dtype), 1)}
             cases[("target", dn, args.k + 1)] = (cases[("target", dn, 1)][0], args.k + 1)
             for n, m in drafters.items():
-                cases[(n, dn, 1)] = (copy.deepcopy(m).to(dtype), 1)
+                cases[(n, dn, 1)] = (copy.deepcopy(m).to(dtype), 1, token_maps[n])
             cost.update(step_costs_ms(cases, vocab, reps=20 if args.quick else 60))
 
     if args.cost_only:
         print(json.dumps({"|".join(map(str, k)): round(v, 3) for k, v in cost.items()}, indent=1))
         return 0
-    md = render(res, cost, args, drafters, sets)
+    md = render(res, cost, args, drafters, sets, token_maps)
     out_file.parent.mkdir(parents=True, exist_ok=True)
     out_file.write_text(md)
     (out_file.with_suffix(".json")).write_text(
@@ -255,7 +273,7 @@ def matrix_main(argv: list[str]) -> int:
     return 0
 
 
-def render(res, cost, args, drafters, sets) -> str:
+def render(res, cost, args, drafters, sets, token_maps=None) -> str:
     from .corpus import DOMAINS
 
     lines = [
@@ -308,6 +326,13 @@ def render(res, cost, args, drafters, sets) -> str:
         for n in drafters:
             lines.append(f"| drafter {n} | {cost[(n, 'float32', 1)]:.2f} | {cost[(n, 'bfloat16', 1)]:.2f} | | |")
         lines.append("")
+        mapped = {len(m) for m in (token_maps or {}).values() if m is not None}
+        if mapped:
+            lines.append(
+                f"Drafters are measured as served: their output layer scores only the {', '.join(map(str, sorted(mapped)))} "
+                "ids of their token_map.json, in the acceptance rates above and in these costs."
+            )
+            lines.append("")
         t_best = min(cost[("target", "float32", 1)], cost[("target", "bfloat16", 1)])
         d_best = max(min(cost[(n, "float32", 1)], cost[(n, "bfloat16", 1)]) for n in drafters)
         fp32_ratio = cost[("target", "float32", 1)] / max(cost[(n, "float32", 1)] for n in drafters)
