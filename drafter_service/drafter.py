@@ -127,9 +127,10 @@ def _draft_batch(models: dict[str, DraftModel], tagged: list[tuple[str, DraftIte
         if item.num_draft_tokens > 0:
             drafting.append(Drafting(model, item, session, result, committed=len(session.token_ids)))
 
-    for model, result, session in scored:
-        (total, count), = prefill(model.loaded, [session], score=True)
-        result.context_log_prob, result.context_tokens = total / max(1, count), count
+    for model in models.values():
+        mine = [(result, session) for m, result, session in scored if m is model]
+        for (result, _), (total, count) in zip(mine, prefill(model.loaded, [session for _, session in mine], score=True)):
+            result.context_log_prob, result.context_tokens = total / max(1, count), count
     for model in models.values():
         prefill(model.loaded, [d.session for d in drafting if d.model is model], keep_last=1)
 

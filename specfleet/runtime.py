@@ -345,38 +345,57 @@ def forward_batch(loaded: LoadedModel, items: list[ForwardItem], logits: bool = 
 
 
 def prefill(loaded: LoadedModel, sessions: list[Session], keep_last: int = 1, score: bool = False) -> list[tuple[float, int]]:
-    """Bring each session's cache up to all but its last `keep_last` tokens, one session at a time.
+    """Bring each session's cache up to all but its last `keep_last` tokens.
 
-    Rebuilding a long context inside a batched decode step would pad every other
-    session to its length; doing it first keeps the decode batch narrow. With
-    `score`, also returns per session (sum of log-probabilities, count) of each
-    prefilled token's successor given what precedes it: how well the model
-    knows this text. Without it, the pass skips the vocabulary projection.
+    Sessions are prefilled together in passes of similar lengths (padding at most
+    a quarter of a pass's rows), apart from any decode step: rebuilding a long
+    context inside a batched decode step would pad every other session to its
+    length. With `score`, also returns per session (sum of log-probabilities,
+    count) of each prefilled token's successor given what precedes it: how well
+    the model knows this text. Without it, the pass skips the vocabulary projection.
     """
-    scores = []
-    for session in sessions:
-        target = len(session.token_ids) - keep_last
-        session.crop_kv(target)
-        if session.kv_len == target:
-            scores.append((0.0, 0))
-            continue
-        start = session.kv_len
-        ids = session.token_ids[start:target]
-        logits = forward_batch(loaded, [ForwardItem(session, ids, list(range(start, target)))], logits=score)
-        session.commit(list(range(len(ids))))
-        if not score:
-            scores.append((0.0, 0))
-            continue
-        successors = torch.tensor(session.token_ids[start + 1 : target + 1])
-        log_probs = logits[0].log_softmax(dim=-1)
-        if loaded.token_map is None:
-            log_probs = log_probs.gather(1, successors.unsqueeze(1))
+    scores = [(0.0, 0)] * len(sessions)
+    todo = []  # (index, session, first position to prefill, end)
+    for i, session in enumerate(sessions):
+        end = len(session.token_ids) - keep_last
+        session.crop_kv(end)
+        if session.kv_len < end:
+            todo.append((i, session, session.kv_len, end))
+    todo.sort(key=lambda t: t[3] - t[2])
+    passes: list[list] = []
+    for t in todo:
+        n = t[3] - t[2]
+        group = passes[-1] if passes else None
+        # Sorted by length, so n is the widest of the group: its padded rows are (len + 1) * n.
+        if group and (len(group) + 1) * n <= 1.25 * (sum(g[3] - g[2] for g in group) + n) and (len(group) + 1) * n <= _PREFILL_ROWS:
+            group.append(t)
         else:
-            # A successor outside the token map is one the model cannot propose: it scores as
-            # unlikely as the model's least likely mapped token.
-            local = loaded.local_index[successors]
-            log_probs = torch.where(
-                local >= 0, log_probs.gather(1, local.clamp(min=0).unsqueeze(1)).squeeze(1), log_probs.min(dim=1).values
-            )
-        scores.append((float(log_probs.sum()), len(ids)))
+            passes.append([t])
+    for group in passes:
+        items = [ForwardItem(session, session.token_ids[start:end], list(range(start, end))) for _, session, start, end in group]
+        logits = forward_batch(loaded, items, logits=score)
+        for b, (i, session, start, end) in enumerate(group):
+            session.commit(list(range(end - start)))
+            if score:
+                scores[i] = _score(loaded, logits[b, : end - start], session.token_ids[start + 1 : end + 1])
     return scores
+
+
+# Rows of one prefill pass at most (bounds the [rows, V] logits a scored pass holds).
+_PREFILL_ROWS = 2048
+
+
+def _score(loaded: LoadedModel, logits: torch.Tensor, successors: list[int]) -> tuple[float, int]:
+    """(sum of log-probabilities of `successors` under `logits` [n, V], n)."""
+    successors = torch.tensor(successors)
+    log_probs = logits.log_softmax(dim=-1)
+    if loaded.token_map is None:
+        log_probs = log_probs.gather(1, successors.unsqueeze(1))
+    else:
+        # A successor outside the token map is one the model cannot propose: it scores as
+        # unlikely as the model's least likely mapped token.
+        local = loaded.local_index[successors]
+        log_probs = torch.where(
+            local >= 0, log_probs.gather(1, local.clamp(min=0).unsqueeze(1)).squeeze(1), log_probs.min(dim=1).values
+        )
+    return float(log_probs.sum()), len(successors)

@@ -79,6 +79,31 @@ def test_forward_matches_transformers(tmp_path, name):
     torch.testing.assert_close(next_logits[0, 0], ref_logits(prompt_b + [21, 23, 31]), atol=2e-4, rtol=1e-4)
 
 
+def test_prefill_passes_group_similar_lengths_and_match_transformers(tmp_path):
+    """Sessions of similar lengths share one prefill pass; each one's cache and scores are what its
+    own full-context forward gives, and a very different length gets a pass of its own."""
+    reference = _save(tmp_path, _configs()["llama-gqa"], "llama-gqa")
+    loaded = load_model("llama-gqa", tmp_path / "llama-gqa")
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 8192, (n,), generator=gen).tolist() for n in (11, 12, 13, 13, 40)]
+    sessions = [Session(token_ids=list(p)) for p in prompts]
+    passes = []
+    original = forward_batch.__globals__["forward_batch"]
+    forward_batch.__globals__["forward_batch"] = lambda lm, items, **kw: passes.append(len(items)) or original(lm, items, **kw)
+    try:
+        scores = prefill(loaded, sessions, keep_last=1, score=True)
+    finally:
+        forward_batch.__globals__["forward_batch"] = original
+    assert sorted(passes) == [1, 4]
+    step = forward_batch(loaded, [ForwardItem(s, [s.token_ids[-1]], [len(s.token_ids) - 1]) for s in sessions])
+    for b, prompt in enumerate(prompts):
+        with torch.inference_mode():
+            ref = reference(torch.tensor([prompt])).logits[0].float()
+        assert torch.allclose(step[b, 0], ref[-1], atol=1e-4)
+        ref_score = ref[:-1].log_softmax(-1).gather(1, torch.tensor(prompt[1:]).unsqueeze(1)).sum()
+        assert scores[b][1] == len(prompt) - 1 and abs(scores[b][0] - float(ref_score)) < 1e-3
+
+
 def test_unsupported_architecture_is_refused_by_name(tmp_path):
     from transformers import GPT2Config
 
