@@ -68,10 +68,15 @@ def cmd_serve(argv: list[str]) -> int:
     config_file.write_text(cfg.to_yaml())
 
     py = sys.executable
-    commands = [("verifier", [py, "-m", "verifier_service", "--config", str(config_file), "--host", "127.0.0.1"])]
+    commands = [("verifier", [py, "-m", "verifier_service", "--config", str(config_file), "--host", "127.0.0.1"], cfg.verifier.cpus)]
     for svc in cfg.drafters:
-        commands.append((f"drafter {svc.name}", [py, "-m", "drafter_service", "--config", str(config_file), "--name", svc.name, "--host", "127.0.0.1"]))
-    commands.append(("router", [py, "-m", "router", "--config", str(config_file)]))
+        commands.append((f"drafter {svc.name}", [py, "-m", "drafter_service", "--config", str(config_file), "--name", svc.name, "--host", "127.0.0.1"], svc.cpus))
+    commands.append(("router", [py, "-m", "router", "--config", str(config_file)], cfg.router.cpus))
+    usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    for name, _, cpus in commands:
+        if cpus and not set(cpus) <= usable:
+            print(f"specfleet serve: {name}: cpus {cpus} are not all usable here (usable: {sorted(usable)})", file=sys.stderr)
+            return 2
     procs: list[tuple[str, subprocess.Popen]] = []
 
     def stop_all(code: int) -> int:
@@ -88,8 +93,12 @@ def cmd_serve(argv: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
-        for name, command in commands:
-            procs.append((name, subprocess.Popen(command)))
+        for name, command, cpus in commands:
+            # Set in the child before exec, so every thread the service starts inherits it.
+            pin = (lambda cpus=cpus: os.sched_setaffinity(0, cpus)) if cpus else None
+            procs.append((name, subprocess.Popen(command, preexec_fn=pin)))
+            if cpus:
+                print(f"specfleet serve: {name} runs on cores {cpus}", file=sys.stderr)
         router_address = f"{cfg.router.host}:{cfg.router.port}"
         from specfleet.serving import wait_until_serving
 

@@ -73,6 +73,9 @@ class VerifierConfig:
     max_cache_mb: float = 1024.0
     # Sessions whose token ids are kept at all; past it the oldest are forgotten.
     max_sessions: int = 4096
+    # Cores this service may run on when `specfleet serve` starts it on this machine (CPU
+    # affinity; empty: any). Keeps a busy drafter off the verifier's core; under --ray use `ray`.
+    cpus: list[int] = field(default_factory=list)
     # Placement as a Ray actor (`specfleet serve --ray`); unset: RayPlacement's defaults.
     ray: RayPlacement | None = None
 
@@ -102,6 +105,9 @@ class DrafterServiceConfig:
     max_sessions: int = 4096
     # Entries kept in a sampled proposal's sparse distribution.
     proposal_top_k: int = 16
+    # Cores this service may run on when `specfleet serve` starts it on this machine (CPU
+    # affinity; empty: any). Keeps a busy drafter off the verifier's core; under --ray use `ray`.
+    cpus: list[int] = field(default_factory=list)
     # Placement as a Ray actor (`specfleet serve --ray`); unset: RayPlacement's defaults.
     ray: RayPlacement | None = None
 
@@ -156,6 +162,8 @@ class RouterConfig:
     startup_timeout_s: float = 180.0
     # Prometheus metrics at http://host:metrics_port/metrics; 0 turns them off.
     metrics_port: int = 0
+    # Cores the router may run on when `specfleet serve` starts it (CPU affinity; empty: any).
+    cpus: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -268,6 +276,9 @@ def validate(config: Config) -> None:
             if m.name in seen_models:
                 raise ConfigError(f"drafters[{i}].models[{j}].name: draft model {m.name!r} is configured twice")
             seen_models.add(m.name)
+    for where, cpus in [("verifier.cpus", v.cpus), ("router.cpus", r.cpus)] + [(f"drafters[{i}].cpus", d.cpus) for i, d in enumerate(config.drafters)]:
+        if not isinstance(cpus, list) or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in cpus):
+            raise ConfigError(f"{where}: a list of core numbers (0, 1, ...), got {cpus!r}")
     for where, placement in [("verifier.ray", v.ray)] + [(f"drafters[{i}].ray", d.ray) for i, d in enumerate(config.drafters)]:
         if placement is not None:
             _validate_placement(placement, where)

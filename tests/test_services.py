@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import time
 
 import grpc
 import pytest
+import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -75,6 +77,29 @@ def test_ctrl_c_stops_every_service_even_when_started_as_a_background_job(random
         time.sleep(0.2)
     assert not [pid for pid in children if pathlib.Path(f"/proc/{pid}").exists()]
     cluster.stop()
+
+
+def test_each_service_runs_on_the_cores_its_config_names(random_family, tmp_path):
+    """verifier.cpus / drafters[].cpus / router.cpus pin the processes `specfleet serve` starts."""
+    last = max(os.sched_getaffinity(0))
+    config = cluster_config(random_family, verifier={"cpus": [last]}, drafter_service={"cpus": [0]}, router={"cpus": [0]})
+    cluster = Cluster(config, tmp_path, "pinned").start()
+    try:
+        pinned = {}
+        for pid in _children(cluster.proc.pid):
+            command = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            service = next(name for name in ("verifier_service", "drafter_service", "router") if f"-m {name}" in command)
+            pinned[service] = os.sched_getaffinity(pid)
+        assert pinned == {"verifier_service": {last}, "drafter_service": {0}, "router": {0}}
+        with cluster.channel() as channel:  # and it still serves
+            reply = generation_pb2_grpc.GenerationStub(channel).Generate(greedy_request(PROMPTS[0], 8, 2), timeout=60)
+        assert list(reply.token_ids) == target_greedy(str(random_family["target"]), PROMPTS[0], 8)
+    finally:
+        cluster.stop()
+    bad = cluster_config(random_family, verifier={"cpus": [4096]})
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(bad))
+    out = subprocess.run([sys.executable, "-m", "specfleet.cli", "serve", "--config", str(tmp_path / "bad.yaml")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "verifier: cpus [4096] are not all usable here" in out.stderr
 
 
 def test_sigterm_lets_in_flight_requests_finish(random_family, tmp_path):
