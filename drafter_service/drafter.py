@@ -69,6 +69,9 @@ class DraftModel:
         forward_items = [ForwardItem(d.session, [d.session.token_ids[-1]], [len(d.session.token_ids) - 1]) for d in drafting]
         logits = forward_batch(self.loaded, forward_items)[:, 0]
         params = [d.item.sampling for d in drafting]
+        if all(p.greedy for p in params):
+            self._propose_greedy(drafting, logits)
+            return
         probs = probs_from_logits(
             logits,
             torch.tensor([p.temperature for p in params]),
@@ -90,6 +93,19 @@ class DraftModel:
             d.result.token_ids.append(int(tokens[b]))
             d.result.proposals.append((ids[b][keep].tolist(), q[b][keep].tolist()))
             d.result.confidences.append(float(confidences[b]))
+
+
+    def _propose_greedy(self, drafting: list[Drafting], logits: torch.Tensor) -> None:
+        """The all-greedy case of `propose` without sampling machinery: the argmax, its point
+        mass, and its probability at temperature 1 as the confidence."""
+        local_tokens = logits.argmax(dim=1)
+        confidences = logits.softmax(dim=1).gather(1, local_tokens.unsqueeze(1)).squeeze(1).tolist()
+        tokens = self.loaded.global_ids(local_tokens).tolist()
+        for d, token, confidence in zip(drafting, tokens, confidences):
+            d.session.commit([0])
+            d.result.token_ids.append(token)
+            d.result.proposals.append(([token], [1.0]))
+            d.result.confidences.append(confidence)
 
 
 @dataclass
