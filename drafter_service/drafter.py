@@ -70,41 +70,35 @@ class DraftModel:
         logits = forward_batch(self.loaded, forward_items)[:, 0]
         params = [d.item.sampling for d in drafting]
         if all(p.greedy for p in params):
-            self._propose_greedy(drafting, logits)
-            return
-        probs = probs_from_logits(
-            logits,
-            torch.tensor([p.temperature for p in params]),
-            torch.tensor([p.top_k for p in params], dtype=torch.long),
-            torch.tensor([p.top_p for p in params]),
-        )
-        ids, q = truncate(probs, self.proposal_top_k)
-        gens = [generator_for(p.seed, d.committed + step, self.stream) for p, d in zip(params, drafting)]
-        local_tokens = sample_sparse(ids, q, gens)
-        # Confidence: the model's own probability of its token; for greedy requests,
-        # at temperature 1, since the point mass says nothing.
-        confidence_probs = torch.where(torch.tensor([p.greedy for p in params]).unsqueeze(1), logits.softmax(dim=1), probs)
-        confidences = confidence_probs.gather(1, local_tokens.unsqueeze(1)).squeeze(1)
-        # Positions along the logits are vocabulary ids unless the model has a token map.
-        ids, tokens = self.loaded.global_ids(ids), self.loaded.global_ids(local_tokens)
-        for b, d in enumerate(drafting):
-            d.session.commit([0])
-            keep = q[b] > 0
-            d.result.token_ids.append(int(tokens[b]))
-            d.result.proposals.append((ids[b][keep].tolist(), q[b][keep].tolist()))
-            d.result.confidences.append(float(confidences[b]))
-
-
-    def _propose_greedy(self, drafting: list[Drafting], logits: torch.Tensor) -> None:
-        """The all-greedy case of `propose` without sampling machinery: the argmax, its point
-        mass, and its probability at temperature 1 as the confidence."""
-        local_tokens = logits.argmax(dim=1)
-        confidences = logits.softmax(dim=1).gather(1, local_tokens.unsqueeze(1)).squeeze(1).tolist()
-        tokens = self.loaded.global_ids(local_tokens).tolist()
-        for d, token, confidence in zip(drafting, tokens, confidences):
+            # No sampling machinery: the argmax and its point mass.
+            local_tokens = logits.argmax(dim=1)
+            confidences = logits.softmax(dim=1).gather(1, local_tokens.unsqueeze(1)).squeeze(1)
+            tokens = self.loaded.global_ids(local_tokens).tolist()
+            proposals = [([t], [1.0]) for t in tokens]
+        else:
+            probs = probs_from_logits(
+                logits,
+                torch.tensor([p.temperature for p in params]),
+                torch.tensor([p.top_k for p in params], dtype=torch.long),
+                torch.tensor([p.top_p for p in params]),
+            )
+            ids, q = truncate(probs, self.proposal_top_k)
+            gens = [generator_for(p.seed, d.committed + step, self.stream) for p, d in zip(params, drafting)]
+            local_tokens = sample_sparse(ids, q, gens)
+            # Confidence: the model's own probability of its token; for greedy requests,
+            # at temperature 1, since the point mass says nothing.
+            confidence_probs = torch.where(torch.tensor([p.greedy for p in params]).unsqueeze(1), logits.softmax(dim=1), probs)
+            confidences = confidence_probs.gather(1, local_tokens.unsqueeze(1)).squeeze(1)
+            # Positions along the logits are vocabulary ids unless the model has a token map.
+            tokens = self.loaded.global_ids(local_tokens).tolist()
+            proposals = [
+                ([t for t, p in zip(row_ids, row_q) if p > 0], [p for p in row_q if p > 0])
+                for row_ids, row_q in zip(self.loaded.global_ids(ids).tolist(), q.tolist())
+            ]
+        for d, token, proposal, confidence in zip(drafting, tokens, proposals, confidences.tolist()):
             d.session.commit([0])
             d.result.token_ids.append(token)
-            d.result.proposals.append(([token], [1.0]))
+            d.result.proposals.append(proposal)
             d.result.confidences.append(confidence)
 
 

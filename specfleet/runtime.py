@@ -129,7 +129,7 @@ def load_model(
     model = from_hf(hf_model)
     token_map = local_index = None
     if use_token_map and (path / TOKEN_MAP_FILE).exists():
-        token_map = _read_token_map(name, path / TOKEN_MAP_FILE, int(config.vocab_size))
+        token_map = read_token_map(name, path / TOKEN_MAP_FILE, int(config.vocab_size))
         model.lm_head = model.lm_head[token_map.to(model.lm_head.device)].contiguous()
         local_index = torch.full((int(config.vocab_size),), -1, dtype=torch.long)
         local_index[token_map] = torch.arange(len(token_map))
@@ -155,7 +155,8 @@ def load_model(
     return loaded
 
 
-def _read_token_map(name: str, path: pathlib.Path, vocab_size: int) -> torch.Tensor:
+def read_token_map(name: str, path: pathlib.Path, vocab_size: int) -> torch.Tensor:
+    """A token_map.json's ids, checked: raises ValueError naming the model and the file."""
     try:
         ids = json.loads(path.read_text())
     except (OSError, ValueError) as err:
@@ -344,6 +345,10 @@ def forward_batch(loaded: LoadedModel, items: list[ForwardItem], logits: bool = 
     return None if out is None else out.float()
 
 
+# Rows of one prefill pass at most (bounds the [rows, V] logits a scored pass holds).
+_PREFILL_ROWS = 2048
+
+
 def prefill(loaded: LoadedModel, sessions: list[Session], keep_last: int = 1, score: bool = False) -> list[tuple[float, int]]:
     """Bring each session's cache up to all but its last `keep_last` tokens.
 
@@ -363,14 +368,17 @@ def prefill(loaded: LoadedModel, sessions: list[Session], keep_last: int = 1, sc
             todo.append((i, session, session.kv_len, end))
     todo.sort(key=lambda t: t[3] - t[2])
     passes: list[list] = []
+    rows = 0  # real (unpadded) rows of the last pass
     for t in todo:
         n = t[3] - t[2]
-        group = passes[-1] if passes else None
-        # Sorted by length, so n is the widest of the group: its padded rows are (len + 1) * n.
-        if group and (len(group) + 1) * n <= 1.25 * (sum(g[3] - g[2] for g in group) + n) and (len(group) + 1) * n <= _PREFILL_ROWS:
-            group.append(t)
+        # Sorted by length, so n is the widest of the pass: with t, its padded rows are (len + 1) * n.
+        padded = (len(passes[-1]) + 1) * n if passes else 0
+        if passes and padded <= 1.25 * (rows + n) and padded <= _PREFILL_ROWS:
+            passes[-1].append(t)
+            rows += n
         else:
             passes.append([t])
+            rows = n
     for group in passes:
         items = [ForwardItem(session, session.token_ids[start:end], list(range(start, end))) for _, session, start, end in group]
         logits = forward_batch(loaded, items, logits=score)
@@ -379,10 +387,6 @@ def prefill(loaded: LoadedModel, sessions: list[Session], keep_last: int = 1, sc
             if score:
                 scores[i] = _score(loaded, logits[b, : end - start], session.token_ids[start + 1 : end + 1])
     return scores
-
-
-# Rows of one prefill pass at most (bounds the [rows, V] logits a scored pass holds).
-_PREFILL_ROWS = 2048
 
 
 def _score(loaded: LoadedModel, logits: torch.Tensor, successors: list[int]) -> tuple[float, int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specfleet import runtime
 from specfleet.runtime import ForwardItem, Session, forward_batch, load_model, prefill
 
 
@@ -79,7 +80,7 @@ def test_forward_matches_transformers(tmp_path, name):
     torch.testing.assert_close(next_logits[0, 0], ref_logits(prompt_b + [21, 23, 31]), atol=2e-4, rtol=1e-4)
 
 
-def test_prefill_passes_group_similar_lengths_and_match_transformers(tmp_path):
+def test_prefill_passes_group_similar_lengths_and_match_transformers(tmp_path, monkeypatch):
     """Sessions of similar lengths share one prefill pass; each one's cache and scores are what its
     own full-context forward gives, and a very different length gets a pass of its own."""
     reference = _save(tmp_path, _configs()["llama-gqa"], "llama-gqa")
@@ -88,12 +89,9 @@ def test_prefill_passes_group_similar_lengths_and_match_transformers(tmp_path):
     prompts = [torch.randint(0, 8192, (n,), generator=gen).tolist() for n in (11, 12, 13, 13, 40)]
     sessions = [Session(token_ids=list(p)) for p in prompts]
     passes = []
-    original = forward_batch.__globals__["forward_batch"]
-    forward_batch.__globals__["forward_batch"] = lambda lm, items, **kw: passes.append(len(items)) or original(lm, items, **kw)
-    try:
-        scores = prefill(loaded, sessions, keep_last=1, score=True)
-    finally:
-        forward_batch.__globals__["forward_batch"] = original
+    monkeypatch.setattr(runtime, "forward_batch", lambda lm, items, **kw: passes.append(len(items)) or forward_batch(lm, items, **kw))
+    scores = prefill(loaded, sessions, keep_last=1, score=True)
+    monkeypatch.undo()
     assert sorted(passes) == [1, 4]
     step = forward_batch(loaded, [ForwardItem(s, [s.token_ids[-1]], [len(s.token_ids) - 1]) for s in sessions])
     for b, prompt in enumerate(prompts):

@@ -59,12 +59,16 @@ def test_proposals_are_the_models_distribution_over_the_mapped_ids(mapped_drafte
 def test_greedy_proposes_the_best_mapped_id(mapped_drafter):
     loaded = load_model("mapped", mapped_drafter, use_token_map=True)
     drafter = DraftModel(loaded, SessionStore(1 << 30, 100), proposal_top_k=8)
-    context = [5, 17, 42, 9, 33]
-    item = DraftItem("s", 0, context, num_draft_tokens=1, sampling=SamplingParams())
-    (result,) = draft_batch({"mapped": drafter}, [("mapped", item)])
-    logits = full_logits(mapped_drafter, context)
-    assert result.token_ids[0] == int(loaded.token_map[logits[loaded.token_map].argmax()])
-    assert result.proposals[0] == ([result.token_ids[0]], [1.0])
+    contexts = [[5, 17, 42, 9, 33], [7, 7, 7], [101, 3, 250, 8], [60], [2, 4, 6, 8, 10, 12]]
+    items = [DraftItem(f"s{i}", 0, c, num_draft_tokens=1, sampling=SamplingParams()) for i, c in enumerate(contexts)]
+    results = draft_batch({"mapped": drafter}, [("mapped", item) for item in items])
+    favourite_unmapped = 0
+    for context, result in zip(contexts, results):
+        logits = full_logits(mapped_drafter, context)
+        assert result.token_ids[0] == int(loaded.token_map[logits[loaded.token_map].argmax()])
+        assert result.proposals[0] == ([result.token_ids[0]], [1.0])
+        favourite_unmapped += int(logits.argmax()) % 2 == 0  # the map holds the odd ids
+    assert favourite_unmapped > 0  # the map changed at least one choice
 
 
 def test_the_target_and_the_default_load_ignore_a_map(mapped_drafter):

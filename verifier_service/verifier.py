@@ -129,7 +129,7 @@ class Verifier:
         if all(p.greedy for p in params):
             verdict = verify_trees_greedy(logits.argmax(dim=-1), trees)
         else:
-            verdict = self._verify_sampled(live, logits, trees)
+            verdict = self._verify_sampled(live, params, logits, trees)
 
         results = []
         for b, (_, item, session) in enumerate(live):
@@ -141,11 +141,10 @@ class Verifier:
             results.append(VerifyResult(item.session_id, known=True, accepted_nodes=path, token_ids=tokens))
         return results
 
-    def _verify_sampled(self, live, logits: torch.Tensor, trees: TreeBatch):
+    def _verify_sampled(self, live, params: list[SamplingParams], logits: torch.Tensor, trees: TreeBatch):
         """The general case: p shaped as each session asked, with its seeded noise."""
         batch, width, vocab = logits.shape
         num_nodes = width - 1
-        params = [item.sampling for _, item, _ in live]
         per_row = lambda values, dtype: torch.tensor(values, dtype=dtype).repeat_interleave(width)  # noqa: E731
         target_probs = probs_from_logits(
             logits.reshape(batch * width, vocab),
@@ -178,11 +177,10 @@ class Verifier:
             q_ids.append([ids + [0] * (k_max - len(ids)) for ids, _ in item.proposals] + [[0] * k_max] * pad)
             q_probs.append([probs + [0.0] * (k_max - len(probs)) for _, probs in item.proposals] + [[0.0] * k_max] * pad)
         parents_t = torch.tensor(parents, dtype=torch.long).reshape(batch, num_nodes)
-        trees = TreeBatch(
+        return TreeBatch(
             tokens=torch.tensor(tokens, dtype=torch.long).reshape(batch, num_nodes),
             parents=parents_t,
             valid=parents_t > -2,
             q_ids=torch.tensor(q_ids, dtype=torch.long).reshape(batch, num_nodes, k_max),
             q_probs=torch.tensor(q_probs, dtype=torch.float32).reshape(batch, num_nodes, k_max),
         )
-        return trees

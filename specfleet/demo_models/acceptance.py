@@ -126,13 +126,11 @@ def _heldout_loss(model, stream, n: int, length: int, seed: int) -> float:
     return sum(losses) / (n * length)
 
 
-def _token_map(model_dir: Path):
-    import torch
-
-    from specfleet.runtime import TOKEN_MAP_FILE
+def _token_map(name: str, model_dir: Path, vocab_size: int):
+    from specfleet.runtime import TOKEN_MAP_FILE, read_token_map
 
     path = model_dir / TOKEN_MAP_FILE
-    return torch.tensor(json.loads(path.read_text()), dtype=torch.long) if path.exists() else None
+    return read_token_map(name, path, vocab_size) if path.exists() else None
 
 
 def step_costs_ms(cases: dict, vocab: int, context: int = 128, reps: int = 60) -> dict:
@@ -214,7 +212,7 @@ def matrix_main(argv: list[str]) -> int:
     target = _load(models / "target", torch.float32)
     drafters = {n: _load(models / "drafters" / n, torch.float32) for n in DRAFTERS if (models / "drafters" / n).exists()}
     # As served: a drafter with a token map scores only the mapped ids (specfleet.runtime.load_model).
-    token_maps = {n: _token_map(models / "drafters" / n) for n in drafters}
+    token_maps = {n: _token_map(n, models / "drafters" / n, m.config.vocab_size) for n, m in drafters.items()}
 
     sets = [(d, s) for d in DOMAINS for s in ("heldout", "unseen")] if not args.cost_only else []
     res: dict = {"greedy": {}, "sampled": {}, "tpv_greedy": {}, "tpv_sampled": {}, "loss": {}}
