@@ -132,6 +132,7 @@ async def build(cfg: config_mod.Config, transports: tuple | None = None) -> tupl
             verify_base=rcfg.verify_base_ms,
             verify_per_token=rcfg.verify_per_token_ms,
             draft_per_token=rcfg.draft_per_token_ms,
+            draft_base=rcfg.draft_base_ms,
             pinned=rcfg.pin_cost_model,
         ),
         adaptive=rcfg.adaptive_speculation,
@@ -259,19 +260,20 @@ async def profile_costs(verifier, drafters: dict, cost: CostModel, token: int) -
         cost.observe_verify(n, reply.compute_ms)
         await verifier.release(ids)
     for name, transport in drafters.items():
-        request = drafter_pb2.DraftRequest(
-            sessions=[
-                drafter_pb2.DraftSession(
-                    sync=common_pb2.SessionSync(session_id="profile", new_token_ids=[token]), model=name, num_draft_tokens=4, sampling=sampling
-                )
-            ]
-        )
-        reply = await transport.draft(request, 60)
-        cost.observe_draft(4, reply.compute_ms)
-        await transport.release(["profile"])
+        for depth in (1, 4):  # two depths separate a call's fixed part from its per-token part
+            request = drafter_pb2.DraftRequest(
+                sessions=[
+                    drafter_pb2.DraftSession(
+                        sync=common_pb2.SessionSync(session_id="profile", new_token_ids=[token]), model=name, num_draft_tokens=depth, sampling=sampling
+                    )
+                ]
+            )
+            reply = await transport.draft(request, 60)
+            cost.observe_draft(depth, reply.compute_ms)
+            await transport.release(["profile"])
     log.info(
-        "cost model: verify %.2f ms + %.3f ms/token, draft %.2f ms/token",
-        cost.verify_base, cost.verify_per_token, cost.draft_per_token,
+        "cost model: verify %.2f ms + %.3f ms/token, draft %.2f ms + %.2f ms/token",
+        cost.verify_base, cost.verify_per_token, cost.draft_base, cost.draft_per_token,
     )
 
 

@@ -3,7 +3,7 @@
 A round costs, by a cost model fitted online from the servers' reported
 compute times and the calls' wall times,
     T(k) = verify_call + verify_base + verify_per_token * sum_i (k_i + 1)
-           + [any k_i > 0] * (draft_call + draft_per_token * max_i k_i)
+           + [any k_i > 0] * (draft_call + draft_base + draft_per_token * max_i k_i)
 where the *_call terms are what a call costs beyond the servers' compute
 (network, serialisation, queueing): a round that drafts pays for one more call.
 and request i is expected to gain E_i(k_i) = 1 + a_i + a_i^2 + ... + a_i^k_i
@@ -26,25 +26,51 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+class LinearFit:
+    """y = base + slope * x by least squares over recent observations (older ones weigh less by
+    `forget` per observation). Until the observed x spread apart, the slope keeps its prior and
+    only the base follows the data."""
+
+    def __init__(self, base: float, slope: float, forget: float):
+        self.base, self.slope, self.forget = base, slope, forget
+        self._sums = [0.0] * 5  # weight, x, y, xx, xy
+
+    def observe(self, x: float, y: float) -> None:
+        w, sx, sy, sxx, sxy = (v * self.forget for v in self._sums)
+        self._sums = [w + 1, sx + x, sy + y, sxx + x * x, sxy + x * y]
+        w, sx, sy, sxx, sxy = self._sums
+        var = sxx * w - sx * sx
+        if var > 1e-6 * w * w:  # enough spread in x to separate the two terms
+            self.slope = max(0.0, (sxy * w - sx * sy) / var)
+        # A slope the data cannot afford (it would make the base negative) is cut down to the mean.
+        self.slope = min(self.slope, sy / sx) if sx > 0 else self.slope
+        self.base = max(0.0, (sy - self.slope * sx) / w)
+
+
 @dataclass
 class CostModel:
     """Milliseconds. Starts from a guess (drafter ~1/8 of the target), then follows measurements.
 
-    Verification time is fitted as base + per_token * tokens by least squares
-    over recent passes (older ones weigh less by `forget` per pass); draft time
-    per token is a moving average.
+    Both servers' compute times are fitted as base + per_token * x by least squares
+    over recent calls (`LinearFit`): x is the tokens a verification pass feeds, and
+    the depth of a draft call. A draft call's base (catching the sessions up on the
+    tokens committed since their last call, the call's own overhead) must not be
+    charged per token: divided by a small depth it would make drafting look dear,
+    the plan would draft less, and the next estimate would look dearer still.
     """
 
     verify_base: float = 8.0
     verify_per_token: float = 0.3
     draft_per_token: float = 1.0
+    draft_base: float = 0.0
     verify_call: float = 1.0  # per call, beyond compute
     draft_call: float = 1.0
     forget: float = 0.97
     pinned: bool = False  # keep the configured numbers
 
     def __post_init__(self) -> None:
-        self._sums = [0.0] * 5  # weight, x, y, xx, xy
+        self._verify = LinearFit(self.verify_base, self.verify_per_token, self.forget)
+        self._draft = LinearFit(self.draft_base, self.draft_per_token, self.forget)
 
     def verify_ms(self, tokens: int) -> float:
         """One verification call that feeds `tokens` tokens."""
@@ -52,7 +78,7 @@ class CostModel:
 
     def draft_ms(self, depth: int) -> float:
         """One draft call `depth` tokens deep (none when nothing is drafted)."""
-        return self.draft_call + self.draft_per_token * depth if depth > 0 else 0.0
+        return self.draft_call + self.draft_base + self.draft_per_token * depth if depth > 0 else 0.0
 
     def round_ms(self, ks: list[int]) -> float:
         if not ks:
@@ -73,22 +99,15 @@ class CostModel:
         """One verification pass that fed `tokens` tokens took compute_ms."""
         if self.pinned or tokens <= 0:
             return
-        w, sx, sy, sxx, sxy = (v * self.forget for v in self._sums)
-        x, y = float(tokens), compute_ms
-        self._sums = [w + 1, sx + x, sy + y, sxx + x * x, sxy + x * y]
-        w, sx, sy, sxx, sxy = self._sums
-        var = sxx * w - sx * sx
-        if var > 1e-6 * w * w:  # enough spread in batch sizes to separate the two terms
-            slope = (sxy * w - sx * sy) / var
-            self.verify_per_token = max(0.0, slope)
-            self.verify_base = max(0.0, (sy - self.verify_per_token * sx) / w)
-        else:
-            self.verify_base = max(0.0, sy / w - self.verify_per_token * sx / w)
+        self._verify.observe(tokens, compute_ms)
+        self.verify_base, self.verify_per_token = self._verify.base, self._verify.slope
 
-    def observe_draft(self, steps: int, compute_ms: float) -> None:
-        if self.pinned or steps == 0:
+    def observe_draft(self, depth: int, compute_ms: float) -> None:
+        """One draft call `depth` tokens deep took compute_ms."""
+        if self.pinned or depth == 0:
             return
-        self.draft_per_token += (1 - self.forget) * 5 * (compute_ms / steps - self.draft_per_token)
+        self._draft.observe(depth, compute_ms)
+        self.draft_base, self.draft_per_token = self._draft.base, self._draft.slope
 
 
 @dataclass

@@ -152,6 +152,7 @@ class RouterConfig:
     verify_base_ms: float = 8.0
     verify_per_token_ms: float = 0.3
     draft_per_token_ms: float = 1.0
+    draft_base_ms: float = 0.0
     pin_cost_model: bool = False
     # Requests being generated at once; more wait (RESOURCE_EXHAUSTED past max_queued).
     max_running: int = 64

@@ -131,6 +131,38 @@ def test_cost_model_fits_verification_time():
     assert cost.verify_per_token == pytest.approx(0.25, abs=0.02)
 
 
+def test_cost_model_separates_a_draft_calls_fixed_part_from_its_per_token_part():
+    """A draft call first catches its sessions up on the committed tokens (a fixed cost); charging
+    that per token made shallow drafts look dear, so the plan drafted ever shallower."""
+    cost = CostModel(draft_per_token=1.0)
+    rng = random.Random(0)
+    for _ in range(100):
+        depth = rng.randint(1, 8)
+        cost.observe_draft(depth, 2.0 + 0.4 * depth + rng.uniform(-0.05, 0.05))
+    assert cost.draft_base == pytest.approx(2.0, abs=0.2)
+    assert cost.draft_per_token == pytest.approx(0.4, abs=0.03)
+    # Observed only at depth 2 (no spread), the fitted call still costs what was measured there.
+    flat = CostModel(draft_per_token=1.0)
+    for _ in range(50):
+        flat.observe_draft(2, 2.8)
+    assert flat.draft_ms(2) - flat.draft_call == pytest.approx(2.8, abs=1e-6)
+
+
+def test_k_holds_steady_when_the_cost_model_learns_from_its_own_plans():
+    """Closed loop: plan, draft at the planned depth, observe its cost, plan again."""
+    cost = CostModel(verify_base=10.0, verify_per_token=0.2, draft_per_token=0.5, verify_call=0.0, draft_call=0.0)
+    controller = SpeculationController(cost=cost)
+    ks = []
+    for r in range(60):
+        (k,) = controller.plan([0.7], [8], [r])
+        ks.append(k)
+        if k:
+            cost.observe_draft(k, 3.0 + 0.5 * k)  # catch-up forward + one step per token
+        cost.observe_verify(k + 1, 10.0 + 0.2 * (k + 1))
+    truth = CostModel(verify_base=10.0, verify_per_token=0.2, draft_base=3.0, draft_per_token=0.5, verify_call=0.0, draft_call=0.0, pinned=True)
+    assert ks[-1] == SpeculationController(cost=truth).plan([0.7], [8], [0])[0] >= 3
+
+
 def test_several_requests_draft_together_when_the_shared_drafting_step_pays():
     """The drafting step is shared by the batch: one request alone may not pay for it, four together do."""
     controller = SpeculationController(cost=CostModel(verify_base=22.0, verify_per_token=0.5, draft_per_token=3.0, pinned=True))
