@@ -2,7 +2,9 @@
 
 Per session and call: sync the session's tokens (its own previous drafts
 followed by what the target accepted), then draft autoregressively. Step 1
-feeds each session's last committed token; step j feeds draft j - 1. Every
+feeds what each session's cache lacks, the few tokens committed since its
+last call (a longer catch-up, such as a new prompt, is prefilled first, so
+that it does not pad every other session); step j feeds draft j - 1. Every
 step is one batched forward pass over the sessions still drafting.
 
 Sessions of one call that share a lockstep group (one request's cooperating
@@ -29,6 +31,10 @@ import torch
 from specfleet.fusion import lead
 from specfleet.runtime import ForwardItem, LoadedModel, SessionStore, UnknownSession, forward_batch, prefill
 from specfleet.sampling import STREAM_DRAFT, SamplingParams, generator_for, probs_from_logits, sample_sparse, truncate
+
+# Catch-ups up to this many tokens ride in the first draft step: a separate pass for them cost
+# about a fifth of a draft call, and padding a step to this width costs a small model little.
+STEP_CATCH_UP = 8
 
 
 @dataclass
@@ -65,9 +71,17 @@ class DraftModel:
         self.stream = STREAM_DRAFT + zlib.crc32(loaded.name.encode())
 
     def propose(self, drafting: list[Drafting], step: int) -> None:
-        """One batched forward pass: each session's next token, its proposal and its confidence."""
-        forward_items = [ForwardItem(d.session, [d.session.token_ids[-1]], [len(d.session.token_ids) - 1]) for d in drafting]
-        logits = forward_batch(self.loaded, forward_items)[:, 0]
+        """One batched forward pass: each session's next token, its proposal and its confidence.
+
+        Each session feeds what its cache lacks (at least its last token); its logits are
+        read at the last position it fed."""
+        forward_items = [
+            ForwardItem(d.session, d.session.token_ids[d.session.kv_len :], list(range(d.session.kv_len, len(d.session.token_ids))))
+            for d in drafting
+        ]
+        fed = [len(item.input_ids) for item in forward_items]
+        logits = forward_batch(self.loaded, forward_items)
+        logits = logits[torch.arange(len(fed)), torch.tensor(fed) - 1]
         params = [d.item.sampling for d in drafting]
         if all(p.greedy for p in params):
             # No sampling machinery: the argmax and its point mass.
@@ -95,8 +109,8 @@ class DraftModel:
                 ([t for t, p in zip(row_ids, row_q) if p > 0], [p for p in row_q if p > 0])
                 for row_ids, row_q in zip(self.loaded.global_ids(ids).tolist(), q.tolist())
             ]
-        for d, token, proposal, confidence in zip(drafting, tokens, proposals, confidences.tolist()):
-            d.session.commit([0])
+        for d, token, proposal, confidence, n in zip(drafting, tokens, proposals, confidences.tolist(), fed):
+            d.session.commit(list(range(n)))
             d.result.token_ids.append(token)
             d.result.proposals.append(proposal)
             d.result.confidences.append(confidence)
@@ -142,7 +156,10 @@ def _draft_batch(models: dict[str, DraftModel], tagged: list[tuple[str, DraftIte
         for (result, _), (total, count) in zip(mine, prefill(model.loaded, [session for _, session in mine], score=True)):
             result.context_log_prob, result.context_tokens = total / max(1, count), count
     for model in models.values():
-        prefill(model.loaded, [d.session for d in drafting if d.model is model], keep_last=1)
+        mine = [d.session for d in drafting if d.model is model]
+        for session in mine:
+            session.crop_kv(len(session.token_ids) - 1)  # the last token's logits draft the first token
+        prefill(model.loaded, [s for s in mine if len(s.token_ids) - s.kv_len > STEP_CATCH_UP], keep_last=1)
 
     step, active = 0, drafting
     while active:
