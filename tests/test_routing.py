@@ -121,31 +121,25 @@ def test_requests_at_k_zero_still_probe():
     assert ks.count(1) == 2 and ks.count(0) == 14
 
 
-def test_cost_model_fits_verification_time():
-    cost = CostModel(verify_base=1.0, verify_per_token=1.0)
+@pytest.mark.parametrize("server", ["verify", "draft"])
+def test_cost_model_fits_each_servers_time_as_base_plus_per_token(server):
+    """For a draft call the base is catching its sessions up on the committed tokens: charged per
+    token, it made shallow drafts look dear, so the plan drafted ever shallower."""
+    cost = CostModel(verify_base=1.0, verify_per_token=1.0, draft_per_token=1.0)
+    observe = getattr(cost, f"observe_{server}")
     rng = random.Random(0)
     for _ in range(200):
-        tokens = rng.randint(1, 64)
-        cost.observe_verify(tokens, 6.0 + 0.25 * tokens + rng.uniform(-0.1, 0.1))
-    assert cost.verify_base == pytest.approx(6.0, abs=0.3)
-    assert cost.verify_per_token == pytest.approx(0.25, abs=0.02)
+        x = rng.randint(1, 64 if server == "verify" else 8)  # tokens fed, or draft depth
+        observe(x, 6.0 + 0.25 * x + rng.uniform(-0.1, 0.1))
+    assert getattr(cost, f"{server}_base") == pytest.approx(6.0, abs=0.3)
+    assert getattr(cost, f"{server}_per_token") == pytest.approx(0.25, abs=0.02)
 
 
-def test_cost_model_separates_a_draft_calls_fixed_part_from_its_per_token_part():
-    """A draft call first catches its sessions up on the committed tokens (a fixed cost); charging
-    that per token made shallow drafts look dear, so the plan drafted ever shallower."""
+def test_cost_model_without_spread_still_costs_what_it_measured():
     cost = CostModel(draft_per_token=1.0)
-    rng = random.Random(0)
-    for _ in range(100):
-        depth = rng.randint(1, 8)
-        cost.observe_draft(depth, 2.0 + 0.4 * depth + rng.uniform(-0.05, 0.05))
-    assert cost.draft_base == pytest.approx(2.0, abs=0.2)
-    assert cost.draft_per_token == pytest.approx(0.4, abs=0.03)
-    # Observed only at depth 2 (no spread), the fitted call still costs what was measured there.
-    flat = CostModel(draft_per_token=1.0)
     for _ in range(50):
-        flat.observe_draft(2, 2.8)
-    assert flat.draft_ms(2) - flat.draft_call == pytest.approx(2.8, abs=1e-6)
+        cost.observe_draft(2, 2.8)  # only ever depth 2: base and per-token cannot be told apart
+    assert cost.draft_ms(2) - cost.draft_call == pytest.approx(2.8, abs=1e-6)
 
 
 def test_k_holds_steady_when_the_cost_model_learns_from_its_own_plans():
