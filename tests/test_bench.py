@@ -95,6 +95,20 @@ def test_smoke_run_measures_and_catches_a_wrong_output(random_family, cluster, t
     assert (out / "acceptance_by_domain.png").stat().st_size > 0
 
 
+def test_interleave_runs_each_load_point_on_every_system_in_turn(random_family, tmp_path):
+    root = random_family["target"].parent
+    out = tmp_path / "out"
+    code = bench_main([
+        "run", "--models", str(root), "--systems", "hf-target,corrupt", "--interleave", "--allow-mismatch",
+        "--requests", "2", "--prompt-tokens", "8", "--max-tokens", "4", "--warmup", "1", "--concurrency", "1,2",
+        "--out", str(out), "--no-progress",
+    ])
+    assert code == 0
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    assert [(r["load"], r["label"]) for r in runs] == [("c1", "hf-target"), ("c1", "corrupt"), ("c2", "hf-target"), ("c2", "corrupt")]
+    assert all(r["status"] == "ok" and r["mismatches"] == (2 if r["label"] == "corrupt" else 0) for r in runs)
+
+
 def test_missing_vllm_is_reported_not_fatal(random_family, tmp_path, capsys):
     root = random_family["target"].parent
     out = tmp_path / "out"

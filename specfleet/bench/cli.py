@@ -159,6 +159,9 @@ def add_run_options(p: argparse.ArgumentParser, preset: str) -> None:
     w.add_argument("--warmup", type=int, default=2,
                    help="unrecorded requests per system before measuring, sent by as many clients as the highest --concurrency (default 2; 0: none)")
     w.add_argument("--seed", type=int, default=0, help="prompt order and arrival times (default 0)")
+    w.add_argument("--interleave", action="store_true",
+                   help="start every system first, then run each load point on every system in turn (for a machine whose speed drifts; "
+                   "every system's processes stay up at once)")
     w.add_argument("--save-workload", metavar="FILE", help="write the resolved requests (JSONL) for replay with --workload FILE")
     o = p.add_argument_group("output and checks")
     o.add_argument("--out", help="output directory (default bench-results/<preset>-<time>)")
@@ -420,7 +423,9 @@ async def run_benchmark(args, command: str) -> dict:
         references = {}
         if settings.temperature == 0:
             references = await asyncio.to_thread(runner.reference_outputs, family, settings, requests, advance)
-        for system in systems:
+
+        async def start(system) -> bool:
+            """Start a system; one that cannot start gets failed or unavailable rows and is skipped."""
             desc = {**system.describe()}
             results["systems"].append(desc)
             if progress is not None:
@@ -434,7 +439,7 @@ async def run_benchmark(args, command: str) -> dict:
                 results["notes"].append(f"{system.label}: unavailable: {err}")
                 if progress is not None:
                     progress.advance(task, len(warmup) + len(requests) * len(points))
-                continue
+                return False
             except Exception as err:  # a system that cannot start is an error of the run, reported in its row
                 msg = f"{type(err).__name__}: {err}"
                 for p in points:
@@ -442,43 +447,73 @@ async def run_benchmark(args, command: str) -> dict:
                 results["errors"].append(f"{system.label} did not start: {msg}")
                 if progress is not None:
                     progress.advance(task, len(warmup) + len(requests) * len(points))
-                continue
+                return False
             desc["startup_s"] = round(time.perf_counter() - t0, 2)
             desc["command"] = getattr(system, "command", None)
-            try:
-                if warmup:
-                    if progress is not None:
-                        progress.update(task, description=f"{system.label}: warm-up")
-                    await runner.run_load(system, warmup, runner.LoadPoint("closed", warm_clients), args.seed, advance)
-                for p in points:
-                    if progress is not None:
-                        progress.update(task, description=f"{system.label}: {p.describe()}")
-                    before = system.counters()
-                    records, start, end = await runner.run_load(system, requests, p, args.seed, advance)
-                    delta = runner.counters_delta(before, system.counters()) if before else {}
-                    m = runner.summarize(records, (start, end), references, eos, delta)
-                    run = {"label": system.label, "system": system.name, "load": p.label, "load_kind": "open" if p.kind == "replay" else p.kind,
-                           "load_value": p.value, "load_description": p.describe(), "status": "ok", **m}
-                    run["per_request"] = [
-                        {"id": r.request.id, "domain": r.request.domain, "tokens": len(r.output.token_ids),
-                         "latency_ms": round((r.output.t_done - r.arrival) * 1e3, 3),
-                         "ttft_ms": None if r.output.t_first is None else round((r.output.t_first - r.arrival) * 1e3, 3),
-                         "error": r.output.error, "stats": r.output.stats}
-                        for r in sorted(records, key=lambda r: r.arrival)
-                    ]
-                    results["runs"].append(run)
-                    if m["mismatches"]:
-                        ex = m["mismatch_examples"][0]
-                        results["failures"].append(
-                            f"{system.label} at {p.label}: {m['mismatches']}/{m['checked']} outputs differ from the target alone "
-                            f"(e.g. {ex['request']} from token {ex['first_diff']}: got {ex['got']}, want {ex['want']})"
-                        )
-                    if m["errors"]:
-                        results["errors"].append(f"{system.label} at {p.label}: {m['errors']} failed requests, e.g. {m['error_examples'][0]}")
-            finally:
+            return True
+
+        async def warm_up(system) -> None:
+            if warmup:
                 if progress is not None:
-                    progress.update(task, description=f"{system.label}: stopping")
-                await system.stop()
+                    progress.update(task, description=f"{system.label}: warm-up")
+                await runner.run_load(system, warmup, runner.LoadPoint("closed", warm_clients), args.seed, advance)
+
+        async def measure(system, p) -> None:
+            if progress is not None:
+                progress.update(task, description=f"{system.label}: {p.describe()}")
+            before = system.counters()
+            records, start, end = await runner.run_load(system, requests, p, args.seed, advance)
+            delta = runner.counters_delta(before, system.counters()) if before else {}
+            m = runner.summarize(records, (start, end), references, eos, delta)
+            run = {"label": system.label, "system": system.name, "load": p.label, "load_kind": "open" if p.kind == "replay" else p.kind,
+                   "load_value": p.value, "load_description": p.describe(), "status": "ok", **m}
+            run["per_request"] = [
+                {"id": r.request.id, "domain": r.request.domain, "tokens": len(r.output.token_ids),
+                 "latency_ms": round((r.output.t_done - r.arrival) * 1e3, 3),
+                 "ttft_ms": None if r.output.t_first is None else round((r.output.t_first - r.arrival) * 1e3, 3),
+                 "error": r.output.error, "stats": r.output.stats}
+                for r in sorted(records, key=lambda r: r.arrival)
+            ]
+            results["runs"].append(run)
+            if m["mismatches"]:
+                ex = m["mismatch_examples"][0]
+                results["failures"].append(
+                    f"{system.label} at {p.label}: {m['mismatches']}/{m['checked']} outputs differ from the target alone "
+                    f"(e.g. {ex['request']} from token {ex['first_diff']}: got {ex['got']}, want {ex['want']})"
+                )
+            if m["errors"]:
+                results["errors"].append(f"{system.label} at {p.label}: {m['errors']} failed requests, e.g. {m['error_examples'][0]}")
+
+        async def stop(system) -> None:
+            if progress is not None:
+                progress.update(task, description=f"{system.label}: stopping")
+            await system.stop()
+
+        if args.interleave:
+            # Every system up at once, each load point on each in turn: a machine whose speed
+            # drifts during the run slows every system alike at every point.
+            started = []
+            try:
+                for system in systems:
+                    if await start(system):
+                        started.append(system)
+                        await warm_up(system)
+                for p in points:
+                    for system in started:
+                        await measure(system, p)
+            finally:
+                for system in started:
+                    await stop(system)
+        else:
+            for system in systems:
+                if not await start(system):
+                    continue
+                try:
+                    await warm_up(system)
+                    for p in points:
+                        await measure(system, p)
+                finally:
+                    await stop(system)
     # ratios against the baseline at the same load point
     base = {r["load"]: r for r in results["runs"] if r["label"] == args.baseline and r.get("status") == "ok"}
     for r in results["runs"]:
