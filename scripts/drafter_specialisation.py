@@ -63,7 +63,7 @@ def acceptance(model, sets: dict) -> dict[str, float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--domain", required=True, choices=[*DOMAINS, "general"], help="train on this domain, or on the mix")
-    ap.add_argument("--steps", type=int, default=400, help="optimizer steps of %d x %d tokens" % (8, 256))
+    ap.add_argument("--steps", type=int, default=400, help="optimizer steps, each a batch of the build's drafter windows")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--prompts", type=int, default=24, help="prompts of 64 tokens per domain and split")
     ap.add_argument("--work", default=".cache/demo_models", help="the full build's work dir")
