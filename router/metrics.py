@@ -66,7 +66,13 @@ def render(scheduler) -> str:
     cost = scheduler.controller.cost
     family(
         "cost_model_ms", "gauge", "The fitted cost model used for adaptive speculation.",
-        [({"term": "verify_base"}, cost.verify_base), ({"term": "verify_per_token"}, cost.verify_per_token), ({"term": "draft_base"}, cost.draft_base), ({"term": "draft_per_token"}, cost.draft_per_token)],
+        [
+            ({"term": "verify_base"}, cost.verify_scale * cost.verify_base),
+            ({"term": "verify_per_session"}, cost.verify_scale * cost.verify_per_session),
+            ({"term": "verify_per_token"}, cost.verify_scale * cost.verify_per_token),
+            ({"term": "draft_base"}, cost.draft_base),
+            ({"term": "draft_per_token"}, cost.draft_per_token),
+        ],
     )
     return "\n".join(lines) + "\n"
 

@@ -380,8 +380,10 @@ class Scheduler:
         wall = (time.perf_counter() - started) * 1e3
         # A merged batch reports its whole compute time to every caller: count this call's share.
         self.metrics.verify_busy_ms += reply.compute_ms * len(sessions) / max(reply.batch_size, len(sessions))
+        # A merged pass reports its whole time: scale this call's sessions and tokens to the pass.
         fed = sum(1 + len(s.tree.token_ids) for s in sessions)
-        self.controller.cost.observe_verify(fed * reply.batch_size // max(1, len(sessions)), reply.compute_ms)
+        share = reply.batch_size / max(1, len(sessions))
+        self.controller.cost.observe_verify(round(len(sessions) * share), round(fed * share), reply.compute_ms)
         self.controller.cost.observe_calls(verify_overhead_ms=wall - reply.compute_ms)
         for state, verified in zip(batch, reply.sessions):
             state.timing_ms["verify_wall"] += wall

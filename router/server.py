@@ -130,6 +130,7 @@ async def build(cfg: config_mod.Config, transports: tuple | None = None) -> tupl
     controller = SpeculationController(
         cost=CostModel(
             verify_base=rcfg.verify_base_ms,
+            verify_per_session=rcfg.verify_per_session_ms,
             verify_per_token=rcfg.verify_per_token_ms,
             draft_per_token=rcfg.draft_per_token_ms,
             draft_base=rcfg.draft_base_ms,
@@ -139,7 +140,7 @@ async def build(cfg: config_mod.Config, transports: tuple | None = None) -> tupl
         stop_below=rcfg.stop_below_confidence,
     )
     if not rcfg.pin_cost_model:
-        await profile_costs(verifier, drafters, controller.cost, target.eos_token_id)
+        await profile_costs(verifier, drafters, controller.cost, target.eos_token_id, target.max_context)
     scheduler = Scheduler(
         SchedulerConfig(
             max_running=rcfg.max_running,
@@ -247,18 +248,35 @@ def build_drafter_router(cfg: config_mod.Config, served: list[str]) -> DrafterRo
     return DrafterRouter(routing, profiles, DomainClassifier(exemplars), store)
 
 
-async def profile_costs(verifier, drafters: dict, cost: CostModel, token: int) -> None:
-    """Seed the cost model with a few timed passes of different sizes."""
+async def profile_costs(verifier, drafters: dict, cost: CostModel, token: int, max_context: int) -> None:
+    """Seed the cost model with timed passes of different sizes.
+
+    Verification: sessions with a context, each verifying a chain of 0 or 4 tokens, at
+    1, 4 and 16 sessions a pass, the fastest of two tries each (`CostModel.fit_verify`).
+    """
     sampling = common_pb2.SamplingParams(temperature=0.0, top_p=1.0)
-    for n in (1, 8, 32):
+    context = max(1, min(64, max_context // 4))
+    timed: dict[tuple[int, int], float] = {}
+    for n in (1, 4, 16):
         ids = [f"profile-{n}-{i}" for i in range(n)]
-        sessions = [
-            verifier_pb2.VerifySession(sync=common_pb2.SessionSync(session_id=sid, new_token_ids=[token]), sampling=sampling)
-            for sid in ids
-        ]
-        reply = await verifier.verify(verifier_pb2.VerifyRequest(sessions=sessions), 60)
-        cost.observe_verify(n, reply.compute_ms)
+
+        def request(depth: int, first: bool) -> verifier_pb2.VerifyRequest:
+            sync = lambda sid: common_pb2.SessionSync(session_id=sid, new_token_ids=[token] * context) if first else common_pb2.SessionSync(session_id=sid, prefix_length=context)  # noqa: E731
+            tree = verifier_pb2.TokenTree(
+                token_ids=[token] * depth,
+                parents=list(range(-1, depth - 1)),
+                proposals=[common_pb2.SparseDistribution(token_ids=[token], probs=[1.0])] * depth,
+            )
+            return verifier_pb2.VerifyRequest(sessions=[verifier_pb2.VerifySession(sync=sync(sid), tree=tree, sampling=sampling) for sid in ids])
+
+        await verifier.verify(request(0, first=True), 60)  # prefills the contexts
+        for _ in range(2):
+            for depth in (0, 4):
+                reply = await verifier.verify(request(depth, first=False), 60)
+                key = (n, n * (depth + 1))
+                timed[key] = min(timed.get(key, float("inf")), reply.compute_ms)
         await verifier.release(ids)
+    cost.fit_verify([(n, tokens, ms) for (n, tokens), ms in timed.items()])
     for name, transport in drafters.items():
         for depth in (1, 4):  # two depths separate a call's fixed part from its per-token part
             request = drafter_pb2.DraftRequest(
@@ -272,8 +290,8 @@ async def profile_costs(verifier, drafters: dict, cost: CostModel, token: int) -
             cost.observe_draft(depth, reply.compute_ms)
             await transport.release(["profile"])
     log.info(
-        "cost model: verify %.2f ms + %.3f ms/token, draft %.2f ms + %.2f ms/token",
-        cost.verify_base, cost.verify_per_token, cost.draft_base, cost.draft_per_token,
+        "cost model: verify %.2f ms + %.3f ms/session + %.3f ms/token, draft %.2f ms + %.2f ms/token",
+        cost.verify_base, cost.verify_per_session, cost.verify_per_token, cost.draft_base, cost.draft_per_token,
     )
 
 

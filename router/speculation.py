@@ -1,12 +1,19 @@
 """Adaptive speculation length: how many tokens each request drafts this round, down to none.
 
-A round costs, by a cost model fitted online from the servers' reported
-compute times and the calls' wall times,
-    T(k) = verify_call + verify_base + verify_per_token * sum_i (k_i + 1)
+A round of n requests costs, by a cost model profiled at start-up and
+followed online from the servers' reported compute times and the calls' wall
+times,
+    T(k) = verify_call + verify_scale * (verify_base + verify_per_session * n
+                                         + verify_per_token * sum_i (k_i + 1))
            + [any k_i > 0] * (draft_call + draft_base + draft_per_token * max_i k_i)
 where the *_call terms are what a call costs beyond the servers' compute
 (network, serialisation, queueing): a round that drafts pays for one more call.
-and request i is expected to gain E_i(k_i) = 1 + a_i + a_i^2 + ... + a_i^k_i
+A verification pass pays per session (attention over its context, its share
+of the bookkeeping) apart from per token fed. Folded into one per-token term
+fitted through live passes, where tokens grow with sessions, a draft token
+cost 0.6-0.9 ms on the demo target at 16 sessions a pass against the 0.35 ms
+it adds, and k fell too far under load.
+Request i is expected to gain E_i(k_i) = 1 + a_i + a_i^2 + ... + a_i^k_i
 tokens, where a_i is its predicted per-token acceptance. The plan maximises
 goodput, sum_i E_i / T (SmartSpec's idea): the next draft token goes to the
 request whose next token is most likely accepted (gain a_i^(k_i + 1)), as
@@ -51,30 +58,59 @@ class LinearFit:
 class CostModel:
     """Milliseconds. Starts from a guess (drafter ~1/8 of the target), then follows measurements.
 
-    Both servers' compute times are fitted as base + per_token * x by least squares
-    over recent calls (`LinearFit`): x is the tokens a verification pass feeds, and
-    the depth of a draft call. A draft call's base (catching the sessions up on the
-    tokens committed since their last call, the call's own overhead) must not be
-    charged per token: divided by a small depth it would make drafting look dear,
-    the plan would draft less, and the next estimate would look dearer still.
+    Verification: `fit_verify` sets base, per-session and per-token costs by least squares
+    over passes timed at start-up at several batch sizes and depths (in online traffic the
+    two are nearly proportional, so they cannot be told apart there); online, `verify_scale`
+    follows the ratio of measured to modelled time (this machine's speed drifts, shared or
+    contended).
+
+    Drafting: a call's time is fitted online as base + per_token * depth by least squares
+    over recent calls (`LinearFit`). Its base (catching the sessions up on the tokens
+    committed since their last call, the call's own overhead) must not be charged per
+    token: divided by a small depth it would make drafting look dear, the plan would draft
+    less, and the next estimate would look dearer still.
     """
 
     verify_base: float = 8.0
+    verify_per_session: float = 0.0
     verify_per_token: float = 0.3
     draft_per_token: float = 1.0
     draft_base: float = 0.0
     verify_call: float = 1.0  # per call, beyond compute
     draft_call: float = 1.0
+    verify_scale: float = 1.0  # measured over modelled verification compute, followed online
     forget: float = 0.97
     pinned: bool = False  # keep the configured numbers
 
     def __post_init__(self) -> None:
-        self._verify = LinearFit(self.verify_base, self.verify_per_token, self.forget)
         self._draft = LinearFit(self.draft_base, self.draft_per_token, self.forget)
 
-    def verify_ms(self, tokens: int) -> float:
-        """One verification call that feeds `tokens` tokens."""
-        return self.verify_call + self.verify_base + self.verify_per_token * tokens
+    def _verify_compute_ms(self, sessions: int, tokens: int) -> float:
+        return self.verify_base + self.verify_per_session * sessions + self.verify_per_token * tokens
+
+    def verify_ms(self, sessions: int, tokens: int) -> float:
+        """One verification call over `sessions` sessions that feeds `tokens` tokens in all."""
+        return self.verify_call + self.verify_scale * self._verify_compute_ms(sessions, tokens)
+
+    def fit_verify(self, passes: list[tuple[int, int, float]]) -> None:
+        """Base, per-session and per-token cost from timed passes (sessions, tokens, ms) by least
+        squares. A term the passes cannot separate (singular), or make negative, is dropped and
+        the others refitted; if nothing fits, the configured numbers stay."""
+        if self.pinned or not passes:
+            return
+        terms = [0, 1, 2]  # base, per session, per token
+        while terms:
+            rows = [[(1.0, float(n), float(t))[j] for j in terms] for n, t, _ in passes]
+            coef = _least_squares(rows, [ms for _, _, ms in passes])
+            if coef is None:
+                terms.remove(1 if 1 in terms else terms[-1])
+            elif min(coef) < 0:
+                terms.pop(coef.index(min(coef)))
+            else:
+                fitted = dict.fromkeys((0, 1, 2), 0.0) | dict(zip(terms, coef))
+                self.verify_base, self.verify_per_session, self.verify_per_token = fitted[0], fitted[1], fitted[2]
+                self.verify_scale = 1.0
+                return
 
     def draft_ms(self, depth: int) -> float:
         """One draft call `depth` tokens deep (none when nothing is drafted)."""
@@ -83,7 +119,7 @@ class CostModel:
     def round_ms(self, ks: list[int]) -> float:
         if not ks:
             return 0.0
-        return self.verify_ms(sum(k + 1 for k in ks)) + self.draft_ms(max(ks))
+        return self.verify_ms(len(ks), sum(k + 1 for k in ks)) + self.draft_ms(max(ks))
 
     def observe_calls(self, draft_overhead_ms: float | None = None, verify_overhead_ms: float | None = None) -> None:
         """What a call cost beyond the server's compute (wall minus compute), as moving averages."""
@@ -95,12 +131,12 @@ class CostModel:
         if verify_overhead_ms is not None:
             self.verify_call += rate * (max(0.0, verify_overhead_ms) - self.verify_call)
 
-    def observe_verify(self, tokens: int, compute_ms: float) -> None:
-        """One verification pass that fed `tokens` tokens took compute_ms."""
-        if self.pinned or tokens <= 0:
+    def observe_verify(self, sessions: int, tokens: int, compute_ms: float) -> None:
+        """One verification pass over `sessions` sessions that fed `tokens` tokens took compute_ms."""
+        modelled = self._verify_compute_ms(sessions, tokens)
+        if self.pinned or sessions <= 0 or modelled <= 0:
             return
-        self._verify.observe(tokens, compute_ms)
-        self.verify_base, self.verify_per_token = self._verify.base, self._verify.slope
+        self.verify_scale += (1 - self.forget) * (compute_ms / modelled - self.verify_scale)
 
     def observe_draft(self, depth: int, compute_ms: float) -> None:
         """One draft call `depth` tokens deep took compute_ms."""
@@ -108,6 +144,23 @@ class CostModel:
             return
         self._draft.observe(depth, compute_ms)
         self.draft_base, self.draft_per_token = self._draft.base, self._draft.slope
+
+
+def _least_squares(rows: list[list[float]], ys: list[float]) -> list[float] | None:
+    """The coefficients minimising sum (row . c - y)^2 (normal equations, Gaussian elimination);
+    None when the rows do not determine them."""
+    m = len(rows[0])
+    a = [[sum(r[i] * r[j] for r in rows) for j in range(m)] + [sum(r[i] * y for r, y in zip(rows, ys))] for i in range(m)]
+    for col in range(m):
+        pivot = max(range(col, m), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) < 1e-9 * max(1.0, abs(a[col][col])):
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(m):
+            if r != col:
+                f = a[r][col] / a[col][col]
+                a[r] = [x - f * y for x, y in zip(a[r], a[col])]
+    return [a[i][m] / a[i][i] for i in range(m)]
 
 
 @dataclass
@@ -137,7 +190,7 @@ class SpeculationController:
             drafting = self.cost.draft_ms(depth)
 
             def round_ms(drafted: int) -> float:
-                verifying = self.cost.verify_ms(n + drafted)
+                verifying = self.cost.verify_ms(n, n + drafted)
                 # Pipelined, one group drafts while another is verified: the slower side sets the pace.
                 return max(verifying, drafting) if overlap else verifying + drafting
 

@@ -148,8 +148,10 @@ class RouterConfig:
     adaptive_speculation: bool = True
     # Drafters stop early once the product of their confidences falls below this (0: never).
     stop_below_confidence: float = 0.0
-    # Cost model, in ms: initial guesses refined online, or fixed when pin_cost_model.
+    # Cost model, in ms: initial guesses, replaced by timed passes at start-up and followed online
+    # (router/speculation.py), or fixed as given when pin_cost_model.
     verify_base_ms: float = 8.0
+    verify_per_session_ms: float = 0.0
     verify_per_token_ms: float = 0.3
     draft_per_token_ms: float = 1.0
     draft_base_ms: float = 0.0

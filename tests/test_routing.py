@@ -121,18 +121,52 @@ def test_requests_at_k_zero_still_probe():
     assert ks.count(1) == 2 and ks.count(0) == 14
 
 
-@pytest.mark.parametrize("server", ["verify", "draft"])
-def test_cost_model_fits_each_servers_time_as_base_plus_per_token(server):
-    """For a draft call the base is catching its sessions up on the committed tokens: charged per
+def test_draft_cost_is_fitted_as_base_plus_per_token():
+    """A draft call's base is catching its sessions up on the committed tokens: charged per
     token, it made shallow drafts look dear, so the plan drafted ever shallower."""
-    cost = CostModel(verify_base=1.0, verify_per_token=1.0, draft_per_token=1.0)
-    observe = getattr(cost, f"observe_{server}")
+    cost = CostModel(draft_per_token=1.0)
     rng = random.Random(0)
     for _ in range(200):
-        x = rng.randint(1, 64 if server == "verify" else 8)  # tokens fed, or draft depth
-        observe(x, 6.0 + 0.25 * x + rng.uniform(-0.1, 0.1))
-    assert getattr(cost, f"{server}_base") == pytest.approx(6.0, abs=0.3)
-    assert getattr(cost, f"{server}_per_token") == pytest.approx(0.25, abs=0.02)
+        depth = rng.randint(1, 8)
+        cost.observe_draft(depth, 6.0 + 0.25 * depth + rng.uniform(-0.1, 0.1))
+    assert cost.draft_base == pytest.approx(6.0, abs=0.3)
+    assert cost.draft_per_token == pytest.approx(0.25, abs=0.02)
+
+
+def true_verify_ms(sessions: int, tokens: int) -> float:
+    """A verifier like the demo target's on this machine: a pass, each session, each token."""
+    return 15.0 + 1.0 * sessions + 0.35 * tokens
+
+
+def profiled_cost() -> CostModel:
+    cost = CostModel(verify_call=0.0, draft_call=0.0, draft_base=3.0, draft_per_token=4.0)
+    cost.fit_verify([(n, n * (d + 1), true_verify_ms(n, n * (d + 1))) for n in (1, 4, 16) for d in (0, 4)])
+    return cost
+
+
+def test_verify_cost_separates_sessions_from_tokens_and_follows_the_machine():
+    cost = profiled_cost()
+    assert (cost.verify_base, cost.verify_per_session, cost.verify_per_token) == pytest.approx((15.0, 1.0, 0.35))
+    for _ in range(300):  # the machine slows down by half
+        n = random.Random(_).randint(8, 20)
+        cost.observe_verify(n, 4 * n, 1.5 * true_verify_ms(n, 4 * n))
+    assert cost.verify_ms(16, 64) == pytest.approx(1.5 * true_verify_ms(16, 64), rel=0.01)
+    # Passes that cannot separate the terms keep what they can, never a negative cost.
+    flat = CostModel()
+    flat.fit_verify([(8, 8, 20.0), (8, 40, 30.0)])
+    assert flat.verify_per_session == 0.0 and flat.verify_per_token == pytest.approx(10 / 32)
+
+
+def test_k_stays_deep_under_load_when_a_draft_token_costs_only_its_own_share():
+    """16 requests share each pass. Folding the per-session cost into a per-token one (the line
+    through passes of growing batches, 1.35 ms a token) made a draft token look four times dearer
+    than it is (0.35 ms), and the plan drafted about half as much under load."""
+    cost = profiled_cost()
+    controller = SpeculationController(cost=cost)
+    ks = controller.plan([0.7] * 16, [4] * 16, [0] * 16, overlap=True)
+    assert sum(ks) >= 3 * 16
+    folded = CostModel(verify_base=15.0, verify_per_token=1.35, draft_base=3.0, draft_per_token=4.0, verify_call=0.0, draft_call=0.0, pinned=True)
+    assert sum(SpeculationController(cost=folded).plan([0.7] * 16, [4] * 16, [0] * 16, overlap=True)) < sum(ks) * 0.75
 
 
 def test_cost_model_without_spread_still_costs_what_it_measured():
@@ -154,7 +188,7 @@ def test_k_holds_steady_when_the_cost_model_learns_from_its_own_plans():
         ks.append(k)
         if k:
             cost.observe_draft(k, 3.0 + 0.5 * k)  # catch-up forward + one step per token
-        cost.observe_verify(k + 1, 10.0 + 0.2 * (k + 1))
+        cost.observe_verify(1, k + 1, 10.0 + 0.2 * (k + 1))
     truth = CostModel(verify_base=10.0, verify_per_token=0.2, draft_base=3.0, draft_per_token=0.5, verify_call=0.0, draft_call=0.0, pinned=True)
     assert ks[-1] == SpeculationController(cost=truth).plan([0.7], [8], [0])[0] >= 3
 
