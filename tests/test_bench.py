@@ -96,17 +96,25 @@ def test_smoke_run_measures_and_catches_a_wrong_output(random_family, cluster, t
 
 
 def test_interleave_runs_each_load_point_on_every_system_in_turn(random_family, tmp_path):
+    """With --repeat, every pass runs every point on every system, the systems' order reversed each
+    other pass, and each repeat's ratios are against the baseline of the same pass."""
     root = random_family["target"].parent
     out = tmp_path / "out"
     code = bench_main([
-        "run", "--models", str(root), "--systems", "hf-target,corrupt", "--interleave", "--allow-mismatch",
+        "run", "--models", str(root), "--systems", "hf-target,corrupt", "--interleave", "--repeat", "2", "--allow-mismatch",
         "--requests", "2", "--prompt-tokens", "8", "--max-tokens", "4", "--warmup", "1", "--concurrency", "1,2",
         "--out", str(out), "--no-progress",
     ])
     assert code == 0
     runs = json.loads((out / "results.json").read_text())["runs"]
-    assert [(r["load"], r["label"]) for r in runs] == [("c1", "hf-target"), ("c1", "corrupt"), ("c2", "hf-target"), ("c2", "corrupt")]
+    assert [(r["load"], r["label"]) for r in runs] == [
+        ("c1", "hf-target"), ("c1", "corrupt"), ("c2", "hf-target"), ("c2", "corrupt"),
+        ("c1#2", "corrupt"), ("c1#2", "hf-target"), ("c2#2", "corrupt"), ("c2#2", "hf-target"),
+    ]
     assert all(r["status"] == "ok" and r["mismatches"] == (2 if r["label"] == "corrupt" else 0) for r in runs)
+    by_key = {(r["load"], r["label"]): r for r in runs}
+    again = by_key[("c2#2", "corrupt")]
+    assert again["speedup"] == pytest.approx(again["tokens_per_s"] / by_key[("c2#2", "hf-target")]["tokens_per_s"])
 
 
 def test_missing_vllm_is_reported_not_fatal(random_family, tmp_path, capsys):

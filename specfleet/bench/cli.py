@@ -162,6 +162,9 @@ def add_run_options(p: argparse.ArgumentParser, preset: str) -> None:
     w.add_argument("--interleave", action="store_true",
                    help="start every system first, then run each load point on every system in turn (for a machine whose speed drifts; "
                    "every system's processes stay up at once)")
+    w.add_argument("--repeat", type=int, default=1,
+                   help="with --interleave: run every load point on every system this many times, the systems' order "
+                   "reversed on every other pass; repeats are labelled LOAD#2, LOAD#3, ... (default 1)")
     w.add_argument("--save-workload", metavar="FILE", help="write the resolved requests (JSONL) for replay with --workload FILE")
     o = p.add_argument_group("output and checks")
     o.add_argument("--out", help="output directory (default bench-results/<preset>-<time>)")
@@ -344,6 +347,8 @@ def load_points(args) -> list:
         points.append(LoadPoint("replay", 0) if r == "file" else LoadPoint("open", float(r)))
     if not points:
         raise ValueError("no load points: give --concurrency and/or --rates")
+    if args.repeat < 1 or (args.repeat > 1 and not args.interleave):
+        raise ValueError("--repeat: a positive count, and more than 1 only with --interleave")
     return points
 
 
@@ -417,7 +422,7 @@ async def run_benchmark(args, command: str) -> dict:
     with ctx:
         task = None
         if progress is not None:
-            total = (len(requests) if settings.temperature == 0 else 0) + len(systems) * (len(warmup) + len(requests) * len(points))
+            total = (len(requests) if settings.temperature == 0 else 0) + len(systems) * (len(warmup) + len(requests) * len(points) * args.repeat)
             task = progress.add_task("reference (target alone, transformers greedy)", total=total)
         advance = (lambda: progress.advance(task)) if progress is not None else None
         references = {}
@@ -458,15 +463,16 @@ async def run_benchmark(args, command: str) -> dict:
                     progress.update(task, description=f"{system.label}: warm-up")
                 await runner.run_load(system, warmup, runner.LoadPoint("closed", warm_clients), args.seed, advance)
 
-        async def measure(system, p) -> None:
+        async def measure(system, p, repeat: int = 1) -> None:
+            label = p.label if repeat == 1 else f"{p.label}#{repeat}"
             if progress is not None:
-                progress.update(task, description=f"{system.label}: {p.describe()}")
+                progress.update(task, description=f"{system.label}: {p.describe()}" + (f", pass {repeat}" if repeat > 1 else ""))
             before = system.counters()
             records, start, end = await runner.run_load(system, requests, p, args.seed, advance)
             delta = runner.counters_delta(before, system.counters()) if before else {}
             m = runner.summarize(records, (start, end), references, eos, delta)
-            run = {"label": system.label, "system": system.name, "load": p.label, "load_kind": "open" if p.kind == "replay" else p.kind,
-                   "load_value": p.value, "load_description": p.describe(), "status": "ok", **m}
+            run = {"label": system.label, "system": system.name, "load": label, "load_kind": "open" if p.kind == "replay" else p.kind,
+                   "load_value": p.value, "load_description": p.describe(), "repeat": repeat, "status": "ok", **m}
             run["per_request"] = [
                 {"id": r.request.id, "domain": r.request.domain, "tokens": len(r.output.token_ids),
                  "latency_ms": round((r.output.t_done - r.arrival) * 1e3, 3),
@@ -478,11 +484,11 @@ async def run_benchmark(args, command: str) -> dict:
             if m["mismatches"]:
                 ex = m["mismatch_examples"][0]
                 results["failures"].append(
-                    f"{system.label} at {p.label}: {m['mismatches']}/{m['checked']} outputs differ from the target alone "
+                    f"{system.label} at {label}: {m['mismatches']}/{m['checked']} outputs differ from the target alone "
                     f"(e.g. {ex['request']} from token {ex['first_diff']}: got {ex['got']}, want {ex['want']})"
                 )
             if m["errors"]:
-                results["errors"].append(f"{system.label} at {p.label}: {m['errors']} failed requests, e.g. {m['error_examples'][0]}")
+                results["errors"].append(f"{system.label} at {label}: {m['errors']} failed requests, e.g. {m['error_examples'][0]}")
 
         async def stop(system) -> None:
             if progress is not None:
@@ -498,9 +504,11 @@ async def run_benchmark(args, command: str) -> dict:
                     if await start(system):
                         started.append(system)
                         await warm_up(system)
-                for p in points:
-                    for system in started:
-                        await measure(system, p)
+                for repeat in range(1, args.repeat + 1):
+                    order = started if repeat % 2 else started[::-1]
+                    for p in points:
+                        for system in order:
+                            await measure(system, p, repeat)
             finally:
                 for system in started:
                     await stop(system)
