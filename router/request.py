@@ -39,6 +39,10 @@ class RequestSpec:
     stop_at_eos: bool
     draft_tokens: int  # per round at most; 0 disables speculation
     domain: str  # the client's domain hint, or ""
+    # Sampled with the client's seed: the output must be reproducible, so the request drafts
+    # draft_tokens every round rather than what the router's learned state suggests (which
+    # draws decide a sampled token depends on where each round's chain ends).
+    fixed_draft_length: bool = False
 
 
 def parse_request(req: generation_pb2.GenerateRequest, tokenizer, limits: Limits) -> RequestSpec:
@@ -87,6 +91,7 @@ def parse_request(req: generation_pb2.GenerateRequest, tokenizer, limits: Limits
         stop_at_eos=req.stop_at_eos if req.HasField("stop_at_eos") else True,
         draft_tokens=draft_tokens,
         domain=req.domain,
+        fixed_draft_length=req.HasField("seed") and req.temperature > 0,
     )
 
 

@@ -217,7 +217,7 @@ class Scheduler:
         self.metrics.rounds += 1
 
     def _plan(self, batch: list[RequestState]) -> None:
-        caps, acceptance, rounds = [], [], []
+        caps, acceptance, rounds, fixed = [], [], [], []
         for state in batch:
             cap = max(0, min(state.spec.draft_tokens, state.remaining() - 1))
             chosen = self.router.choose(state.routing) if cap > 0 else []
@@ -232,9 +232,10 @@ class Scheduler:
             else:
                 acceptance.append(0.0)
             rounds.append(state.rounds)
+            fixed.append(state.spec.fixed_draft_length)
         # Drafting hides behind verification only while another lane has requests to verify.
         overlap = sum(1 for lane in self._lanes if lane) > 1
-        for state, k in zip(batch, self.controller.plan(acceptance, caps, rounds, overlap)):
+        for state, k in zip(batch, self.controller.plan(acceptance, caps, rounds, overlap, fixed)):
             state.round_k = k
 
     async def _draft(self, batch: list[RequestState]) -> dict[str, DraftTree]:
