@@ -379,9 +379,9 @@ class Scheduler:
                 )
             return
         wall = (time.perf_counter() - started) * 1e3
-        # A merged batch reports its whole compute time to every caller: count this call's share.
+        # A merged batch reports its whole compute time to every caller: count this call's share
+        # as busy time, and scale this call's sessions and tokens up to the pass for the cost model.
         self.metrics.verify_busy_ms += reply.compute_ms * len(sessions) / max(reply.batch_size, len(sessions))
-        # A merged pass reports its whole time: scale this call's sessions and tokens to the pass.
         fed = sum(1 + len(s.tree.token_ids) for s in sessions)
         share = reply.batch_size / max(1, len(sessions))
         self.controller.cost.observe_verify(round(len(sessions) * share), round(fed * share), reply.compute_ms)

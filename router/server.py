@@ -261,7 +261,13 @@ async def profile_costs(verifier, drafters: dict, cost: CostModel, token: int, m
         ids = [f"profile-{n}-{i}" for i in range(n)]
 
         def request(depth: int, first: bool) -> verifier_pb2.VerifyRequest:
-            sync = lambda sid: common_pb2.SessionSync(session_id=sid, new_token_ids=[token] * context) if first else common_pb2.SessionSync(session_id=sid, prefix_length=context)  # noqa: E731
+            """The first call sends the contexts; later ones roll back to them and verify `depth` tokens."""
+
+            def sync(sid: str) -> common_pb2.SessionSync:
+                if first:
+                    return common_pb2.SessionSync(session_id=sid, new_token_ids=[token] * context)
+                return common_pb2.SessionSync(session_id=sid, prefix_length=context)
+
             tree = verifier_pb2.TokenTree(
                 token_ids=[token] * depth,
                 parents=list(range(-1, depth - 1)),
