@@ -421,8 +421,9 @@ async def run_benchmark(args, command: str) -> dict:
     ctx = progress if progress is not None else contextlib.nullcontext()
     with ctx:
         task = None
+        per_system = len(warmup) + len(requests) * len(points) * args.repeat  # requests each system is sent
         if progress is not None:
-            total = (len(requests) if settings.temperature == 0 else 0) + len(systems) * (len(warmup) + len(requests) * len(points) * args.repeat)
+            total = (len(requests) if settings.temperature == 0 else 0) + len(systems) * per_system
             task = progress.add_task("reference (target alone, transformers greedy)", total=total)
         advance = (lambda: progress.advance(task)) if progress is not None else None
         references = {}
@@ -443,7 +444,7 @@ async def run_benchmark(args, command: str) -> dict:
                     results["runs"].append({"label": system.label, "system": system.name, "load": p.label, "status": "unavailable", "message": str(err)})
                 results["notes"].append(f"{system.label}: unavailable: {err}")
                 if progress is not None:
-                    progress.advance(task, len(warmup) + len(requests) * len(points))
+                    progress.advance(task, per_system)
                 return False
             except Exception as err:  # a system that cannot start is an error of the run, reported in its row
                 msg = f"{type(err).__name__}: {err}"
@@ -451,7 +452,7 @@ async def run_benchmark(args, command: str) -> dict:
                     results["runs"].append({"label": system.label, "system": system.name, "load": p.label, "status": "failed", "message": msg.splitlines()[0]})
                 results["errors"].append(f"{system.label} did not start: {msg}")
                 if progress is not None:
-                    progress.advance(task, len(warmup) + len(requests) * len(points))
+                    progress.advance(task, per_system)
                 return False
             desc["startup_s"] = round(time.perf_counter() - t0, 2)
             desc["command"] = getattr(system, "command", None)
