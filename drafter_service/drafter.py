@@ -18,6 +18,10 @@ greedy requests get a point mass on the draft model's argmax; sampled
 requests draw from the draft model's distribution (shaped like the target's:
 temperature, top-k, top-p), truncated to its `proposal_top_k` most likely
 tokens and renormalised, and that truncated distribution is what is sent.
+Drafter-invariant requests (a client-given seed) draw that token by the
+exponential race keyed by (seed, position) that the verifier runs on the
+target's distribution, so the draft is the target's token whenever the two
+races agree.
 """
 
 from __future__ import annotations
@@ -30,7 +34,17 @@ import torch
 
 from specfleet.fusion import lead
 from specfleet.runtime import ForwardItem, LoadedModel, SessionStore, UnknownSession, forward_batch, prefill
-from specfleet.sampling import STREAM_DRAFT, SamplingParams, generator_for, probs_from_logits, sample_sparse, truncate
+from specfleet.sampling import (
+    STREAM_DRAFT,
+    SamplingParams,
+    generator_for,
+    probs_from_logits,
+    race,
+    race_keys,
+    race_noise,
+    sample_sparse,
+    truncate,
+)
 
 # Catch-ups up to this many tokens ride in the first draft step: a separate pass for them cost
 # about a fifth of a draft call, and padding a step to this width costs a small model little.
@@ -97,8 +111,17 @@ class DraftModel:
                 torch.tensor([p.top_p for p in params]),
             )
             ids, q = truncate(probs, self.proposal_top_k)
-            gens = [generator_for(p.seed, d.committed + step, self.stream) for p, d in zip(params, drafting)]
-            local_tokens = sample_sparse(ids, q, gens)
+            local_tokens = torch.empty(len(drafting), dtype=torch.long, device=ids.device)
+            raced = [b for b, p in enumerate(params) if p.raced]
+            drawn = [b for b, p in enumerate(params) if not p.raced]
+            if drawn:
+                gens = [generator_for(params[b].seed, drafting[b].committed + step, self.stream) for b in drawn]
+                local_tokens[drawn] = sample_sparse(ids[drawn], q[drawn], gens)
+            if raced:
+                # The verifier races p against the same noise (verification.py, obligation 6).
+                keys = race_keys([params[b].seed for b in raced], [drafting[b].committed + step for b in raced], device=ids.device)
+                winners = race(q[raced], race_noise(keys, self.loaded.global_ids(ids[raced])))
+                local_tokens[raced] = ids[raced].gather(1, winners.unsqueeze(1)).squeeze(1)
             # Confidence: the model's own probability of its token; for greedy requests,
             # at temperature 1, since the point mass says nothing.
             confidence_probs = torch.where(torch.tensor([p.greedy for p in params]).unsqueeze(1), logits.softmax(dim=1), probs)

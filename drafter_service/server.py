@@ -61,7 +61,7 @@ class DrafterCore:
             if problem:
                 raise InvalidArgument(problem)
             seen.add((s.model, sid))
-            sampling = SamplingParams(s.sampling.temperature, s.sampling.top_p, s.sampling.top_k, s.sampling.seed)
+            sampling = SamplingParams.from_proto(s.sampling)
             items.append(
                 (
                     s.model,

@@ -39,10 +39,6 @@ class RequestSpec:
     stop_at_eos: bool
     draft_tokens: int  # per round at most; 0 disables speculation
     domain: str  # the client's domain hint, or ""
-    # Sampled with the client's seed: the output must be reproducible, so the request drafts
-    # draft_tokens every round rather than what the router's learned state suggests (which
-    # draws decide a sampled token depends on where each round's chain ends).
-    fixed_draft_length: bool = False
 
 
 def parse_request(req: generation_pb2.GenerateRequest, tokenizer, limits: Limits) -> RequestSpec:
@@ -81,17 +77,20 @@ def parse_request(req: generation_pb2.GenerateRequest, tokenizer, limits: Limits
         raise InvalidRequest(f"speculation.max_draft_tokens: must be between 0 and {limits.max_draft_tokens}, got {spec_opts.max_draft_tokens}")
     draft_tokens = 0 if spec_opts.disabled else (spec_opts.max_draft_tokens or limits.default_draft_tokens)
 
-    seed = req.seed if req.HasField("seed") else secrets.randbits(63)
+    # A client's seed must fix the output whatever is drafted, batched or learned: such a request
+    # samples by the seeded exponential race (verification.py, obligation 6). Without one,
+    # rejection sampling accepts more drafts.
+    seeded = req.HasField("seed")
+    seed = req.seed if seeded else secrets.randbits(63)
     return RequestSpec(
         request_id=req.request_id or uuid.uuid4().hex,
         prompt_ids=prompt_ids,
         max_tokens=max_tokens,
-        sampling=SamplingParams(temperature=req.temperature, top_p=top_p, top_k=req.top_k, seed=seed),
+        sampling=SamplingParams(temperature=req.temperature, top_p=top_p, top_k=req.top_k, seed=seed, drafter_invariant=seeded),
         stop=list(req.stop),
         stop_at_eos=req.stop_at_eos if req.HasField("stop_at_eos") else True,
         draft_tokens=draft_tokens,
         domain=req.domain,
-        fixed_draft_length=req.HasField("seed") and req.temperature > 0,
     )
 
 

@@ -105,7 +105,9 @@ def _point_mass(proposal: common_pb2.SparseDistribution) -> bool:
 
 def _sampling_proto(state: RequestState) -> common_pb2.SamplingParams:
     s = state.spec.sampling
-    return common_pb2.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed)
+    return common_pb2.SamplingParams(
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed, drafter_invariant=s.drafter_invariant
+    )
 
 
 class Scheduler:
@@ -217,7 +219,7 @@ class Scheduler:
         self.metrics.rounds += 1
 
     def _plan(self, batch: list[RequestState]) -> None:
-        caps, acceptance, rounds, fixed = [], [], [], []
+        caps, acceptance, rounds = [], [], []
         for state in batch:
             cap = max(0, min(state.spec.draft_tokens, state.remaining() - 1))
             chosen = self.router.choose(state.routing) if cap > 0 else []
@@ -232,10 +234,9 @@ class Scheduler:
             else:
                 acceptance.append(0.0)
             rounds.append(state.rounds)
-            fixed.append(state.spec.fixed_draft_length)
         # Drafting hides behind verification only while another lane has requests to verify.
         overlap = sum(1 for lane in self._lanes if lane) > 1
-        for state, k in zip(batch, self.controller.plan(acceptance, caps, rounds, overlap, fixed)):
+        for state, k in zip(batch, self.controller.plan(acceptance, caps, rounds, overlap)):
             state.round_k = k
 
     async def _draft(self, batch: list[RequestState]) -> dict[str, DraftTree]:

@@ -173,26 +173,20 @@ class SpeculationController:
     probe_every: int = 8
     stop_below: float = 0.0  # 0 disables early stopping in the drafter
 
-    def plan(
-        self, acceptance: list[float], max_k: list[int], rounds: list[int], overlap: bool = False, fixed: list[bool] | None = None
-    ) -> list[int]:
+    def plan(self, acceptance: list[float], max_k: list[int], rounds: list[int], overlap: bool = False) -> list[int]:
         """Draft lengths for one round's requests (acceptance a_i, caps, rounds so far).
 
         overlap: another group's verification runs while this group drafts (pipelined lanes
         with work in more than one), so a round lasts max(draft, verify), not their sum.
-        fixed[i]: request i drafts max_k[i] whatever pays (a seeded sampled request, whose
-        output must not depend on what the router has learned); the others are planned around it.
         """
         if not self.adaptive:
             return list(max_k)
         n = len(max_k)
-        held = [k if f else 0 for k, f in zip(max_k, fixed or [False] * n)]
-        held_gain = sum(acceptance[i] ** j for i in range(n) for j in range(1, held[i] + 1))
-        best_goodput, ks = (n + held_gain) / self.cost.round_ms(held) if n else 0.0, list(held)
+        best_goodput, ks = n / self.cost.round_ms([0] * n) if n else 0.0, [0] * n
         # The drafting term depends on the deepest draft only, so fix the depth D first;
         # for a given D, adding a draft token with gain g pays iff it raises sum E / T.
-        for depth in range(max(1, max(held, default=0)), max(max_k, default=0) + 1):
-            trial, expected, drafted = list(held), n + held_gain, sum(held)
+        for depth in range(1, max(max_k, default=0) + 1):
+            trial, expected, drafted = [0] * n, float(n), 0
             drafting = self.cost.draft_ms(depth)
 
             def round_ms(drafted: int) -> float:
@@ -201,9 +195,7 @@ class SpeculationController:
                 return max(verifying, drafting) if overlap else verifying + drafting
 
             while True:
-                candidates = [
-                    i for i in range(n) if not held[i] and trial[i] < min(max_k[i], depth) and acceptance[i] >= self.min_acceptance
-                ]
+                candidates = [i for i in range(n) if trial[i] < min(max_k[i], depth) and acceptance[i] >= self.min_acceptance]
                 if not candidates:
                     break
                 i = max(candidates, key=lambda j: acceptance[j] ** (trial[j] + 1))

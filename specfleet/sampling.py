@@ -9,6 +9,13 @@ per-session generator state, so a request's random draws do not depend on how
 it was batched or whether its cache was evicted, and every round of a request
 uses fresh draws (each round commits at least one token, so positions differ).
 
+Drafter-invariant sessions (a client-given seed) draw every token by an
+exponential race, argmax_v p(v) / E(v), with E(v) ~ Exp(1) a pure function of
+(seed, position, token id) computed with integer arithmetic (`race_noise`), so
+drafters and verifier on any devices see the same noise: the seed alone fixes
+each emitted token, and a drafter that races its own q against the same noise
+proposes that token whenever it can.
+
 Shapes: B sessions, V vocabulary, K entries kept in a sparse distribution.
 """
 
@@ -23,6 +30,8 @@ import torch
 # Streams keep the drafter's and the verifier's draws independent of each other.
 STREAM_VERIFY = 0
 STREAM_DRAFT = 1
+# The exponential race shared by drafters and verifier in drafter-invariant sessions.
+STREAM_RACE = 2
 
 
 @dataclass(frozen=True)
@@ -31,10 +40,23 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+    # The seed alone fixes the output: every token is the winner of the exponential race
+    # keyed by (seed, position), whatever was drafted (verification.py, obligation 6).
+    drafter_invariant: bool = False
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    @property
+    def raced(self) -> bool:
+        """Sampled by the shared exponential race rather than by rejection sampling."""
+        return self.drafter_invariant and not self.greedy
+
+    @classmethod
+    def from_proto(cls, msg) -> "SamplingParams":
+        """From the contract's specfleet.v1.SamplingParams (validated by the caller)."""
+        return cls(msg.temperature, msg.top_p, msg.top_k, msg.seed, msg.drafter_invariant)
 
 
 def probs_from_logits(
@@ -93,3 +115,45 @@ def sample_sparse(ids: torch.Tensor, probs: torch.Tensor, generators: list[torch
     """One token per row from sparse distributions [B, K]; row b uses generators[b]."""
     picks = torch.stack([torch.multinomial(probs[b], 1, generator=g) for b, g in enumerate(generators)])
     return ids.gather(1, picks).squeeze(1)
+
+
+# splitmix64's constants as signed int64 (torch has no uint64 arithmetic): products wrap
+# modulo 2^64 on every device, so the bits match a uint64 implementation.
+_GOLDEN = 0x9E3779B97F4A7C15 - 2**64
+_MIX1 = 0xBF58476D1CE4E5B9 - 2**64
+_MIX2 = 0x94D049BB133111EB - 2**64
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's >> is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def race_keys(seeds: list[int], positions: list[int], device: str | torch.device = "cpu") -> torch.Tensor:
+    """[R] int64: one key per (seed, position) row of an exponential race."""
+    keys = []
+    for seed, position in zip(seeds, positions):
+        digest = hashlib.blake2b(struct.pack("<QQQ", seed & (2**64 - 1), position, STREAM_RACE), digest_size=8).digest()
+        keys.append(int.from_bytes(digest, "little", signed=True))
+    return torch.tensor(keys, dtype=torch.long, device=device)
+
+
+def race_noise(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Exp(1) noise [R, M] float64 for token ids [R, M] (or [M], shared by every row) under keys [R].
+
+    A pure function of (key, id), computed with splitmix64 in int64 arithmetic: the same
+    bits on CPU and GPU, for the whole vocabulary or any subset of it, so a drafter
+    scoring a few ids and the verifier scoring all of them race with the same noise.
+    """
+    x = keys.unsqueeze(1) + (ids.to(keys.device) + 1) * _GOLDEN
+    x = (x ^ _shift_right(x, 30)) * _MIX1
+    x = (x ^ _shift_right(x, 27)) * _MIX2
+    x = x ^ _shift_right(x, 31)
+    # 53 random bits, centred in their interval, give a uniform strictly inside (0, 1).
+    uniform = (_shift_right(x, 11).double() + 0.5) * 2.0**-53
+    return -torch.log(uniform)
+
+
+def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """[R] index of the race winner argmax p / E per row: distributed as p when E ~ Exp(1) i.i.d."""
+    return (probs.double() / noise).argmax(dim=-1)

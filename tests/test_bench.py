@@ -10,6 +10,14 @@ from specfleet.bench import main as bench_main
 from specfleet.bench import report, runner, workload
 
 
+def test_builtin_workload_names_win_over_folders_of_that_name(tmp_path, monkeypatch):
+    """From the repository root, `docs` is both a workload and a folder."""
+    (tmp_path / "docs").mkdir()
+    monkeypatch.chdir(tmp_path)
+    source, rows = workload.resolve_source("docs")
+    assert source.endswith("docs.jsonl") and rows and {r["domain"] for r in rows} == {"docs"}
+
+
 def test_workloads_are_files_that_replay(tmp_path):
     source, rows = workload.resolve_source("mixed")
     assert rows and all("text" in r and r.get("domain") in workload.DOMAINS for r in rows), source

@@ -115,14 +115,6 @@ def test_k_shrinks_under_load():
     assert max(heavy) < light
 
 
-def test_a_seeded_sampled_request_drafts_its_full_length_whatever_was_learned():
-    """Which draws decide a sampled token depends on where each round's chain ends, so a request
-    whose output must be reproducible keeps its draft length; the others are planned around it."""
-    controller = pinned_controller()
-    assert controller.plan([0.01, 0.01], [4, 4], [0, 0], fixed=[True, False]) == [4, 0]
-    assert controller.plan([0.999, 0.999], [3, 8], [0, 0], fixed=[True, False]) == [3, 8]
-
-
 def test_requests_at_k_zero_still_probe():
     controller = pinned_controller()
     ks = [controller.plan([0.01], [8], [r])[0] for r in range(16)]

@@ -18,10 +18,6 @@ from verifier_service.verifier import Verifier, VerifyItem, validate_item
 log = logging.getLogger(__name__)
 
 
-def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
-    return SamplingParams(temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k, seed=msg.seed)
-
-
 class InvalidArgument(ValueError):
     """A request the verifier refuses: INVALID_ARGUMENT over gRPC, raised as is to a Ray caller."""
 
@@ -43,7 +39,7 @@ class VerifierCore:
                 session_id=s.sync.session_id,
                 prefix_length=s.sync.prefix_length,
                 new_token_ids=list(s.sync.new_token_ids),
-                sampling=sampling_from_proto(s.sampling),
+                sampling=SamplingParams.from_proto(s.sampling),
                 tree_tokens=list(s.tree.token_ids),
                 tree_parents=list(s.tree.parents),
                 proposals=[(list(p.token_ids), list(p.probs)) for p in s.tree.proposals],

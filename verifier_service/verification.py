@@ -44,6 +44,20 @@ Proof obligations, each checked by tests/test_verification.py:
     returns the same verdict from the argmax ids alone. With r a point mass on
     y, a child is accepted iff its token is y, and rejecting a child leaves r
     on y (r - q keeps 1 - q(y) > 0 there), so the walk only compares ids.
+ 6. Drafter-invariant sessions (`SamplingParams.drafter_invariant`): the
+    token that fills position t is y_t = argmax_v p_t(v) / E_t(v), with
+    E_t(v) ~ Exp(1) i.i.d. over v, a function of (seed, t, v) alone
+    (`specfleet.sampling.race_noise`). Walking the tree with
+    `verify_trees_greedy` on these y (a point mass on y_t, as in 5) emits y_t
+    at every position whatever was drafted: drafts decide only how many
+    positions one round fills. The exponential race gives
+    P(y_t = v) = p_t(v) / sum(p_t), and E_t is independent of every draw that
+    fixed the context before t (those use positions < t only), so y_t given the
+    context is distributed exactly as p_t: lossless, and reproducible from the
+    seed alone. A drafter that races its own q against the same E_t proposes
+    y_t with probability at least sum_v min(p_t(v), q(v)) / (1 + TV(p_t, q))
+    (Daliri, Musco and Suresh, 2024), somewhat below rejection sampling's
+    sum_v min(p_t(v), q(v)); that is the price of invariance.
 
 Shapes: B sessions; N draft nodes (padded per session); K entries per sparse
 proposal; V vocabulary.
@@ -68,6 +82,10 @@ class TreeBatch:
     valid: torch.Tensor  # [B, N] bool, False for padding nodes
     q_ids: torch.Tensor  # [B, N, K] int64, support of each node's proposal distribution
     q_probs: torch.Tensor  # [B, N, K] float, probabilities on that support (0 for padding)
+
+    def select(self, rows: list[int]) -> "TreeBatch":
+        """These sessions' trees, in this order."""
+        return TreeBatch(self.tokens[rows], self.parents[rows], self.valid[rows], self.q_ids[rows], self.q_probs[rows])
 
 
 @dataclass

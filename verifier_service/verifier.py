@@ -3,9 +3,11 @@
 Per session and round: sync the session's tokens (the client sends only what
 changed), feed the last committed token followed by the tree's nodes with
 tree attention, shape the target's logits into p as the request asked, run
-`verification.verify_trees` (or, when every session in the batch is greedy,
-`verify_trees_greedy` on the argmax ids alone), keep the KV of the accepted
-path only, and append the accepted tokens and the next token to the session.
+`verification.verify_trees` (rejection sampling), or, for greedy and
+drafter-invariant sessions, `verify_trees_greedy` on the target's fixed token at
+every row (the argmax, or the winner of the seeded exponential race), keep the
+KV of the accepted path only, and append the accepted tokens and the next token
+to the session.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specfleet.runtime import ForwardItem, LoadedModel, SessionStore, UnknownSession, forward_batch, prefill
-from specfleet.sampling import STREAM_VERIFY, SamplingParams, generator_for, probs_from_logits
+from specfleet.sampling import STREAM_VERIFY, SamplingParams, generator_for, probs_from_logits, race, race_keys, race_noise
 from verifier_service.verification import TreeBatch, verify_trees, verify_trees_greedy
 
 log = logging.getLogger(__name__)
@@ -99,7 +101,7 @@ class Verifier:
         sessions = [session for _, _, session in live]
         prefill(self.loaded, sessions, keep_last=1)
 
-        forward_items = []
+        forward_items, depths = [], []
         for _, item, session in live:
             root_pos = len(session.token_ids) - 1
             n = len(item.tree_tokens)
@@ -112,6 +114,7 @@ class Verifier:
                 row = list(rows[parent + 1])
                 row[i + 1] = True
                 rows.append(row)
+            depths.append(depth)
             forward_items.append(
                 ForwardItem(
                     session,
@@ -122,47 +125,80 @@ class Verifier:
             )
         logits = forward_batch(self.loaded, forward_items)  # [B, 1 + N, V]
 
-        batch, width, vocab = logits.shape
-        num_nodes = width - 1
+        num_nodes = logits.shape[1] - 1
         trees = self._tree_batch(live, num_nodes)
         params = [item.sampling for _, item, _ in live]
-        if all(p.greedy for p in params):
-            verdict = verify_trees_greedy(logits.argmax(dim=-1), trees)
-        else:
-            verdict = self._verify_sampled(live, params, logits, trees)
+        # Greedy and raced sessions have a fixed target token at every row: the greedy walk
+        # decides them (obligations 5 and 6); the rest take rejection sampling.
+        fixed = [b for b, p in enumerate(params) if p.greedy or p.raced]
+        sampled = [b for b, p in enumerate(params) if not (p.greedy or p.raced)]
+        accepted, next_token = [None] * len(live), [0] * len(live)
+        if fixed:
+            wanted = self._fixed_targets(live, params, depths, logits, fixed)
+            verdict = verify_trees_greedy(wanted, trees.select(fixed))
+            for row, b in enumerate(fixed):
+                accepted[b] = verdict.accepted[row, : int(verdict.num_accepted[row])].tolist()
+                next_token[b] = int(verdict.next_token[row])
+        if sampled:
+            verdict = self._verify_sampled(live, params, logits, trees, sampled)
+            for row, b in enumerate(sampled):
+                accepted[b] = verdict.accepted[row, : int(verdict.num_accepted[row])].tolist()
+                next_token[b] = int(verdict.next_token[row])
 
         results = []
         for b, (_, item, session) in enumerate(live):
-            count = int(verdict.num_accepted[b])
-            path = verdict.accepted[b, :count].tolist()
+            path = accepted[b]
             session.commit([0] + [node + 1 for node in path])
-            tokens = [item.tree_tokens[node] for node in path] + [int(verdict.next_token[b])]
+            tokens = [item.tree_tokens[node] for node in path] + [next_token[b]]
             session.token_ids.extend(tokens)
             results.append(VerifyResult(item.session_id, known=True, accepted_nodes=path, token_ids=tokens))
         return results
 
-    def _verify_sampled(self, live, params: list[SamplingParams], logits: torch.Tensor, trees: TreeBatch):
-        """The general case: p shaped as each session asked, with its seeded noise."""
+    def _fixed_targets(self, live, params: list[SamplingParams], depths: list[list[int]], logits: torch.Tensor, rows: list[int]):
+        """[len(rows), N + 1] the target's token after the root and after each node: the argmax for greedy
+        sessions, the exponential race's winner over p for raced ones (keyed by the position it fills)."""
+        wanted = logits[rows].argmax(dim=-1)
+        raced = [r for r, b in enumerate(rows) if params[b].raced]
+        if not raced:
+            return wanted
+        _, width, vocab = logits.shape
+        picked = [rows[r] for r in raced]
+        seeds, positions = [], []
+        for b in picked:
+            session, depth = live[b][2], depths[b]
+            # Row 0 fills position len(tokens); the row after a node at depth d fills len(tokens) + d.
+            filled = [len(session.token_ids)] + [len(session.token_ids) + d for d in depth]
+            filled += [filled[-1]] * (width - len(filled))  # padding rows: never read
+            seeds += [params[b].seed] * width
+            positions += filled
+        probs = self._shape([params[b] for b in picked], logits[picked])
+        noise = race_noise(race_keys(seeds, positions, device=logits.device), torch.arange(vocab, device=logits.device))
+        wanted[raced] = race(probs.reshape(len(picked) * width, vocab), noise).reshape(len(picked), width)
+        return wanted
+
+    @staticmethod
+    def _shape(params: list[SamplingParams], logits: torch.Tensor) -> torch.Tensor:
+        """p [b, W, V] as each session asked (temperature, top-k, top-p), from logits [b, W, V]."""
         batch, width, vocab = logits.shape
-        num_nodes = width - 1
-        per_row = lambda values, dtype: torch.tensor(values, dtype=dtype).repeat_interleave(width)  # noqa: E731
-        target_probs = probs_from_logits(
+        per_row = lambda values, dtype: torch.tensor(values, dtype=dtype, device=logits.device).repeat_interleave(width)  # noqa: E731
+        return probs_from_logits(
             logits.reshape(batch * width, vocab),
             per_row([p.temperature for p in params], torch.float32),
             per_row([p.top_k for p in params], torch.long),
             per_row([p.top_p for p in params], torch.float32),
         ).reshape(batch, width, vocab)
 
-        # A greedy session's p is a point mass, so its verdict does not depend on the noise
-        # (verification.py, obligation 2): it gets constant noise instead of 8k random draws.
-        uniforms = torch.zeros(batch, num_nodes)
-        exponentials = torch.ones(batch, vocab)
-        for b, (_, item, session) in enumerate(live):
-            if not item.sampling.greedy:
-                gen = generator_for(item.sampling.seed, len(session.token_ids), STREAM_VERIFY)
-                uniforms[b] = torch.rand(num_nodes, generator=gen)
-                exponentials[b].exponential_(generator=gen)
-        return verify_trees(target_probs, trees, uniforms, exponentials)
+    def _verify_sampled(self, live, params: list[SamplingParams], logits: torch.Tensor, trees: TreeBatch, rows: list[int]):
+        """Rejection sampling for these sessions: p shaped as each asked, with its seeded noise."""
+        _, width, vocab = logits.shape
+        target_probs = self._shape([params[b] for b in rows], logits[rows])
+        uniforms = torch.empty(len(rows), width - 1)
+        exponentials = torch.empty(len(rows), vocab)
+        for r, b in enumerate(rows):
+            gen = generator_for(params[b].seed, len(live[b][2].token_ids), STREAM_VERIFY)
+            uniforms[r] = torch.rand(width - 1, generator=gen)
+            exponentials[r].exponential_(generator=gen)
+        return verify_trees(target_probs, trees.select(rows), uniforms, exponentials)
 
     @staticmethod
     def _tree_batch(live, num_nodes: int) -> TreeBatch:

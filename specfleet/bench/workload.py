@@ -86,7 +86,8 @@ def read_jsonl(path: str | pathlib.Path) -> list[dict]:
 def resolve_source(name_or_path: str) -> tuple[str, list[dict]]:
     """A workload by name (code, prose, docs, structured, mixed) or by file; the fallback list when absent."""
     path = pathlib.Path(name_or_path)
-    if path.suffix in (".jsonl", ".json") or path.exists():
+    # Only a file is a workload: from the repository root, "docs" also names the docs/ folder.
+    if path.suffix in (".jsonl", ".json") or path.is_file():
         return str(path), read_jsonl(path)
     if name_or_path not in BUILTIN_NAMES:
         raise ValueError(f"workload {name_or_path!r}: neither a file nor one of {', '.join(BUILTIN_NAMES)}")
