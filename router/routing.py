@@ -142,8 +142,14 @@ for i = 2, #ARGV, 3 do
   local old = redis.call('HGET', KEYS[1], ARGV[i])
   if old then
     local sep = string.find(old, ',')
-    a = tonumber(string.sub(old, 1, sep - 1))
-    r = tonumber(string.sub(old, sep + 1))
+    if sep then
+      a = tonumber(string.sub(old, 1, sep - 1)) or 0
+      r = tonumber(string.sub(old, sep + 1)) or 0
+    end
+  end
+  -- A value nobody can learn from (written by hand, or corrupted) starts afresh.
+  if a ~= a or r ~= r or a < 0 or r < 0 or a == math.huge or r == math.huge then
+    a, r = 0, 0
   end
   a = a * d + tonumber(ARGV[i + 1])
   r = r * d + tonumber(ARGV[i + 2])
@@ -151,6 +157,21 @@ for i = 2, #ARGV, 3 do
 end
 return 1
 """
+
+
+def _parse_evidence(name: bytes, value: bytes) -> tuple[str, str, Evidence] | None:
+    """A Redis field of the shared hash, or None if it is not 'domain\x1fdrafter' -> 'a,r' with finite a, r >= 0.
+
+    Anyone who can write to Redis can write anything: a NaN or infinite count would make
+    the Thompson sample loop forever on the event loop, so bad values never get in."""
+    try:
+        domain, drafter = name.decode().split("\x1f", 1)
+        a, r = (float(x) for x in value.decode().split(","))
+    except ValueError:
+        return None
+    if not (math.isfinite(a) and math.isfinite(r) and a >= 0 and r >= 0):
+        return None
+    return domain, drafter, Evidence(a, r)
 
 
 class RedisExpertiseStore(ExpertiseStore):
@@ -173,6 +194,7 @@ class RedisExpertiseStore(ExpertiseStore):
         self._script = self._client.register_script(_REDIS_ADD)
         self._pending: list[tuple[str, str, float, float]] = []
         self._down_since: float | None = None
+        self._warned: set[bytes] = set()
 
     def add(self, domain: str, drafter: str, accepted: float, rejected: float) -> None:
         super().add(domain, drafter, accepted, rejected)
@@ -199,9 +221,14 @@ class RedisExpertiseStore(ExpertiseStore):
             self._down_since = None
         with self._lock:
             for name, value in shared.items():
-                domain, drafter = name.decode().split("\x1f", 1)
-                a, r = value.decode().split(",")
-                self._local[(domain, drafter)] = Evidence(float(a), float(r))
+                parsed = _parse_evidence(name, value)
+                if parsed is None:
+                    if name not in self._warned:
+                        self._warned.add(name)
+                        log.warning("redis %s: ignoring field %r = %r; expected 'accepted,rejected', finite and >= 0", self.key, name, value)
+                    continue
+                domain, drafter, evidence = parsed
+                self._local[(domain, drafter)] = evidence
 
     @property
     def backend(self) -> str:
