@@ -39,6 +39,7 @@ class DrafterCore:
         seen = set()
         for s in request.sessions:
             sid = s.sync.session_id
+            sampling = SamplingParams.from_proto(s.sampling)
             problem = None
             if not sid:
                 problem = "sync.session_id is required"
@@ -56,12 +57,13 @@ class DrafterCore:
                     problem = f"session {sid}: sync.new_token_ids has ids outside the vocabulary [0, {loaded.vocab_size})"
                 elif s.sync.prefix_length + len(s.sync.new_token_ids) + s.num_draft_tokens > loaded.max_context:
                     problem = f"session {sid}: context plus drafts exceeds the draft model's {loaded.max_context} positions"
-                elif s.sampling.temperature < 0 or not 0 < s.sampling.top_p <= 1 or s.sampling.top_k < 0:
-                    problem = f"session {sid}: sampling needs temperature >= 0, top_p in (0, 1], top_k >= 0"
+                elif sampling.problem():
+                    problem = f"session {sid}: {sampling.problem()}"
+                elif not 0 <= s.stop_below_confidence <= 1:
+                    problem = f"session {sid}: stop_below_confidence must be in [0, 1], got {s.stop_below_confidence}"
             if problem:
                 raise InvalidArgument(problem)
             seen.add((s.model, sid))
-            sampling = SamplingParams.from_proto(s.sampling)
             items.append(
                 (
                     s.model,
