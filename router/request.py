@@ -13,6 +13,7 @@ from specfleet.sampling import SamplingParams
 from specfleet.v1 import generation_pb2
 
 MAX_STOP_STRINGS = 16
+MAX_LABEL_CHARS = 128
 
 
 class InvalidRequest(ValueError):
@@ -31,7 +32,8 @@ class Limits:
 
 @dataclass
 class RequestSpec:
-    request_id: str
+    request_id: str  # the client's label, echoed back; never used to address anything
+    session_id: str  # made here, unguessable: the request's sessions at the verifier and drafters
     prompt_ids: list[int]
     max_tokens: int
     sampling: SamplingParams
@@ -42,6 +44,10 @@ class RequestSpec:
 
 
 def parse_request(req: generation_pb2.GenerateRequest, tokenizer, limits: Limits) -> RequestSpec:
+    for name, value, longest in (("request_id", req.request_id, MAX_LABEL_CHARS), ("domain", req.domain, MAX_LABEL_CHARS)):
+        # Labels end up in logs and metrics: no control characters (a newline would forge a log line).
+        if len(value) > longest or not value.isprintable():
+            raise InvalidRequest(f"{name}: at most {longest} printable characters, got {len(value)} characters")
     if req.prompt and req.prompt_token_ids:
         raise InvalidRequest("prompt: set either prompt or prompt_token_ids, not both")
     if req.prompt_token_ids:
@@ -84,6 +90,7 @@ def parse_request(req: generation_pb2.GenerateRequest, tokenizer, limits: Limits
     seed = req.seed if seeded else secrets.randbits(63)
     return RequestSpec(
         request_id=req.request_id or uuid.uuid4().hex,
+        session_id=secrets.token_hex(16),
         prompt_ids=prompt_ids,
         max_tokens=max_tokens,
         sampling=SamplingParams(temperature=req.temperature, top_p=top_p, top_k=req.top_k, seed=seed, drafter_invariant=seeded),

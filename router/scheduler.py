@@ -241,7 +241,7 @@ class Scheduler:
 
     async def _draft(self, batch: list[RequestState]) -> dict[str, DraftTree]:
         """Draft trees for every request that drafts this round, keyed by request id."""
-        trees = {s.spec.request_id: DraftTree() for s in batch if s.round_k > 0}
+        trees = {s.spec.session_id: DraftTree() for s in batch if s.round_k > 0}
         chains = [s for s in batch if s.round_k > 0 and len(s.round_drafters) == 1]
         fused = [s for s in batch if s.round_k > 0 and len(s.round_drafters) > 1]
 
@@ -249,7 +249,7 @@ class Scheduler:
             # Every chain in one call per service, k tokens each.
             calls = [(s, s.round_drafters[0], s.tokens, s.round_k, "") for s in chains]
             for state, drafter, drafted in await self._draft_calls(calls):
-                tree = trees[state.spec.request_id]
+                tree = trees[state.spec.session_id]
                 parent = -1
                 for token, proposal in zip(drafted.token_ids, drafted.proposals):
                     parent = tree.add(token, parent, proposal, drafter)
@@ -258,12 +258,12 @@ class Scheduler:
 
         async def draft_fused():
             # The cooperating drafters of a request share a service and draft in lockstep there, all k positions in one call.
-            calls = [(s, d, s.tokens, s.round_k, s.spec.request_id) for s in fused for d in s.round_drafters]
+            calls = [(s, d, s.tokens, s.round_k, s.spec.session_id) for s in fused for d in s.round_drafters]
             replies: dict[str, dict[str, drafter_pb2.DraftedSession]] = collections.defaultdict(dict)
             for state, drafter, drafted in await self._draft_calls(calls):
-                replies[state.spec.request_id][drafter] = drafted
+                replies[state.spec.session_id][drafter] = drafted
             for state in fused:
-                tree, mine = trees[state.spec.request_id], replies[state.spec.request_id]
+                tree, mine = trees[state.spec.session_id], replies[state.spec.session_id]
                 for position in range(state.round_k):
                     self._fuse_position(state, tree, mine, position)
                 # Each drafter's session continued from the lead tokens, the main branch.
@@ -299,9 +299,9 @@ class Scheduler:
         scores: dict[str, dict[str, float]] = collections.defaultdict(dict)
         for state, drafter, drafted in await self._draft_calls(calls, score=True):
             if drafted.context_tokens > 0:
-                scores[state.spec.request_id][drafter] = drafted.context_log_prob
+                scores[state.spec.session_id][drafter] = drafted.context_log_prob
         for state in batch:
-            self.router.assign_domain(state.routing, scores[state.spec.request_id])
+            self.router.assign_domain(state.routing, scores[state.spec.session_id])
 
     async def _draft_calls(self, calls, score: bool = False) -> list[tuple[RequestState, str, drafter_pb2.DraftedSession]]:
         """calls: (request, drafter, tokens the drafter should hold, k, lockstep group). Returns the successful replies.
@@ -312,7 +312,7 @@ class Scheduler:
             mirror = state.drafter_mirrors.setdefault(drafter, SessionMirror())
             prefix, new = mirror.diff(tokens)
             session = drafter_pb2.DraftSession(
-                sync=common_pb2.SessionSync(session_id=state.spec.request_id, prefix_length=prefix, new_token_ids=new),
+                sync=common_pb2.SessionSync(session_id=state.spec.session_id, prefix_length=prefix, new_token_ids=new),
                 model=drafter,
                 num_draft_tokens=k,
                 sampling=_sampling_proto(state),
@@ -358,10 +358,10 @@ class Scheduler:
         sessions = []
         for state in batch:
             prefix, new = state.verifier_mirror.diff(state.tokens)
-            tree = trees.get(state.spec.request_id)
+            tree = trees.get(state.spec.session_id)
             sessions.append(
                 verifier_pb2.VerifySession(
-                    sync=common_pb2.SessionSync(session_id=state.spec.request_id, prefix_length=prefix, new_token_ids=new),
+                    sync=common_pb2.SessionSync(session_id=state.spec.session_id, prefix_length=prefix, new_token_ids=new),
                     tree=tree.to_proto() if tree else verifier_pb2.TokenTree(),
                     sampling=_sampling_proto(state),
                 )
@@ -395,7 +395,7 @@ class Scheduler:
                 self.metrics.session_misses += 1
                 state.verifier_mirror.reset()
                 continue
-            tree = trees.get(state.spec.request_id)
+            tree = trees.get(state.spec.session_id)
             state.rounds += 1
             if tree is not None:
                 self._learn(state, tree, list(verified.accepted_nodes), list(verified.token_ids))
@@ -449,7 +449,7 @@ class Scheduler:
             state.updates.put_nowait(chunk)
 
     async def _release(self, finished: list[RequestState]) -> None:
-        ids = [s.spec.request_id for s in finished]
+        ids = [s.spec.session_id for s in finished]
         used = {d for s in finished for d in s.drafter_mirrors}
         services = {self.drafters[d].name: self.drafters[d] for d in used if d in self.drafters}
         calls = [self.verifier.release(ids)] + [t.release(ids) for t in services.values()]

@@ -56,8 +56,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
         context.add_done_callback(on_done)
         log.info(
-            "request %s: %d prompt tokens, max_tokens %d, temperature %g, domain %s, k <= %d",
-            spec.request_id, len(spec.prompt_ids), spec.max_tokens, spec.sampling.temperature, state.routing.domain or "-", spec.draft_tokens,
+            "request %s (session %s): %d prompt tokens, max_tokens %d, temperature %g, domain %s, k <= %d",
+            spec.request_id, spec.session_id, len(spec.prompt_ids), spec.max_tokens, spec.sampling.temperature, state.routing.domain or "-", spec.draft_tokens,
         )
         return state
 

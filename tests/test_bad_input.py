@@ -1,4 +1,4 @@
-"""Malformed numbers at every service get INVALID_ARGUMENT naming the field; the services keep serving."""
+"""Hostile or malformed input at every service: INVALID_ARGUMENT naming the field, no request touching another, the services keep serving."""
 
 from __future__ import annotations
 
@@ -77,3 +77,26 @@ def test_a_vanishing_temperature_is_greedy(cluster, random_family):
         request.temperature = 1e-40
         reply = stub.Generate(request, timeout=120)
     assert list(reply.token_ids) == target_greedy(str(random_family["target"]), prompt, 24)[:24]
+
+
+def test_requests_sharing_a_request_id_do_not_touch_each_other(cluster, random_family):
+    """request_id is the client's label: the router makes its own session ids."""
+    path = str(random_family["target"])
+    prompts = PROMPTS[:6]
+    with cluster.channel() as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        futures = {p: stub.Generate.future(greedy_request(p, 48, 3, request_id="same-label"), timeout=300) for p in prompts}
+        for prompt, future in futures.items():
+            reply = future.result()
+            assert reply.request_id == "same-label"
+            assert list(reply.token_ids) == target_greedy(path, prompt, 48), prompt
+
+
+@pytest.mark.parametrize("field,value", [("request_id", "a\nb"), ("request_id", "x" * 129), ("domain", "code\r\n"), ("domain", "d" * 500)])
+def test_labels_must_be_short_and_printable(cluster, field, value):
+    with cluster.channel() as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Generate(generation_pb2.GenerateRequest(prompt="a", max_tokens=2, **{field: value}), timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert field in err.value.details()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import re
 
 import grpc
 import pytest
@@ -114,7 +115,9 @@ def test_evicting_sessions_mid_generation_changes_nothing(cluster, stub, referen
     request = greedy_request(prompt, MAX_TOKENS, 3, request_id=f"evict-{keep_tokens}")
     stream = stub.GenerateStream(request, timeout=120)
     tokens = list(next(stream).token_ids)
-    release = common_pb2.ReleaseRequest(session_ids=[request.request_id], keep_tokens=keep_tokens)
+    # The router names its own session ids (request_id is only a label); its log ties the two.
+    session_id = re.search(rf"request {request.request_id} \(session (\w+)\)", cluster.log_path.read_text()).group(1)
+    release = common_pb2.ReleaseRequest(session_ids=[session_id], keep_tokens=keep_tokens)
     with cluster.channel(cluster.verifier) as vch, cluster.channel(cluster.drafter) as dch:
         released = verifier_pb2_grpc.VerifierStub(vch).ReleaseSessions(release, timeout=10).released
         released += drafter_pb2_grpc.DrafterStub(dch).ReleaseSessions(release, timeout=10).released
