@@ -28,6 +28,20 @@ class Limits:
     max_draft_tokens: int
     vocab_size: int
     max_context: int
+    # Longer prompts (in characters) cannot fit the context: refused before tokenizing (`prompt_chars_bound`).
+    max_prompt_chars: int = 1 << 62
+
+
+def prompt_chars_bound(tokenizer, max_context: int) -> int:
+    """Characters beyond which a prompt holds more than max_context tokens, whatever it says.
+
+    A token covers at most as many bytes as its vocabulary string's UTF-8 form (byte-level
+    and byte-fallback spellings only overstate it) and a character is at least a byte.
+    Normalisation can shrink text before tokenizing (NFKC folds a 3-byte full-width letter
+    into one byte), hence the margin of 4: a false refusal needs a prompt that is mostly
+    text the tokenizer drops."""
+    longest = max(len(token.encode()) for token in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))) if token)
+    return 4 * max_context * max(1, longest)
 
 
 @dataclass
@@ -58,6 +72,10 @@ def parse_request(req: generation_pb2.GenerateRequest, tokenizer, limits: Limits
     else:
         if not req.prompt:
             raise InvalidRequest("prompt: must not be empty (or set prompt_token_ids)")
+        if len(req.prompt) > limits.max_prompt_chars:
+            raise InvalidRequest(
+                f"prompt: {len(req.prompt)} characters cannot fit the model's context of {limits.max_context} tokens; shorten it"
+            )
         prompt_ids = tokenizer.encode(req.prompt, add_special_tokens=False)
         if not prompt_ids:
             raise InvalidRequest("prompt: encodes to no tokens")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import logging
 import time
 
@@ -11,7 +12,7 @@ import grpc
 
 from router.metrics import render as render_metrics
 from router.metrics import serve_metrics
-from router.request import Chunk, InvalidRequest, Limits, RequestState, parse_request
+from router.request import Chunk, InvalidRequest, Limits, RequestSpec, RequestState, parse_request, prompt_chars_bound
 from router.routing import DomainClassifier, DrafterProfile, DrafterRouter, ExpertiseStore, RedisExpertiseStore, RoutingConfig
 from router.scheduler import Overloaded, Scheduler, SchedulerConfig
 from router.speculation import CostModel, SpeculationController
@@ -34,10 +35,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.tokenizer = tokenizer
         self.limits = limits
         self.eos_token_id = eos_token_id
+        self._tokenizing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+
+    def _parse(self, request: generation_pb2.GenerateRequest) -> tuple[RequestSpec, str]:
+        """The validated request and its prompt text (the routing classifier reads it)."""
+        spec = parse_request(request, self.tokenizer, self.limits)
+        return spec, request.prompt or self.tokenizer.decode(spec.prompt_ids)
 
     async def _start(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> RequestState:
         try:
-            spec = parse_request(request, self.tokenizer, self.limits)
+            # Tokenizing a long prompt takes a while: never on the event loop, which serves every
+            # other client. One worker, since the tokenizer is shared.
+            spec, prompt_text = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._parse, request)
         except InvalidRequest as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         remaining = context.time_remaining()
@@ -45,7 +54,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         state = RequestState(
             spec=spec, tokenizer=self.tokenizer, eos_token_id=self.eos_token_id, max_context=self.limits.max_context, deadline=deadline
         )
-        prompt_text = request.prompt or self.tokenizer.decode(spec.prompt_ids)
         try:
             self.scheduler.submit(state, prompt_text, spec.domain)
         except Overloaded as err:
@@ -160,6 +168,7 @@ async def build(cfg: config_mod.Config, transports: tuple | None = None) -> tupl
         max_draft_tokens=rcfg.max_draft_tokens,
         vocab_size=target.vocab_size,
         max_context=target.max_context,
+        max_prompt_chars=prompt_chars_bound(tokenizer, target.max_context),
     )
     servicer = GenerationServicer(scheduler, tokenizer, limits, target.eos_token_id)
     servicer.target = target

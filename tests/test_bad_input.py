@@ -100,3 +100,19 @@ def test_labels_must_be_short_and_printable(cluster, field, value):
             stub.Generate(generation_pb2.GenerateRequest(prompt="a", max_tokens=2, **{field: value}), timeout=30)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert field in err.value.details()
+
+
+def test_huge_prompts_are_refused_before_tokenizing_while_others_are_served(cluster, random_family):
+    """A prompt that cannot fit the context is refused by its size alone, and a stream in flight keeps going."""
+    huge = generation_pb2.GenerateRequest(prompt="word " * 2_000_000, max_tokens=4)  # 10 MB
+    with cluster.channel() as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        stream = stub.GenerateStream(greedy_request(PROMPTS[1], 64, 2, stop_at_eos=False), timeout=300)
+        tokens = list(next(stream).token_ids)
+        for _ in range(20):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Generate(huge, timeout=60)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "prompt: 10000000 characters cannot fit" in err.value.details()
+        tokens += [t for chunk in stream for t in chunk.token_ids]
+    assert tokens == target_greedy(str(random_family["target"]), PROMPTS[1], 64)[:64]
