@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from router.breaker import Breaker
 from router.request import DrafterCounts, RequestState, SessionMirror
 from router.routing import DrafterRouter
 from router.speculation import SpeculationController
@@ -48,6 +49,14 @@ from specfleet.fusion import lead
 from specfleet.v1 import common_pb2, drafter_pb2, verifier_pb2
 
 log = logging.getLogger(__name__)
+
+# A steady-state draft call may take this many times the modelled time, and at least the floor
+# (a shared machine's speed drifts 2x; a draft call is milliseconds), before its round goes on
+# without it.
+DRAFT_DEADLINE_FACTOR = 10.0
+DRAFT_DEADLINE_FLOOR_S = 1.0
+# New tokens sent with a draft call (prefilled there) that add one floor to its deadline.
+PREFILL_TOKENS_PER_FLOOR = 64
 
 
 class Overloaded(Exception):
@@ -125,6 +134,7 @@ class Scheduler:
         self.router = router
         self.controller = controller
         self.metrics = RouterMetrics()
+        self.breaker = Breaker()
         self._waiting: list[RequestState] = []
         self._lanes: list[list[RequestState]] = [[] for _ in range(max(1, config.pipeline_depth))]
         self._wake = asyncio.Event()
@@ -324,13 +334,18 @@ class Scheduler:
 
         async def call(entries):
             transport = self.drafters[entries[0][1]]
+            if not self.breaker.allow(transport.name):
+                if self.breaker.probe_due(transport.name):
+                    asyncio.create_task(self._probe(transport))
+                return []  # these requests decode plainly this round
             started = time.perf_counter()
             try:
-                reply = await transport.draft(drafter_pb2.DraftRequest(sessions=[e[3] for e in entries]), self.config.rpc_timeout_s)
+                reply = await transport.draft(drafter_pb2.DraftRequest(sessions=[e[3] for e in entries]), self._draft_timeout_s(entries, score))
             except TransportError as err:
                 # Losing a drafter costs speed, never correctness: these requests decode plainly this round.
                 self.metrics.drafter_errors += 1
                 log.warning("drafter service %s failed (%s); decoding without its drafts this round", transport.name, err)
+                self.breaker.failed(transport.name)
                 for state, drafter, _, _ in entries:
                     state.drafter_mirrors[drafter].reset()
                 return []
@@ -353,6 +368,26 @@ class Scheduler:
 
         results = await asyncio.gather(*(call(entries) for entries in by_service.values()))
         return [r for part in results for r in part]
+
+    def _draft_timeout_s(self, entries, score: bool) -> float:
+        """A draft call's deadline: a multiple of what the cost model expects it to take, so that a hung
+        drafter holds a round (and every request in it) for a moment, not for rpc_timeout_s. What a call
+        prefills (a new prompt, a context to score or catch up) is not modelled: each session's new
+        tokens add a floor's worth per PREFILL_TOKENS_PER_FLOOR, a prefill rate no drafter falls below."""
+        sessions = [e[3] for e in entries]
+        expected_ms = self.controller.cost.draft_ms(max(s.num_draft_tokens for s in sessions))
+        deadline = max(DRAFT_DEADLINE_FLOOR_S, DRAFT_DEADLINE_FACTOR * expected_ms / 1e3)
+        deadline += DRAFT_DEADLINE_FLOOR_S * sum(len(s.sync.new_token_ids) for s in sessions) / PREFILL_TOKENS_PER_FLOOR
+        return min(self.config.rpc_timeout_s, deadline)
+
+    async def _probe(self, transport: DrafterTransport) -> None:
+        """Ask an open breaker's service for its info: an answer closes the breaker."""
+        try:
+            await transport.info(DRAFT_DEADLINE_FLOOR_S)
+        except TransportError:
+            self.breaker.failed(transport.name)
+        else:
+            self.breaker.succeeded(transport.name)
 
     async def _verify(self, batch: list[RequestState], trees: dict[str, DraftTree]) -> None:
         sessions = []
