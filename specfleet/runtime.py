@@ -167,7 +167,7 @@ def load_model(
         tokenizer=tokenizer,
         fingerprint=tokenizer_fingerprint(tokenizer),
         vocab_size=int(config.vocab_size),
-        max_context=int(config.max_position_embeddings),
+        max_context=llama.context_limit(config),
         eos_token_id=int(eos) if eos is not None else -1,
         parameters=sum(p.numel() for p in hf_model.parameters()),
         token_map=token_map,
