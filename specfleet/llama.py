@@ -35,6 +35,11 @@ import torch
 import torch.nn.functional as F
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# per-session: one attention call per session and layer over its own buffer, nothing padded or copied
+#   (measured faster on CPU: docs/ARCHITECTURE.md, "Batching shapes and the forward pass").
+# batched: one call per layer for all sessions, over their buffers stacked to the longest context with
+#   an additive mask (padding, ragged lengths, tree patterns); B times fewer attention launches, for GPUs.
+ATTENTION_MODES = ("per-session", "batched")
 # RoPE variants computed here (`rope_frequencies`); the others (yarn, dynamic, longrope, ...) are refused.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -65,6 +70,8 @@ class LlamaModel:
     kv_heads: int
     head_dim: int
     eps: float
+    # How attention runs (`ATTENTION_MODES`): per session, or one call per layer for the whole batch.
+    attention: str = "per-session"
 
     @property
     def dtype(self) -> torch.dtype:
@@ -203,6 +210,8 @@ def forward(
     """Logits [B, N, V] (row b valid for its first n_b positions), or None with logits=False.
 
     Writes each session's new keys and values into its buffer at [kv_b, kv_b + n_b).
+    With model.attention == "batched", every buffer must hold max(kv_b + n_b) positions,
+    zero past what was written (`runtime.Session.reserve` makes them so).
     """
     batch, width = input_ids.shape
     H, KV, D = model.heads, model.kv_heads, model.head_dim
@@ -210,16 +219,12 @@ def forward(
     x = model.embed[input_ids]  # [B, N, E]
     cos = model.cos[positions].to(model.dtype).unsqueeze(1)  # [B, 1, N, D]
     sin = model.sin[positions].to(model.dtype).unsqueeze(1)
-    # Per session: [n_b, kv_b + n_b] bool, every cached position visible; None means "all visible".
-    masks = []
-    for kv_len, n, attend in zip(kv_lens, new_lens, attends):
-        if attend is None:
-            masks.append(None)
-            continue
-        # Additive, in the model's dtype: SDPA would convert a boolean mask on every layer.
-        mask = torch.zeros(n, kv_len + n, dtype=model.dtype, device=model.device)
-        mask[:, kv_len:].masked_fill_(~attend.to(model.device), float("-inf"))
-        masks.append(mask)
+    batched = model.attention == "batched" and batch > 1
+    if batched:
+        total = max(k + n for k, n in zip(kv_lens, new_lens))
+        bias = _batch_bias(model, total, width, kv_lens, new_lens, attends)
+    else:
+        masks = _session_masks(model, kv_lens, new_lens, attends)
     for i, layer in enumerate(model.layers):
         h = F.rms_norm(x, (x.shape[-1],), layer.input_norm, model.eps)
         qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # [B, N, (H + 2 KV) D]
@@ -232,18 +237,24 @@ def forward(
         k = _rotate(k.transpose(1, 2), cos, sin)  # [B, KV, N, D]
         v = v.view(batch, width, KV, D).transpose(1, 2)
         new_kv = torch.stack([k, v], dim=1)  # [B, 2, KV, N, D]
-        # Per session, as few tensor ops as possible: at 32 sessions and 16 layers this loop
-        # runs 512 times a pass, and each op costs about a microsecond of dispatch.
-        outs = []
-        for b in range(batch):
-            kv_len, n = kv_lens[b], new_lens[b]
-            cache = kv_buffers[b][i]  # [2, KV, capacity, D]
-            cache[:, :, kv_len : kv_len + n] = new_kv[b, :, :, :n]
-            # 4-D operands: the 3-D form falls back to a slower kernel on CPU.
-            keys, values = cache[:, None, :, : kv_len + n].unbind(0)
-            out = F.scaled_dot_product_attention(q[b : b + 1, :, :n], keys, values, attn_mask=masks[b], enable_gqa=KV != H)
-            outs.append(out if n == width else F.pad(out, (0, 0, 0, width - n)))
-        attn = torch.cat(outs)  # [B, H, N, D]
+        if batched:
+            for b in range(batch):
+                kv_buffers[b][i][:, :, kv_lens[b] : kv_lens[b] + new_lens[b]] = new_kv[b, :, :, : new_lens[b]]
+            cache = torch.stack([buf[i, :, :, :total] for buf in kv_buffers])  # [B, 2, KV, T, D]
+            attn = F.scaled_dot_product_attention(q, cache[:, 0], cache[:, 1], attn_mask=bias, enable_gqa=KV != H)
+        else:
+            # Per session, as few tensor ops as possible: at 32 sessions and 16 layers this loop
+            # runs 512 times a pass, and each op costs about a microsecond of dispatch.
+            outs = []
+            for b in range(batch):
+                kv_len, n = kv_lens[b], new_lens[b]
+                cache = kv_buffers[b][i]  # [2, KV, capacity, D]
+                cache[:, :, kv_len : kv_len + n] = new_kv[b, :, :, :n]
+                # 4-D operands: the 3-D form falls back to a slower kernel on CPU.
+                keys, values = cache[:, None, :, : kv_len + n].unbind(0)
+                out = F.scaled_dot_product_attention(q[b : b + 1, :, :n], keys, values, attn_mask=masks[b], enable_gqa=KV != H)
+                outs.append(out if n == width else F.pad(out, (0, 0, 0, width - n)))
+            attn = torch.cat(outs)  # [B, H, N, D]
         x = x + F.linear(attn.transpose(1, 2).reshape(batch, width, H * D), layer.out, layer.out_bias)
         h = F.rms_norm(x, (x.shape[-1],), layer.mlp_norm, model.eps)
         gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
@@ -251,3 +262,34 @@ def forward(
     if not logits:
         return None
     return F.linear(F.rms_norm(x, (x.shape[-1],), model.norm, model.eps), model.lm_head)
+
+
+def _session_masks(model, kv_lens, new_lens, attends) -> list[torch.Tensor | None]:
+    """Per session: [n_b, kv_b + n_b] additive, every cached position visible; None means "all visible"."""
+    masks = []
+    for kv_len, n, attend in zip(kv_lens, new_lens, attends):
+        if attend is None:
+            masks.append(None)
+            continue
+        # Additive, in the model's dtype: SDPA would convert a boolean mask on every layer.
+        mask = torch.zeros(n, kv_len + n, dtype=model.dtype, device=model.device)
+        mask[:, kv_len:].masked_fill_(~attend.to(model.device), float("-inf"))
+        masks.append(mask)
+    return masks
+
+
+def _batch_bias(model, total, width, kv_lens, new_lens, attends) -> torch.Tensor:
+    """[B, 1, N, T] additive, built once a pass for batched attention over buffers stacked to T positions.
+
+    Row i of session b sees its cached prefix and its own pattern among the new tokens, nothing
+    past its end; a padding row (i >= n_b) sees position 0 only, so that no row is all -inf (NaN).
+    """
+    bias = torch.full((len(kv_lens), width, total), float("-inf"), dtype=model.dtype, device=model.device)
+    for b, (kv_len, n, attend) in enumerate(zip(kv_lens, new_lens, attends)):
+        bias[b, :n, :kv_len] = 0
+        if attend is None:
+            bias[b, :n, kv_len : kv_len + n] = 0
+        else:
+            bias[b, :n, kv_len : kv_len + n].masked_fill_(attend.to(model.device), 0)
+        bias[b, n:, 0] = 0
+    return bias.unsqueeze(1)

@@ -115,7 +115,8 @@ TOKEN_MAP_FILE = "token_map.json"
 
 
 def load_model(
-    name: str, path: str | os.PathLike, dtype: str = "float32", device: str = "cpu", use_token_map: bool = False
+    name: str, path: str | os.PathLike, dtype: str = "float32", device: str = "cpu", use_token_map: bool = False,
+    attention: str = "per-session",
 ) -> LoadedModel:
     """Load a Hugging Face Llama-family causal LM and its tokenizer from a local directory, offline.
 
@@ -135,6 +136,8 @@ def load_model(
         raise FileNotFoundError(f"model '{name}': no config.json in {path}; expected a Hugging Face model directory")
     if dtype not in DTYPES:
         raise ValueError(f"model '{name}': dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if attention not in llama.ATTENTION_MODES:
+        raise ValueError(f"model '{name}': attention must be one of {list(llama.ATTENTION_MODES)}, got {attention!r}")
     try:
         device = resolve_device(str(device))
     except (RuntimeError, ValueError) as e:
@@ -152,6 +155,7 @@ def load_model(
     if isinstance(eos, list):
         eos = eos[0]
     model = from_hf(hf_model)
+    model.attention = attention
     token_map = local_index = None
     if use_token_map and (path / TOKEN_MAP_FILE).exists():
         token_map = read_token_map(name, path / TOKEN_MAP_FILE, int(config.vocab_size))
@@ -236,7 +240,8 @@ class Session:
             return
         # Doubling keeps appends amortised O(1) per position.
         capacity = max(64, 1 << (needed - 1).bit_length())
-        grown = torch.empty(
+        # Zeros, not empty: the batched attention path reads (masked) positions past a session's end.
+        grown = torch.zeros(
             model.num_layers, 2, model.kv_heads, capacity, model.head_dim, dtype=model.dtype, device=model.device
         )
         if self.kv is not None and self.kv_len:
@@ -359,10 +364,12 @@ def forward_batch(loaded: LoadedModel, items: list[ForwardItem], logits: bool = 
     width = max(new_lens)
     # Padded in Python lists and sent to the device once: a tensor op per session costs more.
     ids_rows, pos_rows, attends = [], [], []
+    # Batched attention stacks every buffer to the batch's longest context: each must hold that many.
+    total = max(it.session.kv_len + n for it, n in zip(items, new_lens)) if model.attention == "batched" else 0
     for it, n in zip(items, new_lens):
         ids_rows.append(list(it.input_ids) + [0] * (width - n))
         pos_rows.append(list(it.positions) + [0] * (width - n))
-        it.session.reserve(model, n)
+        it.session.reserve(model, max(n, total - it.session.kv_len))
         if n == 1:
             attends.append(None)
         else:

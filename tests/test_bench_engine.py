@@ -28,15 +28,16 @@ def _bench(tmp_path, *extra) -> tuple[dict, str]:
 
 
 def test_engine_bench_times_both_passes_which_agree(tmp_path):
-    results, table = _bench(tmp_path)
+    results, table = _bench(tmp_path, "--attention", "per-session,batched")
     assert [(r["sessions"], r["tokens"]) for r in results["rows"]] == [(1, 1), (1, 4), (3, 1), (3, 4)]
     assert results["dtype"] == "float32" and results["device"].startswith(DEVICE)
     for row in results["rows"]:
         assert row["context"] == 24
         assert row["specfleet_ms"] > 0 and row["transformers_ms"] > 0 and row["floor_ms"] > 0
-        # Same weights, same cached keys and values, same new tokens: the same logits.
+        assert set(row["attention"]) == {"per-session", "batched"} and row["specfleet_ms"] == min(row["attention"].values())
+        # Same weights, same cached keys and values, same new tokens: the same logits, in both attention modes.
         assert row["max_abs_logit_diff"] < 1e-3
-    assert "specfleet / floor" in table and "3 x 4" in table
+    assert "specfleet / floor" in table and "3 x 4" in table and "specfleet batched ms" in table
 
 
 def test_engine_bench_floor_is_the_larger_of_memory_and_compute_time(tmp_path):

@@ -3,7 +3,7 @@
 Every supported family (Llama with GQA, Llama 3 with its `llama3` RoPE scaling
 and attention bias, linear RoPE scaling, Qwen2's QKV bias, Qwen3's per-head query/key norms,
 Mistral), ragged batches of sessions with different cached lengths, chains and
-trees: every logit our pass gives must be the one the reference gives for that
+trees, with attention per session and batched (one call per layer): every logit our pass gives must be the one the reference gives for that
 token's own path through the tree. SPECFLEET_TEST_DEVICE=cuda runs them on a
 GPU (scripts/device-check).
 """
@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from specfleet import runtime
+from specfleet.llama import ATTENTION_MODES
 from specfleet.runtime import ForwardItem, Session, forward_batch, load_model, prefill
 
 DEVICE = os.environ.get("SPECFLEET_TEST_DEVICE", "cpu")
@@ -62,17 +63,19 @@ def _configs():
 FAMILIES = list(_configs())
 
 
+@pytest.mark.parametrize("attention", ATTENTION_MODES)
 @pytest.mark.parametrize("name", FAMILIES)
-def test_forward_matches_transformers(tmp_path, name):
+def test_forward_matches_transformers(tmp_path, name, attention):
     reference = _save(tmp_path, _configs()[name], name)
-    loaded = load_model(name, tmp_path / name, device=DEVICE)
+    loaded = load_model(name, tmp_path / name, device=DEVICE, attention=attention)
     gen = torch.Generator().manual_seed(1)
     prompt_a = torch.randint(0, 8192, (9,), generator=gen).tolist()
     prompt_b = torch.randint(0, 8192, (4,), generator=gen).tolist()
-    prompt_c = torch.randint(0, 8192, (30,), generator=gen).tolist()
+    prompt_c = torch.randint(0, 8192, (70,), generator=gen).tolist()
 
     # Session a: a chain of 3 after its prompt; session b: a tree after its prompt;
-    # session c: one decode step after a longer prompt (three cached lengths, three widths).
+    # session c: one decode step after a longer prompt (three cached lengths, three widths;
+    # c's cache outgrows the smallest buffer, so batched attention must grow a and b's to match).
     #   b's root r, nodes 0 -> 1 and 0 -> 2 (siblings), 3 a second child of the root.
     a, b, c = Session(token_ids=list(prompt_a)), Session(token_ids=list(prompt_b)), Session(token_ids=list(prompt_c))
     prefill(loaded, [a, b, c], keep_last=1)
@@ -109,11 +112,12 @@ def test_forward_matches_transformers(tmp_path, name):
     torch.testing.assert_close(next_logits[0, 0], ref_logits(prompt_b + [21, 23, 31]), **TOLERANCE)
 
 
-def test_prefill_passes_group_similar_lengths_and_match_transformers(tmp_path, monkeypatch):
+@pytest.mark.parametrize("attention", ATTENTION_MODES)
+def test_prefill_passes_group_similar_lengths_and_match_transformers(tmp_path, monkeypatch, attention):
     """Sessions of similar lengths share one prefill pass; each one's cache and scores are what its
     own full-context forward gives, and a very different length gets a pass of its own."""
     reference = _save(tmp_path, _configs()["llama-gqa"], "llama-gqa")
-    loaded = load_model("llama-gqa", tmp_path / "llama-gqa", device=DEVICE)
+    loaded = load_model("llama-gqa", tmp_path / "llama-gqa", device=DEVICE, attention=attention)
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 8192, (n,), generator=gen).tolist() for n in (11, 12, 13, 13, 40)]
     sessions = [Session(token_ids=list(p)) for p in prompts]

@@ -8,7 +8,7 @@ For every (sessions B, new tokens n) at a cached context C per session, it times
 
   specfleet      `runtime.forward_batch`: B sessions, each feeding n new tokens (a causal
                  chain, as a verify pass feeds a draft) after C cached positions; logits
-                 stay on the device
+                 stay on the device; once per --attention mode (per-session, batched)
   transformers   the same weights through the Hugging Face module's forward (its default
                  attention, no compilation) with a DynamicCache holding the same C keys and
                  values per session, rebuilt before each call (untimed)
@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=10, help="timed passes per row; the median is reported (default %(default)s)")
     p.add_argument("--warmup", type=int, default=3, help="untimed passes first (default %(default)s)")
     p.add_argument("--threads", type=int, default=1, help="torch threads on a CPU (default %(default)s)")
+    p.add_argument("--attention", default="per-session",
+                   help="specfleet's attention modes to time, comma separated: per-session, batched (default %(default)s); "
+                   "a row's specfleet time is the fastest")
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers column")
     p.add_argument("--bandwidth-gbs", type=float, help="memory bandwidth in GB/s for the floor (default: known device, else measured)")
     p.add_argument("--peak-tflops", type=float, help="peak TFLOP/s in the dtype for the floor (default: known device, else measured)")
@@ -111,7 +114,12 @@ def run(args) -> dict:
     device = resolve_device(args.device)
     dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     dtype = DTYPES[dtype_name]
+    from specfleet.llama import ATTENTION_MODES
+
     sessions, tokens = _csv_ints(args.sessions), _csv_ints(args.tokens)
+    args.modes = [m.strip() for m in args.attention.split(",") if m.strip()]
+    if not args.modes or any(m not in ATTENTION_MODES for m in args.modes):
+        raise ValueError(f"--attention: a comma-separated list of {', '.join(ATTENTION_MODES)}, got {args.attention!r}")
     if not sessions or not tokens or min(sessions + tokens) < 1 or args.context < 1 or args.repeats < 1:
         raise ValueError("--sessions, --tokens, --context and --repeats must be positive")
     torch.set_num_threads(args.threads)
@@ -145,6 +153,7 @@ def run(args) -> dict:
         "peak_tflops": peak / 1e12,
         "hardware_source": hardware_source,
         "repeats": args.repeats,
+        "attention_modes": args.modes,
         "torch": torch.__version__,
         "command": getattr(args, "command_line", "specfleet bench engine"),
         "rows": rows,
@@ -222,7 +231,13 @@ def _time_row(loaded, hf, b: int, n: int, args, device, dtype) -> dict:
     def ours():
         out["specfleet"] = forward_batch(loaded, items, host=False)
 
-    row = {"specfleet_ms": _median_ms(ours, lambda: None, args, device)}
+    row, ours_out = {"attention": {}}, {}
+    for mode in args.modes:
+        model.attention = mode
+        row["attention"][mode] = _median_ms(ours, lambda: None, args, device)
+        ours_out[mode] = out.pop("specfleet")
+    row["specfleet_attention"] = min(row["attention"], key=row["attention"].get)
+    row["specfleet_ms"] = row["attention"][row["specfleet_attention"]]
     if not args.no_transformers:
         cache = {}
 
@@ -241,8 +256,9 @@ def _time_row(loaded, hf, b: int, n: int, args, device, dtype) -> dict:
 
         row["transformers_ms"] = _median_ms(theirs, fresh_cache, args, device)
         cache.clear()
-        row["max_abs_logit_diff"] = float((out["specfleet"] - out["transformers"].float()).abs().max())
-    del sessions, items, kv, out
+        theirs_out = out["transformers"].float()
+        row["max_abs_logit_diff"] = max(float((o - theirs_out).abs().max()) for o in ours_out.values())
+    del sessions, items, kv, out, ours_out
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
@@ -312,7 +328,8 @@ def _measure_peak(device, dtype) -> float:
 
 def _row_line(row: dict) -> str:
     hf = f"{row['transformers_ms']:.2f}" if "transformers_ms" in row else "-"
-    return f"  B={row['sessions']} n={row['tokens']} C={row['context']}: specfleet {row['specfleet_ms']:.2f} ms, transformers {hf} ms, floor {row['floor_ms']:.3f} ms"
+    ours = ", ".join(f"{m} {ms:.2f}" for m, ms in row["attention"].items())
+    return f"  B={row['sessions']} n={row['tokens']} C={row['context']}: specfleet {ours} ms, transformers {hf} ms, floor {row['floor_ms']:.3f} ms"
 
 
 def print_table(results: dict) -> None:
@@ -325,11 +342,13 @@ def print_table(results: dict) -> None:
         f"({results['hardware_source']})"
     )
     table = Table(title=title)
-    for col in ("sessions x tokens", "context", "specfleet ms", "transformers ms", "floor ms", "specfleet / floor", "max |Δ logit|"):
+    modes = results.get("attention_modes", [])
+    for col in ("sessions x tokens", "context", *[f"specfleet {m} ms" for m in modes], "transformers ms", "floor ms",
+                "specfleet / floor", "max |Δ logit|"):
         table.add_column(col, justify="right")
     for r in results["rows"]:
         table.add_row(
-            f"{r['sessions']} x {r['tokens']}", str(r["context"]), f"{r['specfleet_ms']:.2f}",
+            f"{r['sessions']} x {r['tokens']}", str(r["context"]), *[f"{r['attention'][m]:.2f}" for m in modes],
             f"{r['transformers_ms']:.2f}" if "transformers_ms" in r else "-", f"{r['floor_ms']:.3f}",
             f"{r['specfleet_over_floor']:.1f}x", f"{r['max_abs_logit_diff']:.2g}" if "max_abs_logit_diff" in r else "-",
         )
@@ -344,14 +363,16 @@ def markdown(results: dict) -> str:
         f"floor at {results['bandwidth_gbs']:.0f} GB/s and {results['peak_tflops']:.1f} TFLOP/s ({results['hardware_source']}); "
         f"median of {results['repeats']} passes, ms",
         "",
-        "| sessions x new tokens | context | specfleet | transformers | floor | specfleet / floor | max abs logit diff |",
-        "|---|---|---|---|---|---|---|",
+        "| sessions x new tokens | context | " + " | ".join(f"specfleet ({m})" for m in results["attention_modes"])
+        + " | transformers | floor | specfleet / floor | max abs logit diff |",
+        "|---|---|" + "---|" * len(results["attention_modes"]) + "---|---|---|---|",
     ]
     for r in results["rows"]:
         hf = f"{r['transformers_ms']:.2f}" if "transformers_ms" in r else "-"
         diff = f"{r['max_abs_logit_diff']:.2g}" if "max_abs_logit_diff" in r else "-"
+        ours = " | ".join(f"{r['attention'][m]:.2f}" for m in results["attention_modes"])
         lines.append(
-            f"| {r['sessions']} x {r['tokens']} | {r['context']} | {r['specfleet_ms']:.2f} | {hf} | {r['floor_ms']:.3f} | "
+            f"| {r['sessions']} x {r['tokens']} | {r['context']} | {ours} | {hf} | {r['floor_ms']:.3f} | "
             f"{r['specfleet_over_floor']:.1f}x | {diff} |"
         )
     return "\n".join(lines) + "\n"
