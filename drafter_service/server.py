@@ -131,7 +131,7 @@ def load_core(svc: config_mod.DrafterServiceConfig, threads: int | None = None) 
     device = config_mod.resolve_device(svc.device, f"drafters[{svc.name}].device")
     models = {}
     for m in svc.models:
-        loaded = load_model(m.name, m.path, dtype=svc.dtype, device=device, use_token_map=True)
+        loaded = load_model(m.name, m.path, dtype=svc.dtype, device=device, use_token_map=True, attention=svc.attention)
         store = SessionStore(max_cache_bytes=int(svc.max_cache_mb * 2**20), max_sessions=svc.max_sessions)
         models[m.name] = DraftModel(loaded, store, svc.proposal_top_k)
     fingerprints = {m.loaded.fingerprint for m in models.values()}

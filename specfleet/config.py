@@ -45,6 +45,8 @@ class ConfigError(ValueError):
 
 # cpu, cuda, cuda:N (a GPU by index) or auto (cuda if torch sees one, else cpu).
 DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?|auto")
+# specfleet.llama.ATTENTION_MODES, spelled out so that reading a config does not import torch.
+ATTENTION_MODES = ("per-session", "batched")
 
 
 @dataclass
@@ -70,6 +72,9 @@ class VerifierConfig:
     # Where the model runs: cpu, cuda, cuda:N, or auto (cuda if torch sees one, else cpu).
     device: str = "cpu"
     dtype: str = "float32"
+    # Attention of a forward pass: per-session (one call per session and layer; the faster on CPU)
+    # or batched (one call per layer for the whole batch); docs/ARCHITECTURE.md has the numbers.
+    attention: str = "per-session"
     threads: int = 1
     # Dynamic batching: merge concurrent Verify calls up to this many sessions, waiting at
     # most max_wait_ms after the first arrives. 0 merges only what arrived while the previous
@@ -107,6 +112,7 @@ class DrafterServiceConfig:
     # Where this service's draft models run: cpu, cuda, cuda:N, or auto (see VerifierConfig.device).
     device: str = "cpu"
     dtype: str = "float32"
+    attention: str = "per-session"  # see VerifierConfig.attention
     threads: int = 1
     max_batch_size: int = 64
     max_wait_ms: float = 0.0
@@ -291,6 +297,9 @@ def validate(config: Config) -> None:
     for where, device in [("verifier.device", v.device)] + [(f"drafters[{i}].device", d.device) for i, d in enumerate(config.drafters)]:
         if not DEVICE_PATTERN.fullmatch(device):
             raise ConfigError(f"{where}: must be cpu, cuda, cuda:N or auto, got {device!r}")
+    for where, attention in [("verifier.attention", v.attention)] + [(f"drafters[{i}].attention", d.attention) for i, d in enumerate(config.drafters)]:
+        if attention not in ATTENTION_MODES:
+            raise ConfigError(f"{where}: must be one of {', '.join(ATTENTION_MODES)}, got {attention!r}")
     for where, cpus in [("verifier.cpus", v.cpus), ("router.cpus", r.cpus)] + [(f"drafters[{i}].cpus", d.cpus) for i, d in enumerate(config.drafters)]:
         if not isinstance(cpus, list) or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in cpus):
             raise ConfigError(f"{where}: a list of core numbers (0, 1, ...), got {cpus!r}")

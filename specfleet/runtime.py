@@ -108,6 +108,7 @@ class LoadedModel:
             parameters=self.parameters,
             device=str(self.model.device),
             dtype=dtype_name(self.model.dtype),
+            attention=self.model.attention,
         )
 
 
@@ -178,8 +179,8 @@ def load_model(
         local_index=local_index,
     )
     log.info(
-        "loaded model %s from %s: %.1fM parameters, %s on %s, %s, %.1fs",
-        name, path, loaded.parameters / 1e6, dtype, _describe_device(model.device),
+        "loaded model %s from %s: %.1fM parameters, %s on %s, %s attention, %s, %.1fs",
+        name, path, loaded.parameters / 1e6, dtype, _describe_device(model.device), attention,
         f"output layer over {len(token_map)} ids ({TOKEN_MAP_FILE})" if token_map is not None else "full output layer",
         time.perf_counter() - started,
     )

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specfleet/v1/common.proto\x12\x0cspecfleet.v1\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"O\n\x0bSessionSync\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rprefix_length\x18\x02 \x01(\x05\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x05\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\xb8\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\x12\x14\n\x0c\x65os_token_id\x18\x05 \x01(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x06 \x01(\t\x12\x12\n\nparameters\x18\x07 \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\r\n\x05\x64type\x18\t \x01(\t\":\n\x0eReleaseRequest\x12\x13\n\x0bsession_ids\x18\x01 \x03(\t\x12\x13\n\x0bkeep_tokens\x18\x02 \x01(\x08\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x05\"\r\n\x0bInfoRequest*T\n\rSessionStatus\x12\x1e\n\x1aSESSION_STATUS_UNSPECIFIED\x10\x00\x12\x0e\n\nSESSION_OK\x10\x01\x12\x13\n\x0fSESSION_UNKNOWN\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specfleet/v1/common.proto\x12\x0cspecfleet.v1\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"O\n\x0bSessionSync\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rprefix_length\x18\x02 \x01(\x05\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x05\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\xcb\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\x12\x14\n\x0c\x65os_token_id\x18\x05 \x01(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x06 \x01(\t\x12\x12\n\nparameters\x18\x07 \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x11\n\tattention\x18\n \x01(\t\":\n\x0eReleaseRequest\x12\x13\n\x0bsession_ids\x18\x01 \x03(\t\x12\x13\n\x0bkeep_tokens\x18\x02 \x01(\x08\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x05\"\r\n\x0bInfoRequest*T\n\rSessionStatus\x12\x1e\n\x1aSESSION_STATUS_UNSPECIFIED\x10\x00\x12\x0e\n\nSESSION_OK\x10\x01\x12\x13\n\x0fSESSION_UNKNOWN\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specfleet.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SESSIONSTATUS']._serialized_start=562
-  _globals['_SESSIONSTATUS']._serialized_end=646
+  _globals['_SESSIONSTATUS']._serialized_start=581
+  _globals['_SESSIONSTATUS']._serialized_end=665
   _globals['_SAMPLINGPARAMS']._serialized_start=43
   _globals['_SAMPLINGPARAMS']._serialized_end=124
   _globals['_SESSIONSYNC']._serialized_start=126
@@ -40,11 +40,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SPARSEDISTRIBUTION']._serialized_start=207
   _globals['_SPARSEDISTRIBUTION']._serialized_end=261
   _globals['_MODELINFO']._serialized_start=264
-  _globals['_MODELINFO']._serialized_end=448
-  _globals['_RELEASEREQUEST']._serialized_start=450
-  _globals['_RELEASEREQUEST']._serialized_end=508
-  _globals['_RELEASERESPONSE']._serialized_start=510
-  _globals['_RELEASERESPONSE']._serialized_end=545
-  _globals['_INFOREQUEST']._serialized_start=547
-  _globals['_INFOREQUEST']._serialized_end=560
+  _globals['_MODELINFO']._serialized_end=467
+  _globals['_RELEASEREQUEST']._serialized_start=469
+  _globals['_RELEASEREQUEST']._serialized_end=527
+  _globals['_RELEASERESPONSE']._serialized_start=529
+  _globals['_RELEASERESPONSE']._serialized_end=564
+  _globals['_INFOREQUEST']._serialized_start=566
+  _globals['_INFOREQUEST']._serialized_end=579
 # @@protoc_insertion_point(module_scope)
