@@ -374,7 +374,7 @@ def forward_batch(loaded: LoadedModel, items: list[ForwardItem], logits: bool = 
         if n == 1:
             attends.append(None)
         else:
-            attends.append(it.attend if it.attend is not None else torch.ones(n, n, dtype=torch.bool).tril())
+            attends.append(it.attend if it.attend is not None else torch.ones(n, n, dtype=torch.bool, device=model.device).tril())
     out = llama.forward(
         model,
         torch.tensor(ids_rows, dtype=torch.long, device=model.device),
