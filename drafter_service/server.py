@@ -130,9 +130,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 def load_core(svc: config_mod.DrafterServiceConfig, threads: int | None = None) -> DrafterCore:
     """Load a drafter service's draft models and build its batch queue, as the config says."""
     configure_torch(threads or svc.threads)
+    device = config_mod.resolve_device(svc.device, f"drafters[{svc.name}].device")
     models = {}
     for m in svc.models:
-        loaded = load_model(m.name, m.path, dtype=svc.dtype, use_token_map=True)
+        loaded = load_model(m.name, m.path, dtype=svc.dtype, device=device, use_token_map=True, attention=svc.attention)
         store = SessionStore(max_cache_bytes=int(svc.max_cache_mb * 2**20), max_sessions=svc.max_sessions)
         models[m.name] = DraftModel(loaded, store, svc.proposal_top_k)
     fingerprints = {m.loaded.fingerprint for m in models.values()}
@@ -159,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         core = load_core(svc, threads=args.threads)
     except IncompatibleModels as err:
         raise SystemExit(str(err)) from None
+    except config_mod.ConfigError as err:
+        raise SystemExit(f"specfleet drafter: {err}") from None
     servicer = DrafterServicer(core)
 
     def register(server):

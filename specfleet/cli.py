@@ -56,6 +56,13 @@ def cmd_serve(argv: list[str]) -> int:
         return 2
     if args.port is not None:
         cfg.router.port = args.port
+    if args.ray is None:
+        # Every service runs here: a device this machine lacks is refused before anything starts.
+        try:
+            config_mod.check_devices(cfg)
+        except config_mod.ConfigError as err:
+            print(f"specfleet serve: {err}", file=sys.stderr)
+            return 2
     # A shell starts background jobs with SIGINT ignored, and Python keeps it so: without this,
     # Ctrl-C (or a supervisor's SIGINT) would leave the services or actors running.
     signal.signal(signal.SIGINT, signal.default_int_handler)

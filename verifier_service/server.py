@@ -90,7 +90,8 @@ class VerifierCore:
 def load_core(vcfg: config_mod.VerifierConfig, model: str | None = None, threads: int | None = None) -> VerifierCore:
     """Load the target model and build the verifier with its batch queue, as the config says."""
     configure_torch(threads or vcfg.threads)
-    loaded = load_model("target", model or vcfg.model, dtype=vcfg.dtype)
+    device = config_mod.resolve_device(vcfg.device, "verifier.device")
+    loaded = load_model("target", model or vcfg.model, dtype=vcfg.dtype, device=device, attention=vcfg.attention)
     store = SessionStore(max_cache_bytes=int(vcfg.max_cache_mb * 2**20), max_sessions=vcfg.max_sessions)
     verifier = Verifier(loaded, store)
     batcher = BatchQueue("verifier", verifier.verify_batch, vcfg.max_batch_size, vcfg.max_wait_ms / 1e3)
@@ -125,7 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("verifier")
     cfg = config_mod.load(args.config) if args.config else config_mod.default_config(config_mod.REPO / ".cache")
     vcfg = cfg.verifier
-    core = load_core(vcfg, model=args.model, threads=args.threads)
+    try:
+        core = load_core(vcfg, model=args.model, threads=args.threads)
+    except config_mod.ConfigError as err:
+        raise SystemExit(f"specfleet verifier: {err}") from None
     servicer = VerifierServicer(core)
 
     def register(server):
