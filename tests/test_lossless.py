@@ -235,7 +235,7 @@ def exact_pit(family, samples: Samples, setting: str, seed: int) -> Verdict:
 def test_sampled_output_is_distributed_as_target(real_cluster, control_cluster, random_family, setting, seeded):
     real = sample(real_cluster, setting, seeded)
     verdict = exact_pit(random_family, real, setting, seed=1)
-    rejected = 1 - real.accepted_tokens / real.draft_tokens
+    rejected = 1 - real.accepted_tokens / max(1, real.draft_tokens)
     print(
         f"\n{setting} seeded={seeded}: {SAMPLES} samples in {real.seconds:.1f}s; {real.draft_tokens} drafted, "
         f"{rejected:.0%} not accepted, {real.rounds} rounds, {real.single_round} in one round, {real.two_rounds} in two; "
