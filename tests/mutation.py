@@ -76,8 +76,9 @@ def load_mutants(root: pathlib.Path = REPO, area: str | None = None) -> dict[str
             if not isinstance(entry, dict) or set(entry) != set(FIELDS):
                 got = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
                 raise MutantError(f"{where}[{i}]: needs exactly the keys {list(FIELDS)}, got {got}")
-            if not all(isinstance(entry[k], str) and entry[k] for k in FIELDS if k != "tests"):
-                raise MutantError(f"{where}[{i}]: name, why, file, find and replace must be non-empty strings")
+            # An empty replace deletes what find matched.
+            if not all(isinstance(entry[k], str) and (entry[k] or k == "replace") for k in FIELDS if k != "tests"):
+                raise MutantError(f"{where}[{i}]: name, why, file and find must be non-empty strings, replace a string")
             tests = entry["tests"]
             if not isinstance(tests, list) or not tests or not all(isinstance(t, str) and t for t in tests):
                 raise MutantError(f"{where}[{i}] ({entry['name']}): tests must be a non-empty list of pytest arguments")
