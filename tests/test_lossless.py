@@ -29,8 +29,9 @@ sample) may take another lossless path (noise shared by drafters and verifier pe
 and position); both must pass.
 
 Negative control, in the same test: the same statistic on a cluster started from a copy
-of the tree in which the verifier accepts every draft unchecked (tests/mutants/lossless.yaml,
-`accept-every-draft`) must reject it at every setting.
+of the tree in which the verifier accepts every draft unchecked on the path the case takes
+(tests/mutants/lossless.yaml: `accept-every-draft` for rejection sampling,
+`accept-every-fixed-draft` for the seeded race) must reject it at every setting.
 """
 
 from __future__ import annotations
@@ -69,7 +70,9 @@ CASES = [(setting, seeded) for seeded in (False, True) for setting in SETTINGS]
 FALSE_FAILURE = 1e-6
 # KS checks on the real cluster: each position and the pooled positions, per case.
 CHECKS = len(CASES) * (MAX_TOKENS + 1)
-CONTROL_MUTANT = "accept-every-draft"
+# Requests without a seed take rejection sampling (verify_trees), seeded ones the greedy walk on the
+# seeded race's winners (verify_trees_greedy): each path has its own accept-every-draft mutant.
+CONTROL_MUTANTS = {False: "accept-every-draft", True: "accept-every-fixed-draft"}
 # The hard check calls a token impossible only if it is outside the top-k / top-p set even with
 # this much slack, so that float rounding at the boundary (specfleet's forward pass is not
 # transformers') cannot fail a correct system.
@@ -102,19 +105,19 @@ def real_cluster(random_family, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def control_cluster(random_family, tmp_path_factory):
-    """The same cluster from a tree whose verifier accepts every draft; started on first use,
-    so that a run already failing on the real cluster does not pay for it."""
-    started: list[Cluster] = []
+    """The same cluster from a tree whose verifier accepts every draft on the path a case takes;
+    started on first use, so that a run already failing on the real cluster does not pay for it."""
+    started: dict[bool, Cluster] = {}
 
-    def get() -> Cluster:
-        if not started:
+    def get(seeded: bool) -> Cluster:
+        if seeded not in started:
             workdir = tmp_path_factory.mktemp("control")
-            tree = mutated_copy(workdir / "tree", CONTROL_MUTANT)
-            started.append(Cluster(lossless_config(random_family), workdir, "control", cwd=tree).start())
-        return started[0]
+            tree = mutated_copy(workdir / "tree", CONTROL_MUTANTS[seeded])
+            started[seeded] = Cluster(lossless_config(random_family), workdir, "control", cwd=tree).start()
+        return started[seeded]
 
     yield get
-    for cluster in started:
+    for cluster in started.values():
         cluster.stop()
 
 
@@ -257,7 +260,7 @@ def test_sampled_output_is_distributed_as_target(real_cluster, control_cluster, 
     assert rejected > 0.5 and real.rounds > 2 * SAMPLES, (real.draft_tokens, real.accepted_tokens, real.rounds)
     assert real.single_round + real.two_rounds > 0.01 * SAMPLES, (real.single_round, real.two_rounds)
 
-    control = sample(control_cluster(), setting, seeded)
+    control = sample(control_cluster(seeded), setting, seeded)
     control_verdict = exact_pit(random_family, control, setting, seed=2)
-    print(f"control ({CONTROL_MUTANT}): KS / threshold per position, pooled: {control_verdict.summary()}")
+    print(f"control ({CONTROL_MUTANTS[seeded]}): KS / threshold per position, pooled: {control_verdict.summary()}")
     assert control_verdict.failures(), f"the statistic accepts a verifier that accepts every draft: {control_verdict.summary()}"
