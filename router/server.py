@@ -52,6 +52,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
 
         def on_done(_):
+            if not state.finished:
+                log.info("request %s: its client cancelled it or its deadline passed; stopping it", spec.request_id)
             state.cancelled = True
 
         context.add_done_callback(on_done)
