@@ -121,6 +121,34 @@ def test_metrics_count_what_the_replies_report(ops, stub):
     assert moved_family("specfleet_router_drafter_accepted_tokens_total") == sum(d.accepted_tokens for r in replies for d in r.speculation.drafters)
 
 
+def test_a_cancelled_request_stops_and_counts_as_cancelled(ops, stub):
+    """A client cancels mid-generation while the verifier is paused: once the router has seen the
+    cancellation, the round in flight is the request's last (counted as cancelled, not finished), and both
+    servers drop its sessions."""
+    from tests.operations import wait_released
+
+    before = metrics(_port(ops))
+    request = greedy_request(PROMPTS[4], 1000, 2, request_id="ops-cancel", stop_at_eos=False)
+    stream = stub.GenerateStream(request, timeout=300)
+    next(stream)
+    with paused(service_pid(ops, "verifier")):
+        rounds = metrics(_port(ops))["specfleet_router_rounds_total"]  # still, but for the round in flight
+        stream.cancel()
+        with pytest.raises(grpc.RpcError) as err:
+            list(stream)
+        deadline = time.monotonic() + 60
+        while "request ops-cancel: its client cancelled it" not in ops.log_path.read_text():
+            assert time.monotonic() < deadline, "the router never noticed the cancellation"
+            time.sleep(0.1)
+    assert err.value.code() == grpc.StatusCode.CANCELLED
+    held = wait_released(ops, request.request_id)
+    assert request.request_id not in held["verifier"] | held["drafter"], held
+    after = metrics(_port(ops))
+    assert after["specfleet_router_rounds_total"] - rounds <= 1
+    assert after["specfleet_router_requests_cancelled_total"] - before.get("specfleet_router_requests_cancelled_total", 0) == 1
+    assert after["specfleet_router_requests_finished_total"] == before["specfleet_router_requests_finished_total"]
+
+
 def test_bad_config_on_sighup_is_refused_and_the_old_one_kept(ops, stub):
     """A config that fails validation, sent by SIGHUP to `specfleet serve` and then straight to the router:
     each refuses it with a logged error naming the key, keeps the running config, and keeps serving."""
