@@ -81,6 +81,9 @@ def cmd_serve(argv: list[str]) -> int:
     procs: list[tuple[str, subprocess.Popen]] = []
 
     def stop_all(code: int) -> int:
+        # A second Ctrl-C or SIGTERM must not cut the orderly stop short and leave services running.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         # The router first: its in-flight requests finish, and their rounds need the drafters and the
         # verifier until the last one. Then the services, once nothing can call them.
         router = [(name, proc) for name, proc in procs if name == "router"]
@@ -102,11 +105,9 @@ def cmd_serve(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         for name, command, cpus in commands:
-            # Set in the child before exec, so every thread the service starts inherits it.
-            pin = (lambda cpus=cpus: os.sched_setaffinity(0, cpus)) if cpus else None
             # Its own process group: Ctrl-C in a terminal signals the whole foreground group at once, and
             # the services must stop only after the router has drained (stop_all), not with it.
-            procs.append((name, subprocess.Popen(command, preexec_fn=pin, process_group=0)))
+            procs.append((name, subprocess.Popen(command, preexec_fn=_child_setup(cpus, os.getpid()), process_group=0)))
             if cpus:
                 print(f"specfleet serve: {name} runs on cores {cpus}", file=sys.stderr)
         router_address = f"{cfg.router.host}:{cfg.router.port}"
@@ -143,6 +144,31 @@ def cmd_serve(argv: list[str]) -> int:
     except KeyboardInterrupt:
         print("specfleet serve: stopping", file=sys.stderr)
         return stop_all(0)
+
+
+def _child_setup(cpus: list[int], parent: int):
+    """What a service's process does between fork and exec (so every thread it starts inherits it).
+
+    Pins it to `cpus`; and, on Linux, has the kernel kill it when `specfleet serve` dies: in its own
+    process group, a service would otherwise outlive a serve that was killed outright.
+    """
+
+    libc = None
+    if sys.platform == "linux":
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)  # loaded here: the child only calls into it
+
+    def setup() -> None:
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+        if libc is not None:
+            PR_SET_PDEATHSIG = 1
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            if os.getppid() != parent:  # serve died before the line above took effect
+                os._exit(1)
+
+    return setup
 
 
 async def _wait_ready(address, procs, timeout_s, wait_until_serving) -> bool:
