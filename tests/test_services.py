@@ -79,6 +79,33 @@ def test_ctrl_c_stops_every_service_even_when_started_as_a_background_job(random
     cluster.stop()
 
 
+def test_services_die_with_a_killed_serve(random_family, tmp_path):
+    """`specfleet serve` killed outright (no chance to stop anything): its services, each in its own
+    process group, go with it rather than running on unattended."""
+    cluster = Cluster(cluster_config(random_family), tmp_path, "killed").start()
+    children = _children(cluster.proc.pid)
+    assert len(children) == 3
+    cluster.proc.kill()
+    cluster.proc.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while [pid for pid in children if _alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    survivors = [pid for pid in children if _alive(pid)]
+    for pid in survivors:  # leave nothing behind, whatever the verdict
+        os.kill(pid, signal.SIGKILL)
+    assert not survivors
+    cluster.stop()
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting for its (dead) parent's reaper."""
+    try:
+        state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
 def test_each_service_runs_on_the_cores_its_config_names(random_family, tmp_path):
     """verifier.cpus / drafters[].cpus / router.cpus pin the processes `specfleet serve` starts."""
     last = max(os.sched_getaffinity(0))
