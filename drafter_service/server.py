@@ -106,6 +106,16 @@ class DrafterCore:
     def info(self) -> drafter_pb2.DrafterInfo:
         return drafter_pb2.DrafterInfo(models=[m.loaded.info() for m in self.models.values()])
 
+    async def stats(self) -> drafter_pb2.DrafterServiceStats:
+        def held() -> list[str]:
+            ids: set[str] = set()
+            for model in self.models.values():
+                with model.store.lock:  # held by the model thread for a whole batch: read between batches
+                    ids.update(model.store._sessions)
+            return sorted(ids)
+
+        return drafter_pb2.DrafterServiceStats(session_ids=await asyncio.to_thread(held))
+
     def close(self) -> None:
         self.batcher.close()
 
@@ -125,6 +135,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     async def GetInfo(self, request, context):
         return self.core.info()
+
+    async def GetStats(self, request, context):
+        return await self.core.stats()
 
 
 def load_core(svc: config_mod.DrafterServiceConfig, threads: int | None = None) -> DrafterCore:

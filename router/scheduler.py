@@ -76,6 +76,7 @@ class RouterMetrics:
     rounds: int = 0
     requests_finished: int = 0
     requests_failed: int = 0
+    requests_cancelled: int = 0  # the client went away (or its deadline passed on its side)
     draft_tokens: int = 0
     accepted_tokens: int = 0
     drafter_errors: int = 0
@@ -143,6 +144,8 @@ class Scheduler:
     # --- the public side -----------------------------------------------------------------------------------
 
     def submit(self, state: RequestState, prompt_text: str, domain_hint: str = "") -> None:
+        # Requests whose clients gave up while queued hold no place in the queue.
+        self._waiting = [s for s in self._waiting if not s.cancelled]
         if len(self._waiting) >= self.config.max_queued:
             raise Overloaded(
                 f"{self.running} requests running and {len(self._waiting)} queued (router.max_queued); retry later"
@@ -174,6 +177,10 @@ class Scheduler:
         """Move waiting requests into this lane: earliest deadline first, least loaded lane first."""
         if not self._waiting:
             return
+        self._expire(self._waiting)
+        for state in [s for s in self._waiting if s.finished]:
+            self._waiting.remove(state)
+            self._publish(state)  # ended before it ran: nothing was sent to a server, nothing to release
         self._waiting.sort(key=lambda s: (s.deadline if s.deadline is not None else float("inf"), s.admitted_at))
         while self._waiting and self.running < self.config.max_running:
             if len(lane) > min(len(other) for other in self._lanes):
@@ -212,11 +219,16 @@ class Scheduler:
 
     # --- a round -------------------------------------------------------------------------------------------------
 
-    async def _round(self, batch: list[RequestState]) -> None:
+    def _expire(self, states: list[RequestState]) -> None:
+        """End the requests whose deadline passed. The client's gRPC deadline also cancels the call, but the
+        router does not rely on it: a round in flight when it passes is the last, and the sessions are released."""
         now = time.monotonic()
-        for state in batch:
-            if state.deadline is not None and now >= state.deadline:
+        for state in states:
+            if state.deadline is not None and now >= state.deadline and not state.finished:
                 state.error = (grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded; the output so far was streamed")
+
+    async def _round(self, batch: list[RequestState]) -> None:
+        self._expire(batch)
         batch = [s for s in batch if not s.finished]
         if not batch:
             return
@@ -470,6 +482,10 @@ class Scheduler:
 
     def _publish(self, state: RequestState) -> None:
         if state.published_final:
+            return
+        if state.cancelled and state.error is None:
+            self.metrics.requests_cancelled += 1  # nobody is listening
+            state.published_final = True
             return
         if state.error is not None:
             self.metrics.requests_failed += 1

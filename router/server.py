@@ -19,7 +19,7 @@ from router.speculation import CostModel, SpeculationController
 from router.transport import GrpcDrafter, GrpcVerifier
 from specfleet import config as config_mod
 from specfleet.runtime import load_tokenizer, tokenizer_fingerprint
-from specfleet.serving import serve, setup_logging, wait_until_serving
+from specfleet.serving import ROUTER_DRAIN_S, serve, setup_logging, wait_until_serving
 from specfleet.v1 import common_pb2, drafter_pb2, generation_pb2, generation_pb2_grpc, verifier_pb2
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
 
         def on_done(_):
+            if not state.finished:
+                log.info("request %s: its client cancelled it or its deadline passed; stopping it", spec.request_id)
             state.cancelled = True
 
         context.add_done_callback(on_done)
@@ -336,7 +338,7 @@ async def run(
         return [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name]
 
     try:
-        await serve("router", host, port, register, on_reload=on_reload)
+        await serve("router", host, port, register, grace_s=ROUTER_DRAIN_S, on_reload=on_reload)
     finally:
         if metrics_server is not None:
             metrics_server.close()

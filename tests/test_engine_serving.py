@@ -12,6 +12,7 @@ import pytest
 
 from specfleet.v1 import common_pb2, drafter_pb2_grpc, generation_pb2_grpc, verifier_pb2_grpc
 from tests.conftest import Cluster, cluster_config
+from tests.operations import session_of
 from tests.helpers import PROMPTS, greedy_request, target_greedy
 
 MAX_TOKENS = 48
@@ -34,7 +35,7 @@ def test_batched_attention_services_give_the_target_output(batched_cluster, rand
         streams = [stub.GenerateStream(greedy_request(p, MAX_TOKENS, 1 + i % 6, request_id=ids[i]), timeout=300)
                    for i, p in enumerate(prompts)]
         chunks = [[next(s)] for s in streams]
-        release = common_pb2.ReleaseRequest(session_ids=ids, keep_tokens=True)
+        release = common_pb2.ReleaseRequest(session_ids=[session_of(batched_cluster, i) for i in ids], keep_tokens=True)
         with batched_cluster.channel(batched_cluster.verifier) as vch, batched_cluster.channel(batched_cluster.drafter) as dch:
             released = verifier_pb2_grpc.VerifierStub(vch).ReleaseSessions(release, timeout=30).released
             released += drafter_pb2_grpc.DrafterStub(dch).ReleaseSessions(release, timeout=30).released

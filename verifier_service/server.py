@@ -83,6 +83,15 @@ class VerifierCore:
     def info(self) -> common_pb2.ModelInfo:
         return self.verifier.loaded.info()
 
+    async def stats(self) -> verifier_pb2.VerifierServiceStats:
+        store = self.verifier.store
+
+        def held() -> list[str]:
+            with store.lock:  # held by the model thread for a whole batch: read between batches
+                return sorted(store._sessions)
+
+        return verifier_pb2.VerifierServiceStats(session_ids=await asyncio.to_thread(held))
+
     def close(self) -> None:
         self.batcher.close()
 
@@ -113,6 +122,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     async def GetInfo(self, request, context):
         return self.core.info()
+
+    async def GetStats(self, request, context):
+        return await self.core.stats()
 
 
 def main(argv: list[str] | None = None) -> int:
