@@ -7,11 +7,10 @@ import concurrent.futures
 
 import grpc
 import pytest
-import torch
 
-from specfleet.v1 import generation_pb2, generation_pb2_grpc
+from specfleet.v1 import generation_pb2_grpc
 from tests.conftest import Cluster, cluster_config
-from tests.helpers import PROMPTS, greedy_request, load_target, target_greedy
+from tests.helpers import PROMPTS, greedy_request, target_greedy
 
 MAX_TOKENS = 48
 DRAFTERS = ["drafter-noisy", "drafter-random", "drafter-copy"]

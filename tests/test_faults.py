@@ -6,7 +6,6 @@ import os
 import pathlib
 import signal
 import threading
-import time
 
 from router.breaker import Breaker
 from specfleet.v1 import generation_pb2_grpc

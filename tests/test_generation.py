@@ -81,21 +81,6 @@ def test_sixteen_concurrent_clients(cluster, reference):
         assert tokens == reference[prompt]
 
 
-def test_sampling_is_reproducible_with_a_seed(stub):
-    """Alone, then among other requests and after them: load and what the router learned change
-    the adaptive plan's draft lengths, and with them which draws would decide each token."""
-    request = generation_pb2.GenerateRequest(prompt=PROMPTS[2], max_tokens=32, temperature=0.9, top_p=0.95, seed=1234)
-    first = stub.Generate(request, timeout=120)
-    others = [generation_pb2.GenerateRequest(prompt=p, max_tokens=48, temperature=0.9) for p in PROMPTS[:4] * 2]
-    with concurrent.futures.ThreadPoolExecutor(len(others) + 1) as pool:
-        busy = [pool.submit(stub.Generate, r, timeout=300) for r in others]
-        second = pool.submit(stub.Generate, request, timeout=300).result()
-        for f in busy:
-            f.result()
-    assert list(first.token_ids) == list(second.token_ids)
-    assert first.speculation.draft_tokens > 0
-
-
 def test_stop_string_ends_generation_before_it(stub, reference):
     prompt = PROMPTS[0]
     full = stub.Generate(greedy_request(prompt, MAX_TOKENS, 4), timeout=120)
