@@ -136,6 +136,7 @@ class Scheduler:
         self.controller = controller
         self.metrics = RouterMetrics()
         self.breaker = Breaker()
+        self._background: set[asyncio.Task] = set()
         self._waiting: list[RequestState] = []
         self._lanes: list[list[RequestState]] = [[] for _ in range(max(1, config.pipeline_depth))]
         self._wake = asyncio.Event()
@@ -162,6 +163,15 @@ class Scheduler:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        # Work still under way beside the lanes (releasing finished requests' sessions, probing a skipped
+        # drafter) completes, each call within its own deadline: a stopped router leaves no session behind.
+        await asyncio.gather(*self._background, return_exceptions=True)
+
+    def _in_background(self, coroutine) -> None:
+        """Run beside the lanes, holding a reference until done (the event loop keeps only a weak one)."""
+        task = asyncio.create_task(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     @property
     def running(self) -> int:
@@ -207,7 +217,7 @@ class Scheduler:
             lane[:] = [s for s in lane if not s.finished]
             if finished:
                 self._wake.set()  # room for waiting requests in any lane
-                asyncio.create_task(self._release(finished))
+                self._in_background(self._release(finished))
 
     async def _sync_routing_state(self) -> None:
         while True:
@@ -348,7 +358,7 @@ class Scheduler:
             transport = self.drafters[entries[0][1]]
             if not self.breaker.allow(transport.name):
                 if self.breaker.probe_due(transport.name):
-                    asyncio.create_task(self._probe(transport))
+                    self._in_background(self._probe(transport))
                 return []  # these requests decode plainly this round
             started = time.perf_counter()
             try:
