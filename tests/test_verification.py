@@ -54,6 +54,18 @@ SAMPLES = 200_000
 FALSE_FAILURE = 1e-6  # probability that a correct verifier fails one statistical test
 
 
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The tensors here are small (200,000 x 6): intra-op threads cost more than they give,
+    and far more on a shared two-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 # ---------------------------------------------------------------------------------------------
 # Independent reference for probability shaping
 
@@ -297,7 +309,7 @@ TREES = {
     # Three disagreeing drafters, two children under each node, two under each of those.
     "wide-mixed": full_tree([["good", "random", "adversarial"], ["good", "random"], ["random", "good"]]),
     # Independent siblings drawn from one law (they repeat each other's tokens), depth first.
-    "wide-iid": full_tree([["random"] * 3, ["random"] * 2, ["random"], ["random"]], depth_first=True),
+    "wide-iid": full_tree([["random"] * 3, ["random"] * 2, ["random"]], depth_first=True),
     # A deterministic token tree: each node's children are the drafter's top choices.
     "wide-point-mass": full_tree([["good-top1", "good-top2", "good-top3"], ["good-top1", "good-top2"], ["good-top1"], ["good-top1"]]),
     # Point masses next to sampled siblings, a point mass repeated, an adversary below.
