@@ -92,7 +92,8 @@ def probs_from_logits(
         # No truncation asked for: the sort below would change nothing, and it is the costly part.
         probs = scaled.softmax(dim=1)
     else:
-        sorted_logits, sorted_ids = scaled.sort(dim=1, descending=True)
+        # Stable: tied tokens keep id order, so truncation keeps the lower ids on every device.
+        sorted_logits, sorted_ids = scaled.sort(dim=1, descending=True, stable=True)
         rank = torch.arange(vocab, device=logits.device).expand(batch, vocab)
         k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
         drop = rank >= k.unsqueeze(1)
@@ -100,7 +101,9 @@ def probs_from_logits(
         # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass
         # strictly before it already reaches top_p. The top token is always kept.
         mass_before = sorted_probs.cumsum(dim=1) - sorted_probs
-        drop |= mass_before >= top_p.unsqueeze(1)
+        # Only rows that ask for top-p: float32 mass reaches 1.0 before the tail ends, and a row
+        # without top-p must keep its whole support whatever it is batched with.
+        drop |= (mass_before >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
         drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         probs = torch.zeros_like(scaled).scatter_(1, sorted_ids, sorted_logits.softmax(dim=1))

@@ -198,12 +198,6 @@ def test_shaping_matches_the_reference_on_random_rows(vocab):
         np.testing.assert_allclose(alone, expected[mask], atol=2e-6, err_msg=str(setting))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="probs_from_logits sorts with torch.sort(stable=False): for vocabularies past ~16 tokens "
-    "the CPU sort breaks ties in no fixed order, so top-k and top-p keep tied tokens other than the "
-    "lower ids (and another device may keep others again); sort(..., stable=True) fixes it",
-)
 def test_truncation_ties_keep_the_lower_ids_in_a_large_vocabulary():
     vocab = 64
     logits = torch.zeros(2, vocab)
@@ -211,6 +205,15 @@ def test_truncation_ties_keep_the_lower_ids_in_a_large_vocabulary():
     got = probs_from_logits(logits, torch.ones(2), torch.tensor([3, 0]), torch.tensor([1.0, 0.3]))
     expected = np.stack([reference_probs(logits[0].numpy(), 1.0, 3, 1.0), reference_probs(logits[1].numpy(), 1.0, 0, 0.3)])
     np.testing.assert_allclose(got.numpy(), expected, atol=1e-6)
+
+
+def test_a_row_without_top_p_keeps_its_whole_support_whatever_it_is_batched_with():
+    """In float32 a row's cumulative mass reaches 1.0 before its tail ends; only rows that ask for top-p truncate."""
+    logits = torch.linspace(0.0, -40.0, 64).expand(2, 64).clone()  # a long tail of tiny probabilities
+    alone = probs_from_logits(logits[:1], torch.ones(1), torch.zeros(1, dtype=torch.long), torch.ones(1))
+    batched = probs_from_logits(logits, torch.ones(2), torch.tensor([0, 5]), torch.tensor([1.0, 0.5]))
+    assert torch.equal(alone[0] > 0, batched[0] > 0)
+    assert torch.allclose(alone[0], batched[0])
 
 
 # ---------------------------------------------------------------------------------------------
