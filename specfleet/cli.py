@@ -45,6 +45,10 @@ def cmd_serve(argv: list[str]) -> int:
     )
     parser.add_argument("--namespace", default="specfleet", help="Ray namespace of the actors (with --ray)")
     parser.add_argument("--detached", action="store_true", help="with --ray: the actors outlive this command (reused when it runs again)")
+    parser.add_argument(
+        "--api-key", default=os.environ.get("SPECFLEET_API_KEY", ""),
+        help="require `Authorization: Bearer KEY` on the OpenAI-compatible API's /v1/* (default: $SPECFLEET_API_KEY; unset: no key)",
+    )
     args = parser.parse_args(argv)
 
     from specfleet import config as config_mod
@@ -72,6 +76,8 @@ def cmd_serve(argv: list[str]) -> int:
     for svc in cfg.drafters:
         commands.append((f"drafter {svc.name}", [py, "-m", "drafter_service", "--config", str(config_file), "--name", svc.name, "--host", "127.0.0.1"], svc.cpus))
     commands.append(("router", [py, "-m", "router", "--config", str(config_file)], cfg.router.cpus))
+    # The key travels in the router's environment, not its command line, which `ps` shows to every user.
+    envs = {"router": {**os.environ, "SPECFLEET_API_KEY": args.api_key}}
     usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
     for name, _, cpus in commands:
         if cpus and not set(cpus) <= usable:
@@ -96,7 +102,7 @@ def cmd_serve(argv: list[str]) -> int:
         for name, command, cpus in commands:
             # Set in the child before exec, so every thread the service starts inherits it.
             pin = (lambda cpus=cpus: os.sched_setaffinity(0, cpus)) if cpus else None
-            procs.append((name, subprocess.Popen(command, preexec_fn=pin)))
+            procs.append((name, subprocess.Popen(command, preexec_fn=pin, env=envs.get(name))))
             if cpus:
                 print(f"specfleet serve: {name} runs on cores {cpus}", file=sys.stderr)
         router_address = f"{cfg.router.host}:{cfg.router.port}"
@@ -124,6 +130,10 @@ def cmd_serve(argv: list[str]) -> int:
         signal.signal(signal.SIGHUP, reload_config)
         print(f"specfleet is ready: router listening on {router_address} (Ctrl-C stops everything)", flush=True)
         print(f"  try: specfleet generate --server {router_address} 'def fibonacci(n):'", flush=True)
+        if cfg.router.http_port != 0:
+            port = cfg.router.http_port or config_mod.DEFAULT_HTTP_PORT
+            unless = "" if cfg.router.http_port else " (unless that port was taken: see the router's log; router.http_port sets it)"
+            print(f"  OpenAI-compatible API: http://{cfg.router.host}:{port}/v1{unless}", flush=True)
         while True:
             for name, proc in procs:
                 if proc.poll() is not None:
