@@ -125,6 +125,7 @@ class Scheduler:
         self.router = router
         self.controller = controller
         self.metrics = RouterMetrics()
+        self.telemetry = None  # specfleet.metrics.RouterTelemetry, when the router exports metrics
         self._waiting: list[RequestState] = []
         self._lanes: list[list[RequestState]] = [[] for _ in range(max(1, config.pipeline_depth))]
         self._wake = asyncio.Event()
@@ -335,6 +336,8 @@ class Scheduler:
                     state.drafter_mirrors[drafter].reset()
                 return []
             wall = (time.perf_counter() - started) * 1e3
+            if self.telemetry is not None:
+                self.telemetry.draft_call.labels(drafter_service=transport.name).observe(wall / 1e3)
             self.controller.cost.observe_draft(max((e[3].num_draft_tokens for e in entries), default=0), reply.compute_ms)
             self.controller.cost.observe_calls(draft_overhead_ms=wall - reply.compute_ms)
             out = []
@@ -380,6 +383,8 @@ class Scheduler:
                 )
             return
         wall = (time.perf_counter() - started) * 1e3
+        if self.telemetry is not None:
+            self.telemetry.verify_call.observe(wall / 1e3)
         # A merged batch reports its whole compute time to every caller: count this call's share
         # as busy time, and scale this call's sessions and tokens up to the pass for the cost model.
         self.metrics.verify_busy_ms += reply.compute_ms * len(sessions) / max(reply.batch_size, len(sessions))
@@ -406,6 +411,8 @@ class Scheduler:
         """Count drafted and accepted tokens, and score each drafter's proposals against what was emitted."""
         state.draft_tokens += len(tree.tokens)
         state.accepted_tokens += len(accepted_nodes)
+        if self.telemetry is not None:
+            self.telemetry.verified(state, tree, accepted_nodes)
         self.metrics.draft_tokens += len(tree.tokens)
         self.metrics.accepted_tokens += len(accepted_nodes)
         accepted_owners = collections.Counter(d for node in accepted_nodes for d in tree.owners[node])
@@ -440,6 +447,8 @@ class Scheduler:
             self.metrics.requests_failed += 1
             state.published_final = True
             state.updates.put_nowait(state.error)
+            if self.telemetry is not None:
+                self.telemetry.failed_with(state, state.error[0])
             return
         chunk = state.take_chunk()
         if chunk is not None:
@@ -447,6 +456,8 @@ class Scheduler:
                 self.metrics.requests_finished += 1
                 state.published_final = True
             state.updates.put_nowait(chunk)
+            if self.telemetry is not None:
+                self.telemetry.published(state, chunk)
 
     async def _release(self, finished: list[RequestState]) -> None:
         ids = [s.spec.request_id for s in finished]

@@ -13,13 +13,14 @@ import grpc
 
 from router import openai_api
 from router.metrics import render as render_metrics
-from router.metrics import serve_metrics
 from router.request import Chunk, InvalidRequest, Limits, RequestState, parse_request
 from router.routing import DomainClassifier, DrafterProfile, DrafterRouter, ExpertiseStore, RedisExpertiseStore, RoutingConfig
 from router.scheduler import Overloaded, Scheduler, SchedulerConfig
 from router.speculation import CostModel, SpeculationController
 from router.transport import GrpcDrafter, GrpcVerifier
 from specfleet import config as config_mod
+from specfleet import metrics
+from specfleet.metrics import RouterTelemetry
 from specfleet.runtime import load_tokenizer, tokenizer_fingerprint
 from specfleet.ports import listen
 from specfleet.serving import serve, setup_logging, wait_until_serving
@@ -344,8 +345,11 @@ async def run(
     servicer, scheduler, transports = await build(cfg, given)
     scheduler.start()
     metrics_server = None
-    if cfg.router.metrics_port:
-        metrics_server = await serve_metrics(host, cfg.router.metrics_port, lambda: render_metrics(scheduler))
+    metrics_sock = listen(host, cfg.router.metrics_port, config_mod.DEFAULT_METRICS_PORTS["router"], "router metrics", "router.metrics_port")
+    if metrics_sock is not None:
+        scheduler.telemetry = RouterTelemetry(scheduler)
+        # The earlier hand-written specfleet_router_* families follow the specfleet:* ones.
+        metrics_server = await metrics.serve(metrics_sock, scheduler.telemetry.registry, lambda: render_metrics(scheduler))
     http = await start_http(cfg, host, servicer, api_key)
     on_reload = (lambda: reload(servicer, scheduler, config_path, over_grpc=given is None)) if config_path else None
 

@@ -41,6 +41,7 @@ def target_with_template(random_family, tmp_path_factory):
 def api(random_family, target_with_template, tmp_path_factory):
     config = cluster_config(random_family, router={"http_port": free_port(), "metrics_port": free_port(), "served_model_name": "random-target"})
     config["verifier"]["model"] = str(target_with_template)
+    config["verifier"]["metrics_port"] = free_port()
     os.environ["SPECFLEET_API_KEY"] = API_KEY  # `specfleet serve` reads it (as `--api-key`)
     try:
         cluster = Cluster(config, tmp_path_factory.mktemp("openai"), "openai").start()
@@ -194,23 +195,27 @@ def _metric(url: str, name: str) -> float:
     return float(match.group(1))
 
 
-def test_a_client_that_disconnects_mid_stream_cancels_its_request(api, client):
+def test_a_client_that_disconnects_mid_stream_leaves_no_session_behind(api, client):
     metrics = f"http://127.0.0.1:{api.config['router']['metrics_port']}/metrics"
+    verifier_metrics = f"http://127.0.0.1:{api.config['verifier']['metrics_port']}/metrics"
     request_id = f"disconnect-{time.monotonic_ns()}"
-    rounds_before = _metric(metrics, "specfleet_router_rounds_total")
+    tokens_before = _metric(metrics, "specfleet:generation_tokens_total")
     # Long enough (ignore_eos, no drafting) that it is still generating when the client leaves.
     stream = client.completions.create(
         model="random-target", prompt="The quick brown fox", max_tokens=900, temperature=0, stream=True,
         extra_body={"ignore_eos": True, "request_id": request_id, "speculation": {"disabled": True}},
     )
     first = next(iter(stream))
-    assert first.choices[0].text or first.choices[0].finish_reason is None
+    assert first.choices[0].finish_reason is None
+    assert _metric(verifier_metrics, "specfleet:sessions") == 1  # this request's, while it runs
     stream.close()
     deadline = time.monotonic() + 60
-    while _metric(metrics, "specfleet_router_requests_running") > 0 and time.monotonic() < deadline:
+    while (_metric(metrics, "specfleet:num_requests_running") > 0 or _metric(verifier_metrics, "specfleet:sessions") > 0) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _metric(metrics, "specfleet_router_requests_running") == 0
-    # Cancelled, not run to its end: without drafting each round makes one token, and a
-    # round is a verifier call, so 900 of them take far longer than the client's leaving.
-    assert _metric(metrics, "specfleet_router_rounds_total") - rounds_before < 900
+    assert _metric(metrics, "specfleet:num_requests_running") == 0
+    assert _metric(verifier_metrics, "specfleet:sessions") == 0
+    # Cancelled, not run to its end: without drafting each token is one verifier call, so
+    # 900 of them take far longer than the client's leaving.
+    assert _metric(metrics, "specfleet:request_cancelled_total") == 1
+    assert _metric(metrics, "specfleet:generation_tokens_total") - tokens_before < 900
     assert f"request {request_id}-0 cancelled" in api.log_path.read_text()
