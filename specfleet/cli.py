@@ -18,6 +18,8 @@ import argparse
 import asyncio
 import os
 import pathlib
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -129,7 +131,7 @@ def cmd_serve(argv: list[str]) -> int:
 
         signal.signal(signal.SIGHUP, reload_config)
         print(f"specfleet is ready: router listening on {router_address} (Ctrl-C stops everything)", flush=True)
-        print(f"  try: specfleet generate --server {router_address} 'def fibonacci(n):'", flush=True)
+        print(f"  try: {_this_command()} generate --server {router_address} 'def fibonacci(n):'", flush=True)
         if cfg.router.http_port != 0:
             port = cfg.router.http_port or config_mod.DEFAULT_HTTP_PORT
             unless = "" if cfg.router.http_port else " (unless that port was taken: see the router's log; router.http_port sets it)"
@@ -143,6 +145,18 @@ def cmd_serve(argv: list[str]) -> int:
     except KeyboardInterrupt:
         print("specfleet serve: stopping", file=sys.stderr)
         return stop_all(0)
+
+
+def _this_command() -> str:
+    """How a shell runs this specfleet: `specfleet` only when PATH finds this very one (after `make
+    serve` it is .venv/bin/specfleet, not on PATH), else its path, else the interpreter and module."""
+    me = pathlib.Path(sys.argv[0])
+    if me.name == "specfleet" and me.exists():
+        on_path = shutil.which("specfleet")
+        if on_path and pathlib.Path(on_path).resolve() == me.resolve():
+            return "specfleet"
+        return shlex.quote(str(me))
+    return f"{shlex.quote(sys.executable)} -m specfleet.cli"
 
 
 async def _wait_ready(address, procs, timeout_s, wait_until_serving) -> bool:
@@ -223,12 +237,15 @@ def cmd_generate(argv: list[str]) -> int:
 
 
 def cmd_models(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="specfleet models", description="Build the bundled demo models or measure them.")
-    parser.add_argument("action", choices=["build", "matrix"])
-    args, rest = parser.parse_known_args(argv)
-    from specfleet import demo_models
+    # Everything after the action is the action's own (its --help included), so it is not parsed here.
+    if argv and argv[0] in ("build", "matrix"):
+        from specfleet import demo_models
 
-    return demo_models.build_main(rest) if args.action == "build" else demo_models.matrix_main(rest)
+        return demo_models.build_main(argv[1:]) if argv[0] == "build" else demo_models.matrix_main(argv[1:])
+    parser = argparse.ArgumentParser(prog="specfleet models", description="Build the bundled demo models or measure them.")
+    parser.add_argument("action", choices=["build", "matrix"], help="`specfleet models ACTION --help` for its options")
+    parser.parse_args(argv)  # prints the help, or the error naming the unknown action
+    return 2
 
 
 def cmd_bench(argv: list[str]) -> int:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
+import subprocess
 import time
 import urllib.request
 
@@ -148,6 +150,8 @@ REFUSED = [
     ("completions", {"top_p": 0}, "top_p"),
     ("completions", {"max_tokens": 0}, "max_tokens"),
     ("chat", {"max_tokens": 5, "max_completion_tokens": 5}, "max_completion_tokens"),
+    # The random target's context is 1024 tokens: the prompt leaves less room than this.
+    ("completions", {"max_tokens": 1024}, "max_tokens"),
     ("completions", {"extra_body": {"speculation": {"max_draft_tokens": 1000}}}, "speculation"),
     ("chat", {"messages": [{"role": "robot", "content": "hi"}]}, "messages"),
     ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
@@ -165,6 +169,44 @@ def test_unsupported_and_invalid_fields_are_refused_by_name(client, endpoint, fi
     assert err.value.body["param"] == param
     assert err.value.body["type"] == "invalid_request_error"
     assert param in err.value.body["message"]
+
+
+def test_max_tokens_beyond_the_context_is_refused_with_the_room_left(client, tokenizer):
+    room = 1024 - len(tokenizer.encode("hi", add_special_tokens=False))
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="random-target", prompt="hi", max_tokens=room + 1)
+    assert f"context of 1024 tokens; ask for at most {room}" in err.value.body["message"]
+
+
+def test_the_ready_message_prints_commands_that_work(api):
+    """The lines after `specfleet is ready`: a generate command to paste, and the API's address."""
+    try_line = api.proc.stdout.readline()
+    assert "try: " in try_line
+    command = shlex.split(try_line.split("try: ", 1)[1]) + ["--max-tokens", "4"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd="/")
+    assert result.returncode == 0, result.stderr
+    api_line = api.proc.stdout.readline()
+    assert f"OpenAI-compatible API: {api.base_url}/v1" in api_line
+
+
+@pytest.mark.parametrize("version", ["v1", "v1alpha"])
+def test_server_reflection_answers_as_v1_and_v1alpha(api, version):
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    with api.channel() as channel:
+        call = channel.stream_stream(
+            f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+        )
+        requests = [
+            reflection_pb2.ServerReflectionRequest(list_services=""),
+            reflection_pb2.ServerReflectionRequest(file_containing_symbol="specfleet.v1.Generation"),
+        ]
+        listed, described = list(call(iter(requests), timeout=30))
+    names = {s.name for s in listed.list_services_response.service}
+    assert {"specfleet.v1.Generation", "grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"} <= names
+    assert described.file_descriptor_response.file_descriptor_proto
 
 
 def test_a_wrong_or_missing_key_is_refused(api, client):
