@@ -31,10 +31,14 @@ import socket
 import time
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
 log = logging.getLogger(__name__)
+
+# No `*_created` sample beside every counter and histogram (as vLLM): they double the text
+# and nothing here reads them.
+disable_created_metrics()
 
 # vLLM's buckets for request latencies (seconds), so that quantiles compare across the two.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)

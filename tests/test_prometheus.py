@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import time
@@ -13,7 +14,7 @@ import pytest
 import yaml
 
 from specfleet.v1 import generation_pb2_grpc
-from tests.conftest import Cluster, cluster_config, free_port
+from tests.conftest import REPO, Cluster, cluster_config, free_port
 from tests.helpers import PROMPTS, greedy_request
 
 pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus not installed (scripts/ensure-prometheus)")
@@ -120,3 +121,22 @@ def test_prometheus_scrapes_every_service_and_reads_back_tokens_and_latency(mete
     assert drafter["drafter"] > 0
     # Finished requests leave no session behind on the verifier.
     assert wait_for(prometheus, "specfleet:sessions", lambda r: r.get("verifier") == 0)["verifier"] == 0
+
+
+def test_every_query_of_the_grafana_dashboard_reads_exported_metrics(metered, prometheus):
+    """deploy/grafana's dashboard names only metrics the services export, and Prometheus accepts every query."""
+    dashboard = json.loads((REPO / "deploy" / "grafana" / "specfleet-dashboard.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    exported = set()
+    for port in (metered.config["router"]["metrics_port"], metered.config["verifier"]["metrics_port"], metered.config["drafters"][0]["metrics_port"]):
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        # Families by their # TYPE lines: a labelled counter has no sample before its first event.
+        for name, kind in re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M):
+            suffixes = {"histogram": ("_bucket", "_sum", "_count"), "counter": ("_total",)}.get(kind, ("",))
+            exported |= {name.removesuffix("_total") + suffix for suffix in suffixes}
+    named = {name for expr in exprs for name in re.findall(r"specfleet:[a-z0-9_]+", expr)}
+    assert len(named) > 20 and named <= exported, sorted(named - exported)
+    for expr in exprs:
+        grafana_free = expr.replace("$__rate_interval", "1m")
+        reply = json.loads(urllib.request.urlopen(f"{prometheus}/api/v1/query?{urllib.parse.urlencode({'query': grafana_free})}", timeout=10).read())
+        assert reply["status"] == "success", (expr, reply)
