@@ -120,8 +120,9 @@ class ChatRequest(Sampling):
 
 def _refuse_unsupported(body: Sampling) -> None:
     """A 400 naming the first field specfleet cannot honour."""
-    for name in sorted(body.model_extra or {}):
-        raise ApiError(400, f"{name}: not supported by specfleet", param=name, code="unsupported_field")
+    unknown = sorted(body.model_extra or {})
+    if unknown:
+        raise ApiError(400, f"{unknown[0]}: not supported by specfleet", param=unknown[0], code="unsupported_field")
     if body.n != 1:
         raise ApiError(400, f"n: only n = 1 is supported (got {body.n}); send separate requests", param="n", code="unsupported_field")
     for name in ("frequency_penalty", "presence_penalty"):
@@ -408,7 +409,10 @@ def render_chat(tokenizer, messages: list[dict]) -> str:
         if extra:
             raise ApiError(400, f"messages[{i}].{extra[0]}: not supported by specfleet", param="messages")
         plain.append({"role": role, "content": content})
-    return tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
+    try:
+        return tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
+    except Exception as err:  # the template's own checks (e.g. roles must alternate) are the client's to fix
+        raise ApiError(400, f"messages: the model's chat template refused them: {err}", param="messages") from None
 
 
 class _Server(uvicorn.Server):

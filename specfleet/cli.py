@@ -62,6 +62,9 @@ def cmd_serve(argv: list[str]) -> int:
         return 2
     if args.port is not None:
         cfg.router.port = args.port
+    # The key reaches the router (here or under --ray) in its environment, not on its command
+    # line, which `ps` shows to every user.
+    os.environ["SPECFLEET_API_KEY"] = args.api_key
     # A shell starts background jobs with SIGINT ignored, and Python keeps it so: without this,
     # Ctrl-C (or a supervisor's SIGINT) would leave the services or actors running.
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -78,8 +81,6 @@ def cmd_serve(argv: list[str]) -> int:
     for svc in cfg.drafters:
         commands.append((f"drafter {svc.name}", [py, "-m", "drafter_service", "--config", str(config_file), "--name", svc.name, "--host", "127.0.0.1"], svc.cpus))
     commands.append(("router", [py, "-m", "router", "--config", str(config_file)], cfg.router.cpus))
-    # The key travels in the router's environment, not its command line, which `ps` shows to every user.
-    envs = {"router": {**os.environ, "SPECFLEET_API_KEY": args.api_key}}
     usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
     for name, _, cpus in commands:
         if cpus and not set(cpus) <= usable:
@@ -104,7 +105,7 @@ def cmd_serve(argv: list[str]) -> int:
         for name, command, cpus in commands:
             # Set in the child before exec, so every thread the service starts inherits it.
             pin = (lambda cpus=cpus: os.sched_setaffinity(0, cpus)) if cpus else None
-            procs.append((name, subprocess.Popen(command, preexec_fn=pin, env=envs.get(name))))
+            procs.append((name, subprocess.Popen(command, preexec_fn=pin)))
             if cpus:
                 print(f"specfleet serve: {name} runs on cores {cpus}", file=sys.stderr)
         router_address = f"{cfg.router.host}:{cfg.router.port}"

@@ -130,6 +130,14 @@ def test_a_model_without_a_chat_template_is_refused_with_the_reason(random_famil
     assert err.value.status == 400 and err.value.param == "messages" and "no chat template" in err.value.message
 
 
+def test_messages_the_chat_template_refuses_get_its_reason(random_family):
+    strict = load_tokenizer(str(random_family["target"]))
+    strict.chat_template = "{{ raise_exception('Conversation roles must alternate user/assistant') }}"
+    with pytest.raises(ApiError) as err:
+        render_chat(strict, [{"role": "user", "content": "hi"}, {"role": "user", "content": "again"}])
+    assert err.value.status == 400 and "roles must alternate" in err.value.message
+
+
 REFUSED = [
     ("completions", {"n": 2}, "n"),
     ("chat", {"n": 3}, "n"),
