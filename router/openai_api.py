@@ -43,6 +43,9 @@ from specfleet.v1 import generation_pb2
 
 log = logging.getLogger(__name__)
 
+# Choices per request at most: each is a request of its own to the scheduler.
+MAX_N = 16
+
 # The router's finish reasons in OpenAI's words: the end-of-sequence token is a natural stop.
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 
@@ -123,8 +126,8 @@ def _refuse_unsupported(body: Sampling) -> None:
     unknown = sorted(body.model_extra or {})
     if unknown:
         raise ApiError(400, f"{unknown[0]}: not supported by specfleet", param=unknown[0], code="unsupported_field")
-    if body.n != 1:
-        raise ApiError(400, f"n: only n = 1 is supported (got {body.n}); send separate requests", param="n", code="unsupported_field")
+    if not 1 <= body.n <= MAX_N:
+        raise ApiError(400, f"n: must be between 1 and {MAX_N}, got {body.n}", param="n")
     for name in ("frequency_penalty", "presence_penalty"):
         if getattr(body, name) != 0:
             raise ApiError(400, f"{name}: only 0 is supported (penalties would change the target's distribution)", param=name, code="unsupported_field")
@@ -141,13 +144,14 @@ def _refuse_unsupported(body: Sampling) -> None:
             raise ApiError(400, "best_of: only 1 is supported", param="best_of", code="unsupported_field")
         if body.suffix:
             raise ApiError(400, "suffix: not supported by specfleet", param="suffix", code="unsupported_field")
-    if body.seed is not None and body.seed < 0:
-        raise ApiError(400, f"seed: must be >= 0, got {body.seed}", param="seed")
+    if body.seed is not None and not 0 <= body.seed < 2**63:
+        raise ApiError(400, f"seed: must be between 0 and 2**63 - 1, got {body.seed}", param="seed")
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options: only allowed with stream: true", param="stream_options")
 
 
-def _generate_request(body: Sampling, max_tokens: int | None, prompt: str | list[int], index: int) -> generation_pb2.GenerateRequest:
+def _generate_request(body: Sampling, max_tokens: int | None, prompt: str | list[int], index: int, choice: int) -> generation_pb2.GenerateRequest:
+    """The router's request for choice `choice` (of n) of one prompt; `index` is its place among all choices."""
     req = generation_pb2.GenerateRequest(
         temperature=body.temperature,
         top_p=body.top_p,
@@ -163,7 +167,8 @@ def _generate_request(body: Sampling, max_tokens: int | None, prompt: str | list
     if max_tokens is not None:
         req.max_tokens = max_tokens
     if body.seed is not None:
-        req.seed = body.seed
+        # Choice c of n samples with seed + c: each choice differs, and the seed alone still fixes all n.
+        req.seed = body.seed + choice
     if body.ignore_eos:
         req.stop_at_eos = False
     if body.speculation is not None:
@@ -333,7 +338,8 @@ def create_app(servicer, model_name: str, api_key: str = "") -> FastAPI:
             prompts = [prompts]
         if not prompts:
             raise ApiError(400, "prompt: must not be empty", param="prompt")
-        states = admit([_generate_request(body, body.max_tokens, p, i) for i, p in enumerate(prompts)])
+        n = body.n
+        states = admit([_generate_request(body, body.max_tokens, p, i * n + c, c) for i, p in enumerate(prompts) for c in range(n)])
 
         def chunk_of(index: int, text: str, finish: str | None) -> dict:
             return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
@@ -359,26 +365,26 @@ def create_app(servicer, model_name: str, api_key: str = "") -> FastAPI:
             raise ApiError(400, "max_completion_tokens: set it or max_tokens, not both", param="max_completion_tokens")
         prompt = render_chat(servicer.tokenizer, body.messages)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        states = admit([_generate_request(body, max_tokens, prompt, 0)])
+        states = admit([_generate_request(body, max_tokens, prompt, c, c) for c in range(body.n)])
 
         def chunk_of(index: int, text: str, finish: str | None) -> dict:
             return {"index": index, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": finish}
 
         if body.stream:
-            first = [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+            first = [{"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None} for c in range(body.n)]
             return stream(states, "chat.completion.chunk", chunk_of, bool(body.stream_options and body.stream_options.include_usage), first)
         await run_unary(states)
-        state = states[0]
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
             "created": int(time.time()),
             "model": model_name,
             "choices": [
-                {"index": 0, "message": {"role": "assistant", "content": state.text}, "logprobs": None, "finish_reason": FINISH_REASONS.get(state.finish_reason)}
+                {"index": c, "message": {"role": "assistant", "content": s.text}, "logprobs": None, "finish_reason": FINISH_REASONS.get(s.finish_reason)}
+                for c, s in enumerate(states)
             ],
             "usage": _usage(states),
-            "speculation": _speculation(states)[0],
+            "speculation": _speculation(states),
         }
 
     return app

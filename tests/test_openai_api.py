@@ -123,6 +123,27 @@ def test_chat_renders_the_template_unary_and_streaming(client, tokenizer, target
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
 
 
+def test_n_choices_greedy_are_the_target_s_and_seeded_ones_differ_and_repeat(client, tokenizer, target_with_template):
+    ids = [target_greedy(str(target_with_template), p, MAX_TOKENS) for p in PROMPTS[:2]]
+    expected = [tokenizer.decode(i, skip_special_tokens=True) for i in ids]
+    reply = client.completions.create(model="random-target", prompt=PROMPTS[:2], n=3, **greedy())
+    # Choice i * n + c is prompt i's c-th.
+    assert [c.index for c in reply.choices] == list(range(6))
+    assert [c.text for c in reply.choices] == [expected[0]] * 3 + [expected[1]] * 3
+    assert reply.usage.completion_tokens == 3 * (len(ids[0]) + len(ids[1]))
+    assert len(reply.model_extra["speculation"]) == 6
+    # Sampled with a seed: each choice its own sample, and the seed fixes all of them.
+    sampled = {"model": "random-target", "messages": [{"role": "user", "content": "hi"}], "n": 3, "seed": 11, "temperature": 1.0, "max_tokens": 16}
+    first = [c.message.content for c in client.chat.completions.create(**sampled).choices]
+    again = [c.message.content for c in client.chat.completions.create(**sampled, stream=False).choices]
+    streamed = ["", "", ""]
+    for chunk in client.chat.completions.create(**sampled, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert first == again == streamed
+    assert len(set(first)) == 3
+
+
 def test_a_model_without_a_chat_template_is_refused_with_the_reason(random_family):
     plain = load_tokenizer(str(random_family["target"]))
     with pytest.raises(ApiError) as err:
@@ -139,8 +160,8 @@ def test_messages_the_chat_template_refuses_get_its_reason(random_family):
 
 
 REFUSED = [
-    ("completions", {"n": 2}, "n"),
-    ("chat", {"n": 3}, "n"),
+    ("completions", {"n": 0}, "n"),
+    ("chat", {"n": 17}, "n"),
     ("completions", {"logprobs": 2}, "logprobs"),
     ("chat", {"logprobs": True}, "logprobs"),
     ("chat", {"top_logprobs": 2}, "top_logprobs"),
