@@ -8,7 +8,7 @@ names, chat messages, the fields specfleet does not implement), then turned
 into a `GenerateRequest` and handed to `GenerationServicer.admit`: the same
 validation, queue and scheduler as the gRPC `Generate`, in this process, with
 no network hop. A field specfleet cannot honour is refused with a 400 naming
-it, never ignored: a client that asks for `logprobs` or `n = 2` and gets
+it, never ignored: a client that asks for `logprobs` or `frequency_penalty` and gets
 something else would be misled.
 
 Errors use OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`,
@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 import grpc
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from google.protobuf import json_format
@@ -42,6 +42,9 @@ from router.scheduler import Overloaded
 from specfleet.v1 import generation_pb2
 
 log = logging.getLogger(__name__)
+
+# How often a unary request checks that its client is still connected.
+DISCONNECT_POLL_S = 0.25
 
 # Choices per request at most: each is a request of its own to the scheduler.
 MAX_N = 16
@@ -214,14 +217,14 @@ def create_app(servicer, model_name: str, api_key: str = "") -> FastAPI:
         message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request body')}"
         return JSONResponse(ApiError(400, message, param=param).body(), status_code=400)
 
-    @app.middleware("http")
-    async def check_key(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                err = ApiError(401, "invalid API key: send Authorization: Bearer <the key given to --api-key or SPECFLEET_API_KEY>", code="invalid_api_key")
-                return JSONResponse(err.body(), status_code=401)
-        return await call_next(request)
+    # A dependency of the /v1 routes rather than an HTTP middleware: Starlette's middleware
+    # wraps `receive`, and a unary handler could then no longer see its client hang up.
+    async def check_key(request: Request) -> None:
+        given = request.headers.get("authorization", "")
+        if api_key and not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise ApiError(401, "invalid API key: send Authorization: Bearer <the key given to --api-key or SPECFLEET_API_KEY>", code="invalid_api_key")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
 
     def check_model(name: str) -> None:
         if name != model_name:
@@ -275,9 +278,24 @@ def create_app(servicer, model_name: str, api_key: str = "") -> FastAPI:
                 log.info("request %s cancelled: its HTTP client went away or a sibling prompt failed", state.spec.request_id)
             cancel(unfinished)
 
-    async def run_unary(states: list[RequestState]) -> None:
-        async for _ in updates(states):
-            pass
+    async def run_unary(states: list[RequestState], request: Request) -> None:
+        """Until every state has finished; a client that hangs up meanwhile cancels them."""
+
+        async def drain() -> None:
+            async for _ in updates(states):
+                pass
+
+        task = asyncio.create_task(drain())
+        try:
+            while True:
+                # uvicorn tells a waiting handler nothing of a closed connection: ask every so often.
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    return
+        finally:
+            task.cancel()  # updates' cleanup cancels whatever has not finished
 
     def stream(states: list[RequestState], kind: str, chunk_of, include_usage: bool, first: list[dict] | None = None) -> StreamingResponse:
         """Server-sent events of `kind` (text_completion or chat.completion.chunk), ending with [DONE]."""
@@ -321,7 +339,7 @@ def create_app(servicer, model_name: str, api_key: str = "") -> FastAPI:
         except PackageNotFoundError:
             return {"version": "unknown"}
 
-    @app.get("/v1/models")
+    @v1.get("/models")
     async def models():
         target = servicer.target
         return {
@@ -329,8 +347,8 @@ def create_app(servicer, model_name: str, api_key: str = "") -> FastAPI:
             "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "specfleet", "root": target.path, "max_model_len": target.max_context}],
         }
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, request: Request):
         _refuse_unsupported(body)
         check_model(body.model)
         prompts = body.prompt
@@ -346,7 +364,7 @@ def create_app(servicer, model_name: str, api_key: str = "") -> FastAPI:
 
         if body.stream:
             return stream(states, "text_completion", chunk_of, bool(body.stream_options and body.stream_options.include_usage))
-        await run_unary(states)
+        await run_unary(states, request)
         return {
             "id": f"cmpl-{uuid.uuid4().hex}",
             "object": "text_completion",
@@ -357,8 +375,8 @@ def create_app(servicer, model_name: str, api_key: str = "") -> FastAPI:
             "speculation": _speculation(states),
         }
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest):
+    @v1.post("/chat/completions")
+    async def chat(body: ChatRequest, request: Request):
         _refuse_unsupported(body)
         check_model(body.model)
         if body.max_tokens is not None and body.max_completion_tokens is not None:
@@ -373,7 +391,7 @@ def create_app(servicer, model_name: str, api_key: str = "") -> FastAPI:
         if body.stream:
             first = [{"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None} for c in range(body.n)]
             return stream(states, "chat.completion.chunk", chunk_of, bool(body.stream_options and body.stream_options.include_usage), first)
-        await run_unary(states)
+        await run_unary(states, request)
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
@@ -387,6 +405,7 @@ def create_app(servicer, model_name: str, api_key: str = "") -> FastAPI:
             "speculation": _speculation(states),
         }
 
+    app.include_router(v1)
     return app
 
 

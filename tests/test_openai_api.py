@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import http.client
 import re
 import shlex
 import shutil
@@ -271,6 +272,7 @@ def test_a_client_that_disconnects_mid_stream_leaves_no_session_behind(api, clie
     verifier_metrics = f"http://127.0.0.1:{api.config['verifier']['metrics_port']}/metrics"
     request_id = f"disconnect-{time.monotonic_ns()}"
     tokens_before = _metric(metrics, "specfleet:generation_tokens_total")
+    cancelled_before = _metric(metrics, "specfleet:request_cancelled_total")
     # Long enough (ignore_eos, no drafting) that it is still generating when the client leaves.
     stream = client.completions.create(
         model="random-target", prompt="The quick brown fox", max_tokens=900, temperature=0, stream=True,
@@ -287,6 +289,29 @@ def test_a_client_that_disconnects_mid_stream_leaves_no_session_behind(api, clie
     assert _metric(verifier_metrics, "specfleet:sessions") == 0
     # Cancelled, not run to its end: without drafting each token is one verifier call, so
     # 900 of them take far longer than the client's leaving.
-    assert _metric(metrics, "specfleet:request_cancelled_total") == 1
+    assert _metric(metrics, "specfleet:request_cancelled_total") == cancelled_before + 1
     assert _metric(metrics, "specfleet:generation_tokens_total") - tokens_before < 900
     assert f"request {request_id}-0 cancelled" in api.log_path.read_text()
+
+
+def test_a_unary_client_that_hangs_up_cancels_its_request(api):
+    metrics = f"http://127.0.0.1:{api.config['router']['metrics_port']}/metrics"
+    verifier_metrics = f"http://127.0.0.1:{api.config['verifier']['metrics_port']}/metrics"
+    cancelled_before = _metric(metrics, "specfleet:request_cancelled_total")
+    tokens_before = _metric(metrics, "specfleet:generation_tokens_total")
+    body = {
+        "model": "random-target", "prompt": "The quick brown fox", "max_tokens": 900, "temperature": 0,
+        "ignore_eos": True, "speculation": {"disabled": True},
+    }
+    conn = http.client.HTTPConnection("127.0.0.1", api.config["router"]["http_port"], timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+    deadline = time.monotonic() + 60
+    while _metric(metrics, "specfleet:num_requests_running") < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _metric(metrics, "specfleet:num_requests_running") == 1
+    conn.close()  # hang up before the answer
+    while (_metric(metrics, "specfleet:num_requests_running") > 0 or _metric(verifier_metrics, "specfleet:sessions") > 0) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _metric(verifier_metrics, "specfleet:sessions") == 0
+    assert _metric(metrics, "specfleet:request_cancelled_total") == cancelled_before + 1
+    assert _metric(metrics, "specfleet:generation_tokens_total") - tokens_before < 900
