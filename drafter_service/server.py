@@ -43,6 +43,7 @@ class DrafterCore:
         seen = set()
         for s in request.sessions:
             sid = s.sync.session_id
+            sampling = SamplingParams.from_proto(s.sampling)
             problem = None
             if not sid:
                 problem = "sync.session_id is required"
@@ -60,12 +61,13 @@ class DrafterCore:
                     problem = f"session {sid}: sync.new_token_ids has ids outside the vocabulary [0, {loaded.vocab_size})"
                 elif s.sync.prefix_length + len(s.sync.new_token_ids) + s.num_draft_tokens > loaded.max_context:
                     problem = f"session {sid}: context plus drafts exceeds the draft model's {loaded.max_context} positions"
-                elif s.sampling.temperature < 0 or not 0 < s.sampling.top_p <= 1 or s.sampling.top_k < 0:
-                    problem = f"session {sid}: sampling needs temperature >= 0, top_p in (0, 1], top_k >= 0"
+                elif sampling.problem():
+                    problem = f"session {sid}: {sampling.problem()}"
+                elif not 0 <= s.stop_below_confidence <= 1:
+                    problem = f"session {sid}: stop_below_confidence must be in [0, 1], got {s.stop_below_confidence}"
             if problem:
                 raise InvalidArgument(problem)
             seen.add((s.model, sid))
-            sampling = SamplingParams.from_proto(s.sampling)
             items.append(
                 (
                     s.model,
@@ -108,6 +110,16 @@ class DrafterCore:
     def info(self) -> drafter_pb2.DrafterInfo:
         return drafter_pb2.DrafterInfo(models=[m.loaded.info() for m in self.models.values()])
 
+    async def stats(self) -> drafter_pb2.DrafterServiceStats:
+        def held() -> list[str]:
+            ids: set[str] = set()
+            for model in self.models.values():
+                with model.store.lock:  # held by the model thread for a whole batch: read between batches
+                    ids.update(model.store._sessions)
+            return sorted(ids)
+
+        return drafter_pb2.DrafterServiceStats(session_ids=await asyncio.to_thread(held))
+
     def close(self) -> None:
         self.batcher.close()
 
@@ -128,13 +140,17 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     async def GetInfo(self, request, context):
         return self.core.info()
 
+    async def GetStats(self, request, context):
+        return await self.core.stats()
+
 
 def load_core(svc: config_mod.DrafterServiceConfig, threads: int | None = None) -> DrafterCore:
     """Load a drafter service's draft models and build its batch queue, as the config says."""
     configure_torch(threads or svc.threads)
+    device = config_mod.resolve_device(svc.device, f"drafters[{svc.name}].device")
     models = {}
     for m in svc.models:
-        loaded = load_model(m.name, m.path, dtype=svc.dtype, use_token_map=True)
+        loaded = load_model(m.name, m.path, dtype=svc.dtype, device=device, use_token_map=True, attention=svc.attention)
         store = SessionStore(max_cache_bytes=int(svc.max_cache_mb * 2**20), max_sessions=svc.max_sessions)
         models[m.name] = DraftModel(loaded, store, svc.proposal_top_k)
     fingerprints = {m.loaded.fingerprint for m in models.values()}
@@ -164,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         core = load_core(svc, threads=args.threads)
     except IncompatibleModels as err:
         raise SystemExit(str(err)) from None
+    except config_mod.ConfigError as err:
+        raise SystemExit(f"specfleet drafter: {err}") from None
     servicer = DrafterServicer(core)
 
     def register(server):

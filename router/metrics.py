@@ -35,6 +35,7 @@ def render(scheduler) -> str:
     family("requests_waiting", "gauge", "Requests queued for admission.", [({}, scheduler.waiting)])
     family("requests_finished_total", "counter", "Requests completed.", [({}, m.requests_finished)])
     family("requests_failed_total", "counter", "Requests that ended with an error.", [({}, m.requests_failed)])
+    family("requests_cancelled_total", "counter", "Requests their clients cancelled, or gave up on at their deadline.", [({}, m.requests_cancelled)])
     family("rounds_total", "counter", "Draft-and-verify rounds.", [({}, m.rounds)])
     family("draft_tokens_total", "counter", "Draft tokens sent for verification.", [({}, m.draft_tokens)])
     family("accepted_tokens_total", "counter", "Draft tokens the target accepted.", [({}, m.accepted_tokens)])

@@ -230,11 +230,11 @@ def create_app(servicer, model_name: str, api_key: str = "") -> FastAPI:
         if name != model_name:
             raise ApiError(404, f"model {name!r} does not exist; this server serves {model_name!r} (GET /v1/models)", param="model", code="model_not_found")
 
-    def admit(reqs: list[generation_pb2.GenerateRequest]) -> list[RequestState]:
+    async def admit(reqs: list[generation_pb2.GenerateRequest]) -> list[RequestState]:
         states = []
         try:
             for req in reqs:
-                states.append(servicer.admit(req, deadline=None))
+                states.append(await servicer.admit(req, deadline=None))
         except InvalidRequest as err:
             cancel(states)
             raise ApiError(400, str(err), param=_param_of(str(err))) from None
@@ -357,7 +357,7 @@ def create_app(servicer, model_name: str, api_key: str = "") -> FastAPI:
         if not prompts:
             raise ApiError(400, "prompt: must not be empty", param="prompt")
         n = body.n
-        states = admit([_generate_request(body, body.max_tokens, p, i * n + c, c) for i, p in enumerate(prompts) for c in range(n)])
+        states = await admit([_generate_request(body, body.max_tokens, p, i * n + c, c) for i, p in enumerate(prompts) for c in range(n)])
 
         def chunk_of(index: int, text: str, finish: str | None) -> dict:
             return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
@@ -383,7 +383,7 @@ def create_app(servicer, model_name: str, api_key: str = "") -> FastAPI:
             raise ApiError(400, "max_completion_tokens: set it or max_tokens, not both", param="max_completion_tokens")
         prompt = render_chat(servicer.tokenizer, body.messages)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        states = admit([_generate_request(body, max_tokens, prompt, c, c) for c in range(body.n)])
+        states = await admit([_generate_request(body, max_tokens, prompt, c, c) for c in range(body.n)])
 
         def chunk_of(index: int, text: str, finish: str | None) -> dict:
             return {"index": index, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": finish}

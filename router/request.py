@@ -13,6 +13,7 @@ from specfleet.sampling import SamplingParams
 from specfleet.v1 import generation_pb2
 
 MAX_STOP_STRINGS = 16
+MAX_LABEL_CHARS = 128
 
 
 class InvalidRequest(ValueError):
@@ -27,11 +28,26 @@ class Limits:
     max_draft_tokens: int
     vocab_size: int
     max_context: int
+    # Longer prompts (in characters) cannot fit the context: refused before tokenizing (`prompt_chars_bound`).
+    max_prompt_chars: int = 1 << 62
+
+
+def prompt_chars_bound(tokenizer, max_context: int) -> int:
+    """Characters beyond which a prompt holds more than max_context tokens, whatever it says.
+
+    A token covers at most as many bytes as its vocabulary string's UTF-8 form (byte-level
+    and byte-fallback spellings only overstate it) and a character is at least a byte.
+    Normalisation can shrink text before tokenizing (NFKC folds a 3-byte full-width letter
+    into one byte), hence the margin of 4: a false refusal needs a prompt that is mostly
+    text the tokenizer drops."""
+    longest = max(len(token.encode()) for token in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))) if token)
+    return 4 * max_context * max(1, longest)
 
 
 @dataclass
 class RequestSpec:
-    request_id: str
+    request_id: str  # the client's label, echoed back; never used to address anything
+    session_id: str  # made here, unguessable: the request's sessions at the verifier and drafters
     prompt_ids: list[int]
     max_tokens: int
     sampling: SamplingParams
@@ -42,6 +58,10 @@ class RequestSpec:
 
 
 def parse_request(req: generation_pb2.GenerateRequest, tokenizer, limits: Limits) -> RequestSpec:
+    for name, value, longest in (("request_id", req.request_id, MAX_LABEL_CHARS), ("domain", req.domain, MAX_LABEL_CHARS)):
+        # Labels end up in logs and metrics: no control characters (a newline would forge a log line).
+        if len(value) > longest or not value.isprintable():
+            raise InvalidRequest(f"{name}: at most {longest} printable characters, got {len(value)} characters")
     if req.prompt and req.prompt_token_ids:
         raise InvalidRequest("prompt: set either prompt or prompt_token_ids, not both")
     if req.prompt_token_ids:
@@ -52,6 +72,10 @@ def parse_request(req: generation_pb2.GenerateRequest, tokenizer, limits: Limits
     else:
         if not req.prompt:
             raise InvalidRequest("prompt: must not be empty (or set prompt_token_ids)")
+        if len(req.prompt) > limits.max_prompt_chars:
+            raise InvalidRequest(
+                f"prompt: {len(req.prompt)} characters cannot fit the model's context of {limits.max_context} tokens; shorten it"
+            )
         prompt_ids = tokenizer.encode(req.prompt, add_special_tokens=False)
         if not prompt_ids:
             raise InvalidRequest("prompt: encodes to no tokens")
@@ -93,6 +117,7 @@ def parse_request(req: generation_pb2.GenerateRequest, tokenizer, limits: Limits
     seed = req.seed if seeded else secrets.randbits(63)
     return RequestSpec(
         request_id=req.request_id or uuid.uuid4().hex,
+        session_id=secrets.token_hex(16),
         prompt_ids=prompt_ids,
         max_tokens=max_tokens,
         sampling=SamplingParams(temperature=req.temperature, top_p=top_p, top_k=req.top_k, seed=seed, drafter_invariant=seeded),

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from router.breaker import Breaker
 from router.request import DrafterCounts, RequestState, SessionMirror
 from router.routing import DrafterRouter
 from router.speculation import SpeculationController
@@ -48,6 +49,14 @@ from specfleet.fusion import lead
 from specfleet.v1 import common_pb2, drafter_pb2, verifier_pb2
 
 log = logging.getLogger(__name__)
+
+# A steady-state draft call may take this many times the modelled time, and at least the floor
+# (a shared machine's speed drifts 2x; a draft call is milliseconds), before its round goes on
+# without it.
+DRAFT_DEADLINE_FACTOR = 10.0
+DRAFT_DEADLINE_FLOOR_S = 1.0
+# New tokens sent with a draft call (prefilled there) that add one floor to its deadline.
+PREFILL_TOKENS_PER_FLOOR = 64
 
 
 class Overloaded(Exception):
@@ -67,6 +76,7 @@ class RouterMetrics:
     rounds: int = 0
     requests_finished: int = 0
     requests_failed: int = 0
+    requests_cancelled: int = 0  # the client went away (or its deadline passed on its side)
     draft_tokens: int = 0
     accepted_tokens: int = 0
     drafter_errors: int = 0
@@ -126,6 +136,7 @@ class Scheduler:
         self.controller = controller
         self.metrics = RouterMetrics()
         self.telemetry = None  # specfleet.metrics.RouterTelemetry, when the router exports metrics
+        self.breaker = Breaker()
         self._waiting: list[RequestState] = []
         self._lanes: list[list[RequestState]] = [[] for _ in range(max(1, config.pipeline_depth))]
         self._wake = asyncio.Event()
@@ -134,6 +145,8 @@ class Scheduler:
     # --- the public side -----------------------------------------------------------------------------------
 
     def submit(self, state: RequestState, prompt_text: str, domain_hint: str = "") -> None:
+        # Requests whose clients gave up while queued hold no place in the queue.
+        self._waiting = [s for s in self._waiting if not s.cancelled]
         if len(self._waiting) >= self.config.max_queued:
             raise Overloaded(
                 f"{self.running} requests running and {len(self._waiting)} queued (router.max_queued); retry later"
@@ -165,6 +178,10 @@ class Scheduler:
         """Move waiting requests into this lane: earliest deadline first, least loaded lane first."""
         if not self._waiting:
             return
+        self._expire(self._waiting)
+        for state in [s for s in self._waiting if s.finished]:
+            self._waiting.remove(state)
+            self._publish(state)  # ended before it ran: nothing was sent to a server, nothing to release
         self._waiting.sort(key=lambda s: (s.deadline if s.deadline is not None else float("inf"), s.admitted_at))
         while self._waiting and self.running < self.config.max_running:
             if len(lane) > min(len(other) for other in self._lanes):
@@ -203,11 +220,16 @@ class Scheduler:
 
     # --- a round -------------------------------------------------------------------------------------------------
 
-    async def _round(self, batch: list[RequestState]) -> None:
+    def _expire(self, states: list[RequestState]) -> None:
+        """End the requests whose deadline passed. The client's gRPC deadline also cancels the call, but the
+        router does not rely on it: a round in flight when it passes is the last, and the sessions are released."""
         now = time.monotonic()
-        for state in batch:
-            if state.deadline is not None and now >= state.deadline:
+        for state in states:
+            if state.deadline is not None and now >= state.deadline and not state.finished:
                 state.error = (grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded; the output so far was streamed")
+
+    async def _round(self, batch: list[RequestState]) -> None:
+        self._expire(batch)
         batch = [s for s in batch if not s.finished]
         if not batch:
             return
@@ -242,7 +264,7 @@ class Scheduler:
 
     async def _draft(self, batch: list[RequestState]) -> dict[str, DraftTree]:
         """Draft trees for every request that drafts this round, keyed by request id."""
-        trees = {s.spec.request_id: DraftTree() for s in batch if s.round_k > 0}
+        trees = {s.spec.session_id: DraftTree() for s in batch if s.round_k > 0}
         chains = [s for s in batch if s.round_k > 0 and len(s.round_drafters) == 1]
         fused = [s for s in batch if s.round_k > 0 and len(s.round_drafters) > 1]
 
@@ -250,7 +272,7 @@ class Scheduler:
             # Every chain in one call per service, k tokens each.
             calls = [(s, s.round_drafters[0], s.tokens, s.round_k, "") for s in chains]
             for state, drafter, drafted in await self._draft_calls(calls):
-                tree = trees[state.spec.request_id]
+                tree = trees[state.spec.session_id]
                 parent = -1
                 for token, proposal in zip(drafted.token_ids, drafted.proposals):
                     parent = tree.add(token, parent, proposal, drafter)
@@ -259,12 +281,12 @@ class Scheduler:
 
         async def draft_fused():
             # The cooperating drafters of a request share a service and draft in lockstep there, all k positions in one call.
-            calls = [(s, d, s.tokens, s.round_k, s.spec.request_id) for s in fused for d in s.round_drafters]
+            calls = [(s, d, s.tokens, s.round_k, s.spec.session_id) for s in fused for d in s.round_drafters]
             replies: dict[str, dict[str, drafter_pb2.DraftedSession]] = collections.defaultdict(dict)
             for state, drafter, drafted in await self._draft_calls(calls):
-                replies[state.spec.request_id][drafter] = drafted
+                replies[state.spec.session_id][drafter] = drafted
             for state in fused:
-                tree, mine = trees[state.spec.request_id], replies[state.spec.request_id]
+                tree, mine = trees[state.spec.session_id], replies[state.spec.session_id]
                 for position in range(state.round_k):
                     self._fuse_position(state, tree, mine, position)
                 # Each drafter's session continued from the lead tokens, the main branch.
@@ -300,9 +322,9 @@ class Scheduler:
         scores: dict[str, dict[str, float]] = collections.defaultdict(dict)
         for state, drafter, drafted in await self._draft_calls(calls, score=True):
             if drafted.context_tokens > 0:
-                scores[state.spec.request_id][drafter] = drafted.context_log_prob
+                scores[state.spec.session_id][drafter] = drafted.context_log_prob
         for state in batch:
-            self.router.assign_domain(state.routing, scores[state.spec.request_id])
+            self.router.assign_domain(state.routing, scores[state.spec.session_id])
 
     async def _draft_calls(self, calls, score: bool = False) -> list[tuple[RequestState, str, drafter_pb2.DraftedSession]]:
         """calls: (request, drafter, tokens the drafter should hold, k, lockstep group). Returns the successful replies.
@@ -313,7 +335,7 @@ class Scheduler:
             mirror = state.drafter_mirrors.setdefault(drafter, SessionMirror())
             prefix, new = mirror.diff(tokens)
             session = drafter_pb2.DraftSession(
-                sync=common_pb2.SessionSync(session_id=state.spec.request_id, prefix_length=prefix, new_token_ids=new),
+                sync=common_pb2.SessionSync(session_id=state.spec.session_id, prefix_length=prefix, new_token_ids=new),
                 model=drafter,
                 num_draft_tokens=k,
                 sampling=_sampling_proto(state),
@@ -325,13 +347,18 @@ class Scheduler:
 
         async def call(entries):
             transport = self.drafters[entries[0][1]]
+            if not self.breaker.allow(transport.name):
+                if self.breaker.probe_due(transport.name):
+                    asyncio.create_task(self._probe(transport))
+                return []  # these requests decode plainly this round
             started = time.perf_counter()
             try:
-                reply = await transport.draft(drafter_pb2.DraftRequest(sessions=[e[3] for e in entries]), self.config.rpc_timeout_s)
+                reply = await transport.draft(drafter_pb2.DraftRequest(sessions=[e[3] for e in entries]), self._draft_timeout_s(entries, score))
             except TransportError as err:
                 # Losing a drafter costs speed, never correctness: these requests decode plainly this round.
                 self.metrics.drafter_errors += 1
                 log.warning("drafter service %s failed (%s); decoding without its drafts this round", transport.name, err)
+                self.breaker.failed(transport.name)
                 for state, drafter, _, _ in entries:
                     state.drafter_mirrors[drafter].reset()
                 return []
@@ -357,14 +384,34 @@ class Scheduler:
         results = await asyncio.gather(*(call(entries) for entries in by_service.values()))
         return [r for part in results for r in part]
 
+    def _draft_timeout_s(self, entries, score: bool) -> float:
+        """A draft call's deadline: a multiple of what the cost model expects it to take, so that a hung
+        drafter holds a round (and every request in it) for a moment, not for rpc_timeout_s. What a call
+        prefills (a new prompt, a context to score or catch up) is not modelled: each session's new
+        tokens add a floor's worth per PREFILL_TOKENS_PER_FLOOR, a prefill rate no drafter falls below."""
+        sessions = [e[3] for e in entries]
+        expected_ms = self.controller.cost.draft_ms(max(s.num_draft_tokens for s in sessions))
+        deadline = max(DRAFT_DEADLINE_FLOOR_S, DRAFT_DEADLINE_FACTOR * expected_ms / 1e3)
+        deadline += DRAFT_DEADLINE_FLOOR_S * sum(len(s.sync.new_token_ids) for s in sessions) / PREFILL_TOKENS_PER_FLOOR
+        return min(self.config.rpc_timeout_s, deadline)
+
+    async def _probe(self, transport: DrafterTransport) -> None:
+        """Ask an open breaker's service for its info: an answer closes the breaker."""
+        try:
+            await transport.info(DRAFT_DEADLINE_FLOOR_S)
+        except TransportError:
+            self.breaker.failed(transport.name)
+        else:
+            self.breaker.succeeded(transport.name)
+
     async def _verify(self, batch: list[RequestState], trees: dict[str, DraftTree]) -> None:
         sessions = []
         for state in batch:
             prefix, new = state.verifier_mirror.diff(state.tokens)
-            tree = trees.get(state.spec.request_id)
+            tree = trees.get(state.spec.session_id)
             sessions.append(
                 verifier_pb2.VerifySession(
-                    sync=common_pb2.SessionSync(session_id=state.spec.request_id, prefix_length=prefix, new_token_ids=new),
+                    sync=common_pb2.SessionSync(session_id=state.spec.session_id, prefix_length=prefix, new_token_ids=new),
                     tree=tree.to_proto() if tree else verifier_pb2.TokenTree(),
                     sampling=_sampling_proto(state),
                 )
@@ -400,7 +447,7 @@ class Scheduler:
                 self.metrics.session_misses += 1
                 state.verifier_mirror.reset()
                 continue
-            tree = trees.get(state.spec.request_id)
+            tree = trees.get(state.spec.session_id)
             state.rounds += 1
             if tree is not None:
                 self._learn(state, tree, list(verified.accepted_nodes), list(verified.token_ids))
@@ -443,6 +490,10 @@ class Scheduler:
     def _publish(self, state: RequestState) -> None:
         if state.published_final:
             return
+        if state.cancelled and state.error is None:
+            self.metrics.requests_cancelled += 1  # nobody is listening
+            state.published_final = True
+            return
         if state.error is not None:
             self.metrics.requests_failed += 1
             state.published_final = True
@@ -460,7 +511,7 @@ class Scheduler:
                 self.telemetry.published(state, chunk)
 
     async def _release(self, finished: list[RequestState]) -> None:
-        ids = [s.spec.request_id for s in finished]
+        ids = [s.spec.session_id for s in finished]
         used = {d for s in finished for d in s.drafter_mirrors}
         services = {self.drafters[d].name: self.drafters[d] for d in used if d in self.drafters}
         calls = [self.verifier.release(ids)] + [t.release(ids) for t in services.values()]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import logging
 import os
 import pathlib
@@ -13,7 +14,7 @@ import grpc
 
 from router import openai_api
 from router.metrics import render as render_metrics
-from router.request import Chunk, InvalidRequest, Limits, RequestState, parse_request
+from router.request import Chunk, InvalidRequest, Limits, RequestSpec, RequestState, parse_request, prompt_chars_bound
 from router.routing import DomainClassifier, DrafterProfile, DrafterRouter, ExpertiseStore, RedisExpertiseStore, RoutingConfig
 from router.scheduler import Overloaded, Scheduler, SchedulerConfig
 from router.speculation import CostModel, SpeculationController
@@ -23,7 +24,7 @@ from specfleet import metrics
 from specfleet.metrics import RouterTelemetry
 from specfleet.runtime import load_tokenizer, tokenizer_fingerprint
 from specfleet.ports import listen
-from specfleet.serving import serve, setup_logging, wait_until_serving
+from specfleet.serving import ROUTER_DRAIN_S, serve, setup_logging, wait_until_serving
 from specfleet.v1 import common_pb2, drafter_pb2, generation_pb2, generation_pb2_grpc, verifier_pb2
 
 log = logging.getLogger(__name__)
@@ -39,28 +40,36 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.tokenizer = tokenizer
         self.limits = limits
         self.eos_token_id = eos_token_id
+        self._tokenizing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
-    def admit(self, request: generation_pb2.GenerateRequest, deadline: float | None) -> RequestState:
+    def _parse(self, request: generation_pb2.GenerateRequest) -> tuple[RequestSpec, str]:
+        """The validated request and its prompt text (the routing classifier reads it)."""
+        spec = parse_request(request, self.tokenizer, self.limits)
+        return spec, request.prompt or self.tokenizer.decode(spec.prompt_ids)
+
+    async def admit(self, request: generation_pb2.GenerateRequest, deadline: float | None) -> RequestState:
         """Validate `request` and queue it; raises InvalidRequest or Overloaded.
 
-        The entry of the HTTP API (router/openai_api.py): the same parsing, limits and
-        scheduler as the gRPC methods, without a network hop. Set `cancelled` on the
-        returned state when its client goes away.
+        The entry of the HTTP API (router/openai_api.py): the same parsing (off the event
+        loop), limits and scheduler as the gRPC methods, without a network hop. Set
+        `cancelled` on the returned state when its client goes away.
         """
-        spec = parse_request(request, self.tokenizer, self.limits)
+        spec, prompt_text = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._parse, request)
         state = RequestState(
             spec=spec, tokenizer=self.tokenizer, eos_token_id=self.eos_token_id, max_context=self.limits.max_context, deadline=deadline
         )
-        self.scheduler.submit(state, request.prompt or self.tokenizer.decode(spec.prompt_ids), spec.domain)
+        self.scheduler.submit(state, prompt_text, spec.domain)
         log.info(
-            "request %s (HTTP): %d prompt tokens, max_tokens %d, temperature %g, k <= %d",
-            spec.request_id, len(spec.prompt_ids), spec.max_tokens, spec.sampling.temperature, spec.draft_tokens,
+            "request %s (session %s, HTTP): %d prompt tokens, max_tokens %d, temperature %g, k <= %d",
+            spec.request_id, spec.session_id, len(spec.prompt_ids), spec.max_tokens, spec.sampling.temperature, spec.draft_tokens,
         )
         return state
 
     async def _start(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> RequestState:
         try:
-            spec = parse_request(request, self.tokenizer, self.limits)
+            # Tokenizing a long prompt takes a while: never on the event loop, which serves every
+            # other client. One worker, since the tokenizer is shared.
+            spec, prompt_text = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._parse, request)
         except InvalidRequest as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         remaining = context.time_remaining()
@@ -68,19 +77,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         state = RequestState(
             spec=spec, tokenizer=self.tokenizer, eos_token_id=self.eos_token_id, max_context=self.limits.max_context, deadline=deadline
         )
-        prompt_text = request.prompt or self.tokenizer.decode(spec.prompt_ids)
         try:
             self.scheduler.submit(state, prompt_text, spec.domain)
         except Overloaded as err:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
 
         def on_done(_):
+            if not state.finished:
+                log.info("request %s: its client cancelled it or its deadline passed; stopping it", spec.request_id)
             state.cancelled = True
 
         context.add_done_callback(on_done)
         log.info(
-            "request %s: %d prompt tokens, max_tokens %d, temperature %g, domain %s, k <= %d",
-            spec.request_id, len(spec.prompt_ids), spec.max_tokens, spec.sampling.temperature, state.routing.domain or "-", spec.draft_tokens,
+            "request %s (session %s): %d prompt tokens, max_tokens %d, temperature %g, domain %s, k <= %d",
+            spec.request_id, spec.session_id, len(spec.prompt_ids), spec.max_tokens, spec.sampling.temperature, state.routing.domain or "-", spec.draft_tokens,
         )
         return state
 
@@ -183,6 +193,7 @@ async def build(cfg: config_mod.Config, transports: tuple | None = None) -> tupl
         max_draft_tokens=rcfg.max_draft_tokens,
         vocab_size=target.vocab_size,
         max_context=target.max_context,
+        max_prompt_chars=prompt_chars_bound(tokenizer, target.max_context),
     )
     servicer = GenerationServicer(scheduler, tokenizer, limits, target.eos_token_id)
     servicer.target = target
@@ -358,7 +369,7 @@ async def run(
         return [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name]
 
     try:
-        await serve("router", host, port, register, on_reload=on_reload)
+        await serve("router", host, port, register, grace_s=ROUTER_DRAIN_S, on_reload=on_reload)
     finally:
         if http is not None:
             await openai_api.stop(*http)

@@ -54,6 +54,7 @@ def cmd_serve(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     from specfleet import config as config_mod
+    from specfleet.serving import ROUTER_DRAIN_S
 
     try:
         cfg = config_mod.load(args.config) if args.config else config_mod.default_config(config_mod.REPO / ".cache")
@@ -65,6 +66,13 @@ def cmd_serve(argv: list[str]) -> int:
     # The key reaches the router (here or under --ray) in its environment, not on its command
     # line, which `ps` shows to every user.
     os.environ["SPECFLEET_API_KEY"] = args.api_key
+    if args.ray is None:
+        # Every service runs here: a device this machine lacks is refused before anything starts.
+        try:
+            config_mod.check_devices(cfg)
+        except config_mod.ConfigError as err:
+            print(f"specfleet serve: {err}", file=sys.stderr)
+            return 2
     # A shell starts background jobs with SIGINT ignored, and Python keeps it so: without this,
     # Ctrl-C (or a supervisor's SIGINT) would leave the services or actors running.
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -89,23 +97,33 @@ def cmd_serve(argv: list[str]) -> int:
     procs: list[tuple[str, subprocess.Popen]] = []
 
     def stop_all(code: int) -> int:
-        for _, proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 15
-        for _, proc in procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        # A second Ctrl-C or SIGTERM must not cut the orderly stop short and leave services running.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # The router first: its in-flight requests finish, and their rounds need the drafters and the
+        # verifier until the last one. Then the services, once nothing can call them.
+        router = [(name, proc) for name, proc in procs if name == "router"]
+        services = [(name, proc) for name, proc in procs if name != "router"]
+        for group, wait_s in ((router, ROUTER_DRAIN_S + 10), (services, 15)):
+            for _, proc in group:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + wait_s
+            for name, proc in group:
+                try:
+                    proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    print(f"specfleet serve: {name} did not stop within {wait_s:.0f}s of SIGTERM; killing it", file=sys.stderr)
+                    proc.kill()
+                    proc.wait()
         return code
 
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         for name, command, cpus in commands:
-            # Set in the child before exec, so every thread the service starts inherits it.
-            pin = (lambda cpus=cpus: os.sched_setaffinity(0, cpus)) if cpus else None
-            procs.append((name, subprocess.Popen(command, preexec_fn=pin)))
+            # Its own process group: Ctrl-C in a terminal signals the whole foreground group at once, and
+            # the services must stop only after the router has drained (stop_all), not with it.
+            procs.append((name, subprocess.Popen(command, preexec_fn=_child_setup(cpus, os.getpid()), process_group=0)))
             if cpus:
                 print(f"specfleet serve: {name} runs on cores {cpus}", file=sys.stderr)
         router_address = f"{cfg.router.host}:{cfg.router.port}"
@@ -158,6 +176,30 @@ def _this_command() -> str:
             return "specfleet"
         return shlex.quote(str(me))
     return f"{shlex.quote(sys.executable)} -m specfleet.cli"
+
+def _child_setup(cpus: list[int], parent: int):
+    """What a service's process does between fork and exec (so every thread it starts inherits it).
+
+    Pins it to `cpus`; and, on Linux, has the kernel kill it when `specfleet serve` dies: in its own
+    process group, a service would otherwise outlive a serve that was killed outright.
+    """
+
+    libc = None
+    if sys.platform == "linux":
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)  # loaded here: the child only calls into it
+
+    def setup() -> None:
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+        if libc is not None:
+            PR_SET_PDEATHSIG = 1
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            if os.getppid() != parent:  # serve died before the line above took effect
+                os._exit(1)
+
+    return setup
 
 
 async def _wait_ready(address, procs, timeout_s, wait_until_serving) -> bool:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import re
 from dataclasses import dataclass, field
 
 import yaml
@@ -46,6 +47,12 @@ DEFAULT_METRICS_PORTS = {"router": 9460, "verifier": 9461, "drafter": 9462}
 
 class ConfigError(ValueError):
     pass
+
+
+# cpu, cuda, cuda:N (a GPU by index) or auto (cuda if torch sees one, else cpu).
+DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?|auto")
+# specfleet.llama.ATTENTION_MODES, spelled out so that reading a config does not import torch.
+ATTENTION_MODES = ("per-session", "batched")
 
 
 @dataclass
@@ -68,7 +75,12 @@ class RayPlacement:
 class VerifierConfig:
     model: str = ""
     address: str = "127.0.0.1:50061"
+    # Where the model runs: cpu, cuda, cuda:N, or auto (cuda if torch sees one, else cpu).
+    device: str = "cpu"
     dtype: str = "float32"
+    # Attention of a forward pass: per-session (one call per session and layer; the faster on CPU)
+    # or batched (one call per layer for the whole batch); docs/ARCHITECTURE.md has the numbers.
+    attention: str = "per-session"
     threads: int = 1
     # Dynamic batching: merge concurrent Verify calls up to this many sessions, waiting at
     # most max_wait_ms after the first arrives. 0 merges only what arrived while the previous
@@ -106,7 +118,10 @@ class DrafterServiceConfig:
     name: str = ""
     address: str = "127.0.0.1:50062"
     models: list[DraftModelConfig] = field(default_factory=list)
+    # Where this service's draft models run: cpu, cuda, cuda:N, or auto (see VerifierConfig.device).
+    device: str = "cpu"
     dtype: str = "float32"
+    attention: str = "per-session"  # see VerifierConfig.attention
     threads: int = 1
     max_batch_size: int = 64
     max_wait_ms: float = 0.0
@@ -302,6 +317,12 @@ def validate(config: Config) -> None:
             if m.name in seen_models:
                 raise ConfigError(f"drafters[{i}].models[{j}].name: draft model {m.name!r} is configured twice")
             seen_models.add(m.name)
+    for where, device in [("verifier.device", v.device)] + [(f"drafters[{i}].device", d.device) for i, d in enumerate(config.drafters)]:
+        if not DEVICE_PATTERN.fullmatch(device):
+            raise ConfigError(f"{where}: must be cpu, cuda, cuda:N or auto, got {device!r}")
+    for where, attention in [("verifier.attention", v.attention)] + [(f"drafters[{i}].attention", d.attention) for i, d in enumerate(config.drafters)]:
+        if attention not in ATTENTION_MODES:
+            raise ConfigError(f"{where}: must be one of {', '.join(ATTENTION_MODES)}, got {attention!r}")
     for where, cpus in [("verifier.cpus", v.cpus), ("router.cpus", r.cpus)] + [(f"drafters[{i}].cpus", d.cpus) for i, d in enumerate(config.drafters)]:
         if not isinstance(cpus, list) or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in cpus):
             raise ConfigError(f"{where}: a list of core numbers (0, 1, ...), got {cpus!r}")
@@ -319,6 +340,37 @@ def validate(config: Config) -> None:
         raise ConfigError(f"router.expertise_decay: must be in (0, 1], got {r.expertise_decay}")
     if r.default_drafter and r.default_drafter not in seen_models:
         raise ConfigError(f"router.default_drafter: {r.default_drafter!r} is not a configured draft model {sorted(seen_models)}")
+
+
+def resolve_device(device: str, where: str) -> str:
+    """The torch device a service's `device` setting names on this machine; raises ConfigError naming the setting.
+
+    Checked where the model loads (and by `specfleet serve` for the services it starts here), not
+    when the file is read: one file describes every node, and a router on a CPU node reads the
+    verifier's `device: cuda` too.
+    """
+    if not DEVICE_PATTERN.fullmatch(device):
+        raise ConfigError(f"{where}: must be cpu, cuda, cuda:N or auto, got {device!r}")
+    if device == "cpu":
+        return "cpu"
+    import torch
+
+    available = torch.cuda.is_available()
+    if device == "auto":
+        return "cuda" if available else "cpu"
+    if not available:
+        raise ConfigError(f"{where}: {device} was asked for but torch sees no CUDA device (torch.cuda.is_available() is False)")
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise ConfigError(f"{where}: {device} was asked for but torch sees {torch.cuda.device_count()} CUDA device(s) (cuda:0 to cuda:{torch.cuda.device_count() - 1})")
+    return device
+
+
+def check_devices(config: Config) -> None:
+    """Resolve every service's device on this machine (`specfleet serve` runs them all here)."""
+    resolve_device(config.verifier.device, "verifier.device")
+    for svc in config.drafters:
+        resolve_device(svc.device, f"drafters[{svc.name}].device")
 
 
 def _validate_placement(p: RayPlacement, where: str) -> None:

@@ -35,6 +35,25 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The config's name of a torch dtype (float32, bfloat16, float16)."""
+    return next((name for name, d in DTYPES.items() if d == dtype), str(dtype).removeprefix("torch."))
+
+
+def resolve_device(device: str) -> torch.device:
+    """cpu, cuda, cuda:N, or auto (cuda if torch sees one, else cpu); raises ValueError when it does not exist here.
+
+    Services check their config's `device` with `specfleet.config.resolve_device` first, which
+    names the setting; this is the same check for direct callers (tests, benchmarks).
+    """
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for but torch sees no CUDA device (torch.cuda.is_available() is False)")
+    return resolved
+
+
 def configure_torch(threads: int) -> None:
     # One thread per model process: with two threads and another busy process on a
     # 2-core machine, latency spiked 10-100x.
@@ -87,6 +106,9 @@ class LoadedModel:
             eos_token_id=self.eos_token_id,
             tokenizer_fingerprint=self.fingerprint,
             parameters=self.parameters,
+            device=str(self.model.device),
+            dtype=dtype_name(self.model.dtype),
+            attention=self.model.attention,
         )
 
 
@@ -94,7 +116,8 @@ TOKEN_MAP_FILE = "token_map.json"
 
 
 def load_model(
-    name: str, path: str | os.PathLike, dtype: str = "float32", device: str = "cpu", use_token_map: bool = False
+    name: str, path: str | os.PathLike, dtype: str = "float32", device: str = "cpu", use_token_map: bool = False,
+    attention: str = "per-session",
 ) -> LoadedModel:
     """Load a Hugging Face Llama-family causal LM and its tokenizer from a local directory, offline.
 
@@ -114,6 +137,12 @@ def load_model(
         raise FileNotFoundError(f"model '{name}': no config.json in {path}; expected a Hugging Face model directory")
     if dtype not in DTYPES:
         raise ValueError(f"model '{name}': dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if attention not in llama.ATTENTION_MODES:
+        raise ValueError(f"model '{name}': attention must be one of {list(llama.ATTENTION_MODES)}, got {attention!r}")
+    try:
+        device = resolve_device(str(device))
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"model '{name}': {e}") from None
     started = time.perf_counter()
     try:
         check_supported(AutoConfig.from_pretrained(str(path), local_files_only=True))
@@ -127,10 +156,13 @@ def load_model(
     if isinstance(eos, list):
         eos = eos[0]
     model = from_hf(hf_model)
+    model.attention = attention
     token_map = local_index = None
     if use_token_map and (path / TOKEN_MAP_FILE).exists():
         token_map = read_token_map(name, path / TOKEN_MAP_FILE, int(config.vocab_size))
-        model.lm_head = model.lm_head[token_map.to(model.lm_head.device)].contiguous()
+        model.lm_head = model.lm_head[token_map.to(model.device)].contiguous()
+        # The maps stay on the CPU: they translate positions of logits that forward_batch
+        # hands back on the CPU, where the drafter samples.
         local_index = torch.full((int(config.vocab_size),), -1, dtype=torch.long)
         local_index[token_map] = torch.arange(len(token_map))
     loaded = LoadedModel(
@@ -140,19 +172,27 @@ def load_model(
         tokenizer=tokenizer,
         fingerprint=tokenizer_fingerprint(tokenizer),
         vocab_size=int(config.vocab_size),
-        max_context=int(config.max_position_embeddings),
+        max_context=llama.context_limit(config),
         eos_token_id=int(eos) if eos is not None else -1,
         parameters=sum(p.numel() for p in hf_model.parameters()),
         token_map=token_map,
         local_index=local_index,
     )
     log.info(
-        "loaded model %s from %s: %.1fM parameters, %s, %s, %.1fs",
-        name, path, loaded.parameters / 1e6, dtype,
+        "loaded model %s from %s: %.1fM parameters, %s on %s, %s attention, %s, %.1fs",
+        name, path, loaded.parameters / 1e6, dtype, _describe_device(model.device), attention,
         f"output layer over {len(token_map)} ids ({TOKEN_MAP_FILE})" if token_map is not None else "full output layer",
         time.perf_counter() - started,
     )
     return loaded
+
+
+def _describe_device(device: torch.device) -> str:
+    """cpu, or cuda:N with the card's name (what the start-up log says)."""
+    if device.type != "cuda":
+        return str(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
 
 
 def read_token_map(name: str, path: pathlib.Path, vocab_size: int) -> torch.Tensor:
@@ -201,7 +241,8 @@ class Session:
             return
         # Doubling keeps appends amortised O(1) per position.
         capacity = max(64, 1 << (needed - 1).bit_length())
-        grown = torch.empty(
+        # Zeros, not empty: the batched attention path reads (masked) positions past a session's end.
+        grown = torch.zeros(
             model.num_layers, 2, model.kv_heads, capacity, model.head_dim, dtype=model.dtype, device=model.device
         )
         if self.kv is not None and self.kv_len:
@@ -308,11 +349,13 @@ class ForwardItem:
     attend: torch.Tensor | None = None  # [n, n] bool: new token i may attend to new token j; None = causal
 
 
-def forward_batch(loaded: LoadedModel, items: list[ForwardItem], logits: bool = True) -> torch.Tensor | None:
+def forward_batch(loaded: LoadedModel, items: list[ForwardItem], logits: bool = True, host: bool = True) -> torch.Tensor | None:
     """One forward pass over many sessions: logits [B, N, V] float32 (row b valid for its first n_b positions).
 
     V is the vocabulary, or the token map's ids in its order when the model has one
-    (`LoadedModel.global_ids` turns positions into vocabulary ids).
+    (`LoadedModel.global_ids` turns positions into vocabulary ids). With `host` the logits
+    come back on the CPU, where the verifier and the drafter shape and sample them today;
+    `host=False` leaves them on the model's device.
 
     Each session's new KV is written just past its cached prefix and is not yet
     part of it: the caller keeps what it wants with `Session.commit`.
@@ -320,29 +363,31 @@ def forward_batch(loaded: LoadedModel, items: list[ForwardItem], logits: bool = 
     model = loaded.model
     new_lens = [len(it.input_ids) for it in items]
     width = max(new_lens)
-    input_ids = torch.zeros(len(items), width, dtype=torch.long)
-    positions = torch.zeros(len(items), width, dtype=torch.long)
-    attends = []
-    for b, it in enumerate(items):
-        n = new_lens[b]
-        input_ids[b, :n] = torch.tensor(it.input_ids)
-        positions[b, :n] = torch.tensor(it.positions)
-        it.session.reserve(model, n)
+    # Padded in Python lists and sent to the device once: a tensor op per session costs more.
+    ids_rows, pos_rows, attends = [], [], []
+    # Batched attention stacks every buffer to the batch's longest context: each must hold that many.
+    total = max(it.session.kv_len + n for it, n in zip(items, new_lens)) if model.attention == "batched" else 0
+    for it, n in zip(items, new_lens):
+        ids_rows.append(list(it.input_ids) + [0] * (width - n))
+        pos_rows.append(list(it.positions) + [0] * (width - n))
+        it.session.reserve(model, max(n, total - it.session.kv_len))
         if n == 1:
             attends.append(None)
         else:
-            attends.append(it.attend if it.attend is not None else torch.ones(n, n, dtype=torch.bool).tril())
+            attends.append(it.attend if it.attend is not None else torch.ones(n, n, dtype=torch.bool, device=model.device).tril())
     out = llama.forward(
         model,
-        input_ids,
-        positions,
+        torch.tensor(ids_rows, dtype=torch.long, device=model.device),
+        torch.tensor(pos_rows, dtype=torch.long, device=model.device),
         [it.session.kv for it in items],
         [it.session.kv_len for it in items],
         new_lens,
         attends,
         logits=logits,
     )
-    return None if out is None else out.float()
+    if out is None:
+        return None
+    return out.float().cpu() if host else out.float()
 
 
 # Rows of one prefill pass at most (bounds the [rows, V] logits a scored pass holds).

@@ -22,6 +22,7 @@ Shapes: B sessions, V vocabulary, K entries kept in a sparse distribution.
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
 from dataclasses import dataclass
 
@@ -32,6 +33,9 @@ STREAM_VERIFY = 0
 STREAM_DRAFT = 1
 # The exponential race shared by drafters and verifier in drafter-invariant sessions.
 STREAM_RACE = 2
+
+# Temperatures below this sample greedily (see SamplingParams.greedy).
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,19 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        # Below this, logits / temperature overflows float32 and softmax gives NaN; the
+        # distribution is a point mass on the argmax for any practical purpose (as vLLM does).
+        return self.temperature < GREEDY_BELOW
+
+    def problem(self) -> str | None:
+        """What makes these parameters unusable, naming the field, or None. NaN fails every check."""
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            return f"sampling.temperature must be a finite number >= 0, got {self.temperature}"
+        if not 0 < self.top_p <= 1:
+            return f"sampling.top_p must be in (0, 1], got {self.top_p}"
+        if self.top_k < 0:
+            return f"sampling.top_k must be >= 0, got {self.top_k}"
+        return None
 
     @property
     def raced(self) -> bool:
@@ -67,7 +83,7 @@ def probs_from_logits(
 ) -> torch.Tensor:  # [B, V] float32, rows sum to 1
     logits = logits.float()
     batch, vocab = logits.shape
-    greedy = temperature <= 0
+    greedy = temperature < GREEDY_BELOW
     one_hot = torch.zeros_like(logits).scatter_(1, logits.argmax(dim=1, keepdim=True), 1.0)
     if greedy.all():
         return one_hot

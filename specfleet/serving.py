@@ -22,6 +22,9 @@ log = logging.getLogger(__name__)
 
 # Token trees and many sessions per call make messages larger than gRPC's 4 MB default.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# How long a stopping router lets its in-flight requests finish; `specfleet serve` stops the
+# verifier and drafters only after the router has exited.
+ROUTER_DRAIN_S = 30.0
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

@@ -32,10 +32,14 @@ def random_family(tmp_path_factory) -> dict[str, pathlib.Path]:
 
 
 class Cluster:
-    """`specfleet serve` with a given config, as a user would run it."""
+    """`specfleet serve` with a given config, as a user would run it.
 
-    def __init__(self, config: dict, workdir: pathlib.Path, name: str):
+    cwd: the tree whose code runs (its packages shadow the installed ones), e.g. a mutated
+    copy from tests/mutation.py; the repository by default."""
+
+    def __init__(self, config: dict, workdir: pathlib.Path, name: str, cwd: pathlib.Path = REPO):
         self.config = config
+        self.cwd = pathlib.Path(cwd)
         self.config_path = workdir / f"{name}.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
         self.router = f"127.0.0.1:{config['router']['port']}"
@@ -52,7 +56,7 @@ class Cluster:
             stdout=subprocess.PIPE,
             stderr=self._log,
             text=True,
-            cwd=REPO,
+            cwd=self.cwd,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
             preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None,
         )

@@ -1,17 +1,27 @@
 """specfleet's own forward pass against transformers' on the same weights.
 
-Ragged batches, cached prefixes, chains and trees, grouped-query attention and
-QKV bias (Qwen2): every logit our pass gives must be the one the reference
-gives for that token's own path through the tree.
+Every supported family (Llama with GQA, Llama 3 with its `llama3` RoPE scaling
+and attention bias, linear RoPE scaling, Qwen2's QKV bias, Qwen3's per-head query/key norms,
+Mistral), ragged batches of sessions with different cached lengths, chains and
+trees, with attention per session and batched (one call per layer): every logit our pass gives must be the one the reference gives for that
+token's own path through the tree. SPECFLEET_TEST_DEVICE=cuda runs them on a
+GPU (scripts/device-check).
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
 from specfleet import runtime
+from specfleet.llama import ATTENTION_MODES
 from specfleet.runtime import ForwardItem, Session, forward_batch, load_model, prefill
+
+DEVICE = os.environ.get("SPECFLEET_TEST_DEVICE", "cpu")
+# float32 on both sides; a GPU's kernels sum in other orders.
+TOLERANCE = dict(atol=2e-4, rtol=1e-4) if DEVICE == "cpu" else dict(atol=2e-3, rtol=1e-3)
 
 
 def _save(tmp_path, config, name):
@@ -19,72 +29,95 @@ def _save(tmp_path, config, name):
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
+    # Random norms and biases: at their initial ones and zeros a skipped norm or bias changes nothing.
+    with torch.no_grad():
+        for pname, param in model.named_parameters():
+            if "norm" in pname or pname.endswith("bias"):
+                param.normal_(1.0 if "norm" in pname else 0.0, 0.5)
     model.save_pretrained(tmp_path / name)
     # The tokenizer only has to load; reuse the demo one.
     from specfleet.runtime import load_tokenizer
 
     load_tokenizer("models/demo/tokenizer").save_pretrained(tmp_path / name)
-    return model
+    return model.to(DEVICE)
 
 
 def _configs():
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=8192, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=128)
+    llama3_rope = {
+        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
     return {
         "llama-gqa": LlamaConfig(num_attention_heads=4, num_key_value_heads=2, **common),
+        "llama3-rope-bias": LlamaConfig(num_attention_heads=4, num_key_value_heads=2, rope_parameters=llama3_rope, attention_bias=True, **common),
+        "llama-linear-rope": LlamaConfig(num_attention_heads=4, num_key_value_heads=4, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}, **common),
         "qwen2-bias": Qwen2Config(num_attention_heads=4, num_key_value_heads=4, **common),
+        "qwen3-qk-norm": Qwen3Config(num_attention_heads=4, num_key_value_heads=2, head_dim=32, **common),
+        "mistral": MistralConfig(num_attention_heads=4, num_key_value_heads=1, sliding_window=4096, **common),
     }
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias"])
-def test_forward_matches_transformers(tmp_path, name):
+FAMILIES = list(_configs())
+
+
+@pytest.mark.parametrize("attention", ATTENTION_MODES)
+@pytest.mark.parametrize("name", FAMILIES)
+def test_forward_matches_transformers(tmp_path, name, attention):
     reference = _save(tmp_path, _configs()[name], name)
-    loaded = load_model(name, tmp_path / name)
+    loaded = load_model(name, tmp_path / name, device=DEVICE, attention=attention)
     gen = torch.Generator().manual_seed(1)
     prompt_a = torch.randint(0, 8192, (9,), generator=gen).tolist()
     prompt_b = torch.randint(0, 8192, (4,), generator=gen).tolist()
+    prompt_c = torch.randint(0, 8192, (70,), generator=gen).tolist()
 
-    # Session a: a chain of 3 after its prompt; session b: a tree after its prompt.
+    # Session a: a chain of 3 after its prompt; session b: a tree after its prompt;
+    # session c: one decode step after a longer prompt (three cached lengths, three widths;
+    # c's cache outgrows the smallest buffer, so batched attention must grow a and b's to match).
     #   b's root r, nodes 0 -> 1 and 0 -> 2 (siblings), 3 a second child of the root.
-    a, b = Session(token_ids=list(prompt_a)), Session(token_ids=list(prompt_b))
-    prefill(loaded, [a, b], keep_last=1)
+    a, b, c = Session(token_ids=list(prompt_a)), Session(token_ids=list(prompt_b)), Session(token_ids=list(prompt_c))
+    prefill(loaded, [a, b, c], keep_last=1)
     chain = [11, 12, 13]
     tree_tokens, tree_parents = [21, 22, 23, 24], [-1, 0, 0, -1]
     attend = torch.tensor(
         [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 0, 0, 1]], dtype=torch.bool
     )
-    root_a, root_b = len(prompt_a) - 1, len(prompt_b) - 1
+    root_a, root_b, root_c = len(prompt_a) - 1, len(prompt_b) - 1, len(prompt_c) - 1
     logits = forward_batch(
         loaded,
         [
             ForwardItem(a, [prompt_a[-1], *chain], list(range(root_a, root_a + 4))),
             ForwardItem(b, [prompt_b[-1], *tree_tokens], [root_b, root_b + 1, root_b + 2, root_b + 2, root_b + 1], attend),
+            ForwardItem(c, [prompt_c[-1]], [root_c]),
         ],
     )
 
     def ref_logits(ids):
         with torch.no_grad():
-            return reference(torch.tensor([ids])).logits[0, -1]
+            return reference(torch.tensor([ids], device=DEVICE)).logits[0, -1].float().cpu()
 
     for i in range(4):
-        torch.testing.assert_close(logits[0, i], ref_logits(prompt_a + chain[:i]), atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(logits[0, i], ref_logits(prompt_a + chain[:i]), **TOLERANCE)
     paths = {0: [], 1: [21], 2: [21, 22], 3: [21, 23], 4: [24]}
     for row, path in paths.items():
-        torch.testing.assert_close(logits[1, row], ref_logits(prompt_b + path), atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(logits[1, row], ref_logits(prompt_b + path), **TOLERANCE)
+    torch.testing.assert_close(logits[2, 0], ref_logits(prompt_c), **TOLERANCE)
 
     # Keep b's accepted path root -> 0 -> 2 and continue from it: the cache must hold exactly that path.
     b.commit([0, 1, 3])
     b.token_ids += [21, 23]
     next_logits = forward_batch(loaded, [ForwardItem(b, [31], [len(b.token_ids)])])
-    torch.testing.assert_close(next_logits[0, 0], ref_logits(prompt_b + [21, 23, 31]), atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(next_logits[0, 0], ref_logits(prompt_b + [21, 23, 31]), **TOLERANCE)
 
 
-def test_prefill_passes_group_similar_lengths_and_match_transformers(tmp_path, monkeypatch):
+@pytest.mark.parametrize("attention", ATTENTION_MODES)
+def test_prefill_passes_group_similar_lengths_and_match_transformers(tmp_path, monkeypatch, attention):
     """Sessions of similar lengths share one prefill pass; each one's cache and scores are what its
     own full-context forward gives, and a very different length gets a pass of its own."""
     reference = _save(tmp_path, _configs()["llama-gqa"], "llama-gqa")
-    loaded = load_model("llama-gqa", tmp_path / "llama-gqa")
+    loaded = load_model("llama-gqa", tmp_path / "llama-gqa", device=DEVICE, attention=attention)
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 8192, (n,), generator=gen).tolist() for n in (11, 12, 13, 13, 40)]
     sessions = [Session(token_ids=list(p)) for p in prompts]
@@ -96,8 +129,8 @@ def test_prefill_passes_group_similar_lengths_and_match_transformers(tmp_path, m
     step = forward_batch(loaded, [ForwardItem(s, [s.token_ids[-1]], [len(s.token_ids) - 1]) for s in sessions])
     for b, prompt in enumerate(prompts):
         with torch.inference_mode():
-            ref = reference(torch.tensor([prompt])).logits[0].float()
-        assert torch.allclose(step[b, 0], ref[-1], atol=1e-4)
+            ref = reference(torch.tensor([prompt], device=DEVICE)).logits[0].float().cpu()
+        torch.testing.assert_close(step[b, 0], ref[-1], **TOLERANCE)
         ref_score = ref[:-1].log_softmax(-1).gather(1, torch.tensor(prompt[1:]).unsqueeze(1)).sum()
         assert scores[b][1] == len(prompt) - 1 and abs(scores[b][0] - float(ref_score)) < 1e-3
 
@@ -108,3 +141,24 @@ def test_unsupported_architecture_is_refused_by_name(tmp_path):
     _save(tmp_path, GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=8192), "gpt2")
     with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
         load_model("gpt2", tmp_path / "gpt2")
+
+
+def test_unsupported_rope_scaling_is_refused_by_name(tmp_path):
+    from transformers import LlamaConfig
+
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}
+    config = LlamaConfig(vocab_size=8192, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                         max_position_embeddings=128, rope_parameters=rope)
+    _save(tmp_path, config, "yarn")
+    with pytest.raises(ValueError, match="RoPE scaling 'yarn' is not supported"):
+        load_model("yarn", tmp_path / "yarn")
+
+
+def test_a_sliding_window_bounds_the_context(tmp_path):
+    """The pass attends to the whole prefix, which is a sliding window's answer only inside the window."""
+    from transformers import MistralConfig
+
+    config = MistralConfig(vocab_size=8192, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                           num_key_value_heads=1, max_position_embeddings=128, sliding_window=48)
+    _save(tmp_path, config, "mistral-window")
+    assert load_model("mistral-window", tmp_path / "mistral-window").max_context == 48

@@ -334,6 +334,7 @@ def test_killed_drafter_actor_costs_only_speed(ray_serve, random_family):
     # The restarted drafter has lost its sessions (the router resends them) and drafts again through its transport.
     reply = _generate(ray_serve, prompt, max_tokens=12)
     assert list(reply.token_ids) == target_greedy(str(random_family["target"]), prompt, 12)
+    assert reply.speculation.draft_tokens > 0, "the router did not draft with the restarted drafter actor"
     body = (
         "import asyncio\n"
         "from router import ray_transport\n"

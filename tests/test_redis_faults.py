@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 import threading
 
 import pytest
@@ -10,8 +11,10 @@ import redis
 
 from router.routing import RedisExpertiseStore
 from tests.conftest import free_port
-from tests.test_redis import RedisServer, pytestmark  # noqa: F401 (skip without redis-server)
+from tests.test_redis import RedisServer
 from tests.test_routing import make_router
+
+pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed (scripts/ensure-redis)")
 
 POISON = [b"nan,nan", b"inf,1", b"-5,2", b"3", b"a,b", b"1,2,3", b""]
 

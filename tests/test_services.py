@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from specfleet.v1 import generation_pb2_grpc
-from tests.conftest import REPO, Cluster, cluster_config
+from tests.conftest import REPO, Cluster, cluster_config, free_port
 from tests.helpers import PROMPTS, greedy_request, target_greedy
 
 
@@ -79,6 +79,33 @@ def test_ctrl_c_stops_every_service_even_when_started_as_a_background_job(random
     cluster.stop()
 
 
+def test_services_die_with_a_killed_serve(random_family, tmp_path):
+    """`specfleet serve` killed outright (no chance to stop anything): its services, each in its own
+    process group, go with it rather than running on unattended."""
+    cluster = Cluster(cluster_config(random_family), tmp_path, "killed").start()
+    children = _children(cluster.proc.pid)
+    assert len(children) == 3
+    cluster.proc.kill()
+    cluster.proc.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while [pid for pid in children if _alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    survivors = [pid for pid in children if _alive(pid)]
+    for pid in survivors:  # leave nothing behind, whatever the verdict
+        os.kill(pid, signal.SIGKILL)
+    assert not survivors
+    cluster.stop()
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting for its (dead) parent's reaper."""
+    try:
+        state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
 def test_each_service_runs_on_the_cores_its_config_names(random_family, tmp_path):
     """verifier.cpus / drafters[].cpus / router.cpus pin the processes `specfleet serve` starts."""
     last = max(os.sched_getaffinity(0))
@@ -102,34 +129,81 @@ def test_each_service_runs_on_the_cores_its_config_names(random_family, tmp_path
     assert out.returncode == 2 and "verifier: cpus [4096] are not all usable here" in out.stderr
 
 
-def test_sigterm_lets_in_flight_requests_finish(random_family, tmp_path):
-    config = cluster_config(random_family)
-    cluster = Cluster(config, tmp_path, "graceful").start()
+@pytest.mark.parametrize("how", ["sigterm", "ctrl-c"])
+def test_sigterm_lets_in_flight_requests_finish(random_family, tmp_path, monkeypatch, how):
+    """SIGTERM to `specfleet serve`, or a terminal's Ctrl-C (SIGINT to its whole process group), while a
+    request is provably mid-generation (its first round streamed, the verifier paused, well over a hundred
+    tokens to go): new requests are refused UNAVAILABLE, the in-flight one finishes with the full, correct
+    output, and serve exits 0 by itself, having stopped the router before the services the router's last
+    rounds need, and having killed nothing."""
+    import functools
+
+    from specfleet.serving import ROUTER_DRAIN_S
+    from tests.operations import metrics, paused, service_pid
+
+    config = cluster_config(random_family, router={"metrics_port": free_port()})
+    cluster = Cluster(config, tmp_path, "graceful")
+    with monkeypatch.context() as patch:
+        # As from a terminal: serve leads its own process group, which Ctrl-C signals as a whole.
+        patch.setattr(subprocess, "Popen", functools.partial(subprocess.Popen, start_new_session=True))
+        cluster.start()
+    prompt = PROMPTS[0]
+    reference = target_greedy(str(random_family["target"]), prompt, 200)
+    assert len(reference) > 150
     try:
         with cluster.channel() as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
-            request = greedy_request(PROMPTS[0], 200, 2)
-            request.speculation.disabled = True  # slow enough to still be running at SIGTERM
-            stream = stub.GenerateStream(request, timeout=120)
-            first = next(stream)
-            router = subprocess.run(["pgrep", "-P", str(cluster.proc.pid), "-f", "m router --config"], capture_output=True, text=True)
-            pid = int(router.stdout.split()[0])
-            subprocess.run(["kill", "-TERM", str(pid)], check=True)
-            tokens = list(first.token_ids) + [t for chunk in stream for t in chunk.token_ids]
-        assert tokens == target_greedy(str(random_family["target"]), PROMPTS[0], 200)
+            request = greedy_request(prompt, 200, 2)
+            request.speculation.disabled = True  # one token a round: rounds count the tokens made
+            stream = stub.GenerateStream(request, timeout=300)
+            tokens = list(next(stream).token_ids)
+            with paused(service_pid(cluster, "verifier")):
+                if how == "sigterm":
+                    cluster.proc.send_signal(signal.SIGTERM)
+                else:
+                    os.killpg(cluster.proc.pid, signal.SIGINT)
+                deadline = time.monotonic() + 60
+                while "router shutting down" not in cluster.log_path.read_text():
+                    assert time.monotonic() < deadline, "the router never began to shut down"
+                    time.sleep(0.1)
+                made = metrics(config["router"]["metrics_port"])["specfleet_router_rounds_total"]
+                assert made < len(reference) - 100, f"{made} of {len(reference)} tokens were made before SIGTERM"
+                with pytest.raises(grpc.RpcError) as refused:
+                    with cluster.channel() as fresh:
+                        generation_pb2_grpc.GenerationStub(fresh).Generate(greedy_request(PROMPTS[1], 4), timeout=30)
+                assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value.details()
+            tokens += [t for chunk in stream for t in chunk.token_ids]
+        assert tokens == reference
+        assert cluster.proc.wait(timeout=ROUTER_DRAIN_S + 60) == 0
     finally:
         cluster.stop()
+    log = cluster.log_path.read_text()
+    assert "killing it" not in log, log[-3000:]
+    lines = log.splitlines()
+
+    def first(text: str) -> int:
+        return next(i for i, line in enumerate(lines) if text in line)
+
+    assert first("router stopped") < first("verifier shutting down")
+    assert first("router stopped") < first("drafters shutting down")
 
 
-def test_cli_generate_prints_text(cluster):
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_cli_generate_prints_text(cluster, stream):
+    """`specfleet generate` prints the completion (streamed or whole) on stdout, its stats on stderr."""
+    with cluster.channel() as channel:
+        expected = generation_pb2_grpc.GenerationStub(channel).Generate(greedy_request(PROMPTS[0], 8), timeout=120)
+    assert expected.text.strip()
     out = subprocess.run(
-        [sys.executable, "-m", "specfleet.cli", "generate", "--server", cluster.router, "--max-tokens", "8", "--stats", PROMPTS[0]],
+        [sys.executable, "-m", "specfleet.cli", "generate", "--server", cluster.router, "--max-tokens", "8", "--stats",
+         *(["--stream"] if stream else []), PROMPTS[0]],
         capture_output=True, text=True, timeout=120, cwd=REPO,
     )
     assert out.returncode == 0, out.stderr
-    assert "finish: length" in out.stderr
+    assert out.stdout == expected.text + "\n"
+    assert "finish: length; rounds: " in out.stderr
     bad = subprocess.run(
-        [sys.executable, "-m", "specfleet.cli", "generate", "--server", cluster.router, "--temperature", "-1", "x"],
+        [sys.executable, "-m", "specfleet.cli", "generate", "--server", cluster.router, "--temperature", "-1", *(["--stream"] if stream else []), "x"],
         capture_output=True, text=True, timeout=60, cwd=REPO,
     )
     assert bad.returncode == 1 and "INVALID_ARGUMENT: temperature" in bad.stderr

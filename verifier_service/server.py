@@ -87,6 +87,15 @@ class VerifierCore:
     def info(self) -> common_pb2.ModelInfo:
         return self.verifier.loaded.info()
 
+    async def stats(self) -> verifier_pb2.VerifierServiceStats:
+        store = self.verifier.store
+
+        def held() -> list[str]:
+            with store.lock:  # held by the model thread for a whole batch: read between batches
+                return sorted(store._sessions)
+
+        return verifier_pb2.VerifierServiceStats(session_ids=await asyncio.to_thread(held))
+
     def close(self) -> None:
         self.batcher.close()
 
@@ -94,7 +103,8 @@ class VerifierCore:
 def load_core(vcfg: config_mod.VerifierConfig, model: str | None = None, threads: int | None = None) -> VerifierCore:
     """Load the target model and build the verifier with its batch queue, as the config says."""
     configure_torch(threads or vcfg.threads)
-    loaded = load_model("target", model or vcfg.model, dtype=vcfg.dtype)
+    device = config_mod.resolve_device(vcfg.device, "verifier.device")
+    loaded = load_model("target", model or vcfg.model, dtype=vcfg.dtype, device=device, attention=vcfg.attention)
     store = SessionStore(max_cache_bytes=int(vcfg.max_cache_mb * 2**20), max_sessions=vcfg.max_sessions)
     verifier = Verifier(loaded, store)
     telemetry = PassTelemetry("verifier", lambda: [store])
@@ -118,6 +128,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     async def GetInfo(self, request, context):
         return self.core.info()
 
+    async def GetStats(self, request, context):
+        return await self.core.stats()
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specfleet verifier", description="Serve the target model for batched verification.")
@@ -130,7 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("verifier")
     cfg = config_mod.load(args.config) if args.config else config_mod.default_config(config_mod.REPO / ".cache")
     vcfg = cfg.verifier
-    core = load_core(vcfg, model=args.model, threads=args.threads)
+    try:
+        core = load_core(vcfg, model=args.model, threads=args.threads)
+    except config_mod.ConfigError as err:
+        raise SystemExit(f"specfleet verifier: {err}") from None
     servicer = VerifierServicer(core)
 
     def register(server):

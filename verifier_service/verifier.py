@@ -57,7 +57,7 @@ def validate_item(item: VerifyItem, vocab_size: int, max_context: int) -> None:
         if bad:
             raise ValueError(f"session {item.session_id}: {name} has ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
     for i, (ids, probs) in enumerate(item.proposals):
-        if not ids or len(ids) != len(probs) or any(not 0 <= t < vocab_size for t in ids) or any(p < 0 for p in probs):
+        if not ids or len(ids) != len(probs) or any(not 0 <= t < vocab_size for t in ids) or not all(0 <= p <= 1 for p in probs):
             raise ValueError(f"session {item.session_id}: tree.proposals[{i}] must be a non-empty distribution over vocabulary ids")
     if item.prefix_length < 0:
         raise ValueError(f"session {item.session_id}: sync.prefix_length must be >= 0")
@@ -65,9 +65,9 @@ def validate_item(item: VerifyItem, vocab_size: int, max_context: int) -> None:
         raise ValueError(f"session {item.session_id}: context plus tree exceeds the model's {max_context} positions")
     if item.prefix_length == 0 and not item.new_token_ids:
         raise ValueError(f"session {item.session_id}: a new session needs at least one token")
-    s = item.sampling
-    if s.temperature < 0 or not 0 < s.top_p <= 1 or s.top_k < 0:
-        raise ValueError(f"session {item.session_id}: sampling needs temperature >= 0, top_p in (0, 1], top_k >= 0")
+    problem = item.sampling.problem()
+    if problem:
+        raise ValueError(f"session {item.session_id}: {problem}")
 
 
 class Verifier:

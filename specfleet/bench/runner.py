@@ -128,7 +128,7 @@ def reference_outputs(family: Family, settings: Settings, requests: list[Request
 
     torch.set_num_threads(settings.threads)
     ref = HFTarget(family, dataclasses.replace(settings, cpus=None))
-    ref.model = HFTarget.load(family.target, settings.dtype)
+    ref.model = HFTarget.load(family.target, settings.dtype, settings.device)
     out: dict[tuple, list[int]] = {}
     for req in requests:
         key = (tuple(req.prompt_ids), req.max_tokens)

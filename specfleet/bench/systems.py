@@ -91,6 +91,9 @@ class Settings:
     ignore_eos: bool = True
     temperature: float = 0.0
     dtype: str = "float32"
+    # Where the in-process transformers systems (and the greedy reference) run: cpu or cuda[:N].
+    # specfleet's services take theirs from the config (--set verifier.device=cuda).
+    device: str = "cpu"
     assist_schedule: str = "constant"
     startup_timeout_s: float = 600.0
     log_dir: pathlib.Path = pathlib.Path("bench-results/logs")
@@ -162,13 +165,13 @@ class HFTarget(System):
         set_affinity(self.settings.cpus)
 
     @classmethod
-    def load(cls, path: pathlib.Path, dtype: str):
-        key = (str(path), dtype)
+    def load(cls, path: pathlib.Path, dtype: str, device: str = "cpu"):
+        key = (str(path), dtype, device)
         if key not in cls._models:
             import torch
             from transformers import AutoModelForCausalLM
 
-            cls._models[key] = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype)).eval()
+            cls._models[key] = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype)).to(device).eval()
         return cls._models[key]
 
     async def start(self) -> None:
@@ -176,7 +179,7 @@ class HFTarget(System):
         await asyncio.get_running_loop().run_in_executor(self._pool, self._load)
 
     def _load(self):
-        self.model = self.load(self.family.target, self.settings.dtype)
+        self.model = self.load(self.family.target, self.settings.dtype, self.settings.device)
 
     def _kwargs(self) -> dict:
         kw = {"do_sample": False}
@@ -195,7 +198,7 @@ class HFTarget(System):
         import torch
 
         timer = _Timer()
-        ids = torch.tensor([req.prompt_ids])
+        ids = torch.tensor([req.prompt_ids], device=self.model.device)
         with torch.inference_mode():
             out = self.model.generate(
                 ids,
@@ -224,7 +227,7 @@ class HFAssisted(HFTarget):
 
     def _load(self):
         super()._load()
-        self.assistant = self.load(self.family.drafters[self.family.drafter], self.settings.dtype)
+        self.assistant = self.load(self.family.drafters[self.family.drafter], self.settings.dtype, self.settings.device)
         gc = self.assistant.generation_config
         gc.num_assistant_tokens = self.settings.k
         gc.num_assistant_tokens_schedule = self.settings.assist_schedule

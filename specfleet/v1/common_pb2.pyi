@@ -49,7 +49,7 @@ class SparseDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "path", "vocab_size", "max_context", "eos_token_id", "tokenizer_fingerprint", "parameters")
+    __slots__ = ("name", "path", "vocab_size", "max_context", "eos_token_id", "tokenizer_fingerprint", "parameters", "device", "dtype", "attention")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,9 @@ class ModelInfo(_message.Message):
     EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
     vocab_size: int
@@ -64,7 +67,10 @@ class ModelInfo(_message.Message):
     eos_token_id: int
     tokenizer_fingerprint: str
     parameters: int
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., parameters: _Optional[int] = ...) -> None: ...
+    device: str
+    dtype: str
+    attention: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., parameters: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., attention: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_ids", "keep_tokens")

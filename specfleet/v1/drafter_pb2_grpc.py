@@ -50,6 +50,11 @@ class DrafterStub:
                 request_serializer=specfleet_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
                 response_deserializer=specfleet_dot_v1_dot_drafter__pb2.DrafterInfo.FromString,
                 _registered_method=True)
+        self.GetStats = channel.unary_unary(
+                '/specfleet.v1.Drafter/GetStats',
+                request_serializer=specfleet_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
+                response_deserializer=specfleet_dot_v1_dot_drafter__pb2.DrafterServiceStats.FromString,
+                _registered_method=True)
 
 
 class DrafterServicer:
@@ -75,6 +80,14 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetStats(self, request, context):
+        """What the service holds now: operators and tests check that finished
+        requests' sessions were released.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DrafterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +105,11 @@ def add_DrafterServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=specfleet_dot_v1_dot_common__pb2.InfoRequest.FromString,
                     response_serializer=specfleet_dot_v1_dot_drafter__pb2.DrafterInfo.SerializeToString,
+            ),
+            'GetStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStats,
+                    request_deserializer=specfleet_dot_v1_dot_common__pb2.InfoRequest.FromString,
+                    response_serializer=specfleet_dot_v1_dot_drafter__pb2.DrafterServiceStats.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +193,33 @@ class Drafter:
             '/specfleet.v1.Drafter/GetInfo',
             specfleet_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
             specfleet_dot_v1_dot_drafter__pb2.DrafterInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specfleet.v1.Drafter/GetStats',
+            specfleet_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
+            specfleet_dot_v1_dot_drafter__pb2.DrafterServiceStats.FromString,
             options,
             channel_credentials,
             insecure,

@@ -54,3 +54,9 @@ class VerifyResponse(_message.Message):
     compute_ms: float
     batch_size: int
     def __init__(self, sessions: _Optional[_Iterable[_Union[VerifiedSession, _Mapping]]] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ...) -> None: ...
+
+class VerifierServiceStats(_message.Message):
+    __slots__ = ("session_ids",)
+    SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session_ids: _Optional[_Iterable[str]] = ...) -> None: ...

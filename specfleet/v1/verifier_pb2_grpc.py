@@ -50,6 +50,11 @@ class VerifierStub:
                 request_serializer=specfleet_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
                 response_deserializer=specfleet_dot_v1_dot_common__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.GetStats = channel.unary_unary(
+                '/specfleet.v1.Verifier/GetStats',
+                request_serializer=specfleet_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
+                response_deserializer=specfleet_dot_v1_dot_verifier__pb2.VerifierServiceStats.FromString,
+                _registered_method=True)
 
 
 class VerifierServicer:
@@ -76,6 +81,14 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetStats(self, request, context):
+        """What the service holds now: operators and tests check that finished
+        requests' sessions were released.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +106,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=specfleet_dot_v1_dot_common__pb2.InfoRequest.FromString,
                     response_serializer=specfleet_dot_v1_dot_common__pb2.ModelInfo.SerializeToString,
+            ),
+            'GetStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStats,
+                    request_deserializer=specfleet_dot_v1_dot_common__pb2.InfoRequest.FromString,
+                    response_serializer=specfleet_dot_v1_dot_verifier__pb2.VerifierServiceStats.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +194,33 @@ class Verifier:
             '/specfleet.v1.Verifier/GetInfo',
             specfleet_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
             specfleet_dot_v1_dot_common__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specfleet.v1.Verifier/GetStats',
+            specfleet_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
+            specfleet_dot_v1_dot_verifier__pb2.VerifierServiceStats.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,97 @@
+"""The deployment config refuses what it cannot run, and every refusal names the key to fix."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from specfleet import config as config_mod
+
+
+def good() -> dict:
+    return {
+        "verifier": {"model": "models/demo/target"},
+        "drafters": [
+            {"name": "a", "address": "127.0.0.1:50062", "models": [{"name": "general", "path": "models/demo/drafters/general"}]},
+            {"name": "b", "address": "127.0.0.1:50063", "models": [{"name": "code", "path": "models/demo/drafters/code"}]},
+        ],
+        "router": {"default_drafter": "general"},
+    }
+
+
+def with_(path: str, value) -> dict:
+    """good() with the key at a dotted path (list indices as numbers) set to value."""
+    data = copy.deepcopy(good())
+    *parents, last = path.split(".")
+    node = data
+    for key in parents:
+        node = node[int(key)] if isinstance(node, list) else node.setdefault(key, {})
+    if isinstance(node, list):
+        node[int(last)] = value
+    else:
+        node[last] = value
+    return data
+
+
+BAD = [
+    # (id, config, what the message must name)
+    ("unknown section", {**good(), "routers": {}}, "unknown section(s) ['routers']"),
+    ("unknown router key", with_("router.max_runing", 8), "router: unknown key(s) ['max_runing']"),
+    ("unknown drafter key", with_("drafters.0.adress", "x:1"), "drafters[0]: unknown key(s) ['adress']"),
+    ("unknown model key", with_("drafters.0.models.0.pth", "x"), "drafters[0].models[0]: unknown key(s) ['pth']"),
+    ("section not a mapping", {**good(), "router": ["port"]}, "router: expected a mapping"),
+    ("drafters not a list", {**good(), "drafters": {"name": "a"}}, "drafters: expected a list"),
+    ("models not a list", with_("drafters.0.models", "general"), "drafters[0].models: expected a list"),
+    ("int as string", with_("router.max_running", "8"), "router.max_running: expected int"),
+    ("bool as int", with_("router.port", True), "router.port: expected int"),
+    ("float as string", with_("router.rpc_timeout_s", "soon"), "router.rpc_timeout_s: expected float"),
+    ("str as number", with_("verifier.dtype", 16), "verifier.dtype: expected str"),
+    ("no target model", with_("verifier.model", ""), "verifier.model"),
+    ("batch size zero", with_("verifier.max_batch_size", 0), "verifier.max_batch_size: must be at least 1"),
+    ("max_running zero", with_("router.max_running", 0), "router.max_running: must be at least 1"),
+    ("default above limit", with_("router.default_max_tokens", 4096), "router.default_max_tokens"),
+    ("draft tokens above max", with_("router.num_draft_tokens", 32), "router.num_draft_tokens"),
+    ("service without name", with_("drafters.1.name", ""), "drafters[1].name: required"),
+    ("duplicate service", with_("drafters.1.name", "a"), "drafters[1].name: duplicate service name 'a'"),
+    ("service without models", with_("drafters.0.models", []), "drafters[0].models: a drafter service needs at least one model"),
+    ("model without path", with_("drafters.0.models.0", {"name": "general"}), "drafters[0].models[0]: name and path are required"),
+    ("duplicate model", with_("drafters.1.models.0.name", "general"), "drafters[1].models[0].name: draft model 'general' is configured twice"),
+    ("negative core", with_("drafters.1.cpus", [-1]), "drafters[1].cpus: a list of core numbers"),
+    ("cores not a list", with_("verifier.cpus", 3), "verifier.cpus"),
+    ("unknown policy", with_("router.routing_policy", "fastest"), "router.routing_policy: must be one of"),
+    ("unknown prior", with_("router.domain_prior", "vibes"), "router.domain_prior"),
+    ("fusion width zero", with_("router.fusion_width", 0), "router.fusion_width"),
+    ("pipeline depth zero", with_("router.pipeline_depth", 0), "router.pipeline_depth"),
+    ("decay zero", with_("router.expertise_decay", 0.0), "router.expertise_decay: must be in (0, 1]"),
+    ("decay above one", with_("router.expertise_decay", 1.5), "router.expertise_decay"),
+    ("default drafter not served", with_("router.default_drafter", "prose"), "router.default_drafter: 'prose' is not a configured draft model"),
+]
+
+
+@pytest.mark.parametrize("data,names", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_config_is_refused_naming_the_key(data, names):
+    with pytest.raises(config_mod.ConfigError) as err:
+        config_mod.parse(data)
+    assert names in str(err.value)
+
+
+def test_the_good_config_parses():
+    """The base of every bad config above is itself accepted, so each refusal is for the one change."""
+    config = config_mod.parse(good())
+    assert [s.name for s in config.drafters] == ["a", "b"] and config.router.default_drafter == "general"
+
+
+def test_config_file_problems_name_the_file(tmp_path):
+    with pytest.raises(config_mod.ConfigError, match="does not exist"):
+        config_mod.load(tmp_path / "missing.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("router: {port: [\n")
+    with pytest.raises(config_mod.ConfigError) as err:
+        config_mod.load(broken)
+    assert str(broken) in str(err.value) and "not valid YAML" in str(err.value)
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- verifier\n")
+    with pytest.raises(config_mod.ConfigError) as err:
+        config_mod.load(listed)
+    assert str(listed) in str(err.value) and "mapping at the top level" in str(err.value)

@@ -1,0 +1,101 @@
+"""Faults in one process cost speed, not requests: real processes, real signals."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import threading
+
+from router.breaker import Breaker
+from specfleet.v1 import generation_pb2_grpc
+from tests.conftest import Cluster, cluster_config, free_port
+from tests.helpers import PROMPTS, greedy_request, target_greedy
+
+
+def test_breaker_skips_a_failing_service_and_probes_it_with_growing_backoff():
+    now = [0.0]
+    breaker = Breaker(clock=lambda: now[0])
+    assert breaker.allow("a")
+    breaker.failed("a")
+    assert not breaker.allow("a") and breaker.allow("b") and breaker.open == ["a"]
+    assert not breaker.probe_due("a")
+    now[0] = 0.6
+    assert breaker.probe_due("a") and not breaker.probe_due("a")  # one probe at a time
+    assert not breaker.allow("a")  # rounds skip it until a probe succeeds
+    breaker.failed("a")  # the probe failed: twice the backoff
+    now[0] = 1.5
+    assert not breaker.probe_due("a")
+    now[0] = 1.7
+    assert breaker.probe_due("a")
+    breaker.succeeded("a")
+    assert breaker.allow("a") and breaker.open == []
+    breaker.failed("a")
+    now[0] = 2.3
+    assert breaker.probe_due("a")  # back to the first backoff after a success
+
+
+def _service_pid(cluster: Cluster, needle: str) -> int:
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) != cluster.proc.pid:
+                continue
+            command = pathlib.Path(stat.parent, "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError, IndexError):
+            continue
+        if needle in command:
+            return int(stat.parent.name)
+    raise LookupError(needle)
+
+
+def test_a_stopped_drafter_does_not_stall_requests_drafted_by_others(random_family, tmp_path):
+    """SIGSTOP one of two drafter services while eight streams are mid-generation: rounds go on without it
+    (its calls get a short deadline, then the breaker skips it), so the streams keep receiving tokens
+    while it is stopped, and every output is the target's. Without the deadline every round that routes
+    a request to it waits rpc_timeout_s."""
+    config = cluster_config(random_family)
+    config["drafters"] = [
+        {"name": "alpha", "address": f"127.0.0.1:{free_port()}", "models": [{"name": "drafter-noisy", "path": str(random_family["drafter-noisy"])}]},
+        {"name": "beta", "address": f"127.0.0.1:{free_port()}", "models": [{"name": "drafter-copy", "path": str(random_family["drafter-copy"])}]},
+    ]
+    # Every round draws each request's drafter at random, so most rounds have requests on both services.
+    config["router"].update(
+        {"routing_policy": "random", "default_drafter": "drafter-noisy", "adaptive_speculation": False, "rpc_timeout_s": 300}
+    )
+    cluster = Cluster(config, tmp_path, "stopped-drafter").start()
+    prompts, max_tokens = PROMPTS[:8], 900
+    tokens: dict[str, list[int]] = {p: [] for p in prompts}
+    chunks = threading.Semaphore(0)
+    started = threading.Barrier(len(prompts) + 1)
+
+    def client(prompt: str) -> None:
+        request = greedy_request(prompt, max_tokens, 2, stop_at_eos=False)
+        with cluster.channel() as channel:
+            for i, chunk in enumerate(generation_pb2_grpc.GenerationStub(channel).GenerateStream(request, timeout=900)):
+                tokens[prompt] += chunk.token_ids
+                chunks.release()
+                if i == 0:
+                    started.wait(timeout=300)
+
+    threads = [threading.Thread(target=client, args=(p,)) for p in prompts]
+    try:
+        for t in threads:
+            t.start()
+        started.wait(timeout=300)  # every stream is mid-generation, with hundreds of tokens to go
+        beta = _service_pid(cluster, "--name beta")
+        os.kill(beta, signal.SIGSTOP)
+        try:
+            while chunks.acquire(blocking=False):  # count only what arrives from now on
+                pass
+            # A few rounds may complete without touching beta; fifty chunks need rounds that route around it.
+            progressed = all(chunks.acquire(timeout=60) for _ in range(50))
+        finally:
+            os.kill(beta, signal.SIGCONT)
+        for t in threads:
+            t.join(timeout=900)
+    finally:
+        cluster.stop()
+    assert progressed, "the streams stalled while one drafter service was stopped"
+    for prompt in prompts:
+        assert tokens[prompt] == target_greedy(str(random_family["target"]), prompt, max_tokens), prompt
+    assert "drafter service beta: skipped" in cluster.log_path.read_text()
