@@ -493,6 +493,8 @@ class Scheduler:
         if state.cancelled and state.error is None:
             self.metrics.requests_cancelled += 1  # nobody is listening
             state.published_final = True
+            if self.telemetry is not None:
+                self.telemetry.cancelled_request(state)
             return
         if state.error is not None:
             self.metrics.requests_failed += 1

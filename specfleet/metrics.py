@@ -190,12 +190,14 @@ class RouterTelemetry:
             self._last_token_at[id(state)] = now
         if chunk.final:
             self._last_token_at.pop(id(state), None)
-            if state.cancelled and not state.finish_reason:
-                self.cancelled.inc()
-                return
             self.e2e.observe(now - state.admitted_at)
             self.success.labels(finished_reason=state.finish_reason).inc()
             self.prompt_tokens.inc(len(state.spec.prompt_ids))
+
+    def cancelled_request(self, state) -> None:
+        """Its client went away before the end (Scheduler._publish drops it)."""
+        self._last_token_at.pop(id(state), None)
+        self.cancelled.inc()
 
     def failed_with(self, state, code) -> None:
         self._last_token_at.pop(id(state), None)
