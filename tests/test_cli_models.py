@@ -24,8 +24,10 @@ def test_each_models_action_prints_its_own_help():
 def test_a_quick_build_refuses_to_replace_the_bundled_demo_models(tmp_path):
     target = REPO / "models" / "demo" / "target" / "model.safetensors"
     before = target.stat().st_mtime_ns if target.exists() else None
-    # The refusal comes before any work, so a short timeout only guards against a regression.
-    result = run("models", "build", "--quick", "--work", str(tmp_path / "work"), timeout=60)
+    # --stop-after corpus: should the refusal ever go, the build stops after writing corpora
+    # into tmp_path, before it could write a model over the bundled ones (scripts/mutants runs
+    # this test in a copy whose models/ are hard links to the real ones).
+    result = run("models", "build", "--quick", "--work", str(tmp_path / "work"), "--stop-after", "corpus", timeout=300)
     assert result.returncode == 2
     assert "--overwrite-demo" in result.stderr and "--out" in result.stderr
     assert (target.stat().st_mtime_ns if target.exists() else None) == before
