@@ -14,6 +14,7 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	scripts/ensure-redis
+	scripts/ensure-prometheus
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 proto: $(STAMP)

@@ -9,6 +9,9 @@ import logging
 import grpc
 
 from specfleet import config as config_mod
+from specfleet import metrics
+from specfleet.metrics import PassTelemetry
+from specfleet.ports import listen
 from specfleet.runtime import SessionStore, configure_torch, load_model
 from specfleet.sampling import SamplingParams
 from specfleet.serving import BatchQueue, serve, setup_logging
@@ -29,8 +32,9 @@ class IncompatibleModels(ValueError):
 class DrafterCore:
     """The drafter service's logic in proto messages, shared by the gRPC servicer and the Ray actor."""
 
-    def __init__(self, models: dict[str, DraftModel], batcher: BatchQueue):
+    def __init__(self, models: dict[str, DraftModel], batcher: BatchQueue, telemetry: PassTelemetry):
         self.models = models
+        self.telemetry = telemetry
         self.batcher = batcher
 
     def items(self, request: drafter_pb2.DraftRequest) -> list[tuple[str, DraftItem]]:
@@ -152,8 +156,11 @@ def load_core(svc: config_mod.DrafterServiceConfig, threads: int | None = None) 
     fingerprints = {m.loaded.fingerprint for m in models.values()}
     if len(fingerprints) > 1:
         raise IncompatibleModels(f"drafter service {svc.name}: its draft models use different tokenizers; they cannot serve one target")
-    batcher = BatchQueue(f"drafter-{svc.name}", lambda tagged: draft_batch(models, tagged), svc.max_batch_size, svc.max_wait_ms / 1e3)
-    return DrafterCore(models, batcher)
+    telemetry = PassTelemetry("drafter", lambda: [m.store for m in models.values()], {"drafter_service": svc.name})
+    batcher = BatchQueue(
+        f"drafter-{svc.name}", telemetry.timed(lambda tagged: draft_batch(models, tagged)), svc.max_batch_size, svc.max_wait_ms / 1e3
+    )
+    return DrafterCore(models, batcher, telemetry)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,5 +189,12 @@ def main(argv: list[str] | None = None) -> int:
         return [drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name]
 
     port = args.port if args.port is not None else config_mod.port_of(svc.address)
-    asyncio.run(serve(f"drafter {svc.name}", args.host, port, register, on_stop=core.close))
+    default_metrics = config_mod.DEFAULT_METRICS_PORTS["drafter"] + cfg.drafters.index(svc)
+    metrics_sock = listen(args.host, svc.metrics_port, default_metrics, f"drafter {svc.name} metrics", f"drafters[{svc.name}].metrics_port")
+
+    async def run():
+        async with metrics.exported(metrics_sock, core.telemetry.registry):
+            await serve(f"drafter {svc.name}", args.host, port, register, on_stop=core.close)
+
+    asyncio.run(run())
     return 0

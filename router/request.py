@@ -87,6 +87,15 @@ def parse_request(req: generation_pb2.GenerateRequest, tokenizer, limits: Limits
     max_tokens = req.max_tokens if req.HasField("max_tokens") else limits.default_max_tokens
     if not 1 <= max_tokens <= limits.max_tokens_limit:
         raise InvalidRequest(f"max_tokens: must be between 1 and {limits.max_tokens_limit}, got {max_tokens}")
+    room = limits.max_context - len(prompt_ids)
+    if max_tokens > room:
+        if req.HasField("max_tokens"):
+            # Generation would stop at the context's end with less than was asked: say so now.
+            raise InvalidRequest(
+                f"max_tokens: {max_tokens} new tokens after a prompt of {len(prompt_ids)} exceed the model's context of "
+                f"{limits.max_context} tokens; ask for at most {room}"
+            )
+        max_tokens = room  # the server's default, not the client's request: fit it to the context
     if not math.isfinite(req.temperature) or req.temperature < 0:
         raise InvalidRequest(f"temperature: must be >= 0 (0 is greedy), got {req.temperature}")
     top_p = req.top_p if req.HasField("top_p") else 1.0

@@ -135,6 +135,7 @@ class Scheduler:
         self.router = router
         self.controller = controller
         self.metrics = RouterMetrics()
+        self.telemetry = None  # specfleet.metrics.RouterTelemetry, when the router exports metrics
         self.breaker = Breaker()
         self._background: set[asyncio.Task] = set()
         self._waiting: list[RequestState] = []
@@ -372,6 +373,8 @@ class Scheduler:
                     state.drafter_mirrors[drafter].reset()
                 return []
             wall = (time.perf_counter() - started) * 1e3
+            if self.telemetry is not None:
+                self.telemetry.draft_call.labels(drafter_service=transport.name).observe(wall / 1e3)
             self.controller.cost.observe_draft(max((e[3].num_draft_tokens for e in entries), default=0), reply.compute_ms)
             self.controller.cost.observe_calls(draft_overhead_ms=wall - reply.compute_ms)
             out = []
@@ -437,6 +440,8 @@ class Scheduler:
                 )
             return
         wall = (time.perf_counter() - started) * 1e3
+        if self.telemetry is not None:
+            self.telemetry.verify_call.observe(wall / 1e3)
         # A merged batch reports its whole compute time to every caller: count this call's share
         # as busy time, and scale this call's sessions and tokens up to the pass for the cost model.
         self.metrics.verify_busy_ms += reply.compute_ms * len(sessions) / max(reply.batch_size, len(sessions))
@@ -463,6 +468,8 @@ class Scheduler:
         """Count drafted and accepted tokens, and score each drafter's proposals against what was emitted."""
         state.draft_tokens += len(tree.tokens)
         state.accepted_tokens += len(accepted_nodes)
+        if self.telemetry is not None:
+            self.telemetry.verified(state, tree, accepted_nodes)
         self.metrics.draft_tokens += len(tree.tokens)
         self.metrics.accepted_tokens += len(accepted_nodes)
         accepted_owners = collections.Counter(d for node in accepted_nodes for d in tree.owners[node])
@@ -496,11 +503,15 @@ class Scheduler:
         if state.cancelled and state.error is None:
             self.metrics.requests_cancelled += 1  # nobody is listening
             state.published_final = True
+            if self.telemetry is not None:
+                self.telemetry.cancelled_request(state)
             return
         if state.error is not None:
             self.metrics.requests_failed += 1
             state.published_final = True
             state.updates.put_nowait(state.error)
+            if self.telemetry is not None:
+                self.telemetry.failed_with(state, state.error[0])
             return
         chunk = state.take_chunk()
         if chunk is not None:
@@ -508,6 +519,8 @@ class Scheduler:
                 self.metrics.requests_finished += 1
                 state.published_final = True
             state.updates.put_nowait(chunk)
+            if self.telemetry is not None:
+                self.telemetry.published(state, chunk)
 
     async def _release(self, finished: list[RequestState]) -> None:
         ids = [s.spec.session_id for s in finished]

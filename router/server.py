@@ -6,19 +6,24 @@ import argparse
 import asyncio
 import concurrent.futures
 import logging
+import os
+import pathlib
 import time
 
 import grpc
 
+from router import openai_api
 from router.metrics import render as render_metrics
-from router.metrics import serve_metrics
 from router.request import Chunk, InvalidRequest, Limits, RequestSpec, RequestState, parse_request, prompt_chars_bound
 from router.routing import DomainClassifier, DrafterProfile, DrafterRouter, ExpertiseStore, RedisExpertiseStore, RoutingConfig
 from router.scheduler import Overloaded, Scheduler, SchedulerConfig
 from router.speculation import CostModel, SpeculationController
 from router.transport import GrpcDrafter, GrpcVerifier
 from specfleet import config as config_mod
+from specfleet import metrics
+from specfleet.metrics import RouterTelemetry
 from specfleet.runtime import load_tokenizer, tokenizer_fingerprint
+from specfleet.ports import listen
 from specfleet.serving import ROUTER_DRAIN_S, serve, setup_logging, wait_until_serving
 from specfleet.v1 import common_pb2, drafter_pb2, generation_pb2, generation_pb2_grpc, verifier_pb2
 
@@ -41,6 +46,24 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         """The validated request and its prompt text (the routing classifier reads it)."""
         spec = parse_request(request, self.tokenizer, self.limits)
         return spec, request.prompt or self.tokenizer.decode(spec.prompt_ids)
+
+    async def admit(self, request: generation_pb2.GenerateRequest, deadline: float | None) -> RequestState:
+        """Validate `request` and queue it; raises InvalidRequest or Overloaded.
+
+        The entry of the HTTP API (router/openai_api.py): the same parsing (off the event
+        loop), limits and scheduler as the gRPC methods, without a network hop. Set
+        `cancelled` on the returned state when its client goes away.
+        """
+        spec, prompt_text = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._parse, request)
+        state = RequestState(
+            spec=spec, tokenizer=self.tokenizer, eos_token_id=self.eos_token_id, max_context=self.limits.max_context, deadline=deadline
+        )
+        self.scheduler.submit(state, prompt_text, spec.domain)
+        log.info(
+            "request %s (session %s, HTTP): %d prompt tokens, max_tokens %d, temperature %g, k <= %d",
+            spec.request_id, spec.session_id, len(spec.prompt_ids), spec.max_tokens, spec.sampling.temperature, spec.draft_tokens,
+        )
+        return state
 
     async def _start(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> RequestState:
         try:
@@ -319,8 +342,12 @@ async def run(
     ray_address: str | None = None,
     ray_namespace: str = "specfleet",
     config_path: str | None = None,
+    api_key: str = "",
 ) -> None:
-    """Serve; with ray_address, reach the verifier and drafters as Ray actors (`specfleet serve --ray`) instead of gRPC."""
+    """Serve; with ray_address, reach the verifier and drafters as Ray actors (`specfleet serve --ray`) instead of gRPC.
+
+    api_key: when set, the HTTP API's /v1/* needs `Authorization: Bearer api_key`.
+    """
     given = None
     if ray_address is not None:
         from router import ray_transport
@@ -329,8 +356,12 @@ async def run(
     servicer, scheduler, transports = await build(cfg, given)
     scheduler.start()
     metrics_server = None
-    if cfg.router.metrics_port:
-        metrics_server = await serve_metrics(host, cfg.router.metrics_port, lambda: render_metrics(scheduler))
+    metrics_sock = listen(host, cfg.router.metrics_port, config_mod.DEFAULT_METRICS_PORTS["router"], "router metrics", "router.metrics_port")
+    if metrics_sock is not None:
+        scheduler.telemetry = RouterTelemetry(scheduler)
+        # The earlier hand-written specfleet_router_* families follow the specfleet:* ones.
+        metrics_server = await metrics.serve(metrics_sock, scheduler.telemetry.registry, lambda: render_metrics(scheduler))
+    http = await start_http(cfg, host, servicer, api_key)
     on_reload = (lambda: reload(servicer, scheduler, config_path, over_grpc=given is None)) if config_path else None
 
     def register(server):
@@ -340,11 +371,29 @@ async def run(
     try:
         await serve("router", host, port, register, grace_s=ROUTER_DRAIN_S, on_reload=on_reload)
     finally:
+        if http is not None:
+            await openai_api.stop(*http)
         if metrics_server is not None:
             metrics_server.close()
         await scheduler.stop()
         for transport in transports:
             await transport.close()
+
+
+async def start_http(cfg: config_mod.Config, host: str, servicer: GenerationServicer, api_key: str):
+    """The OpenAI-compatible API on router.http_port, or None when it is off."""
+    sock = listen(host, cfg.router.http_port, config_mod.DEFAULT_HTTP_PORT, "HTTP API", "router.http_port")
+    if sock is None:
+        return None
+    model_name = cfg.router.served_model_name or pathlib.Path(cfg.verifier.model).name
+    app = openai_api.create_app(servicer, model_name, api_key)
+    started = await openai_api.start(app, sock)
+    address = sock.getsockname()
+    log.info(
+        "OpenAI-compatible API on http://%s:%d/v1 (model %r)%s",
+        address[0], address[1], model_name, ", API key required" if api_key else "",
+    )
+    return started
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -354,6 +403,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, help="port (default: router.port)")
     parser.add_argument("--ray", metavar="ADDRESS", help="reach the verifier and drafters as Ray actors in the cluster at ADDRESS (`auto`: this node's)")
     parser.add_argument("--ray-namespace", default="specfleet", help="Ray namespace of the actors (default: specfleet)")
+    parser.add_argument(
+        "--api-key", default=os.environ.get("SPECFLEET_API_KEY", ""),
+        help="require `Authorization: Bearer KEY` on the HTTP API's /v1/* (default: $SPECFLEET_API_KEY; unset: no key)",
+    )
     args = parser.parse_args(argv)
     setup_logging("router")
     cfg = config_mod.load(args.config) if args.config else config_mod.default_config(config_mod.REPO / ".cache")
@@ -366,9 +419,10 @@ def main(argv: list[str] | None = None) -> int:
                 args.ray,
                 args.ray_namespace,
                 config_path=args.config,
+                api_key=args.api_key,
             )
         )
-    except (StartupError, TimeoutError) as err:
+    except (StartupError, TimeoutError, OSError) as err:
         log.error("router cannot start: %s", err)
         return 2
     return 0

@@ -18,6 +18,8 @@ import argparse
 import asyncio
 import os
 import pathlib
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -45,6 +47,10 @@ def cmd_serve(argv: list[str]) -> int:
     )
     parser.add_argument("--namespace", default="specfleet", help="Ray namespace of the actors (with --ray)")
     parser.add_argument("--detached", action="store_true", help="with --ray: the actors outlive this command (reused when it runs again)")
+    parser.add_argument(
+        "--api-key", default=os.environ.get("SPECFLEET_API_KEY", ""),
+        help="require `Authorization: Bearer KEY` on the OpenAI-compatible API's /v1/* (default: $SPECFLEET_API_KEY; unset: no key)",
+    )
     args = parser.parse_args(argv)
 
     from specfleet import config as config_mod
@@ -57,6 +63,9 @@ def cmd_serve(argv: list[str]) -> int:
         return 2
     if args.port is not None:
         cfg.router.port = args.port
+    # The key reaches the router (here or under --ray) in its environment, not on its command
+    # line, which `ps` shows to every user.
+    os.environ["SPECFLEET_API_KEY"] = args.api_key
     if args.ray is None:
         # Every service runs here: a device this machine lacks is refused before anything starts.
         try:
@@ -141,7 +150,11 @@ def cmd_serve(argv: list[str]) -> int:
 
         signal.signal(signal.SIGHUP, reload_config)
         print(f"specfleet is ready: router listening on {router_address} (Ctrl-C stops everything)", flush=True)
-        print(f"  try: specfleet generate --server {router_address} 'def fibonacci(n):'", flush=True)
+        print(f"  try: {_this_command()} generate --server {router_address} 'def fibonacci(n):'", flush=True)
+        if cfg.router.http_port != 0:
+            port = cfg.router.http_port or config_mod.DEFAULT_HTTP_PORT
+            unless = "" if cfg.router.http_port else " (unless that port was taken: see the router's log; router.http_port sets it)"
+            print(f"  OpenAI-compatible API: http://{cfg.router.host}:{port}/v1{unless}", flush=True)
         while True:
             for name, proc in procs:
                 if proc.poll() is not None:
@@ -152,6 +165,17 @@ def cmd_serve(argv: list[str]) -> int:
         print("specfleet serve: stopping", file=sys.stderr)
         return stop_all(0)
 
+
+def _this_command() -> str:
+    """How a shell runs this specfleet: `specfleet` only when PATH finds this very one (after `make
+    serve` it is .venv/bin/specfleet, not on PATH), else its path, else the interpreter and module."""
+    me = pathlib.Path(sys.argv[0])
+    if me.name == "specfleet" and me.exists():
+        on_path = shutil.which("specfleet")
+        if on_path and pathlib.Path(on_path).resolve() == me.resolve():
+            return "specfleet"
+        return shlex.quote(str(me))
+    return f"{shlex.quote(sys.executable)} -m specfleet.cli"
 
 def _child_setup(cpus: list[int], parent: int):
     """What a service's process does between fork and exec (so every thread it starts inherits it).
@@ -256,12 +280,15 @@ def cmd_generate(argv: list[str]) -> int:
 
 
 def cmd_models(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="specfleet models", description="Build the bundled demo models or measure them.")
-    parser.add_argument("action", choices=["build", "matrix"])
-    args, rest = parser.parse_known_args(argv)
-    from specfleet import demo_models
+    # Everything after the action is the action's own (its --help included), so it is not parsed here.
+    if argv and argv[0] in ("build", "matrix"):
+        from specfleet import demo_models
 
-    return demo_models.build_main(rest) if args.action == "build" else demo_models.matrix_main(rest)
+        return demo_models.build_main(argv[1:]) if argv[0] == "build" else demo_models.matrix_main(argv[1:])
+    parser = argparse.ArgumentParser(prog="specfleet models", description="Build the bundled demo models or measure them.")
+    parser.add_argument("action", choices=["build", "matrix"], help="`specfleet models ACTION --help` for its options")
+    parser.parse_args(argv)  # prints the help, or the error naming the unknown action
+    return 2
 
 
 def cmd_bench(argv: list[str]) -> int:

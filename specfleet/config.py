@@ -39,6 +39,12 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 DEMO_MODELS = REPO / "models" / "demo"
 
 
+# Ports a service listens on when its config leaves the key unset: on by default, as a user
+# expects of `specfleet serve`, yet a second deployment on the machine still starts.
+DEFAULT_HTTP_PORT = 8000
+DEFAULT_METRICS_PORTS = {"router": 9460, "verifier": 9461, "drafter": 9462}
+
+
 class ConfigError(ValueError):
     pass
 
@@ -90,6 +96,9 @@ class VerifierConfig:
     cpus: list[int] = field(default_factory=list)
     # Placement as a Ray actor (`specfleet serve --ray`); unset: RayPlacement's defaults.
     ray: RayPlacement | None = None
+    # Prometheus metrics at http://host:metrics_port/metrics; 0 turns them off; unset (null):
+    # DEFAULT_METRICS_PORTS["verifier"] when that port is free, else off with a warning.
+    metrics_port: int | None = None
 
 
 @dataclass
@@ -125,6 +134,10 @@ class DrafterServiceConfig:
     cpus: list[int] = field(default_factory=list)
     # Placement as a Ray actor (`specfleet serve --ray`); unset: RayPlacement's defaults.
     ray: RayPlacement | None = None
+    # Prometheus metrics at http://host:metrics_port/metrics; 0 turns them off; unset (null):
+    # DEFAULT_METRICS_PORTS["drafter"] plus the service's index in `drafters` when that port
+    # is free, else off with a warning.
+    metrics_port: int | None = None
 
 
 @dataclass
@@ -178,8 +191,15 @@ class RouterConfig:
     rpc_timeout_s: float = 60.0
     # How long start-up waits for the verifier and drafters to become healthy.
     startup_timeout_s: float = 180.0
-    # Prometheus metrics at http://host:metrics_port/metrics; 0 turns them off.
-    metrics_port: int = 0
+    # Prometheus metrics at http://host:metrics_port/metrics; 0 turns them off; unset (null):
+    # DEFAULT_METRICS_PORTS["router"] when that port is free, else off with a warning.
+    metrics_port: int | None = None
+    # The OpenAI-compatible HTTP API (router/openai_api.py) at http://host:http_port/v1; 0 turns
+    # it off; unset (null): DEFAULT_HTTP_PORT when that port is free, else off with a warning
+    # (an explicit port that is taken fails start-up instead).
+    http_port: int | None = None
+    # The model name clients pass as `model` to the HTTP API; empty: the target directory's name.
+    served_model_name: str = ""
     # Cores the router may run on when `specfleet serve` starts it (CPU affinity; empty: any).
     cpus: list[int] = field(default_factory=list)
 
@@ -228,6 +248,9 @@ def _build(cls, data, path: str):
             ):
                 raise ConfigError(f"{where}: expected a mapping of names to {name}s, got {value!r}")
             value = {k: float(v) for k, v in value.items()} if key == "resources" else dict(value)
+        elif f.type == "int | None":
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise ConfigError(f"{where}: expected a port number (0: off) or null (the default), got {value!r}")
         elif f.type in ("int", "float", "str"):
             want = {"int": int, "float": (int, float), "str": str}[f.type]
             if not isinstance(value, want) or isinstance(value, bool):

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,24 @@ def setup_logging(service: str, level: str | None = None) -> None:
         pass
 
 
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def add_reflection_v1(service_names: Sequence[str], server: grpc.aio.Server) -> None:
+    """Server reflection as grpc.reflection.v1 too, which current clients (grpcurl, Postman) ask first.
+
+    grpcio-reflection ships only v1alpha; v1's messages are the same fields under another
+    package, so v1alpha's servicer answers v1 calls byte for byte.
+    """
+    servicer = reflection.aio.ReflectionServicer(service_names)
+    handler = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": handler}),))
+
+
 async def serve(
     name: str,
     host: str,
@@ -92,9 +110,9 @@ async def serve(
     service_names = list(register(server))
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection(
-        [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
-    )
+    reflected = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME, REFLECTION_V1]
+    reflection.enable_server_reflection(reflected, server)
+    add_reflection_v1(reflected, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"{name}: cannot listen on {host}:{port} (port in use?)")

@@ -9,6 +9,9 @@ import logging
 import grpc
 
 from specfleet import config as config_mod
+from specfleet import metrics
+from specfleet.metrics import PassTelemetry
+from specfleet.ports import listen
 from specfleet.runtime import SessionStore, configure_torch, load_model
 from specfleet.sampling import SamplingParams
 from specfleet.serving import BatchQueue, serve, setup_logging
@@ -25,9 +28,10 @@ class InvalidArgument(ValueError):
 class VerifierCore:
     """The verifier service's logic in proto messages, shared by the gRPC servicer and the Ray actor."""
 
-    def __init__(self, verifier: Verifier, batcher: BatchQueue):
+    def __init__(self, verifier: Verifier, batcher: BatchQueue, telemetry: PassTelemetry):
         self.verifier = verifier
         self.batcher = batcher
+        self.telemetry = telemetry
 
     def items(self, request: verifier_pb2.VerifyRequest) -> list[VerifyItem]:
         """Validate a request and convert it; raises InvalidArgument naming the problem."""
@@ -103,8 +107,9 @@ def load_core(vcfg: config_mod.VerifierConfig, model: str | None = None, threads
     loaded = load_model("target", model or vcfg.model, dtype=vcfg.dtype, device=device, attention=vcfg.attention)
     store = SessionStore(max_cache_bytes=int(vcfg.max_cache_mb * 2**20), max_sessions=vcfg.max_sessions)
     verifier = Verifier(loaded, store)
-    batcher = BatchQueue("verifier", verifier.verify_batch, vcfg.max_batch_size, vcfg.max_wait_ms / 1e3)
-    return VerifierCore(verifier, batcher)
+    telemetry = PassTelemetry("verifier", lambda: [store])
+    batcher = BatchQueue("verifier", telemetry.timed(verifier.verify_batch), vcfg.max_batch_size, vcfg.max_wait_ms / 1e3)
+    return VerifierCore(verifier, batcher, telemetry)
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
@@ -149,5 +154,11 @@ def main(argv: list[str] | None = None) -> int:
         return [verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name]
 
     port = args.port if args.port is not None else config_mod.port_of(vcfg.address)
-    asyncio.run(serve("verifier", args.host, port, register, on_stop=core.close))
+    metrics_sock = listen(args.host, vcfg.metrics_port, config_mod.DEFAULT_METRICS_PORTS["verifier"], "verifier metrics", "verifier.metrics_port")
+
+    async def run():
+        async with metrics.exported(metrics_sock, core.telemetry.registry):
+            await serve("verifier", args.host, port, register, on_stop=core.close)
+
+    asyncio.run(run())
     return 0

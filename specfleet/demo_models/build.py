@@ -152,7 +152,15 @@ def build_main(argv: list[str]) -> int:
     ap.add_argument("--stop-after", choices=STAGES, default=None)
     ap.add_argument("--no-matrix", action="store_true", help="skip the acceptance matrix at the end")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--overwrite-demo", action="store_true", help="with --quick: let the tiny models replace the bundled ones in models/demo"
+    )
     args = ap.parse_args(argv)
+    bundled = Path(__file__).resolve().parents[2] / "models" / "demo"
+    if args.quick and Path(args.out).resolve() == bundled and not args.overwrite_demo:
+        # The bundled models are what the README's examples and the benchmarks describe; tiny
+        # quick ones written over them would change every answer without saying so.
+        ap.error(f"--quick would replace the bundled demo models in {bundled} with tiny ones: pass --out DIR, or --overwrite-demo to replace them")
 
     import numpy as np
     import torch

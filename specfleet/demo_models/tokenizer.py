@@ -7,6 +7,10 @@ from pathlib import Path
 from .corpus import DOMAINS, load_split
 
 EOS = "<|endoftext|>"
+# The demo models are not trained on chats; this plain template only lets the OpenAI API's
+# /v1/chat/completions turn messages into a prompt. It is not part of the tokenizer's
+# fingerprint (runtime.tokenizer_fingerprint: vocabulary and special tokens only).
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
 
 
 def train_tokenizer(corpus: Path, out_dir: Path, vocab_size: int = 8192, sample_chars: int = 1_500_000):
@@ -43,6 +47,7 @@ def train_tokenizer(corpus: Path, out_dir: Path, vocab_size: int = 8192, sample_
         pad_token=EOS,
         clean_up_tokenization_spaces=False,
         model_max_length=512,
+        chat_template=CHAT_TEMPLATE,
     )
     out_dir.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(str(out_dir))
