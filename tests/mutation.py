@@ -8,7 +8,6 @@ tests/test_lossless.py starts a cluster from a mutated copy as its negative cont
 
 from __future__ import annotations
 
-import os
 import pathlib
 import shutil
 from dataclasses import dataclass
@@ -21,8 +20,6 @@ FIELDS = ("name", "why", "file", "find", "replace", "tests")
 
 # Not copied: version control, environments, caches and build outputs (.gitignore's entries).
 SKIP = {".git", ".venv", "__pycache__", ".pytest_cache", ".cache", "build", "dist", "bench-results", ".whl", ".gl"}
-# Hard-linked rather than copied: large, and no mutant touches them.
-LINKED = {"models"}
 
 
 class MutantError(ValueError):
@@ -96,12 +93,6 @@ def load_mutants(root: pathlib.Path = REPO, area: str | None = None) -> dict[str
 def copy_tree(dest: pathlib.Path, root: pathlib.Path = REPO) -> pathlib.Path:
     """A copy of the working tree (committed or not) at dest, which must not exist yet."""
 
-    def link_or_copy(src: str, dst: str) -> None:
-        try:
-            os.link(src, dst)
-        except OSError:  # another file system
-            shutil.copy2(src, dst)
-
     dest = pathlib.Path(dest)
     dest.mkdir(parents=True)
     for entry in root.iterdir():
@@ -110,7 +101,9 @@ def copy_tree(dest: pathlib.Path, root: pathlib.Path = REPO) -> pathlib.Path:
         target = dest / entry.name
         if entry.is_dir() and not entry.is_symlink():
             ignore = shutil.ignore_patterns(*SKIP, "*.pyc", "*.egg-info")
-            shutil.copytree(entry, target, symlinks=True, ignore=ignore, copy_function=link_or_copy if entry.name in LINKED else shutil.copy2)
+            # Copied, models too (41 MB, a fraction of a second): a test that writes models must not
+            # write through a link into the real tree.
+            shutil.copytree(entry, target, symlinks=True, ignore=ignore)
         else:
             shutil.copy2(entry, target, follow_symlinks=False)
     return dest

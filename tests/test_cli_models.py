@@ -25,8 +25,7 @@ def test_a_quick_build_refuses_to_replace_the_bundled_demo_models(tmp_path):
     target = REPO / "models" / "demo" / "target" / "model.safetensors"
     before = target.stat().st_mtime_ns if target.exists() else None
     # --stop-after corpus: should the refusal ever go, the build stops after writing corpora
-    # into tmp_path, before it could write a model over the bundled ones (scripts/mutants runs
-    # this test in a copy whose models/ are hard links to the real ones).
+    # into tmp_path, before it could write a model over the bundled ones.
     result = run("models", "build", "--quick", "--work", str(tmp_path / "work"), "--stop-after", "corpus", timeout=300)
     assert result.returncode == 2
     assert "--overwrite-demo" in result.stderr and "--out" in result.stderr
