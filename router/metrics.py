@@ -1,16 +1,11 @@
-"""The router's metrics in Prometheus text format, on a small HTTP endpoint (GET /metrics).
+"""The router's own counters and learned state (`specfleet_router_*`) in Prometheus text format.
 
-No client library: the format is a few lines of text, and the router already
-keeps the counters (`RouterMetrics`) and the learned routing state.
+`specfleet/metrics.py` serves them on the router's /metrics after the `specfleet:*`
+families, as text rendered from the state the router already keeps (`RouterMetrics`,
+the learned routing state, the cost model).
 """
 
 from __future__ import annotations
-
-import asyncio
-import logging
-from collections.abc import Callable
-
-log = logging.getLogger(__name__)
 
 
 def _labels(**labels: str) -> str:
@@ -77,29 +72,3 @@ def render(scheduler) -> str:
     )
     return "\n".join(lines) + "\n"
 
-
-async def serve_metrics(host: str, port: int, render_text: Callable[[], str]) -> asyncio.Server:
-    """GET /metrics on host:port; anything else is 404."""
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            request_line = await asyncio.wait_for(reader.readline(), timeout=5)
-            while (await asyncio.wait_for(reader.readline(), timeout=5)).strip():
-                pass  # headers
-            parts = request_line.decode("latin-1").split()
-            if len(parts) >= 2 and parts[0] == "GET" and parts[1].split("?")[0] == "/metrics":
-                body, status, ctype = render_text().encode(), "200 OK", "text/plain; version=0.0.4"
-            else:
-                body, status, ctype = b"not found: try /metrics\n", "404 Not Found", "text/plain"
-            writer.write(
-                f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body
-            )
-            await writer.drain()
-        except (asyncio.TimeoutError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-    server = await asyncio.start_server(handle, host, port)
-    log.info("metrics on http://%s:%d/metrics", host, port)
-    return server

@@ -31,15 +31,16 @@ def children(pid: int) -> list[int]:
     return found
 
 
-def service_pid(cluster, service: str) -> int:
-    """The pid of one service `specfleet serve` started: verifier, drafter or router."""
+def service_pid(cluster, service: str, also: str = "") -> int:
+    """The pid of one service `specfleet serve` started: verifier, drafter or router (whose command
+    line also holds `also`, e.g. "--name beta" for one of several drafter services)."""
     wanted = f"-m {SERVICE_MODULES[service]} "
     for pid in children(cluster.proc.pid):
         try:
             command = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:
             continue
-        if wanted in command:
+        if wanted in command and also in command:
             return pid
     raise LookupError(f"no {service} process under specfleet serve (pid {cluster.proc.pid})")
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import pathlib
 import signal
 import threading
 
@@ -11,6 +10,7 @@ from router.breaker import Breaker
 from specfleet.v1 import generation_pb2_grpc
 from tests.conftest import Cluster, cluster_config, free_port
 from tests.helpers import PROMPTS, greedy_request, target_greedy
+from tests.operations import service_pid
 
 
 def test_breaker_skips_a_failing_service_and_probes_it_with_growing_backoff():
@@ -33,19 +33,6 @@ def test_breaker_skips_a_failing_service_and_probes_it_with_growing_backoff():
     breaker.failed("a")
     now[0] = 2.3
     assert breaker.probe_due("a")  # back to the first backoff after a success
-
-
-def _service_pid(cluster: Cluster, needle: str) -> int:
-    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) != cluster.proc.pid:
-                continue
-            command = pathlib.Path(stat.parent, "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except (OSError, ValueError, IndexError):
-            continue
-        if needle in command:
-            return int(stat.parent.name)
-    raise LookupError(needle)
 
 
 def test_a_stopped_drafter_does_not_stall_requests_drafted_by_others(random_family, tmp_path):
@@ -82,7 +69,7 @@ def test_a_stopped_drafter_does_not_stall_requests_drafted_by_others(random_fami
         for t in threads:
             t.start()
         started.wait(timeout=300)  # every stream is mid-generation, with hundreds of tokens to go
-        beta = _service_pid(cluster, "--name beta")
+        beta = service_pid(cluster, "drafter", also="--name beta")
         os.kill(beta, signal.SIGSTOP)
         try:
             while chunks.acquire(blocking=False):  # count only what arrives from now on

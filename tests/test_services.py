@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from specfleet.v1 import generation_pb2_grpc
 from tests.conftest import REPO, Cluster, cluster_config, free_port
 from tests.helpers import PROMPTS, greedy_request, target_greedy
+from tests.operations import children
 
 
 @pytest.mark.parametrize("which", ["router", "verifier", "drafter"])
@@ -54,28 +55,16 @@ def test_drafter_with_another_tokenizer_is_refused_at_startup(random_family, tmp
     assert "uses a different tokenizer" in log and "mismatched" in log, log[-2000:]
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:  # the field after the state is the parent's pid
-            found.append(int(stat.parent.name))
-    return found
-
-
 def test_ctrl_c_stops_every_service_even_when_started_as_a_background_job(random_family, tmp_path):
     cluster = Cluster(cluster_config(random_family), tmp_path, "bg").start(sigint_ignored=True)
-    children = _children(cluster.proc.pid)
-    assert len(children) == 3  # verifier, drafter, router
+    services = children(cluster.proc.pid)
+    assert len(services) == 3  # verifier, drafter, router
     cluster.proc.send_signal(signal.SIGINT)
     assert cluster.proc.wait(timeout=20) == 0
     deadline = time.monotonic() + 10
-    while any(pathlib.Path(f"/proc/{pid}").exists() for pid in children) and time.monotonic() < deadline:
+    while any(pathlib.Path(f"/proc/{pid}").exists() for pid in services) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not [pid for pid in children if pathlib.Path(f"/proc/{pid}").exists()]
+    assert not [pid for pid in services if pathlib.Path(f"/proc/{pid}").exists()]
     cluster.stop()
 
 
@@ -83,14 +72,14 @@ def test_services_die_with_a_killed_serve(random_family, tmp_path):
     """`specfleet serve` killed outright (no chance to stop anything): its services, each in its own
     process group, go with it rather than running on unattended."""
     cluster = Cluster(cluster_config(random_family), tmp_path, "killed").start()
-    children = _children(cluster.proc.pid)
-    assert len(children) == 3
+    services = children(cluster.proc.pid)
+    assert len(services) == 3
     cluster.proc.kill()
     cluster.proc.wait(timeout=30)
     deadline = time.monotonic() + 30
-    while [pid for pid in children if _alive(pid)] and time.monotonic() < deadline:
+    while [pid for pid in services if _alive(pid)] and time.monotonic() < deadline:
         time.sleep(0.2)
-    survivors = [pid for pid in children if _alive(pid)]
+    survivors = [pid for pid in services if _alive(pid)]
     for pid in survivors:  # leave nothing behind, whatever the verdict
         os.kill(pid, signal.SIGKILL)
     assert not survivors
@@ -113,7 +102,7 @@ def test_each_service_runs_on_the_cores_its_config_names(random_family, tmp_path
     cluster = Cluster(config, tmp_path, "pinned").start()
     try:
         pinned = {}
-        for pid in _children(cluster.proc.pid):
+        for pid in children(cluster.proc.pid):
             command = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
             service = next(name for name in ("verifier_service", "drafter_service", "router") if f"-m {name}" in command)
             pinned[service] = os.sched_getaffinity(pid)
