@@ -47,12 +47,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         spec = parse_request(request, self.tokenizer, self.limits)
         return spec, request.prompt or self.tokenizer.decode(spec.prompt_ids)
 
-    async def admit(self, request: generation_pb2.GenerateRequest, deadline: float | None) -> RequestState:
+    async def admit(self, request: generation_pb2.GenerateRequest, deadline: float | None, via: str = "HTTP") -> RequestState:
         """Validate `request` and queue it; raises InvalidRequest or Overloaded.
 
-        The entry of the HTTP API (router/openai_api.py): the same parsing (off the event
-        loop), limits and scheduler as the gRPC methods, without a network hop. Set
-        `cancelled` on the returned state when its client goes away.
+        The entry of both APIs (the gRPC methods and router/openai_api.py): the same parsing,
+        limits and scheduler, without a network hop. Tokenizing a long prompt takes a while, so
+        it never runs on the event loop, which serves every other client (one worker: the
+        tokenizer is shared). Set `cancelled` on the returned state when its client goes away.
         """
         spec, prompt_text = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._parse, request)
         state = RequestState(
@@ -60,38 +61,27 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         )
         self.scheduler.submit(state, prompt_text, spec.domain)
         log.info(
-            "request %s (session %s, HTTP): %d prompt tokens, max_tokens %d, temperature %g, k <= %d",
-            spec.request_id, spec.session_id, len(spec.prompt_ids), spec.max_tokens, spec.sampling.temperature, spec.draft_tokens,
+            "request %s (session %s, %s): %d prompt tokens, max_tokens %d, temperature %g, domain %s, k <= %d",
+            spec.request_id, spec.session_id, via, len(spec.prompt_ids), spec.max_tokens, spec.sampling.temperature,
+            state.routing.domain or "-", spec.draft_tokens,
         )
         return state
 
     async def _start(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> RequestState:
+        remaining = context.time_remaining()
         try:
-            # Tokenizing a long prompt takes a while: never on the event loop, which serves every
-            # other client. One worker, since the tokenizer is shared.
-            spec, prompt_text = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._parse, request)
+            state = await self.admit(request, time.monotonic() + remaining if remaining is not None else None, via="gRPC")
         except InvalidRequest as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        remaining = context.time_remaining()
-        deadline = time.monotonic() + remaining if remaining is not None else None
-        state = RequestState(
-            spec=spec, tokenizer=self.tokenizer, eos_token_id=self.eos_token_id, max_context=self.limits.max_context, deadline=deadline
-        )
-        try:
-            self.scheduler.submit(state, prompt_text, spec.domain)
         except Overloaded as err:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
 
         def on_done(_):
             if not state.finished:
-                log.info("request %s: its client cancelled it or its deadline passed; stopping it", spec.request_id)
+                log.info("request %s: its client cancelled it or its deadline passed; stopping it", state.spec.request_id)
             state.cancelled = True
 
         context.add_done_callback(on_done)
-        log.info(
-            "request %s (session %s): %d prompt tokens, max_tokens %d, temperature %g, domain %s, k <= %d",
-            spec.request_id, spec.session_id, len(spec.prompt_ids), spec.max_tokens, spec.sampling.temperature, state.routing.domain or "-", spec.draft_tokens,
-        )
         return state
 
     async def _updates(self, state: RequestState, context):

@@ -97,7 +97,7 @@ def session_of(cluster, request_id: str) -> str:
     """The session id the router made for a request (request_id is only a label): from its start-up log line."""
     import re
 
-    found = re.search(rf"request {re.escape(request_id)} \(session (\w+)\)", cluster.log_path.read_text())
+    found = re.search(rf"request {re.escape(request_id)} \(session (\w+),", cluster.log_path.read_text())
     if not found:
         raise LookupError(f"the router's log does not mention request {request_id}")
     return found.group(1)
