@@ -41,11 +41,11 @@ from dataclasses import dataclass, field
 import grpc
 
 from router.breaker import Breaker
+from router.trees import DraftTree
 from router.request import DrafterCounts, RequestState, SessionMirror
 from router.routing import DrafterRouter
 from router.speculation import SpeculationController
 from router.transport import DrafterTransport, TransportError, VerifierTransport
-from specfleet.fusion import lead
 from specfleet.v1 import common_pb2, drafter_pb2, verifier_pb2
 
 log = logging.getLogger(__name__)
@@ -84,33 +84,6 @@ class RouterMetrics:
     verify_busy_ms: float = 0.0
     # (domain, drafter) -> counts, for the router's metrics.
     by_domain: dict = field(default_factory=lambda: collections.defaultdict(DrafterCounts))
-
-
-@dataclass
-class DraftTree:
-    """A request's drafts this round. Node order: every parent before its children."""
-
-    tokens: list[int] = field(default_factory=list)
-    parents: list[int] = field(default_factory=list)
-    proposals: list[common_pb2.SparseDistribution] = field(default_factory=list)
-    owners: list[list[str]] = field(default_factory=list)  # drafters that proposed each node
-    # Per drafter, its proposal at each position of the main branch (scored after verification).
-    proposed: dict[str, list[int]] = field(default_factory=dict)
-    main: list[int] = field(default_factory=list)  # node index of the main branch at each position
-
-    def add(self, token: int, parent: int, proposal, owner: str) -> int:
-        self.tokens.append(token)
-        self.parents.append(parent)
-        self.proposals.append(proposal)
-        self.owners.append([owner])
-        return len(self.tokens) - 1
-
-    def to_proto(self) -> verifier_pb2.TokenTree:
-        return verifier_pb2.TokenTree(token_ids=self.tokens, parents=self.parents, proposals=self.proposals)
-
-
-def _point_mass(proposal: common_pb2.SparseDistribution) -> bool:
-    return len(proposal.token_ids) == 1
 
 
 def _sampling_proto(state: RequestState) -> common_pb2.SamplingParams:
@@ -282,12 +255,7 @@ class Scheduler:
             # Every chain in one call per service, k tokens each.
             calls = [(s, s.round_drafters[0], s.tokens, s.round_k, "") for s in chains]
             for state, drafter, drafted in await self._draft_calls(calls):
-                tree = trees[state.spec.session_id]
-                parent = -1
-                for token, proposal in zip(drafted.token_ids, drafted.proposals):
-                    parent = tree.add(token, parent, proposal, drafter)
-                    tree.main.append(parent)
-                tree.proposed[drafter] = list(drafted.token_ids)
+                trees[state.spec.session_id].add_chain(drafter, drafted)
 
         async def draft_fused():
             # The cooperating drafters of a request share a service and draft in lockstep there, all k positions in one call.
@@ -298,33 +266,13 @@ class Scheduler:
             for state in fused:
                 tree, mine = trees[state.spec.session_id], replies[state.spec.session_id]
                 for position in range(state.round_k):
-                    self._fuse_position(state, tree, mine, position)
+                    tree.fuse_position(state.round_drafters, mine, position)
                 # Each drafter's session continued from the lead tokens, the main branch.
                 for drafter in mine:
                     state.drafter_mirrors[drafter].held = state.tokens + [tree.tokens[i] for i in tree.main]
 
         await asyncio.gather(draft_chains(), draft_fused())
         return {rid: tree for rid, tree in trees.items() if tree.tokens}
-
-    def _fuse_position(self, state: RequestState, tree: DraftTree, replies: dict[str, drafter_pb2.DraftedSession], position: int) -> None:
-        """Add one position's proposals: siblings in routing order, the lead's node continues the main branch."""
-        members = [(d, replies[d]) for d in state.round_drafters if d in replies and len(replies[d].token_ids) > position]
-        if not members:
-            return
-        parent = tree.main[-1] if tree.main else -1
-        leader = lead([drafted.confidences[position] for _, drafted in members])
-        member_nodes = []
-        for drafter, drafted in members:  # a fixed order, never the drawn tokens' order
-            token, proposal = drafted.token_ids[position], drafted.proposals[position]
-            tree.proposed.setdefault(drafter, []).append(token)
-            # Identical point masses are one proposal; sampled duplicates stay separate siblings.
-            same = [i for i in member_nodes if tree.tokens[i] == token and _point_mass(tree.proposals[i]) and _point_mass(proposal)]
-            if same:
-                tree.owners[same[0]].append(drafter)
-                member_nodes.append(same[0])
-            else:
-                member_nodes.append(tree.add(token, parent, proposal, drafter))
-        tree.main.append(member_nodes[leader])
 
     async def _score_prompts(self, batch: list[RequestState]) -> None:
         """Before a request's first round: every specialist prefills and scores its prompt; the best one sets its domain."""
@@ -473,27 +421,15 @@ class Scheduler:
         self.metrics.draft_tokens += len(tree.tokens)
         self.metrics.accepted_tokens += len(accepted_nodes)
         accepted_owners = collections.Counter(d for node in accepted_nodes for d in tree.owners[node])
-        # Position j of the main branch was drafted given emitted[:j]; that holds while the accepted
-        # path follows the main branch, so score each drafter there, up to its first miss.
-        comparable = 0
-        while comparable < len(tree.main) and comparable < len(emitted):
-            comparable += 1
-            if comparable > len(accepted_nodes) or accepted_nodes[comparable - 1] != tree.main[comparable - 1]:
-                break
-        outcomes = {}
-        for drafter, proposals in tree.proposed.items():
-            hits = 0
-            while hits < min(comparable, len(proposals)) and proposals[hits] == emitted[hits]:
-                hits += 1
-            missed = 1 if hits < min(comparable, len(proposals)) else 0
-            outcomes[drafter] = (hits, missed)
+        outcomes = tree.outcomes(accepted_nodes, emitted)
+        for drafter, (hits, _) in outcomes.items():
             counts = state.per_drafter.setdefault(drafter, DrafterCounts())
             counts.rounds += 1
             counts.draft_tokens += sum(1 for owners in tree.owners if drafter in owners)
             counts.accepted_tokens += accepted_owners[drafter]
             by_domain = self.metrics.by_domain[(state.routing.domain, drafter)]
             by_domain.rounds += 1
-            by_domain.draft_tokens += len(proposals)
+            by_domain.draft_tokens += len(tree.proposed[drafter])
             by_domain.accepted_tokens += hits
         self.router.observe(state.routing, outcomes)
 

@@ -1,0 +1,90 @@
+"""A request's draft tree for one round: built from drafters' replies, sent to the verifier, scored after.
+
+One drafter gives a chain. Cooperating drafters draft in lockstep (one call, one
+service): at each position every member proposes, the most confident proposal
+(`specfleet.fusion.lead`, the same rule the drafter service follows) continues
+the main branch and the rest become its siblings, in routing order, never in the
+order of the drawn tokens, which the verification proof needs. Every node
+carries the distribution its token was drawn from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specfleet.fusion import lead
+from specfleet.v1 import common_pb2, drafter_pb2, verifier_pb2
+
+
+@dataclass
+class DraftTree:
+    """Node order: every parent before its children."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    proposals: list[common_pb2.SparseDistribution] = field(default_factory=list)
+    owners: list[list[str]] = field(default_factory=list)  # drafters that proposed each node
+    # Per drafter, its proposal at each position of the main branch (scored after verification).
+    proposed: dict[str, list[int]] = field(default_factory=dict)
+    main: list[int] = field(default_factory=list)  # node index of the main branch at each position
+
+    def add(self, token: int, parent: int, proposal, owner: str) -> int:
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.proposals.append(proposal)
+        self.owners.append([owner])
+        return len(self.tokens) - 1
+
+    def add_chain(self, drafter: str, drafted: drafter_pb2.DraftedSession) -> None:
+        """One drafter's chain: the main branch."""
+        parent = -1
+        for token, proposal in zip(drafted.token_ids, drafted.proposals):
+            parent = self.add(token, parent, proposal, drafter)
+            self.main.append(parent)
+        self.proposed[drafter] = list(drafted.token_ids)
+
+    def fuse_position(self, members_in_routing_order: list[str], replies: dict[str, drafter_pb2.DraftedSession], position: int) -> None:
+        """Add one position's lockstep proposals: siblings in routing order, the lead's node continues the main branch."""
+        members = [(d, replies[d]) for d in members_in_routing_order if d in replies and len(replies[d].token_ids) > position]
+        if not members:
+            return
+        parent = self.main[-1] if self.main else -1
+        leader = lead([drafted.confidences[position] for _, drafted in members])
+        member_nodes = []
+        for drafter, drafted in members:  # a fixed order, never the drawn tokens' order
+            token, proposal = drafted.token_ids[position], drafted.proposals[position]
+            self.proposed.setdefault(drafter, []).append(token)
+            # Identical point masses are one proposal; sampled duplicates stay separate siblings.
+            same = [i for i in member_nodes if self.tokens[i] == token and _point_mass(self.proposals[i]) and _point_mass(proposal)]
+            if same:
+                self.owners[same[0]].append(drafter)
+                member_nodes.append(same[0])
+            else:
+                member_nodes.append(self.add(token, parent, proposal, drafter))
+        self.main.append(member_nodes[leader])
+
+    def to_proto(self) -> verifier_pb2.TokenTree:
+        return verifier_pb2.TokenTree(token_ids=self.tokens, parents=self.parents, proposals=self.proposals)
+
+    def outcomes(self, accepted_nodes: list[int], emitted: list[int]) -> dict[str, tuple[int, int]]:
+        """Per drafter, (hits, missed): how many of its main-branch proposals the target emitted in a row,
+        and whether it then missed one (the routing evidence).
+
+        Position j of the main branch was drafted given emitted[:j]; that holds while the accepted
+        path follows the main branch, so each drafter is scored there, up to its first miss."""
+        comparable = 0
+        while comparable < len(self.main) and comparable < len(emitted):
+            comparable += 1
+            if comparable > len(accepted_nodes) or accepted_nodes[comparable - 1] != self.main[comparable - 1]:
+                break
+        outcomes = {}
+        for drafter, proposals in self.proposed.items():
+            hits = 0
+            while hits < min(comparable, len(proposals)) and proposals[hits] == emitted[hits]:
+                hits += 1
+            outcomes[drafter] = (hits, 1 if hits < min(comparable, len(proposals)) else 0)
+        return outcomes
+
+
+def _point_mass(proposal: common_pb2.SparseDistribution) -> bool:
+    return len(proposal.token_ids) == 1
