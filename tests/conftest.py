@@ -85,16 +85,19 @@ class Cluster:
 
 
 def cluster_config(family, drafter: str = "drafter-noisy", **overrides) -> dict:
+    # The HTTP API and metrics endpoints are off unless a test asks for them (with a free port): their
+    # defaults (8000, 9460-) are a user's, and test clusters running side by side would race for them.
     config = {
-        "verifier": {"model": str(family["target"]), "address": f"127.0.0.1:{free_port()}"},
+        "verifier": {"model": str(family["target"]), "address": f"127.0.0.1:{free_port()}", "metrics_port": 0},
         "drafters": [
             {
                 "name": "drafters",
                 "address": f"127.0.0.1:{free_port()}",
                 "models": [{"name": drafter, "path": str(family[drafter])}],
+                "metrics_port": 0,
             }
         ],
-        "router": {"port": free_port(), "default_drafter": drafter},
+        "router": {"port": free_port(), "default_drafter": drafter, "http_port": 0, "metrics_port": 0},
     }
     for section, values in overrides.items():
         if section == "drafter_service":
