@@ -41,6 +41,8 @@ class Breaker:
 
     def failed(self, service: str) -> None:
         """A call or a probe failed: skip the service for the next backoff."""
+        if service in self._probe_at and service not in self._probing:
+            return  # a call sent before the breaker opened (another lane's): the same outage, no longer wait
         self._probing.discard(service)
         backoff = min(MAX_BACKOFF_S, self._backoff.get(service, FIRST_BACKOFF_S / 2) * 2)
         self._backoff[service] = backoff

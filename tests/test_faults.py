@@ -18,6 +18,7 @@ def test_breaker_skips_a_failing_service_and_probes_it_with_growing_backoff():
     breaker = Breaker(clock=lambda: now[0])
     assert breaker.allow("a")
     breaker.failed("a")
+    breaker.failed("a")  # another lane's call, sent before the breaker opened: the same outage
     assert not breaker.allow("a") and breaker.allow("b") and breaker.open == ["a"]
     assert not breaker.probe_due("a")
     now[0] = 0.6

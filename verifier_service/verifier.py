@@ -13,6 +13,7 @@ to the session.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -57,7 +58,7 @@ def validate_item(item: VerifyItem, vocab_size: int, max_context: int) -> None:
         if bad:
             raise ValueError(f"session {item.session_id}: {name} has ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
     for i, (ids, probs) in enumerate(item.proposals):
-        if not ids or len(ids) != len(probs) or any(not 0 <= t < vocab_size for t in ids) or not all(0 <= p <= 1 for p in probs):
+        if not ids or len(ids) != len(probs) or any(not 0 <= t < vocab_size for t in ids) or not all(p >= 0 and math.isfinite(p) for p in probs):
             raise ValueError(f"session {item.session_id}: tree.proposals[{i}] must be a non-empty distribution over vocabulary ids")
     if item.prefix_length < 0:
         raise ValueError(f"session {item.session_id}: sync.prefix_length must be >= 0")
