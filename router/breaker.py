@@ -1,4 +1,4 @@
-"""Which drafter services to call this round: a circuit breaker per service.
+"""Which services to call this round: a circuit breaker per drafter service (and per verifier replica).
 
 A drafter that fails or misses its deadline costs its requests only that round's
 drafts. Called again every round while it is dead or hung, it would cost every
@@ -22,8 +22,11 @@ MAX_BACKOFF_S = 8.0
 
 
 class Breaker:
-    def __init__(self, clock=time.monotonic):
+    def __init__(self, clock=time.monotonic, first_backoff_s: float = FIRST_BACKOFF_S, max_backoff_s: float = MAX_BACKOFF_S, kind: str = "drafter service"):
         self._clock = clock
+        self._first_backoff_s = first_backoff_s
+        self._max_backoff_s = max_backoff_s
+        self._kind = kind
         self._probe_at: dict[str, float] = {}  # open services: when to probe next
         self._backoff: dict[str, float] = {}
         self._probing: set[str] = set()
@@ -44,17 +47,22 @@ class Breaker:
         if service in self._probe_at and service not in self._probing:
             return  # a call sent before the breaker opened (another lane's): the same outage, no longer wait
         self._probing.discard(service)
-        backoff = min(MAX_BACKOFF_S, self._backoff.get(service, FIRST_BACKOFF_S / 2) * 2)
+        backoff = min(self._max_backoff_s, self._backoff.get(service, self._first_backoff_s / 2) * 2)
         self._backoff[service] = backoff
         self._probe_at[service] = self._clock() + backoff
-        log.warning("drafter service %s: skipped, probed again in %.1fs; its requests decode without drafts meanwhile", service, backoff)
+        log.warning("%s %s: skipped, probed again in %.1fs", self._kind, service, backoff)
 
     def succeeded(self, service: str) -> None:
         """A probe was answered: rounds call the service again."""
         self._probing.discard(service)
         self._backoff.pop(service, None)
         if self._probe_at.pop(service, None) is not None:
-            log.info("drafter service %s answers again", service)
+            log.info("%s %s answers again", self._kind, service)
+
+    def next_probe_in(self) -> float:
+        """Seconds until the next probe of an open service is due (0 when one is; inf when none is open)."""
+        waiting = [at for service, at in self._probe_at.items() if service not in self._probing]
+        return max(0.0, min(waiting) - self._clock()) if waiting else float("inf")
 
     @property
     def open(self) -> list[str]:

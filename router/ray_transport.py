@@ -136,7 +136,7 @@ class RayVerifier:
 async def connect(cfg, address: str, namespace: str, timeout_s: float):
     """Join the Ray cluster, find the config's actors, wait until they are ready.
 
-    Returns (RayVerifier, {drafter service name: RayDrafter}) for `router.server.build`.
+    Returns ([RayVerifier], {drafter service name: RayDrafter}) for `router.server.build`.
     """
     from specfleet import ray_cluster
 
@@ -144,6 +144,6 @@ async def connect(cfg, address: str, namespace: str, timeout_s: float):
     handles = await asyncio.to_thread(ray_cluster.lookup_actors, cfg, namespace, timeout_s)
     placements = await ray_cluster.wait_ready(handles, timeout_s, cfg)
     log.info("Ray cluster %s, namespace %r; actors:\n%s", gcs, namespace, ray_cluster.format_placement(placements))
-    verifier = RayVerifier(handles[ray_cluster.VERIFIER_ACTOR])
+    verifiers = [RayVerifier(handles[ray_cluster.VERIFIER_ACTOR])]
     drafters = {svc.name: RayDrafter(svc.name, handles[ray_cluster.drafter_actor_name(svc.name)]) for svc in cfg.drafters}
-    return verifier, drafters
+    return verifiers, drafters

@@ -174,6 +174,11 @@ class RequestState:
     tokens: list[int] = field(default_factory=list)  # prompt followed by output
     drafter: str = ""
     verifier_mirror: SessionMirror = field(default_factory=SessionMirror)
+    # Every verifier replica that was sent this request's sessions (released on all of them at the end:
+    # a replica that only stalled still holds them).
+    verifier_replicas: set[str] = field(default_factory=set)
+    # When a verifier call for it last failed with none succeeding since (router/verifiers.py).
+    verifier_lost_at: float | None = None
     drafter_mirrors: dict[str, SessionMirror] = field(default_factory=dict)
     finish_reason: str = ""
     error: tuple | None = None  # (grpc.StatusCode, message) when it failed

@@ -26,8 +26,10 @@ A round of one group:
 
 A drafter that fails, or lost a session, only costs that round's drafts (the
 request decodes plainly); a verifier that lost a session is sent the full
-token ids next round. Past its deadline a request ends with
-DEADLINE_EXCEEDED; what was streamed stays delivered.
+token ids next round; a verifier replica that fails hands its requests to a
+live one (router/verifiers.py), which rebuilds their KV from the token ids.
+Past its deadline a request ends with DEADLINE_EXCEEDED; what was streamed
+stays delivered.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ from router.trees import DraftTree
 from router.request import DrafterCounts, RequestState, SessionMirror
 from router.routing import DrafterRouter
 from router.speculation import SpeculationController
-from router.transport import DrafterTransport, TransportError, VerifierTransport
+from router.transport import DrafterTransport, TransportError
+from router.verifiers import VerifierPool
 from specfleet.v1 import common_pb2, drafter_pb2, verifier_pb2
 
 log = logging.getLogger(__name__)
@@ -57,6 +60,10 @@ DRAFT_DEADLINE_FACTOR = 10.0
 DRAFT_DEADLINE_FLOOR_S = 1.0
 # New tokens sent with a draft call (prefilled there) that add one floor to its deadline.
 PREFILL_TOKENS_PER_FLOOR = 64
+# A verify call may take this many times the modelled pass, and at least the floor, before its
+# replica counts as hung: the call also waits behind other callers' passes, merged at the verifier.
+VERIFY_DEADLINE_FACTOR = 20.0
+VERIFY_DEADLINE_FLOOR_S = 10.0
 
 
 class Overloaded(Exception):
@@ -97,13 +104,13 @@ class Scheduler:
     def __init__(
         self,
         config: SchedulerConfig,
-        verifier: VerifierTransport,
+        verifiers: VerifierPool,
         drafters: dict[str, DrafterTransport],  # draft model name -> the service hosting it
         router: DrafterRouter,
         controller: SpeculationController,
     ):
         self.config = config
-        self.verifier = verifier
+        self.verifiers = verifiers
         self.drafters = drafters
         self.router = router
         self.controller = controller
@@ -132,6 +139,7 @@ class Scheduler:
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._lane(i), name=f"lane-{i}") for i in range(len(self._lanes))]
         self._tasks.append(asyncio.create_task(self._sync_routing_state(), name="routing-sync"))
+        self._tasks.append(asyncio.create_task(self.verifiers.watch(), name="verifier-health"))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -363,6 +371,33 @@ class Scheduler:
             self.breaker.succeeded(transport.name)
 
     async def _verify(self, batch: list[RequestState], trees: dict[str, DraftTree]) -> None:
+        """Every request's tree to the replica holding its sessions, one call per replica, concurrently."""
+        by_replica: dict[str, list[RequestState]] = collections.defaultdict(list)
+        waiting = []
+        for state in batch:
+            replica = self.verifiers.place(state)
+            (by_replica[replica] if replica is not None else waiting).append(state)
+        await asyncio.gather(*(self._verify_on(replica, states, trees) for replica, states in by_replica.items()))
+        for state in waiting:
+            if self.verifiers.waited_too_long(state):
+                state.error = (
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"no verifier replica has answered for {self.verifiers.wait_s:.0f}s (router.verifier_wait_s); retry",
+                )
+        if waiting and not by_replica:
+            # No replica is live: wait for the next probe instead of spinning through empty rounds.
+            await asyncio.sleep(min(0.5, max(0.05, self.verifiers.next_probe_in())))
+
+    def _verify_timeout_s(self, sessions: list[verifier_pb2.VerifySession]) -> float:
+        """A verify call's deadline: a multiple of the modelled pass plus what it prefills, so that a hung
+        replica's requests move on in seconds, not after rpc_timeout_s."""
+        tokens = sum(1 + len(s.tree.token_ids) for s in sessions)
+        expected_s = self.controller.cost.verify_ms(len(sessions), tokens) / 1e3
+        deadline = max(VERIFY_DEADLINE_FLOOR_S, VERIFY_DEADLINE_FACTOR * expected_s)
+        deadline += DRAFT_DEADLINE_FLOOR_S * sum(len(s.sync.new_token_ids) for s in sessions) / PREFILL_TOKENS_PER_FLOOR
+        return min(self.config.rpc_timeout_s, deadline)
+
+    async def _verify_on(self, replica: str, batch: list[RequestState], trees: dict[str, DraftTree]) -> None:
         sessions = []
         for state in batch:
             prefix, new = state.verifier_mirror.diff(state.tokens)
@@ -376,17 +411,20 @@ class Scheduler:
             )
         started = time.perf_counter()
         try:
-            reply = await self.verifier.verify(verifier_pb2.VerifyRequest(sessions=sessions), self.config.rpc_timeout_s)
+            reply = await self.verifiers.replicas[replica].verify(verifier_pb2.VerifyRequest(sessions=sessions), self._verify_timeout_s(sessions))
         except TransportError as err:
-            log.error("verifier failed (%s)", err)
-            for state in batch:
-                state.verifier_mirror.reset()
-                state.error = (
-                    (grpc.StatusCode.INTERNAL, f"the verifier refused the round: {err}")
-                    if err.invalid_argument
-                    else (grpc.StatusCode.UNAVAILABLE, f"the verifier is unavailable ({err}); retry")
-                )
+            if err.invalid_argument:
+                log.error("verifier replica %s refused the round (%s)", replica, err)
+                for state in batch:
+                    state.verifier_mirror.reset()
+                    state.error = (grpc.StatusCode.INTERNAL, f"the verifier refused the round: {err}")
+            else:
+                # Nothing was committed: the requests verify again next round, on a live replica.
+                self.verifiers.failed(replica, batch, err)
             return
+        self.verifiers.succeeded(batch)
+        if self.telemetry is not None:
+            self.telemetry.replica_sessions.labels(replica=replica).inc(len(batch))
         wall = (time.perf_counter() - started) * 1e3
         if self.telemetry is not None:
             self.telemetry.verify_call.observe(wall / 1e3)
@@ -462,7 +500,10 @@ class Scheduler:
         ids = [s.spec.session_id for s in finished]
         used = {d for s in finished for d in s.drafter_mirrors}
         services = {self.drafters[d].name: self.drafters[d] for d in used if d in self.drafters}
-        calls = [self.verifier.release(ids)] + [t.release(ids) for t in services.values()]
+        for state in finished:
+            self.verifiers.unplaced(state)
+        replicas = {r for s in finished for r in s.verifier_replicas}
+        calls = [self.verifiers.replicas[r].release(ids) for r in replicas] + [t.release(ids) for t in services.values()]
         for result in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(result, Exception):
                 log.debug("release failed: %s", result)

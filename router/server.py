@@ -19,6 +19,7 @@ from router.routing import DomainClassifier, DrafterProfile, DrafterRouter, Expe
 from router.scheduler import Overloaded, Scheduler, SchedulerConfig
 from router.speculation import CostModel, SpeculationController
 from router.transport import GrpcDrafter, GrpcVerifier
+from router.verifiers import VerifierPool
 from specfleet import config as config_mod
 from specfleet import metrics
 from specfleet.metrics import RouterTelemetry
@@ -126,22 +127,33 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 async def build(cfg: config_mod.Config, transports: tuple | None = None) -> tuple[GenerationServicer, Scheduler, list]:
     """Connect to the verifier and drafters, check that they fit together, and build the scheduler.
 
-    transports: (verifier, {drafter service name: drafter}) already connected and ready,
+    transports: ([verifier replicas], {drafter service name: drafter}) already connected and ready,
     e.g. Ray actors (`router.ray_transport.connect`); default: gRPC to the configured addresses.
     """
     rcfg = cfg.router
     timeout = rcfg.startup_timeout_s
     if transports is None:
-        verifier = GrpcVerifier(cfg.verifier.address)
+        addresses = cfg.verifier.addresses()
+        replicas = [GrpcVerifier(address) for address in addresses]
         services = {svc.name: GrpcDrafter(svc.name, svc.address) for svc in cfg.drafters}
-        log.info("waiting for the verifier at %s and %d drafter service(s)", cfg.verifier.address, len(services))
+        log.info("waiting for %d verifier replica(s) at %s and %d drafter service(s)", len(addresses), ", ".join(addresses), len(services))
         await asyncio.gather(
-            wait_until_serving(cfg.verifier.address, timeout),
+            *(wait_until_serving(address, timeout) for address in addresses),
             *(wait_until_serving(svc.address, timeout) for svc in cfg.drafters),
         )
     else:
-        verifier, services = transports
-    target = await verifier.info(timeout_s=30)
+        replicas, services = transports
+    infos = await asyncio.gather(*(replica.info(timeout_s=30) for replica in replicas))
+    target = infos[0]
+    for replica, info in zip(replicas[1:], infos[1:]):
+        # Requests move between replicas mid-generation: every replica must compute the same target.
+        differs = [f for f in ("tokenizer_fingerprint", "vocab_size", "max_context", "eos_token_id", "parameters") if getattr(info, f) != getattr(target, f)]
+        if differs or pathlib.Path(info.path).name != pathlib.Path(target.path).name:
+            raise StartupError(
+                f"verifier replica {replica.address} serves {info.path} and {replicas[0].address} serves {target.path}"
+                f" ({', '.join(differs) or 'path'} differ); every replica must host the same target model"
+            )
+    verifier = VerifierPool(replicas, wait_s=rcfg.verifier_wait_s)
     tokenizer = load_tokenizer(rcfg.tokenizer or cfg.verifier.model)
     if tokenizer_fingerprint(tokenizer) != target.tokenizer_fingerprint:
         raise StartupError(
@@ -163,7 +175,7 @@ async def build(cfg: config_mod.Config, transports: tuple | None = None) -> tupl
         stop_below=rcfg.stop_below_confidence,
     )
     if not rcfg.pin_cost_model:
-        await profile_costs(verifier, drafters, controller.cost, target.eos_token_id, target.max_context)
+        await profile_costs(verifier.first, drafters, controller.cost, target.eos_token_id, target.max_context)
     scheduler = Scheduler(
         SchedulerConfig(
             max_running=rcfg.max_running,
@@ -187,7 +199,7 @@ async def build(cfg: config_mod.Config, transports: tuple | None = None) -> tupl
     )
     servicer = GenerationServicer(scheduler, tokenizer, limits, target.eos_token_id)
     servicer.target = target
-    return servicer, scheduler, [verifier, *services.values()]
+    return servicer, scheduler, [*replicas, *services.values()]
 
 
 async def collect_drafters(cfg: config_mod.Config, services: dict, target) -> dict:
@@ -359,7 +371,7 @@ async def run(
         return [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name]
 
     try:
-        await serve("router", host, port, register, grace_s=ROUTER_DRAIN_S, on_reload=on_reload)
+        await serve("router", host, port, register, grace_s=ROUTER_DRAIN_S, on_reload=on_reload, healthy=lambda: bool(scheduler.verifiers.live()))
     finally:
         if http is not None:
             await openai_api.stop(*http)

@@ -7,6 +7,7 @@ at start-up with the key's path in the message.
     verifier:
       model: models/demo/target
       address: 127.0.0.1:50061      # where the router reaches it; the verifier listens on its port
+      replicas: [127.0.0.1:50063]   # optional: more verifiers of the same target
     drafters:
       - name: drafters-a            # one drafter service, hosting one or more draft models
         address: 127.0.0.1:50062
@@ -75,6 +76,10 @@ class RayPlacement:
 class VerifierConfig:
     model: str = ""
     address: str = "127.0.0.1:50061"
+    # More replicas of this verifier (same model and settings), by address. The router spreads new
+    # requests over all of them and moves a dead replica's requests to live ones; `specfleet serve`
+    # starts one process per address (replica N exports metrics on metrics_port + N when it is set).
+    replicas: list[str] = field(default_factory=list)
     # Where the model runs: cpu, cuda, cuda:N, or auto (cuda if torch sees one, else cpu).
     device: str = "cpu"
     dtype: str = "float32"
@@ -99,6 +104,10 @@ class VerifierConfig:
     # Prometheus metrics at http://host:metrics_port/metrics; 0 turns them off; unset (null):
     # DEFAULT_METRICS_PORTS["verifier"] when that port is free, else off with a warning.
     metrics_port: int | None = None
+
+    def addresses(self) -> list[str]:
+        """Every replica's address; the first is `address`."""
+        return [self.address, *self.replicas]
 
 
 @dataclass
@@ -187,8 +196,11 @@ class RouterConfig:
     # Requests being generated at once; more wait (RESOURCE_EXHAUSTED past max_queued).
     max_running: int = 64
     max_queued: int = 1024
-    # Deadline of each internal RPC.
+    # Deadline of each internal RPC (draft and verify calls get shorter ones from the cost model).
     rpc_timeout_s: float = 60.0
+    # How long a request waits for a live verifier replica (one restarting, say) before it fails
+    # with UNAVAILABLE, counted from its last failed verify call.
+    verifier_wait_s: float = 60.0
     # How long start-up waits for the verifier and drafters to become healthy.
     startup_timeout_s: float = 180.0
     # Prometheus metrics at http://host:metrics_port/metrics; 0 turns them off; unset (null):
@@ -323,6 +335,19 @@ def validate(config: Config) -> None:
     for where, attention in [("verifier.attention", v.attention)] + [(f"drafters[{i}].attention", d.attention) for i, d in enumerate(config.drafters)]:
         if attention not in ATTENTION_MODES:
             raise ConfigError(f"{where}: must be one of {', '.join(ATTENTION_MODES)}, got {attention!r}")
+    addresses = v.replicas if isinstance(v.replicas, list) else None
+    if addresses is None or not all(isinstance(a, str) for a in addresses):
+        raise ConfigError(f"verifier.replicas: a list of host:port addresses, got {v.replicas!r}")
+    for i, address in enumerate(v.addresses()):
+        where = "verifier.address" if i == 0 else f"verifier.replicas[{i - 1}]"
+        try:
+            port_of(address)
+        except ConfigError as err:
+            raise ConfigError(f"{where}: {err}") from None
+        if address in v.addresses()[:i]:
+            raise ConfigError(f"{where}: {address} is listed twice; every replica needs its own address")
+    if r.verifier_wait_s <= 0:
+        raise ConfigError(f"router.verifier_wait_s: must be above 0, got {r.verifier_wait_s}")
     for where, cpus in [("verifier.cpus", v.cpus), ("router.cpus", r.cpus)] + [(f"drafters[{i}].cpus", d.cpus) for i, d in enumerate(config.drafters)]:
         if not isinstance(cpus, list) or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in cpus):
             raise ConfigError(f"{where}: a list of core numbers (0, 1, ...), got {cpus!r}")

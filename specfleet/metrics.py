@@ -172,6 +172,12 @@ class RouterTelemetry:
             "specfleet:draft_call_seconds", "Wall time of one Draft call, as the router sees it.", ["drafter_service"], buckets=PASS_BUCKETS, registry=r
         )
         self.verify_call = Histogram("specfleet:verify_call_seconds", "Wall time of one Verify call, as the router sees it.", buckets=PASS_BUCKETS, registry=r)
+        up = Gauge("specfleet:verifier_replica_up", "1 while the router sends rounds to this verifier replica, 0 while it skips it.", ["replica"], registry=r)
+        for name in scheduler.verifiers.replicas:
+            up.labels(replica=name).set_function(lambda name=name: float(scheduler.verifiers.breaker.allow(name)))
+        self.replica_sessions = Counter(
+            "specfleet:verifier_replica_sessions", "Request rounds each verifier replica verified.", ["replica"], registry=r
+        )
         r.register(_DrafterAcceptance(scheduler))
         self._last_token_at: dict[int, float] = {}  # id(state) -> when its last tokens went out
 
@@ -219,12 +225,15 @@ class RouterTelemetry:
 
 
 class _DrafterAcceptance:
-    """Per drafter and domain, tokens proposed and accepted: read from the scheduler's counters at scrape time."""
+    """Per drafter and domain, tokens proposed and accepted, and verifier replica moves: read from the scheduler's counters at scrape time."""
 
     def __init__(self, scheduler):
         self.scheduler = scheduler
 
     def collect(self):
+        yield CounterMetricFamily(
+            "specfleet:verifier_replica_moves", "Requests moved off a failed verifier replica to a live one.", value=self.scheduler.verifiers.moves
+        )
         proposed = CounterMetricFamily("specfleet:drafter_draft_tokens", "Tokens each drafter proposed, per request domain.", labels=["drafter", "domain"])
         accepted = CounterMetricFamily(
             "specfleet:drafter_accepted_tokens", "Proposals of each drafter that matched the target's tokens, per domain.", labels=["drafter", "domain"]

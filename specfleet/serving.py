@@ -28,6 +28,10 @@ ROUTER_DRAIN_S = 30.0
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # A restarted service is reached again within a second, not after gRPC's default backoff (up to 120 s).
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
 
@@ -99,12 +103,14 @@ async def serve(
     grace_s: float = 10.0,
     on_stop: Callable[[], None] | None = None,
     on_reload: Callable[[], Awaitable[None]] | None = None,
+    healthy: Callable[[], bool] | None = None,
 ) -> None:
     """Run a gRPC server until SIGTERM or SIGINT, then let in-flight calls finish (up to grace_s).
 
     `register` adds the servicers and returns their full service names; health
-    checking (grpc.health.v1) and reflection are added for all of them.
-    SIGHUP calls `on_reload`, when given.
+    checking (grpc.health.v1) and reflection are added for all of them, SERVING
+    while `healthy()` says so (when given: the router is healthy only while a
+    verifier is). SIGHUP calls `on_reload`, when given.
     """
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
     service_names = list(register(server))
@@ -127,7 +133,10 @@ async def serve(
         loop.add_signal_handler(sig, stop.set)
     if on_reload is not None:
         loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(_reload(name, on_reload)))
+    watcher = asyncio.create_task(_follow_health(name, health, ["", *service_names], healthy)) if healthy else None
     await stop.wait()
+    if watcher is not None:
+        watcher.cancel()
     log.info("%s shutting down: finishing in-flight calls (up to %.0fs)", name, grace_s)
     for service in ["", *service_names]:
         await health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -135,6 +144,19 @@ async def serve(
     if on_stop is not None:
         on_stop()
     log.info("%s stopped", name)
+
+
+async def _follow_health(name: str, health, services: list[str], healthy: Callable[[], bool]) -> None:
+    serving = True
+    while True:
+        await asyncio.sleep(0.25)
+        now = bool(healthy())
+        if now != serving:
+            serving = now
+            status = health_pb2.HealthCheckResponse.SERVING if now else health_pb2.HealthCheckResponse.NOT_SERVING
+            log.warning("%s health: %s", name, health_pb2.HealthCheckResponse.ServingStatus.Name(status))
+            for service in services:
+                await health.set(service, status)
 
 
 async def _reload(name: str, on_reload) -> None:

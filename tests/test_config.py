@@ -65,6 +65,10 @@ BAD = [
     ("pipeline depth zero", with_("router.pipeline_depth", 0), "router.pipeline_depth"),
     ("decay zero", with_("router.expertise_decay", 0.0), "router.expertise_decay: must be in (0, 1]"),
     ("decay above one", with_("router.expertise_decay", 1.5), "router.expertise_decay"),
+    ("replicas not a list", with_("verifier.replicas", "127.0.0.1:1"), "verifier.replicas: a list of host:port addresses"),
+    ("replica without port", with_("verifier.replicas", ["verifier-1"]), "verifier.replicas[0]: address 'verifier-1' must be host:port"),
+    ("replica twice", with_("verifier.replicas", ["127.0.0.1:50061"]), "verifier.replicas[0]: 127.0.0.1:50061 is listed twice"),
+    ("verifier wait zero", with_("router.verifier_wait_s", 0), "router.verifier_wait_s: must be above 0"),
     ("default drafter not served", with_("router.default_drafter", "prose"), "router.default_drafter: 'prose' is not a configured draft model"),
 ]
 

@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", help="deployment YAML (default: bundled demo models)")
     parser.add_argument("--model", help="target model directory (overrides the config)")
     parser.add_argument("--host", default="0.0.0.0")
-    parser.add_argument("--port", type=int, help="port (default: the port of verifier.address)")
+    parser.add_argument("--port", type=int, help="port (default: the port of verifier.address, or of the replica's address with --replica)")
+    parser.add_argument("--replica", type=int, default=0, help="serve as replica N: 0 is verifier.address, N the Nth of verifier.replicas")
     parser.add_argument("--threads", type=int, help="torch threads (default: verifier.threads)")
     args = parser.parse_args(argv)
     setup_logging("verifier")
@@ -153,8 +154,19 @@ def main(argv: list[str] | None = None) -> int:
         verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
         return [verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name]
 
-    port = args.port if args.port is not None else config_mod.port_of(vcfg.address)
-    metrics_sock = listen(args.host, vcfg.metrics_port, config_mod.DEFAULT_METRICS_PORTS["verifier"], "verifier metrics", "verifier.metrics_port")
+    addresses = vcfg.addresses()
+    if not 0 <= args.replica < len(addresses):
+        raise SystemExit(f"specfleet verifier: --replica {args.replica}: the config lists {len(addresses)} replica(s), 0 to {len(addresses) - 1}")
+    port = args.port if args.port is not None else config_mod.port_of(addresses[args.replica])
+    # Replicas on one machine need metrics ports of their own: replica N takes metrics_port + N, and
+    # has none when metrics_port is unset (the default port is the first replica's).
+    metrics_port = vcfg.metrics_port
+    if args.replica and vcfg.metrics_port is None:
+        metrics_port = 0
+        log.info("metrics off for replica %d: verifier.metrics_port is unset", args.replica)
+    elif args.replica and vcfg.metrics_port:
+        metrics_port = vcfg.metrics_port + args.replica
+    metrics_sock = listen(args.host, metrics_port, config_mod.DEFAULT_METRICS_PORTS["verifier"], "verifier metrics", "verifier.metrics_port")
 
     async def run():
         async with metrics.exported(metrics_sock, core.telemetry.registry):
