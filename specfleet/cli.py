@@ -21,7 +21,6 @@ import pathlib
 import shlex
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +40,10 @@ def cmd_serve(argv: list[str]) -> int:
     parser.add_argument("--config", help="deployment YAML (default: bundled demo models, else small random models)")
     parser.add_argument("--port", type=int, help="router port (default: router.port, 50051)")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for all services")
+    parser.add_argument(
+        "--max-restarts", type=int, default=5,
+        help="restart a crashed service at most this many times in 10 minutes, then stop everything (default 5; 0: never restart)",
+    )
     parser.add_argument(
         "--ray", nargs="?", const="", metavar="ADDRESS",
         help="run the verifier and drafters as Ray actors in the cluster at ADDRESS (no ADDRESS: start a local Ray); the router uses them over Ray",
@@ -85,7 +88,11 @@ def cmd_serve(argv: list[str]) -> int:
     config_file.write_text(cfg.to_yaml())
 
     py = sys.executable
-    commands = [("verifier", [py, "-m", "verifier_service", "--config", str(config_file), "--host", "127.0.0.1"], cfg.verifier.cpus)]
+    commands = []
+    for replica, address in enumerate(cfg.verifier.addresses()):
+        name = "verifier" if replica == 0 else f"verifier replica {replica}"
+        command = [py, "-m", "verifier_service", "--config", str(config_file), "--host", "127.0.0.1", "--replica", str(replica)]
+        commands.append((name, command, cfg.verifier.cpus))
     for svc in cfg.drafters:
         commands.append((f"drafter {svc.name}", [py, "-m", "drafter_service", "--config", str(config_file), "--name", svc.name, "--host", "127.0.0.1"], svc.cpus))
     commands.append(("router", [py, "-m", "router", "--config", str(config_file)], cfg.router.cpus))
@@ -94,7 +101,9 @@ def cmd_serve(argv: list[str]) -> int:
         if cpus and not set(cpus) <= usable:
             print(f"specfleet serve: {name}: cpus {cpus} are not all usable here (usable: {sorted(usable)})", file=sys.stderr)
             return 2
-    procs: list[tuple[str, subprocess.Popen]] = []
+    from specfleet.supervisor import GaveUp, Supervisor
+
+    supervisor = Supervisor(lambda cpus: _child_setup(cpus, os.getpid()), max_restarts=max(0, args.max_restarts))
 
     def stop_all(code: int) -> int:
         # A second Ctrl-C or SIGTERM must not cut the orderly stop short and leave services running.
@@ -102,30 +111,14 @@ def cmd_serve(argv: list[str]) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         # The router first: its in-flight requests finish, and their rounds need the drafters and the
         # verifier until the last one. Then the services, once nothing can call them.
-        router = [(name, proc) for name, proc in procs if name == "router"]
-        services = [(name, proc) for name, proc in procs if name != "router"]
-        for group, wait_s in ((router, ROUTER_DRAIN_S + 10), (services, 15)):
-            for _, proc in group:
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + wait_s
-            for name, proc in group:
-                try:
-                    proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    print(f"specfleet serve: {name} did not stop within {wait_s:.0f}s of SIGTERM; killing it", file=sys.stderr)
-                    proc.kill()
-                    proc.wait()
+        supervisor.stop("router", drain_s=ROUTER_DRAIN_S + 10)
         return code
 
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         for name, command, cpus in commands:
-            # Its own process group: Ctrl-C in a terminal signals the whole foreground group at once, and
-            # the services must stop only after the router has drained (stop_all), not with it.
-            procs.append((name, subprocess.Popen(command, preexec_fn=_child_setup(cpus, os.getpid()), process_group=0)))
-            if cpus:
-                print(f"specfleet serve: {name} runs on cores {cpus}", file=sys.stderr)
+            supervisor.start(name, command, cpus)
+        procs = [(c.name, c.proc) for c in supervisor.children]
         router_address = f"{cfg.router.host}:{cfg.router.port}"
         from specfleet.serving import wait_until_serving
 
@@ -146,7 +139,9 @@ def cmd_serve(argv: list[str]) -> int:
             if args.port is not None:
                 new.router.port = args.port
             config_file.write_text(new.to_yaml())
-            procs[-1][1].send_signal(signal.SIGHUP)
+            router = supervisor.pid_of("router")
+            if router is not None:
+                os.kill(router, signal.SIGHUP)
 
         signal.signal(signal.SIGHUP, reload_config)
         print(f"specfleet is ready: router listening on {router_address} (Ctrl-C stops everything)", flush=True)
@@ -156,14 +151,17 @@ def cmd_serve(argv: list[str]) -> int:
             unless = "" if cfg.router.http_port else " (unless that port was taken: see the router's log; router.http_port sets it)"
             print(f"  OpenAI-compatible API: http://{cfg.router.host}:{port}/v1{unless}", flush=True)
         while True:
-            for name, proc in procs:
-                if proc.poll() is not None:
-                    print(f"specfleet serve: {name} exited with code {proc.returncode}; stopping", file=sys.stderr)
-                    return stop_all(1)
-            time.sleep(0.5)
+            try:
+                supervisor.tend()
+            except GaveUp as err:
+                print(f"specfleet serve: {err}; stopping", file=sys.stderr)
+                return stop_all(1)
+            time.sleep(0.25)
     except KeyboardInterrupt:
         print("specfleet serve: stopping", file=sys.stderr)
         return stop_all(0)
+    finally:
+        shutil.rmtree(config_file.parent, ignore_errors=True)
 
 
 def _this_command() -> str:
