@@ -209,3 +209,30 @@ def test_two_routers_two_verifiers_two_drafters_survive_kills(random_family, tmp
         second_log.close()
         cluster.stop()
         redis_server.kill()
+
+
+def test_router_health_follows_the_verifier(random_family, tmp_path):
+    """While its only verifier does not answer (stopped), the router reports NOT_SERVING on
+    grpc.health.v1, so a load balancer sends clients elsewhere; SERVING again once it answers."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    cluster = Cluster(cluster_config(random_family), tmp_path, "health").start()
+
+    def status_within(want: int, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(cluster.router) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status == want:
+                    return True
+                time.sleep(0.2)
+        return False
+
+    try:
+        assert status_within(health_pb2.HealthCheckResponse.SERVING, 5)
+        with paused(service_pid(cluster, "verifier")):
+            assert status_within(health_pb2.HealthCheckResponse.NOT_SERVING, 30), "router still SERVING with its verifier stopped"
+        assert status_within(health_pb2.HealthCheckResponse.SERVING, 30), "router did not return to SERVING"
+    finally:
+        cluster.stop()
