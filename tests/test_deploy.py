@@ -505,3 +505,9 @@ def test_ray_launcher_config_asks_for_resources_the_node_types_declare():
         assert placement is not None and set(placement.resources) <= declared, name
         assert device.startswith("cuda") == (placement.num_gpus > 0), f"{name}: device {device} with num_gpus {placement.num_gpus}"
     assert set(cfg.verifier.ray.resources) == {"big_gpu"}
+    # One node per actor: each worker type starts as many nodes as actors ask for its resource.
+    for type_name, node_type in launcher["available_node_types"].items():
+        custom = set(node_type.get("resources", {})) - {"CPU", "GPU", "memory"}
+        actors = sum(1 for _, p, _ in services if set(p.resources) & custom)
+        assert node_type.get("min_workers", 0) == node_type.get("max_workers", 0) == actors, f"{type_name}: {actors} actor(s)"
+    assert launcher["max_workers"] == len(services)
