@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import tomllib
+import zipfile
 
 import jsonschema
 import pytest
@@ -208,6 +209,43 @@ def test_dockerfile_is_one_non_root_image_with_specfleet_as_entry_point():
     # The README's build commands make the tags the manifests use.
     readme = (DEPLOY / "README.md").read_text()
     assert f"docker build -t {IMAGE} ." in readme and f"docker build --build-arg VARIANT=cpu -t {IMAGE_CPU} ." in readme
+
+
+def _build_context(dest: pathlib.Path) -> pathlib.Path:
+    """What `docker build .` sends: .dockerignore excludes everything (`*`) but its `!` entries."""
+    lines = [ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+    assert lines[0] == "*", ".dockerignore must start by excluding everything"
+    excluded = [ln.removeprefix("**/") for ln in lines[1:] if not ln.startswith("!")]
+    for entry in (ln[1:].rstrip("/") for ln in lines if ln.startswith("!")):
+        src, target = ROOT / entry, dest / entry
+        if src.is_dir():
+            shutil.copytree(src, target, ignore=shutil.ignore_patterns(*excluded))
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, target)
+    return dest
+
+
+def test_the_build_context_builds_specfleet_and_holds_the_demo_models(tmp_path):
+    """The Dockerfile's install from the build context: the package builds from it, and specfleet
+    run from it (as the image's editable install does) finds the demo models next to its source."""
+    context = _build_context(tmp_path / "context")
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "wheels"), str(context)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    (wheel,) = (tmp_path / "wheels").glob("specfleet-*.whl")
+    probe = "from specfleet import cli, config; c = config.default_config(config.REPO / '.cache'); print(c.verifier.model)"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(context)},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == str(context / "models" / "demo" / "target"), out.stdout
+    packages = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
+    assert {"specfleet", "router", "verifier_service", "drafter_service"} <= packages, packages
+    assert "specfleet/v1/verifier_pb2.py" in zipfile.ZipFile(wheel).namelist()
 
 
 def _images(node) -> set[str]:
