@@ -22,9 +22,10 @@ ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 FROM base-${VARIANT}
 
 # Ubuntu's own Python (3.12) in a virtual environment; the distribution pins the package versions.
+# tmux: `ray exec --tmux` (deploy/ray) runs the command in the container under it.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
+    && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates tmux \
     && rm -rf /var/lib/apt/lists/*
 
 # uid 1000 matches the usual first user of a VM, so host directories the Ray cluster launcher
