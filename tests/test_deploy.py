@@ -372,7 +372,7 @@ def _host_port(address: str) -> tuple[str, int]:
 
 
 def _verifier_addresses(cfg: config_mod.Config) -> list[str]:
-    return [cfg.verifier.address]
+    return cfg.verifier.addresses()
 
 
 def _stateful_pod(objects: list[dict], address: str, where: str) -> tuple[dict, dict]:
