@@ -168,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", help="deployment YAML (default: bundled demo models)")
     parser.add_argument("--name", help="which drafter service of the config to run (default: the first)")
     parser.add_argument("--host", default="0.0.0.0")
-    parser.add_argument("--port", type=int, help="port (default: the port of the service's address)")
+    parser.add_argument("--port", type=int, help="port (default: the port of the service's address, or of the replica's with --replica)")
+    parser.add_argument("--replica", type=int, default=0, help="serve as replica N: 0 is the service's address, N the Nth of its replicas")
     parser.add_argument("--threads", type=int, help="torch threads (default: the service's threads)")
     args = parser.parse_args(argv)
     setup_logging("drafter")
@@ -188,9 +189,13 @@ def main(argv: list[str] | None = None) -> int:
         drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
         return [drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name]
 
-    port = args.port if args.port is not None else config_mod.port_of(svc.address)
+    try:
+        replica_port, metrics_port = config_mod.replica_ports(svc, args.replica, f"drafter {svc.name} --replica")
+    except config_mod.ConfigError as err:
+        raise SystemExit(f"specfleet drafter: {err}") from None
+    port = args.port if args.port is not None else replica_port
     default_metrics = config_mod.DEFAULT_METRICS_PORTS["drafter"] + cfg.drafters.index(svc)
-    metrics_sock = listen(args.host, svc.metrics_port, default_metrics, f"drafter {svc.name} metrics", f"drafters[{svc.name}].metrics_port")
+    metrics_sock = listen(args.host, metrics_port, default_metrics, f"drafter {svc.name} metrics", f"drafters[{svc.name}].metrics_port")
 
     async def run():
         async with metrics.exported(metrics_sock, core.telemetry.registry):

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from router.breaker import Breaker
+from router.drafters import DrafterService
 from router.trees import DraftTree
 from router.request import DrafterCounts, RequestState, SessionMirror
 from router.routing import DrafterRouter
@@ -105,7 +106,7 @@ class Scheduler:
         self,
         config: SchedulerConfig,
         verifiers: VerifierPool,
-        drafters: dict[str, DrafterTransport],  # draft model name -> the service hosting it
+        drafters: dict[str, DrafterService],  # draft model name -> the service hosting it
         router: DrafterRouter,
         controller: SpeculationController,
     ):
@@ -297,7 +298,16 @@ class Scheduler:
 
         score: also have each drafter score the context it prefills (DraftSession.score_context)."""
         by_service: dict[str, list] = collections.defaultdict(list)
+        transports: dict[str, DrafterTransport] = {}
         for state, drafter, tokens, k, group in calls:
+            service = self.drafters[drafter]
+            transport, moved = service.pick(state.spec.session_id, self.breaker.allow)
+            if moved:
+                # The new replica holds none of this request's sessions of this service: send everything.
+                for model, mirror in state.drafter_mirrors.items():
+                    if self.drafters.get(model) is service:
+                        mirror.reset()
+            transports[transport.name] = transport
             mirror = state.drafter_mirrors.setdefault(drafter, SessionMirror())
             prefix, new = mirror.diff(tokens)
             session = drafter_pb2.DraftSession(
@@ -309,10 +319,9 @@ class Scheduler:
                 score_context=score,
                 lockstep_group=group,
             )
-            by_service[self.drafters[drafter].name].append((state, drafter, tokens, session))
+            by_service[transport.name].append((state, drafter, tokens, session))
 
-        async def call(entries):
-            transport = self.drafters[entries[0][1]]
+        async def call(transport: DrafterTransport, entries):
             if not self.breaker.allow(transport.name):
                 if self.breaker.probe_due(transport.name):
                     self._in_background(self._probe(transport))
@@ -347,7 +356,7 @@ class Scheduler:
                 out.append((state, drafter, drafted))
             return out
 
-        results = await asyncio.gather(*(call(entries) for entries in by_service.values()))
+        results = await asyncio.gather(*(call(transports[name], entries) for name, entries in by_service.items()))
         return [r for part in results for r in part]
 
     def _draft_timeout_s(self, entries, score: bool) -> float:
@@ -502,8 +511,12 @@ class Scheduler:
         services = {self.drafters[d].name: self.drafters[d] for d in used if d in self.drafters}
         for state in finished:
             self.verifiers.unplaced(state)
+            for service in services.values():
+                service.unplaced(state.spec.session_id)
         replicas = {r for s in finished for r in s.verifier_replicas}
-        calls = [self.verifiers.replicas[r].release(ids) for r in replicas] + [t.release(ids) for t in services.values()]
+        # Every replica of a used service: a request may have moved, and a replica that only stalled keeps its sessions.
+        drafting = {t.name: t for service in services.values() for t in service.replicas}
+        calls = [self.verifiers.replicas[r].release(ids) for r in replicas] + [t.release(ids) for t in drafting.values()]
         for result in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(result, Exception):
                 log.debug("release failed: %s", result)

@@ -19,6 +19,7 @@ from router.routing import DomainClassifier, DrafterProfile, DrafterRouter, Expe
 from router.scheduler import Overloaded, Scheduler, SchedulerConfig
 from router.speculation import CostModel, SpeculationController
 from router.transport import GrpcDrafter, GrpcVerifier
+from router.drafters import DrafterService
 from router.verifiers import VerifierPool
 from specfleet import config as config_mod
 from specfleet import metrics
@@ -135,14 +136,15 @@ async def build(cfg: config_mod.Config, transports: tuple | None = None) -> tupl
     if transports is None:
         addresses = cfg.verifier.addresses()
         replicas = [GrpcVerifier(address) for address in addresses]
-        services = {svc.name: GrpcDrafter(svc.name, svc.address) for svc in cfg.drafters}
+        services = {svc.name: grpc_drafter_service(svc) for svc in cfg.drafters}
         log.info("waiting for %d verifier replica(s) at %s and %d drafter service(s)", len(addresses), ", ".join(addresses), len(services))
         await asyncio.gather(
             *(wait_until_serving(address, timeout) for address in addresses),
-            *(wait_until_serving(svc.address, timeout) for svc in cfg.drafters),
+            *(wait_until_serving(address, timeout) for svc in cfg.drafters for address in svc.addresses()),
         )
     else:
-        replicas, services = transports
+        replicas, given = transports
+        services = {name: t if isinstance(t, DrafterService) else DrafterService(name, [t]) for name, t in given.items()}
     infos = await asyncio.gather(*(replica.info(timeout_s=30) for replica in replicas))
     target = infos[0]
     for replica, info in zip(replicas[1:], infos[1:]):
@@ -199,15 +201,30 @@ async def build(cfg: config_mod.Config, transports: tuple | None = None) -> tupl
     )
     servicer = GenerationServicer(scheduler, tokenizer, limits, target.eos_token_id)
     servicer.target = target
-    return servicer, scheduler, [*replicas, *services.values()]
+    return servicer, scheduler, [*replicas, *(t for service in services.values() for t in service.replicas)]
 
 
-async def collect_drafters(cfg: config_mod.Config, services: dict, target) -> dict:
-    """Draft model name -> the transport of its service, refusing models with another tokenizer."""
+def grpc_drafter_service(svc: config_mod.DrafterServiceConfig) -> DrafterService:
+    # Replica 0 goes by the service's name (logs, metrics, breaker); replica N by name[N].
+    names = [svc.name] + [f"{svc.name}[{i}]" for i in range(1, len(svc.addresses()))]
+    return DrafterService(svc.name, [GrpcDrafter(name, address) for name, address in zip(names, svc.addresses())])
+
+
+async def collect_drafters(cfg: config_mod.Config, services: dict[str, DrafterService], target) -> dict[str, DrafterService]:
+    """Draft model name -> its service, refusing models with another tokenizer and replicas that differ."""
     drafters = {}
     for svc_cfg in cfg.drafters:
-        transport = services[svc_cfg.name]
-        info = await transport.info(timeout_s=30)
+        service = services[svc_cfg.name]
+        infos = await asyncio.gather(*(replica.info(timeout_s=30) for replica in service.replicas))
+        info = infos[0]
+        for replica, other in zip(service.replicas[1:], infos[1:]):
+            mine = sorted((m.name, m.tokenizer_fingerprint, m.parameters) for m in info.models)
+            theirs = sorted((m.name, m.tokenizer_fingerprint, m.parameters) for m in other.models)
+            if mine != theirs:
+                raise StartupError(
+                    f"drafter service {svc_cfg.name}: replica {replica.address} hosts {[m[0] for m in theirs]}, "
+                    f"{service.replicas[0].address} hosts {[m[0] for m in mine]}; every replica must host the same draft models"
+                )
         for model in info.models:
             if model.tokenizer_fingerprint != target.tokenizer_fingerprint:
                 raise StartupError(
@@ -216,8 +233,8 @@ async def collect_drafters(cfg: config_mod.Config, services: dict, target) -> di
                     f"target {target.path} (vocabulary {target.vocab_size}, fingerprint {target.tokenizer_fingerprint}). "
                     "A drafter's token ids must mean what the target's mean: use a draft model trained with the target's tokenizer."
                 )
-            drafters[model.name] = transport
-            log.info("draft model %s on %s (%s): %.1fM parameters", model.name, svc_cfg.name, transport.address, model.parameters / 1e6)
+            drafters[model.name] = service
+            log.info("draft model %s on %s (%s): %.1fM parameters", model.name, svc_cfg.name, service.address, model.parameters / 1e6)
     if cfg.router.default_drafter and cfg.router.default_drafter not in drafters:
         raise StartupError(f"router.default_drafter {cfg.router.default_drafter!r} is not served by any drafter service ({sorted(drafters)})")
     if not drafters:
@@ -236,12 +253,14 @@ async def reload(servicer: GenerationServicer, scheduler: Scheduler, config_path
     rcfg = cfg.router
     drafters = scheduler.drafters
     if over_grpc:
-        existing = {t.name: t for t in scheduler.drafters.values()}
+        existing = {service.name: service for service in scheduler.drafters.values()}
         services = {}
         for svc in cfg.drafters:
             old = existing.get(svc.name)
-            services[svc.name] = old if old is not None and old.address == svc.address else GrpcDrafter(svc.name, svc.address)
-            await wait_until_serving(svc.address, 30.0)
+            same = old is not None and [r.address for r in old.replicas] == svc.addresses()
+            services[svc.name] = old if same else grpc_drafter_service(svc)
+            for address in svc.addresses():
+                await wait_until_serving(address, 30.0)
         drafters = await collect_drafters(cfg, services, servicer.target)
     new_router = build_drafter_router(cfg, sorted(drafters))
     new_router.store = scheduler.router.store
@@ -319,7 +338,8 @@ async def profile_costs(verifier, drafters: dict, cost: CostModel, token: int, m
                 timed[key] = min(timed.get(key, float("inf")), reply.compute_ms)
         await verifier.release(ids)
     cost.fit_verify([(n, tokens, ms) for (n, tokens), ms in timed.items()])
-    for name, transport in drafters.items():
+    for name, service in drafters.items():
+        transport = service.replicas[0]
         for depth in (1, 4):  # two depths separate a call's fixed part from its per-token part
             request = drafter_pb2.DraftRequest(
                 sessions=[

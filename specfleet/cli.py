@@ -94,7 +94,10 @@ def cmd_serve(argv: list[str]) -> int:
         command = [py, "-m", "verifier_service", "--config", str(config_file), "--host", "127.0.0.1", "--replica", str(replica)]
         commands.append((name, command, cfg.verifier.cpus))
     for svc in cfg.drafters:
-        commands.append((f"drafter {svc.name}", [py, "-m", "drafter_service", "--config", str(config_file), "--name", svc.name, "--host", "127.0.0.1"], svc.cpus))
+        for replica, _ in enumerate(svc.addresses()):
+            name = f"drafter {svc.name}" if replica == 0 else f"drafter {svc.name} replica {replica}"
+            command = [py, "-m", "drafter_service", "--config", str(config_file), "--name", svc.name, "--host", "127.0.0.1", "--replica", str(replica)]
+            commands.append((name, command, svc.cpus))
     commands.append(("router", [py, "-m", "router", "--config", str(config_file)], cfg.router.cpus))
     usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
     for name, _, cpus in commands:

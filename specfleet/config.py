@@ -126,6 +126,10 @@ class DraftModelConfig:
 class DrafterServiceConfig:
     name: str = ""
     address: str = "127.0.0.1:50062"
+    # More replicas of this service (same models and settings), by address: the router spreads
+    # requests over them and moves a dead one's requests on; `specfleet serve` starts one process
+    # per address (replica N exports metrics on metrics_port + N when it is set).
+    replicas: list[str] = field(default_factory=list)
     models: list[DraftModelConfig] = field(default_factory=list)
     # Where this service's draft models run: cpu, cuda, cuda:N, or auto (see VerifierConfig.device).
     device: str = "cpu"
@@ -147,6 +151,10 @@ class DrafterServiceConfig:
     # DEFAULT_METRICS_PORTS["drafter"] plus the service's index in `drafters` when that port
     # is free, else off with a warning.
     metrics_port: int | None = None
+
+    def addresses(self) -> list[str]:
+        """Every replica's address; the first is `address`."""
+        return [self.address, *self.replicas]
 
 
 @dataclass
@@ -335,17 +343,9 @@ def validate(config: Config) -> None:
     for where, attention in [("verifier.attention", v.attention)] + [(f"drafters[{i}].attention", d.attention) for i, d in enumerate(config.drafters)]:
         if attention not in ATTENTION_MODES:
             raise ConfigError(f"{where}: must be one of {', '.join(ATTENTION_MODES)}, got {attention!r}")
-    addresses = v.replicas if isinstance(v.replicas, list) else None
-    if addresses is None or not all(isinstance(a, str) for a in addresses):
-        raise ConfigError(f"verifier.replicas: a list of host:port addresses, got {v.replicas!r}")
-    for i, address in enumerate(v.addresses()):
-        where = "verifier.address" if i == 0 else f"verifier.replicas[{i - 1}]"
-        try:
-            port_of(address)
-        except ConfigError as err:
-            raise ConfigError(f"{where}: {err}") from None
-        if address in v.addresses()[:i]:
-            raise ConfigError(f"{where}: {address} is listed twice; every replica needs its own address")
+    _validate_replicas(v, "verifier")
+    for i, svc in enumerate(config.drafters):
+        _validate_replicas(svc, f"drafters[{i}]")
     if r.verifier_wait_s <= 0:
         raise ConfigError(f"router.verifier_wait_s: must be above 0, got {r.verifier_wait_s}")
     for where, cpus in [("verifier.cpus", v.cpus), ("router.cpus", r.cpus)] + [(f"drafters[{i}].cpus", d.cpus) for i, d in enumerate(config.drafters)]:
@@ -365,6 +365,20 @@ def validate(config: Config) -> None:
         raise ConfigError(f"router.expertise_decay: must be in (0, 1], got {r.expertise_decay}")
     if r.default_drafter and r.default_drafter not in seen_models:
         raise ConfigError(f"router.default_drafter: {r.default_drafter!r} is not a configured draft model {sorted(seen_models)}")
+
+
+def _validate_replicas(service, where: str) -> None:
+    if not isinstance(service.replicas, list) or not all(isinstance(a, str) for a in service.replicas):
+        raise ConfigError(f"{where}.replicas: a list of host:port addresses, got {service.replicas!r}")
+    addresses = service.addresses()
+    for i, address in enumerate(addresses):
+        key = f"{where}.address" if i == 0 else f"{where}.replicas[{i - 1}]"
+        try:
+            port_of(address)
+        except ConfigError as err:
+            raise ConfigError(f"{key}: {err}") from None
+        if address in addresses[:i]:
+            raise ConfigError(f"{key}: {address} is listed twice; every replica needs its own address")
 
 
 def resolve_device(device: str, where: str) -> str:
@@ -431,6 +445,19 @@ def exemplars_of(model: DraftModelConfig) -> list[str]:
                 except (ValueError, KeyError, TypeError):
                     raise ConfigError(f"{path}:{n}: expected a JSON object with a \"text\" field") from None
     return texts
+
+
+def replica_ports(service, replica: int, where: str) -> tuple[int, int | None]:
+    """(gRPC port, metrics_port setting) of replica N of a verifier or drafter service. Replicas on
+    one machine need metrics ports of their own: replica N takes metrics_port + N, and none (0)
+    when metrics_port is unset, since the default port is the first replica's."""
+    addresses = service.addresses()
+    if not 0 <= replica < len(addresses):
+        raise ConfigError(f"{where}: replica {replica} asked for; the config lists {len(addresses)} (0 to {len(addresses) - 1})")
+    metrics_port = service.metrics_port
+    if replica:
+        metrics_port = metrics_port + replica if metrics_port else 0
+    return port_of(addresses[replica]), metrics_port
 
 
 def port_of(address: str) -> int:

@@ -7,6 +7,7 @@ import signal
 import threading
 
 from router.breaker import Breaker
+from router.drafters import DrafterService
 from specfleet.v1 import generation_pb2_grpc
 from tests.conftest import Cluster, cluster_config, free_port
 from tests.helpers import PROMPTS, greedy_request, target_greedy
@@ -34,6 +35,31 @@ def test_breaker_skips_a_failing_service_and_probes_it_with_growing_backoff():
     breaker.failed("a")
     now[0] = 2.3
     assert breaker.probe_due("a")  # back to the first backoff after a success
+
+
+class _Replica:
+    def __init__(self, name: str):
+        self.name = self.address = name
+
+
+def test_drafter_replicas_keep_a_request_and_move_it_off_a_skipped_one():
+    service = DrafterService("beta", [_Replica("beta"), _Replica("beta[1]")])
+    up = {"beta": True, "beta[1]": True}
+    live = up.__getitem__
+    first, moved = service.pick("r1", live)
+    second, _ = service.pick("r2", live)
+    assert {first.name, second.name} == {"beta", "beta[1]"} and not moved  # spread over the replicas
+    assert service.pick("r1", live) == (first, False)  # and kept there (its KV is there)
+    up[first.name] = False
+    other, moved = service.pick("r1", live)
+    assert other.name != first.name and moved  # off a skipped replica, told it moved (resend everything)
+    assert service.pick("r1", live) == (other, False)
+    up[other.name] = False
+    assert service.pick("r1", live) == (other, False)  # none live: stays, and the caller skips it
+    service.unplaced("r1")
+    service.unplaced("r2")
+    up.update({"beta": True, "beta[1]": True})
+    assert service.pick("r3", live)[0].name == "beta"  # the least loaded again
 
 
 def test_a_stopped_drafter_does_not_stall_requests_drafted_by_others(random_family, tmp_path):

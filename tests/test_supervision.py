@@ -145,10 +145,11 @@ def test_serve_gives_up_on_a_service_that_keeps_crashing(random_family, tmp_path
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed (scripts/ensure-redis)")
 def test_two_routers_two_verifiers_two_drafters_survive_kills(random_family, tmp_path):
-    """Two verifier replicas, two drafter services, two routers sharing one Redis; 32 greedy streams
-    through both routers. kill -9 one verifier replica and one drafter service mid-run: no request
-    fails, every output is the target's, the dead replica's requests moved to the live one. Then the
-    replica serve restarted takes traffic again."""
+    """Two verifier replicas, two drafter services (one of them in two replicas), two routers sharing
+    one Redis; 32 greedy streams through both routers. kill -9 one verifier replica, the drafter
+    service alpha and one replica of beta mid-run: no request fails, every output is the target's,
+    the dead verifier replica's requests moved to the live one. Then the verifier replica serve
+    restarted takes traffic again."""
     from tests.test_redis import RedisServer
 
     target = str(random_family["target"])
@@ -158,7 +159,10 @@ def test_two_routers_two_verifiers_two_drafters_survive_kills(random_family, tmp
     config["verifier"]["replicas"] = [replica]
     config["drafters"] = [
         {"name": "alpha", "address": f"127.0.0.1:{free_port()}", "models": [{"name": "drafter-noisy", "path": str(random_family["drafter-noisy"])}], "metrics_port": 0},
-        {"name": "beta", "address": f"127.0.0.1:{free_port()}", "models": [{"name": "drafter-copy", "path": str(random_family["drafter-copy"])}], "metrics_port": 0},
+        {
+            "name": "beta", "address": f"127.0.0.1:{free_port()}", "replicas": [f"127.0.0.1:{free_port()}"],
+            "models": [{"name": "drafter-copy", "path": str(random_family["drafter-copy"])}], "metrics_port": 0,
+        },
     ]
     cluster = Cluster(config, tmp_path, "replicas").start()
     import yaml
@@ -178,12 +182,14 @@ def test_two_routers_two_verifiers_two_drafters_survive_kills(random_family, tmp
         streams.start()
         first_replica = service_pid(cluster, "verifier", also="--replica 0")
         doomed = service_pid(cluster, "verifier", also="--replica 1")
-        beta = service_pid(cluster, "drafter", also="--name beta")
+        alpha = service_pid(cluster, "drafter", also="--name alpha")
+        beta = service_pid(cluster, "drafter", also="--name beta --host 127.0.0.1 --replica 1")
         port = config["router"]["metrics_port"]
         with paused(first_replica):
             # Both replicas hold requests of this router (new requests go to the less loaded one).
             assert metrics(port).get(f'specfleet:verifier_replica_sessions_total{{replica="{replica}"}}', 0) > 0
             os.kill(doomed, signal.SIGKILL)
+            os.kill(alpha, signal.SIGKILL)
             os.kill(beta, signal.SIGKILL)
         streams.join()
         streams.check(target)

@@ -154,18 +154,11 @@ def main(argv: list[str] | None = None) -> int:
         verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
         return [verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name]
 
-    addresses = vcfg.addresses()
-    if not 0 <= args.replica < len(addresses):
-        raise SystemExit(f"specfleet verifier: --replica {args.replica}: the config lists {len(addresses)} replica(s), 0 to {len(addresses) - 1}")
-    port = args.port if args.port is not None else config_mod.port_of(addresses[args.replica])
-    # Replicas on one machine need metrics ports of their own: replica N takes metrics_port + N, and
-    # has none when metrics_port is unset (the default port is the first replica's).
-    metrics_port = vcfg.metrics_port
-    if args.replica and vcfg.metrics_port is None:
-        metrics_port = 0
-        log.info("metrics off for replica %d: verifier.metrics_port is unset", args.replica)
-    elif args.replica and vcfg.metrics_port:
-        metrics_port = vcfg.metrics_port + args.replica
+    try:
+        replica_port, metrics_port = config_mod.replica_ports(vcfg, args.replica, "verifier --replica")
+    except config_mod.ConfigError as err:
+        raise SystemExit(f"specfleet verifier: {err}") from None
+    port = args.port if args.port is not None else replica_port
     metrics_sock = listen(args.host, metrics_port, config_mod.DEFAULT_METRICS_PORTS["verifier"], "verifier metrics", "verifier.metrics_port")
 
     async def run():
