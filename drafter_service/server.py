@@ -9,6 +9,7 @@ import logging
 import grpc
 
 from specfleet import config as config_mod
+from specfleet import placement
 from specfleet import metrics
 from specfleet.metrics import PassTelemetry
 from specfleet.ports import listen
@@ -108,7 +109,10 @@ class DrafterCore:
         return common_pb2.ReleaseResponse(released=released)
 
     def info(self) -> drafter_pb2.DrafterInfo:
-        return drafter_pb2.DrafterInfo(models=[m.loaded.info() for m in self.models.values()])
+        reply = drafter_pb2.DrafterInfo(models=[m.loaded.info() for m in self.models.values()])
+        for info in reply.models:
+            placement.describe(info)
+        return reply
 
     async def stats(self) -> drafter_pb2.DrafterServiceStats:
         def held() -> list[str]:

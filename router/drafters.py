@@ -24,6 +24,7 @@ class DrafterService:
         self._by_name = {r.name: r for r in replicas}
         self._placed: dict[str, str] = {}  # session id -> replica name
         self._requests: collections.Counter[str] = collections.Counter()
+        self.placement = None  # the ModelInfo of its first model, where it runs (specfleet/placement.py)
 
     @property
     def address(self) -> str:

@@ -22,6 +22,7 @@ from router.transport import GrpcDrafter, GrpcVerifier
 from router.drafters import DrafterService
 from router.verifiers import VerifierPool
 from specfleet import config as config_mod
+from specfleet import placement
 from specfleet import metrics
 from specfleet.metrics import RouterTelemetry
 from specfleet.runtime import load_tokenizer, tokenizer_fingerprint
@@ -183,7 +184,7 @@ async def build(cfg: config_mod.Config, transports: tuple | None = None) -> tupl
             max_running=rcfg.max_running,
             max_queued=rcfg.max_queued,
             rpc_timeout_s=rcfg.rpc_timeout_s,
-            pipeline_depth=rcfg.pipeline_depth,
+            pipeline_depth=pipeline_depth(rcfg.pipeline_depth, target, drafters),
         ),
         verifier,
         drafters,
@@ -210,6 +211,22 @@ def grpc_drafter_service(svc: config_mod.DrafterServiceConfig) -> DrafterService
     return DrafterService(svc.name, [GrpcDrafter(name, address) for name, address in zip(names, svc.addresses())])
 
 
+def pipeline_depth(configured: int, target, drafters: dict[str, DrafterService]) -> int:
+    """router.pipeline_depth, or 1 when no drafter can draft while the verifier verifies (the same
+    cores): then a second lane only queues its verify calls behind the first's."""
+    services = {service.name: service for service in drafters.values()}
+    if configured <= 1 or not services:
+        return configured
+    placements = [s.placement for s in services.values() if s.placement is not None]
+    if placements and not any(placement.can_overlap(target, p) for p in placements):
+        log.info(
+            "pipelining off (router.pipeline_depth %d -> 1): the drafters share the verifier's cores %s with %d + %d threads",
+            configured, list(target.cpus), target.threads, placements[0].threads,
+        )
+        return 1
+    return configured
+
+
 async def collect_drafters(cfg: config_mod.Config, services: dict[str, DrafterService], target) -> dict[str, DrafterService]:
     """Draft model name -> its service, refusing models with another tokenizer and replicas that differ."""
     drafters = {}
@@ -225,6 +242,7 @@ async def collect_drafters(cfg: config_mod.Config, services: dict[str, DrafterSe
                     f"drafter service {svc_cfg.name}: replica {replica.address} hosts {[m[0] for m in theirs]}, "
                     f"{service.replicas[0].address} hosts {[m[0] for m in mine]}; every replica must host the same draft models"
                 )
+        service.placement = info.models[0] if info.models else None
         for model in info.models:
             if model.tokenizer_fingerprint != target.tokenizer_fingerprint:
                 raise StartupError(

@@ -187,7 +187,8 @@ class RouterConfig:
     redis_url: str = ""
     # Weight left on old routing evidence after each update (follows drifting traffic).
     expertise_decay: float = 0.995
-    # Groups of requests drafted and verified alternately (1: no pipelining).
+    # Groups of requests drafted and verified alternately (1: no pipelining). The router uses 1
+    # when no drafter can run beside the verifier (the same host and too few cores for both).
     pipeline_depth: int = 2
     # Choose k per request and round from predicted acceptance and load; false: always num_draft_tokens.
     adaptive_speculation: bool = True

@@ -113,3 +113,26 @@ def test_a_stopped_drafter_does_not_stall_requests_drafted_by_others(random_fami
     for prompt in prompts:
         assert tokens[prompt] == target_greedy(str(random_family["target"]), prompt, max_tokens), prompt
     assert "drafter service beta: skipped" in cluster.log_path.read_text()
+
+
+def test_pipelining_needs_a_drafter_that_can_run_beside_the_verifier():
+    from router.server import pipeline_depth
+    from specfleet import placement
+    from specfleet.v1 import common_pb2
+
+    def info(host="h", device="cpu", cpus=(0,), threads=1):
+        return common_pb2.ModelInfo(host=host, device=device, cpus=list(cpus), threads=threads)
+
+    one_core = info(cpus=[1])
+    assert not placement.can_overlap(one_core, info(cpus=[1]))  # `taskset -c 1 specfleet serve`
+    assert placement.can_overlap(info(cpus=[0, 1]), info(cpus=[0, 1]))  # two cores for two threads
+    assert not placement.can_overlap(info(cpus=[0, 1], threads=2), info(cpus=[0, 1]))
+    assert placement.can_overlap(one_core, info(host="other", cpus=[1]))
+    assert placement.can_overlap(info(device="cuda:0"), info())
+    assert not placement.can_overlap(info(device="cuda:0"), info(device="cuda:0"))
+    service = DrafterService("d", [_Replica("d")])
+    service.placement = info(cpus=[1])
+    assert pipeline_depth(2, one_core, {"general": service}) == 1
+    service.placement = info(host="other")
+    assert pipeline_depth(2, one_core, {"general": service}) == 2
+    assert pipeline_depth(2, one_core, {}) == 2

@@ -9,6 +9,7 @@ import logging
 import grpc
 
 from specfleet import config as config_mod
+from specfleet import placement
 from specfleet import metrics
 from specfleet.metrics import PassTelemetry
 from specfleet.ports import listen
@@ -85,7 +86,9 @@ class VerifierCore:
         return common_pb2.ReleaseResponse(released=released)
 
     def info(self) -> common_pb2.ModelInfo:
-        return self.verifier.loaded.info()
+        info = self.verifier.loaded.info()
+        placement.describe(info)
+        return info
 
     async def stats(self) -> verifier_pb2.VerifierServiceStats:
         store = self.verifier.store

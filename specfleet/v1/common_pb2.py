@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specfleet/v1/common.proto\x12\x0cspecfleet.v1\"l\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x19\n\x11\x64rafter_invariant\x18\x05 \x01(\x08\"O\n\x0bSessionSync\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rprefix_length\x18\x02 \x01(\x05\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x05\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\xcb\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\x12\x14\n\x0c\x65os_token_id\x18\x05 \x01(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x06 \x01(\t\x12\x12\n\nparameters\x18\x07 \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x11\n\tattention\x18\n \x01(\t\":\n\x0eReleaseRequest\x12\x13\n\x0bsession_ids\x18\x01 \x03(\t\x12\x13\n\x0bkeep_tokens\x18\x02 \x01(\x08\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x05\"\r\n\x0bInfoRequest*T\n\rSessionStatus\x12\x1e\n\x1aSESSION_STATUS_UNSPECIFIED\x10\x00\x12\x0e\n\nSESSION_OK\x10\x01\x12\x13\n\x0fSESSION_UNKNOWN\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specfleet/v1/common.proto\x12\x0cspecfleet.v1\"l\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x19\n\x11\x64rafter_invariant\x18\x05 \x01(\x08\"O\n\x0bSessionSync\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rprefix_length\x18\x02 \x01(\x05\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x05\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\xf8\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\x12\x14\n\x0c\x65os_token_id\x18\x05 \x01(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x06 \x01(\t\x12\x12\n\nparameters\x18\x07 \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x11\n\tattention\x18\n \x01(\t\x12\x0c\n\x04host\x18\x0b \x01(\t\x12\x0c\n\x04\x63pus\x18\x0c \x03(\x05\x12\x0f\n\x07threads\x18\r \x01(\x05\":\n\x0eReleaseRequest\x12\x13\n\x0bsession_ids\x18\x01 \x03(\t\x12\x13\n\x0bkeep_tokens\x18\x02 \x01(\x08\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x05\"\r\n\x0bInfoRequest*T\n\rSessionStatus\x12\x1e\n\x1aSESSION_STATUS_UNSPECIFIED\x10\x00\x12\x0e\n\nSESSION_OK\x10\x01\x12\x13\n\x0fSESSION_UNKNOWN\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specfleet.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SESSIONSTATUS']._serialized_start=608
-  _globals['_SESSIONSTATUS']._serialized_end=692
+  _globals['_SESSIONSTATUS']._serialized_start=653
+  _globals['_SESSIONSTATUS']._serialized_end=737
   _globals['_SAMPLINGPARAMS']._serialized_start=43
   _globals['_SAMPLINGPARAMS']._serialized_end=151
   _globals['_SESSIONSYNC']._serialized_start=153
@@ -40,11 +40,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SPARSEDISTRIBUTION']._serialized_start=234
   _globals['_SPARSEDISTRIBUTION']._serialized_end=288
   _globals['_MODELINFO']._serialized_start=291
-  _globals['_MODELINFO']._serialized_end=494
-  _globals['_RELEASEREQUEST']._serialized_start=496
-  _globals['_RELEASEREQUEST']._serialized_end=554
-  _globals['_RELEASERESPONSE']._serialized_start=556
-  _globals['_RELEASERESPONSE']._serialized_end=591
-  _globals['_INFOREQUEST']._serialized_start=593
-  _globals['_INFOREQUEST']._serialized_end=606
+  _globals['_MODELINFO']._serialized_end=539
+  _globals['_RELEASEREQUEST']._serialized_start=541
+  _globals['_RELEASEREQUEST']._serialized_end=599
+  _globals['_RELEASERESPONSE']._serialized_start=601
+  _globals['_RELEASERESPONSE']._serialized_end=636
+  _globals['_INFOREQUEST']._serialized_start=638
+  _globals['_INFOREQUEST']._serialized_end=651
 # @@protoc_insertion_point(module_scope)

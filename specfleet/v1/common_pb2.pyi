@@ -49,7 +49,7 @@ class SparseDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "path", "vocab_size", "max_context", "eos_token_id", "tokenizer_fingerprint", "parameters", "device", "dtype", "attention")
+    __slots__ = ("name", "path", "vocab_size", "max_context", "eos_token_id", "tokenizer_fingerprint", "parameters", "device", "dtype", "attention", "host", "cpus", "threads")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,9 @@ class ModelInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    CPUS_FIELD_NUMBER: _ClassVar[int]
+    THREADS_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
     vocab_size: int
@@ -70,7 +73,10 @@ class ModelInfo(_message.Message):
     device: str
     dtype: str
     attention: str
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., parameters: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., attention: _Optional[str] = ...) -> None: ...
+    host: str
+    cpus: _containers.RepeatedScalarFieldContainer[int]
+    threads: int
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., parameters: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., attention: _Optional[str] = ..., host: _Optional[str] = ..., cpus: _Optional[_Iterable[int]] = ..., threads: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_ids", "keep_tokens")
