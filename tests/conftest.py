@@ -110,8 +110,11 @@ class Cluster:
         raise RuntimeError(f"cluster did not start; log:\n{self.log_path.read_text()[-4000:]}")
 
     def channel(self, address: str | None = None) -> grpc.Channel:
-        """A channel carrying the internal token (the router ignores it)."""
-        channel = grpc.insecure_channel(address or self.router, options=CHANNEL_OPTIONS)
+        """A channel carrying the router's API key when it has one, else the internal token (which the router ignores)."""
+        address = address or self.router
+        channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        if address == self.router and self.env.get("SPECFLEET_API_KEY"):
+            return grpc.intercept_channel(channel, WithToken(self.env["SPECFLEET_API_KEY"]))
         return grpc.intercept_channel(channel, WithToken(self.env.get("SPECFLEET_INTERNAL_TOKEN", INTERNAL_TOKEN)))
 
     def stop(self) -> None:
