@@ -159,7 +159,7 @@ def cmd_serve(argv: list[str]) -> int:
 
         signal.signal(signal.SIGHUP, reload_config)
         print(f"specfleet is ready: router listening on {router_address} (Ctrl-C stops everything)", flush=True)
-        print(f"  try: {_this_command()} generate --server {router_address} 'def fibonacci(n):'", flush=True)
+        print(f"  try: {_this_command()} generate --server {router_address}{_tls_flags(cfg)} 'def fibonacci(n):'", flush=True)
         if cfg.router.http_port != 0:
             port = cfg.router.http_port or config_mod.DEFAULT_HTTP_PORT
             unless = "" if cfg.router.http_port else " (unless that port was taken: see the router's log; router.http_port sets it)"
@@ -185,6 +185,17 @@ def _this_command() -> str:
             return "specfleet"
         return shlex.quote(str(me))
     return f"{shlex.quote(sys.executable)} -m specfleet.cli"
+
+def _tls_flags(cfg) -> str:
+    """`specfleet generate`'s TLS flags for this router (empty without TLS); the API key stays in the environment."""
+    tls = cfg.security.tls
+    if tls is None:
+        return ""
+    flags = f" --ca {shlex.quote(tls.ca)}"
+    if tls.client_auth == "all":
+        flags += f" --cert {shlex.quote(tls.cert)} --key {shlex.quote(tls.key)}"
+    return flags
+
 
 def _child_setup(cpus: list[int], parent: int):
     """What a service's process does between fork and exec (so every thread it starts inherits it).

@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import pathlib
+import shlex
 import shutil
 import ssl
 import subprocess
@@ -200,6 +201,16 @@ def test_router_grpc_needs_the_api_key_and_a_client_certificate_and_serves_the_t
     reply = generate(_credentials(pki), API_KEY)
     assert list(reply.token_ids) == target_greedy(str(random_family["target"]), prompt, MAX_TOKENS)
     assert reply.speculation.draft_tokens > 0
+
+
+def test_the_ready_message_prints_a_generate_command_that_speaks_tls(secure):
+    try_line = secure.proc.stdout.readline()
+    assert "try: " in try_line and "--ca " in try_line and "--cert " in try_line, try_line
+    command = shlex.split(try_line.split("try: ", 1)[1]) + ["--max-tokens", "4"]
+    env = {**secure.env, "PYTHONPATH": str(REPO)}
+    assert subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO, env={**env, "SPECFLEET_API_KEY": ""}).returncode == 1
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 def test_router_http_and_metrics_need_their_keys_and_a_client_certificate(secure, pki):
