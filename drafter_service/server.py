@@ -9,8 +9,7 @@ import logging
 import grpc
 
 from specfleet import config as config_mod
-from specfleet import placement
-from specfleet import metrics
+from specfleet import metrics, placement, security
 from specfleet.metrics import PassTelemetry
 from specfleet.ports import listen
 from specfleet.runtime import SessionStore, configure_torch, load_model
@@ -171,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specfleet drafter", description="Serve one or more draft models.")
     parser.add_argument("--config", help="deployment YAML (default: bundled demo models)")
     parser.add_argument("--name", help="which drafter service of the config to run (default: the first)")
-    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--host", default="127.0.0.1", help="listen address (default: loopback; 0.0.0.0 needs security.token_file or mutual TLS)")
     parser.add_argument("--port", type=int, help="port (default: the port of the service's address, or of the replica's with --replica)")
     parser.add_argument("--replica", type=int, default=0, help="serve as replica N: 0 is the service's address, N the Nth of its replicas")
     parser.add_argument("--threads", type=int, help="torch threads (default: the service's threads)")
@@ -182,10 +181,12 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("the config has no drafters section")
     svc = cfg.drafter_service(args.name) if args.name else cfg.drafters[0]
     try:
+        sec = security.load(cfg.security)
+        sec.check_binding(f"drafter {svc.name}", args.host, internal=True)
         core = load_core(svc, threads=args.threads)
     except IncompatibleModels as err:
         raise SystemExit(str(err)) from None
-    except config_mod.ConfigError as err:
+    except (config_mod.ConfigError, security.InsecureBinding) as err:
         raise SystemExit(f"specfleet drafter: {err}") from None
     servicer = DrafterServicer(core)
 
@@ -202,8 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     metrics_sock = listen(args.host, metrics_port, default_metrics, f"drafter {svc.name} metrics", f"drafters[{svc.name}].metrics_port")
 
     async def run():
-        async with metrics.exported(metrics_sock, core.telemetry.registry):
-            await serve(f"drafter {svc.name}", args.host, port, register, on_stop=core.close)
+        async with metrics.exported(metrics_sock, core.telemetry.registry, **sec.metrics_options()):
+            await serve(
+                f"drafter {svc.name}", args.host, port, register, on_stop=core.close,
+                credentials=sec.server_credentials(), interceptors=sec.server_interceptors(),
+            )
 
     asyncio.run(run())
     return 0

@@ -447,9 +447,9 @@ class _Server(uvicorn.Server):
         return contextlib.nullcontext()
 
 
-async def start(app: FastAPI, sock: socket.socket) -> tuple[_Server, asyncio.Task]:
-    """Serve `app` on `sock` in this event loop; stop with `stop`."""
-    server = _Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, timeout_graceful_shutdown=5))
+async def start(app: FastAPI, sock: socket.socket, **tls) -> tuple[_Server, asyncio.Task]:
+    """Serve `app` on `sock` in this event loop; stop with `stop`. tls: uvicorn's ssl_* settings (Security.uvicorn_tls)."""
+    server = _Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, timeout_graceful_shutdown=5, **tls))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():
         await asyncio.sleep(0.01)

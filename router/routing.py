@@ -174,6 +174,20 @@ def _parse_evidence(name: bytes, value: bytes) -> tuple[str, str, Evidence] | No
     return domain, drafter, Evidence(a, r)
 
 
+class RedisAuthError(RuntimeError):
+    """Redis refused the router's credentials: a configuration mistake, refused at start-up."""
+
+
+def redacted(url: str) -> str:
+    """`url` with its password replaced, for logs and messages."""
+    scheme, sep, rest = url.partition("://")
+    credentials, at, host = rest.rpartition("@")
+    if not sep or not at:
+        return url
+    user, colon, _ = credentials.partition(":")
+    return f"{scheme}://{user}{':***' if colon else ''}@{host}"
+
+
 class RedisExpertiseStore(ExpertiseStore):
     """The same counts, shared through one Redis hash.
 
@@ -185,12 +199,23 @@ class RedisExpertiseStore(ExpertiseStore):
     """
 
     def __init__(self, url: str, decay: float, key: str = "specfleet:expertise"):
+        """url: redis://[:PASSWORD@]host:port/db, or rediss:// for TLS (redis-py's query options, e.g. ssl_ca_certs=PATH)."""
         super().__init__(decay)
         import redis
 
         self.url = url
+        self.safe_url = redacted(url)
         self.key = key
         self._client = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        try:
+            self._client.ping()
+        except redis.AuthenticationError as err:
+            raise RedisAuthError(
+                f"router.redis_url: Redis at {self.safe_url} refused this router ({err}); put its password in the URL, "
+                "redis://:PASSWORD@host:port/db (or redis://USER:PASSWORD@... with ACLs; rediss:// for TLS)"
+            ) from None
+        except redis.RedisError as err:  # away for now: routing runs on local state, and sync() keeps trying
+            log.warning("redis at %s unavailable at start-up (%s); routing continues on local state", self.safe_url, err)
         self._script = self._client.register_script(_REDIS_ADD)
         self._pending: list[tuple[str, str, float, float]] = []
         self._down_since: float | None = None
@@ -214,10 +239,10 @@ class RedisExpertiseStore(ExpertiseStore):
                 self._pending = pending + self._pending
             if self._down_since is None:
                 self._down_since = time.monotonic()
-                log.warning("redis at %s unavailable (%s); routing continues on local state", self.url, err)
+                log.warning("redis at %s unavailable (%s); routing continues on local state", self.safe_url, err)
             return
         if self._down_since is not None:
-            log.info("redis at %s is back after %.1fs", self.url, time.monotonic() - self._down_since)
+            log.info("redis at %s is back after %.1fs", self.safe_url, time.monotonic() - self._down_since)
             self._down_since = None
         with self._lock:
             for name, value in shared.items():

@@ -15,15 +15,16 @@ import grpc
 from router import openai_api
 from router.metrics import render as render_metrics
 from router.request import Chunk, InvalidRequest, Limits, RequestSpec, RequestState, parse_request, prompt_chars_bound
-from router.routing import DomainClassifier, DrafterProfile, DrafterRouter, ExpertiseStore, RedisExpertiseStore, RoutingConfig
+from router.routing import (
+    DomainClassifier, DrafterProfile, DrafterRouter, ExpertiseStore, RedisAuthError, RedisExpertiseStore, RoutingConfig, redacted,
+)
 from router.scheduler import Overloaded, Scheduler, SchedulerConfig
 from router.speculation import CostModel, SpeculationController
 from router.transport import GrpcDrafter, GrpcVerifier
 from router.drafters import DrafterService
 from router.verifiers import VerifierPool
 from specfleet import config as config_mod
-from specfleet import placement
-from specfleet import metrics
+from specfleet import metrics, placement, security
 from specfleet.metrics import RouterTelemetry
 from specfleet.runtime import load_tokenizer, tokenizer_fingerprint
 from specfleet.ports import listen
@@ -135,13 +136,14 @@ async def build(cfg: config_mod.Config, transports: tuple | None = None) -> tupl
     rcfg = cfg.router
     timeout = rcfg.startup_timeout_s
     if transports is None:
+        sec = security.load(cfg.security)
         addresses = cfg.verifier.addresses()
-        replicas = [GrpcVerifier(address) for address in addresses]
-        services = {svc.name: grpc_drafter_service(svc) for svc in cfg.drafters}
+        replicas = [GrpcVerifier(address, sec) for address in addresses]
+        services = {svc.name: grpc_drafter_service(svc, sec) for svc in cfg.drafters}
         log.info("waiting for %d verifier replica(s) at %s and %d drafter service(s)", len(addresses), ", ".join(addresses), len(services))
         await asyncio.gather(
-            *(wait_until_serving(address, timeout) for address in addresses),
-            *(wait_until_serving(address, timeout) for svc in cfg.drafters for address in svc.addresses()),
+            *(wait_until_serving(address, timeout, security=sec) for address in addresses),
+            *(wait_until_serving(address, timeout, security=sec) for svc in cfg.drafters for address in svc.addresses()),
         )
     else:
         replicas, given = transports
@@ -205,10 +207,10 @@ async def build(cfg: config_mod.Config, transports: tuple | None = None) -> tupl
     return servicer, scheduler, [*replicas, *(t for service in services.values() for t in service.replicas)]
 
 
-def grpc_drafter_service(svc: config_mod.DrafterServiceConfig) -> DrafterService:
+def grpc_drafter_service(svc: config_mod.DrafterServiceConfig, sec: security.Security) -> DrafterService:
     # Replica 0 goes by the service's name (logs, metrics, breaker); replica N by name[N].
     names = [svc.name] + [f"{svc.name}[{i}]" for i in range(1, len(svc.addresses()))]
-    return DrafterService(svc.name, [GrpcDrafter(name, address) for name, address in zip(names, svc.addresses())])
+    return DrafterService(svc.name, [GrpcDrafter(name, address, sec) for name, address in zip(names, svc.addresses())])
 
 
 def pipeline_depth(configured: int, target, drafters: dict[str, DrafterService]) -> int:
@@ -271,14 +273,15 @@ async def reload(servicer: GenerationServicer, scheduler: Scheduler, config_path
     rcfg = cfg.router
     drafters = scheduler.drafters
     if over_grpc:
+        sec = security.load(cfg.security)
         existing = {service.name: service for service in scheduler.drafters.values()}
         services = {}
         for svc in cfg.drafters:
             old = existing.get(svc.name)
             same = old is not None and [r.address for r in old.replicas] == svc.addresses()
-            services[svc.name] = old if same else grpc_drafter_service(svc)
+            services[svc.name] = old if same else grpc_drafter_service(svc, sec)
             for address in svc.addresses():
-                await wait_until_serving(address, 30.0)
+                await wait_until_serving(address, 30.0, security=sec)
         drafters = await collect_drafters(cfg, services, servicer.target)
     new_router = build_drafter_router(cfg, sorted(drafters))
     new_router.store = scheduler.router.store
@@ -316,7 +319,7 @@ def build_drafter_router(cfg: config_mod.Config, served: list[str]) -> DrafterRo
     )
     log.info(
         "routing: policy %s, domain prior %s, fusion width %d, domains %s, state in %s",
-        routing.policy, routing.domain_prior, routing.fusion_width, sorted(exemplars) or "-", "redis " + rcfg.redis_url if rcfg.redis_url else "memory",
+        routing.policy, routing.domain_prior, routing.fusion_width, sorted(exemplars) or "-", "redis " + redacted(rcfg.redis_url) if rcfg.redis_url else "memory",
     )
     return DrafterRouter(routing, profiles, DomainClassifier(exemplars), store)
 
@@ -386,8 +389,10 @@ async def run(
 ) -> None:
     """Serve; with ray_address, reach the verifier and drafters as Ray actors (`specfleet serve --ray`) instead of gRPC.
 
-    api_key: when set, the HTTP API's /v1/* needs `Authorization: Bearer api_key`.
+    api_key: when set, the gRPC Generation methods and the HTTP API's /v1/* need `authorization: Bearer api_key`.
     """
+    sec = security.load(cfg.security)
+    sec.check_binding("router", host, internal=False, api_key=api_key)
     given = None
     if ray_address is not None:
         from router import ray_transport
@@ -400,8 +405,10 @@ async def run(
     if metrics_sock is not None:
         scheduler.telemetry = RouterTelemetry(scheduler)
         # The earlier hand-written specfleet_router_* families follow the specfleet:* ones.
-        metrics_server = await metrics.serve(metrics_sock, scheduler.telemetry.registry, lambda: render_metrics(scheduler))
-    http = await start_http(cfg, host, servicer, api_key)
+        metrics_server = await metrics.serve(
+            metrics_sock, scheduler.telemetry.registry, lambda: render_metrics(scheduler), **sec.metrics_options()
+        )
+    http = await start_http(cfg, host, servicer, api_key, sec)
     on_reload = (lambda: reload(servicer, scheduler, config_path, over_grpc=given is None)) if config_path else None
 
     def register(server):
@@ -409,7 +416,11 @@ async def run(
         return [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name]
 
     try:
-        await serve("router", host, port, register, grace_s=ROUTER_DRAIN_S, on_reload=on_reload, healthy=lambda: bool(scheduler.verifiers.live()))
+        await serve(
+            "router", host, port, register, grace_s=ROUTER_DRAIN_S, on_reload=on_reload,
+            healthy=lambda: bool(scheduler.verifiers.live()),
+            credentials=sec.server_credentials(public=True), interceptors=sec.server_interceptors(public=True, api_key=api_key),
+        )
     finally:
         if http is not None:
             await openai_api.stop(*http)
@@ -420,18 +431,18 @@ async def run(
             await transport.close()
 
 
-async def start_http(cfg: config_mod.Config, host: str, servicer: GenerationServicer, api_key: str):
-    """The OpenAI-compatible API on router.http_port, or None when it is off."""
+async def start_http(cfg: config_mod.Config, host: str, servicer: GenerationServicer, api_key: str, sec: security.Security):
+    """The OpenAI-compatible API on router.http_port (HTTPS when security.tls is set), or None when it is off."""
     sock = listen(host, cfg.router.http_port, config_mod.DEFAULT_HTTP_PORT, "HTTP API", "router.http_port")
     if sock is None:
         return None
     model_name = cfg.router.served_model_name or pathlib.Path(cfg.verifier.model).name
     app = openai_api.create_app(servicer, model_name, api_key)
-    started = await openai_api.start(app, sock)
+    started = await openai_api.start(app, sock, **sec.uvicorn_tls())
     address = sock.getsockname()
     log.info(
-        "OpenAI-compatible API on http://%s:%d/v1 (model %r)%s",
-        address[0], address[1], model_name, ", API key required" if api_key else "",
+        "OpenAI-compatible API on %s://%s:%d/v1 (model %r)%s",
+        "https" if sec.tls else "http", address[0], address[1], model_name, ", API key required" if api_key else "",
     )
     return started
 
@@ -445,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ray-namespace", default="specfleet", help="Ray namespace of the actors (default: specfleet)")
     parser.add_argument(
         "--api-key", default=os.environ.get("SPECFLEET_API_KEY", ""),
-        help="require `Authorization: Bearer KEY` on the HTTP API's /v1/* (default: $SPECFLEET_API_KEY; unset: no key)",
+        help="require `authorization: Bearer KEY` on the gRPC API and the HTTP API's /v1/* (default: $SPECFLEET_API_KEY; unset: no key)",
     )
     args = parser.parse_args(argv)
     setup_logging("router")
@@ -462,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
                 api_key=args.api_key,
             )
         )
-    except (StartupError, TimeoutError, OSError) as err:
+    except (StartupError, TimeoutError, OSError, config_mod.ConfigError, RedisAuthError) as err:
         log.error("router cannot start: %s", err)
         return 2
     return 0

@@ -12,6 +12,7 @@ from typing import Protocol
 
 import grpc
 
+from specfleet.security import Security
 from specfleet.serving import CHANNEL_OPTIONS
 from specfleet.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
@@ -45,14 +46,16 @@ class VerifierTransport(Protocol):
 class _GrpcPeer:
     """A channel to one drafter or verifier service; the calls both kinds answer alike."""
 
-    def __init__(self, address: str, stub_class):
+    def __init__(self, address: str, stub_class, security: Security | None = None):
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        # TLS and the internal token when the config asks for them (specfleet/security.py).
+        self._channel = security.aio_channel(address) if security else grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._metadata = security.internal_metadata() if security else ()
         self._stub = stub_class(self._channel)
 
     async def _call(self, method: str, request, timeout_s: float):
         try:
-            return await getattr(self._stub, method)(request, timeout=timeout_s)
+            return await getattr(self._stub, method)(request, timeout=timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as err:
             raise _wrap(err) from None
 
@@ -67,8 +70,8 @@ class _GrpcPeer:
 
 
 class GrpcDrafter(_GrpcPeer):
-    def __init__(self, name: str, address: str):
-        super().__init__(address, drafter_pb2_grpc.DrafterStub)
+    def __init__(self, name: str, address: str, security: Security | None = None):
+        super().__init__(address, drafter_pb2_grpc.DrafterStub, security)
         self.name = name
 
     async def draft(self, request, timeout_s):
@@ -76,8 +79,8 @@ class GrpcDrafter(_GrpcPeer):
 
 
 class GrpcVerifier(_GrpcPeer):
-    def __init__(self, address: str):
-        super().__init__(address, verifier_pb2_grpc.VerifierStub)
+    def __init__(self, address: str, security: Security | None = None):
+        super().__init__(address, verifier_pb2_grpc.VerifierStub, security)
 
     async def verify(self, request, timeout_s):
         return await self._call("Verify", request, timeout_s)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import pathlib
 import shlex
@@ -57,10 +58,12 @@ def cmd_serve(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     from specfleet import config as config_mod
+    from specfleet import security
     from specfleet.serving import ROUTER_DRAIN_S
 
     try:
         cfg = config_mod.load(args.config) if args.config else config_mod.default_config(config_mod.REPO / ".cache")
+        sec = security.load(cfg.security)  # a missing or bad certificate is refused before anything starts
     except config_mod.ConfigError as err:
         print(f"specfleet serve: {err}", file=sys.stderr)
         return 2
@@ -83,6 +86,12 @@ def cmd_serve(argv: list[str]) -> int:
         from specfleet import ray_cluster
 
         return ray_cluster.serve(cfg, args.ray or None, args.namespace, args.detached, args.startup_timeout)
+    if not sec.token:
+        # Internal calls carry a shared secret even on loopback (another user of this machine can reach
+        # it); with none configured, a fresh one reaches the services through their environment.
+        import secrets
+
+        os.environ[security.INTERNAL_TOKEN_ENV] = secrets.token_urlsafe(32)
     # Children read the exact effective config, including defaults chosen here.
     config_file = pathlib.Path(tempfile.mkdtemp(prefix="specfleet-")) / "config.yaml"
     config_file.write_text(cfg.to_yaml())
@@ -125,7 +134,7 @@ def cmd_serve(argv: list[str]) -> int:
         router_address = f"{cfg.router.host}:{cfg.router.port}"
         from specfleet.serving import wait_until_serving
 
-        ready = asyncio.run(_wait_ready(router_address, procs, args.startup_timeout, wait_until_serving))
+        ready = asyncio.run(_wait_ready(router_address, procs, args.startup_timeout, functools.partial(wait_until_serving, security=sec)))
         if not ready:
             return stop_all(1)
 
@@ -148,7 +157,7 @@ def cmd_serve(argv: list[str]) -> int:
 
         signal.signal(signal.SIGHUP, reload_config)
         print(f"specfleet is ready: router listening on {router_address} (Ctrl-C stops everything)", flush=True)
-        print(f"  try: {_this_command()} generate --server {router_address} 'def fibonacci(n):'", flush=True)
+        print(f"  try: {_this_command()} generate --server {router_address}{_tls_flags(cfg)} 'def fibonacci(n):'", flush=True)
         if cfg.router.http_port != 0:
             port = cfg.router.http_port or config_mod.DEFAULT_HTTP_PORT
             unless = "" if cfg.router.http_port else " (unless that port was taken: see the router's log; router.http_port sets it)"
@@ -177,6 +186,17 @@ def _this_command() -> str:
             return "specfleet"
         return shlex.quote(str(me))
     return f"{shlex.quote(sys.executable)} -m specfleet.cli"
+
+def _tls_flags(cfg) -> str:
+    """`specfleet generate`'s TLS flags for this router (empty without TLS); the API key stays in the environment."""
+    tls = cfg.security.tls
+    if tls is None:
+        return ""
+    flags = f" --ca {shlex.quote(tls.ca)}"
+    if tls.client_auth == "all":
+        flags += f" --cert {shlex.quote(tls.cert)} --key {shlex.quote(tls.key)}"
+    return flags
+
 
 def _child_setup(cpus: list[int], parent: int):
     """What a service's process does between fork and exec (so every thread it starts inherits it).
@@ -235,7 +255,12 @@ def cmd_generate(argv: list[str]) -> int:
     parser.add_argument("--draft-tokens", type=int, default=0, help="draft tokens per round (0: server default)")
     parser.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
     parser.add_argument("--stats", action="store_true", help="print speculation stats to stderr")
+    parser.add_argument("--ca", help="TLS: the CA certificate (PEM) that signed the router's (security.tls.ca); turns TLS on")
+    parser.add_argument("--cert", help="TLS: a client certificate (PEM), for a router with security.tls.client_auth: all")
+    parser.add_argument("--key", help="TLS: the client certificate's private key (PEM)")
     args = parser.parse_args(argv)
+    # The API key comes from the environment only: a command line is visible to every user (`ps`).
+    api_key = os.environ.get("SPECFLEET_API_KEY", "")
 
     import grpc
 
@@ -253,19 +278,29 @@ def cmd_generate(argv: list[str]) -> int:
         request.top_p = args.top_p
     if args.seed is not None:
         request.seed = args.seed
-    with grpc.insecure_channel(args.server) as channel:
+    if args.ca:
+        try:
+            files = [open(path, "rb").read() if path else None for path in (args.ca, args.key, args.cert)]
+        except OSError as err:
+            print(f"specfleet generate: cannot read {err.filename}: {err.strerror}", file=sys.stderr)
+            return 2
+        channel = grpc.secure_channel(args.server, grpc.ssl_channel_credentials(*files))
+    else:
+        channel = grpc.insecure_channel(args.server)
+    metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+    with channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         try:
             if args.stream:
                 final = None
-                for chunk in stub.GenerateStream(request, timeout=args.timeout):
+                for chunk in stub.GenerateStream(request, timeout=args.timeout, metadata=metadata):
                     sys.stdout.write(chunk.text)
                     sys.stdout.flush()
                     final = chunk
                 sys.stdout.write("\n")
                 stats, reason = final.speculation, final.finish_reason
             else:
-                reply = stub.Generate(request, timeout=args.timeout)
+                reply = stub.Generate(request, timeout=args.timeout, metadata=metadata)
                 print(reply.text)
                 stats, reason = reply.speculation, reply.finish_reason
         except grpc.RpcError as err:

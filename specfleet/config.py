@@ -54,6 +54,8 @@ class ConfigError(ValueError):
 DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?|auto")
 # specfleet.llama.ATTENTION_MODES, spelled out so that reading a config does not import torch.
 ATTENTION_MODES = ("per-session", "batched")
+# security.tls.client_auth: which servers require a client certificate.
+TLS_CLIENT_AUTH = ("internal", "all", "none")
 
 
 @dataclass
@@ -225,11 +227,49 @@ class RouterConfig:
     cpus: list[int] = field(default_factory=list)
 
 
+# --- security: who may call each port (specfleet/security.py applies it) ---
+
+
+@dataclass
+class TlsConfig:
+    """PEM files, read by every service at start-up; the same paths on every node, each node its own files."""
+
+    # This process's certificate chain and private key: its servers present them, and the router
+    # presents them as its client certificate to the verifier and drafters.
+    cert: str = ""
+    key: str = ""
+    # The CA certificate(s) that sign the peers' certificates: clients check servers against it, and
+    # servers that ask for client certificates accept only those it signed.
+    ca: str = ""
+    # Which servers require a client certificate signed by `ca`: internal (the verifier and drafters:
+    # mutual TLS with the router), all (the router's public gRPC, HTTP and every metrics port too), none.
+    client_auth: str = "internal"
+    # The name the router expects in the verifier's and drafters' certificates, when it is not the
+    # host part of their address (empty: that host).
+    server_name: str = ""
+
+
+@dataclass
+class SecurityConfig:
+    # TLS on every gRPC, HTTP and metrics port; unset: plain text.
+    tls: TlsConfig | None = None
+    # A file holding the shared secret every internal call carries (`authorization: Bearer SECRET`);
+    # empty: $SPECFLEET_INTERNAL_TOKEN when set (`specfleet serve` makes one for its children), else none.
+    token_file: str = ""
+    # A file holding the secret /metrics asks for (`Authorization: Bearer SECRET`, Prometheus's
+    # `authorization: {credentials_file: ...}`); empty: $SPECFLEET_METRICS_TOKEN, else none.
+    metrics_token_file: str = ""
+    # Let the verifier and drafters listen beyond loopback with neither a token nor mutual TLS
+    # (anyone who reaches them could read and change every session); they refuse to otherwise.
+    allow_insecure: bool = False
+
+
 @dataclass
 class Config:
     verifier: VerifierConfig = field(default_factory=VerifierConfig)
     drafters: list[DrafterServiceConfig] = field(default_factory=list)
     router: RouterConfig = field(default_factory=RouterConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def drafter_service(self, name: str) -> DrafterServiceConfig:
         for svc in self.drafters:
@@ -262,6 +302,11 @@ def _build(cls, data, path: str):
             value = [_build(DraftModelConfig, v, f"{where}[{i}]") for i, v in enumerate(value)]
         elif key == "ray":
             value = None if value is None else _build(RayPlacement, value, where)
+        elif key == "tls":
+            value = None if value is None else _build(TlsConfig, value, where)
+        elif f.type == "bool":
+            if not isinstance(value, bool):
+                raise ConfigError(f"{where}: expected true or false, got {value!r}")
         elif key in ("resources", "label_selector"):
             want, name = ((int, float), "number") if key == "resources" else (str, "string")
             if not isinstance(value, dict) or any(
@@ -286,9 +331,9 @@ def parse(data: dict, source: str = "config") -> Config:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a mapping at the top level")
-    unknown = sorted(set(data) - {"verifier", "drafters", "router"})
+    unknown = sorted(set(data) - {"verifier", "drafters", "router", "security"})
     if unknown:
-        raise ConfigError(f"{source}: unknown section(s) {unknown}; allowed: drafters, router, verifier")
+        raise ConfigError(f"{source}: unknown section(s) {unknown}; allowed: drafters, router, security, verifier")
     drafters = data.get("drafters", [])
     if not isinstance(drafters, list):
         raise ConfigError(f"{source}: drafters: expected a list of drafter services")
@@ -296,6 +341,7 @@ def parse(data: dict, source: str = "config") -> Config:
         verifier=_build(VerifierConfig, data.get("verifier", {}), "verifier"),
         drafters=[_build(DrafterServiceConfig, d, f"drafters[{i}]") for i, d in enumerate(drafters)],
         router=_build(RouterConfig, data.get("router", {}), "router"),
+        security=_build(SecurityConfig, data.get("security") or {}, "security"),
     )
     validate(config)
     return config
@@ -366,6 +412,17 @@ def validate(config: Config) -> None:
         raise ConfigError(f"router.expertise_decay: must be in (0, 1], got {r.expertise_decay}")
     if r.default_drafter and r.default_drafter not in seen_models:
         raise ConfigError(f"router.default_drafter: {r.default_drafter!r} is not a configured draft model {sorted(seen_models)}")
+    _validate_security(config.security)
+
+
+def _validate_security(s: SecurityConfig) -> None:
+    """The shape only: the files are read, and checked to fit together, where a service starts (specfleet/security.py)."""
+    if s.tls is not None:
+        for key in ("cert", "key", "ca"):
+            if not getattr(s.tls, key):
+                raise ConfigError(f"security.tls.{key}: required with TLS on (a PEM file path)")
+        if s.tls.client_auth not in TLS_CLIENT_AUTH:
+            raise ConfigError(f"security.tls.client_auth: must be one of {', '.join(TLS_CLIENT_AUTH)}, got {s.tls.client_auth!r}")
 
 
 def _validate_replicas(service, where: str) -> None:

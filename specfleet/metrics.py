@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import socket
+import ssl
 import time
 from collections.abc import Callable
 
@@ -49,16 +51,33 @@ PASS_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
-async def serve(sock: socket.socket, registry: CollectorRegistry, extra: Callable[[], str] | None = None) -> asyncio.Server:
-    """GET /metrics on `sock` (specfleet.ports.listen): the registry's samples, then `extra()` text."""
+async def serve(
+    sock: socket.socket,
+    registry: CollectorRegistry,
+    extra: Callable[[], str] | None = None,
+    ssl_context: ssl.SSLContext | None = None,
+    token: str = "",
+) -> asyncio.Server:
+    """GET /metrics on `sock` (specfleet.ports.listen): the registry's samples, then `extra()` text.
+
+    ssl_context: serve HTTPS; token: answer 401 unless the request has `Authorization: Bearer token`
+    (specfleet.security.Security.metrics_options gives both).
+    """
+    expected = f"bearer {token}".encode()
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             request_line = await asyncio.wait_for(reader.readline(), timeout=5)
-            while (await asyncio.wait_for(reader.readline(), timeout=5)).strip():
-                pass  # headers
+            authorized = not token
+            while header := (await asyncio.wait_for(reader.readline(), timeout=5)).strip():
+                name, _, value = header.partition(b":")
+                if token and name.strip().lower() == b"authorization":
+                    scheme, _, given = value.strip().partition(b" ")
+                    authorized = hmac.compare_digest(scheme.lower() + b" " + given.strip(), expected)
             parts = request_line.decode("latin-1").split()
-            if len(parts) >= 2 and parts[0] == "GET" and parts[1].split("?")[0] == "/metrics":
+            if not authorized:
+                body, status, ctype = b"unauthorized: send Authorization: Bearer <the metrics token>\n", "401 Unauthorized", "text/plain"
+            elif len(parts) >= 2 and parts[0] == "GET" and parts[1].split("?")[0] == "/metrics":
                 body = generate_latest(registry) + (extra().encode() if extra else b"")
                 status, ctype = "200 OK", "text/plain; version=0.0.4; charset=utf-8"
             else:
@@ -67,21 +86,21 @@ async def serve(sock: socket.socket, registry: CollectorRegistry, extra: Callabl
                 f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body
             )
             await writer.drain()
-        except (asyncio.TimeoutError, ConnectionError):
+        except (asyncio.TimeoutError, ConnectionError, ssl.SSLError):
             pass
         finally:
             writer.close()
 
-    server = await asyncio.start_server(handle, sock=sock)
+    server = await asyncio.start_server(handle, sock=sock, ssl=ssl_context, ssl_handshake_timeout=5 if ssl_context else None)
     host, port = sock.getsockname()[:2]
-    log.info("metrics on http://%s:%d/metrics", host, port)
+    log.info("metrics on %s://%s:%d/metrics%s", "https" if ssl_context else "http", host, port, " (token required)" if token else "")
     return server
 
 
 @contextlib.asynccontextmanager
-async def exported(sock: socket.socket | None, registry: CollectorRegistry, extra: Callable[[], str] | None = None):
-    """Serve /metrics on `sock` while the body runs; None: metrics are off."""
-    server = await serve(sock, registry, extra) if sock is not None else None
+async def exported(sock: socket.socket | None, registry: CollectorRegistry, extra: Callable[[], str] | None = None, **options):
+    """Serve /metrics on `sock` while the body runs; None: metrics are off. options: `serve`'s ssl_context and token."""
+    server = await serve(sock, registry, extra, **options) if sock is not None else None
     try:
         yield
     finally:

@@ -19,6 +19,7 @@ the cluster needs the token, from RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import pathlib
@@ -256,6 +257,7 @@ def serve(cfg: config_mod.Config, address: str | None, namespace: str, detached:
     """`specfleet serve --ray`: actors on the Ray cluster, the router as a child process using Ray transports."""
     import ray
 
+    from specfleet import security
     from specfleet.serving import wait_until_serving
 
     resolve_model_paths(cfg)
@@ -315,7 +317,9 @@ def serve(cfg: config_mod.Config, address: str | None, namespace: str, detached:
         router_address = f"{cfg.router.host}:{cfg.router.port}"
         from specfleet.cli import _wait_ready
 
-        if not asyncio.run(_wait_ready(router_address, [("router", router_proc)], startup_timeout_s, wait_until_serving)):
+        # The router's public port may serve TLS (security.tls): the health check speaks it too.
+        wait = functools.partial(wait_until_serving, security=security.load(cfg.security))
+        if not asyncio.run(_wait_ready(router_address, [("router", router_proc)], startup_timeout_s, wait)):
             return stop_all(1)
         print(f"specfleet is ready: router listening on {router_address} (Ray actors in namespace {namespace!r}; Ctrl-C stops)", flush=True)
         print(f"  try: specfleet generate --server {router_address} 'def fibonacci(n):'", flush=True)

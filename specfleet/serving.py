@@ -104,28 +104,32 @@ async def serve(
     on_stop: Callable[[], None] | None = None,
     on_reload: Callable[[], Awaitable[None]] | None = None,
     healthy: Callable[[], bool] | None = None,
+    credentials: grpc.ServerCredentials | None = None,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> None:
     """Run a gRPC server until SIGTERM or SIGINT, then let in-flight calls finish (up to grace_s).
 
     `register` adds the servicers and returns their full service names; health
     checking (grpc.health.v1) and reflection are added for all of them, SERVING
     while `healthy()` says so (when given: the router is healthy only while a
-    verifier is). SIGHUP calls `on_reload`, when given.
+    verifier is). SIGHUP calls `on_reload`, when given. credentials: TLS (None:
+    plain text); interceptors: who may call (specfleet.security builds both).
     """
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=list(interceptors))
     service_names = list(register(server))
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflected = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME, REFLECTION_V1]
     reflection.enable_server_reflection(reflected, server)
     add_reflection_v1(reflected, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
     if bound == 0:
         raise OSError(f"{name}: cannot listen on {host}:{port} (port in use?)")
     await server.start()
     for service in ["", *service_names]:
         await health.set(service, health_pb2.HealthCheckResponse.SERVING)
-    log.info("%s listening on %s:%d", name, host, bound)
+    log.info("%s listening on %s:%d%s", name, host, bound, " (TLS)" if credentials is not None else "")
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -167,11 +171,11 @@ async def _reload(name: str, on_reload) -> None:
         log.error("%s: reload failed, keeping the running configuration: %s", name, err)
 
 
-async def wait_until_serving(address: str, timeout_s: float, service: str = "") -> None:
-    """Poll grpc.health.v1 at address until it reports SERVING."""
+async def wait_until_serving(address: str, timeout_s: float, service: str = "", security=None) -> None:
+    """Poll grpc.health.v1 at address until it reports SERVING (over TLS when `security`, a specfleet.security.Security, has it)."""
     deadline = time.monotonic() + timeout_s
     last_error = "no answer"
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with (grpc.aio.insecure_channel(address) if security is None else security.aio_channel(address)) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             try:

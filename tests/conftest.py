@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import pathlib
+import secrets
 import signal
 import socket
 import subprocess
@@ -18,6 +20,40 @@ from specfleet.random_models import ensure_random_family
 from specfleet.serving import CHANNEL_OPTIONS
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
+
+# The verifier and drafters refuse calls without the internal token (specfleet/security.py). Every
+# cluster and process a test starts inherits this one, so tests may call them directly.
+INTERNAL_TOKEN = os.environ.setdefault("SPECFLEET_INTERNAL_TOKEN", secrets.token_hex(16))
+
+
+class _CallDetails(
+    collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")),
+    grpc.ClientCallDetails,
+):
+    pass
+
+
+class WithToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor, grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds `authorization: Bearer token` to every call of a channel."""
+
+    def __init__(self, token: str):
+        self.token = token
+
+    def _details(self, d):
+        metadata = [*(d.metadata or ()), ("authorization", f"Bearer {self.token}")]
+        return _CallDetails(d.method, d.timeout, metadata, d.credentials, d.wait_for_ready, d.compression)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, requests):
+        return continuation(self._details(details), requests)
+
+    def intercept_stream_stream(self, continuation, details, requests):
+        return continuation(self._details(details), requests)
 
 
 def free_port() -> int:
@@ -37,8 +73,11 @@ class Cluster:
     cwd: the tree whose code runs (its packages shadow the installed ones), e.g. a mutated
     copy from tests/mutation.py; the repository by default."""
 
-    def __init__(self, config: dict, workdir: pathlib.Path, name: str, cwd: pathlib.Path = REPO):
+    def __init__(self, config: dict, workdir: pathlib.Path, name: str, cwd: pathlib.Path = REPO, env: dict | None = None):
         self.config = config
+        # env: variables added to the test's own; None removes one.
+        merged = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.env = {k: v for k, v in merged.items() if v is not None}
         self.cwd = pathlib.Path(cwd)
         self.config_path = workdir / f"{name}.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
@@ -57,7 +96,7 @@ class Cluster:
             stderr=self._log,
             text=True,
             cwd=self.cwd,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env=self.env,
             preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None,
         )
         deadline = time.monotonic() + timeout_s
@@ -71,7 +110,12 @@ class Cluster:
         raise RuntimeError(f"cluster did not start; log:\n{self.log_path.read_text()[-4000:]}")
 
     def channel(self, address: str | None = None) -> grpc.Channel:
-        return grpc.insecure_channel(address or self.router, options=CHANNEL_OPTIONS)
+        """A channel carrying the router's API key when it has one, else the internal token (which the router ignores)."""
+        address = address or self.router
+        channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        if address == self.router and self.env.get("SPECFLEET_API_KEY"):
+            return grpc.intercept_channel(channel, WithToken(self.env["SPECFLEET_API_KEY"]))
+        return grpc.intercept_channel(channel, WithToken(self.env.get("SPECFLEET_INTERNAL_TOKEN", INTERNAL_TOKEN)))
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:

@@ -45,11 +45,8 @@ def api(random_family, target_with_template, tmp_path_factory):
     config = cluster_config(random_family, router={"http_port": free_port(), "metrics_port": free_port(), "served_model_name": "random-target"})
     config["verifier"]["model"] = str(target_with_template)
     config["verifier"]["metrics_port"] = free_port()
-    os.environ["SPECFLEET_API_KEY"] = API_KEY  # `specfleet serve` reads it (as `--api-key`)
-    try:
-        cluster = Cluster(config, tmp_path_factory.mktemp("openai"), "openai").start()
-    finally:
-        del os.environ["SPECFLEET_API_KEY"]
+    # `specfleet serve` reads it (as `--api-key`); the gRPC API needs it too (cluster.channel() sends it).
+    cluster = Cluster(config, tmp_path_factory.mktemp("openai"), "openai", env={"SPECFLEET_API_KEY": API_KEY}).start()
     cluster.base_url = f"http://127.0.0.1:{config['router']['http_port']}"
     yield cluster
     cluster.stop()
@@ -213,7 +210,8 @@ def test_the_ready_message_prints_commands_that_work(api):
     try_line = api.proc.stdout.readline()
     assert "try: " in try_line
     command = shlex.split(try_line.split("try: ", 1)[1]) + ["--max-tokens", "4"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd="/")
+    # `specfleet generate` sends $SPECFLEET_API_KEY, as a user who set it for the router has it.
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd="/", env={**os.environ, "SPECFLEET_API_KEY": API_KEY})
     assert result.returncode == 0, result.stderr
     api_line = api.proc.stdout.readline()
     assert f"OpenAI-compatible API: {api.base_url}/v1" in api_line

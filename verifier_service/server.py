@@ -9,8 +9,7 @@ import logging
 import grpc
 
 from specfleet import config as config_mod
-from specfleet import placement
-from specfleet import metrics
+from specfleet import metrics, placement, security
 from specfleet.metrics import PassTelemetry
 from specfleet.ports import listen
 from specfleet.runtime import SessionStore, configure_torch, load_model
@@ -139,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specfleet verifier", description="Serve the target model for batched verification.")
     parser.add_argument("--config", help="deployment YAML (default: bundled demo models)")
     parser.add_argument("--model", help="target model directory (overrides the config)")
-    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--host", default="127.0.0.1", help="listen address (default: loopback; 0.0.0.0 needs security.token_file or mutual TLS)")
     parser.add_argument("--port", type=int, help="port (default: the port of verifier.address, or of the replica's address with --replica)")
     parser.add_argument("--replica", type=int, default=0, help="serve as replica N: 0 is verifier.address, N the Nth of verifier.replicas")
     parser.add_argument("--threads", type=int, help="torch threads (default: verifier.threads)")
@@ -148,8 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = config_mod.load(args.config) if args.config else config_mod.default_config(config_mod.REPO / ".cache")
     vcfg = cfg.verifier
     try:
+        sec = security.load(cfg.security)
+        sec.check_binding("verifier", args.host, internal=True)
         core = load_core(vcfg, model=args.model, threads=args.threads)
-    except config_mod.ConfigError as err:
+    except (config_mod.ConfigError, security.InsecureBinding) as err:
         raise SystemExit(f"specfleet verifier: {err}") from None
     servicer = VerifierServicer(core)
 
@@ -165,8 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     metrics_sock = listen(args.host, metrics_port, config_mod.DEFAULT_METRICS_PORTS["verifier"], "verifier metrics", "verifier.metrics_port")
 
     async def run():
-        async with metrics.exported(metrics_sock, core.telemetry.registry):
-            await serve("verifier", args.host, port, register, on_stop=core.close)
+        async with metrics.exported(metrics_sock, core.telemetry.registry, **sec.metrics_options()):
+            await serve(
+                "verifier", args.host, port, register, on_stop=core.close,
+                credentials=sec.server_credentials(), interceptors=sec.server_interceptors(),
+            )
 
     asyncio.run(run())
     return 0
