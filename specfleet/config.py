@@ -51,7 +51,7 @@ class ConfigError(ValueError):
 
 # cpu, cuda, cuda:N (a GPU by index) or auto (cuda if torch sees one, else cpu).
 DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?|auto")
-# specfleet.llama.ATTENTION_MODES, spelled out so that reading a config does not import torch.
+# specfleet.engine.llama.ATTENTION_MODES, spelled out so that reading a config does not import torch.
 ATTENTION_MODES = ("per-session", "batched")
 
 

@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from specfleet import config as config_mod
-from specfleet.runtime import load_model
+from specfleet.engine import load_model
 from tests.conftest import REPO, cluster_config
 
 # SPECFLEET_TEST_DEVICE=cuda runs the engine tests on a GPU (scripts/device-check sets it).
@@ -102,7 +102,7 @@ def test_model_info_names_device_and_dtype(dtype):
 
 
 def test_attention_mode_is_a_checked_setting_spelt_as_the_engine_spells_it():
-    from specfleet import llama
+    from specfleet.engine import llama
 
     assert config_mod.ATTENTION_MODES == llama.ATTENTION_MODES
     data = _config()

@@ -15,9 +15,9 @@ import os
 import pytest
 import torch
 
-from specfleet import runtime
-from specfleet.llama import ATTENTION_MODES
-from specfleet.runtime import ForwardItem, Session, forward_batch, load_model, prefill
+from specfleet.engine import runner
+from specfleet.engine.llama import ATTENTION_MODES
+from specfleet.engine import ForwardItem, Session, forward_batch, load_model, prefill
 
 DEVICE = os.environ.get("SPECFLEET_TEST_DEVICE", "cpu")
 # float32 on both sides; a GPU's kernels sum in other orders.
@@ -36,7 +36,7 @@ def _save(tmp_path, config, name):
                 param.normal_(1.0 if "norm" in pname else 0.0, 0.5)
     model.save_pretrained(tmp_path / name)
     # The tokenizer only has to load; reuse the demo one.
-    from specfleet.runtime import load_tokenizer
+    from specfleet.engine import load_tokenizer
 
     load_tokenizer("models/demo/tokenizer").save_pretrained(tmp_path / name)
     return model.to(DEVICE)
@@ -122,7 +122,7 @@ def test_prefill_passes_group_similar_lengths_and_match_transformers(tmp_path, m
     prompts = [torch.randint(0, 8192, (n,), generator=gen).tolist() for n in (11, 12, 13, 13, 40)]
     sessions = [Session(token_ids=list(p)) for p in prompts]
     passes = []
-    monkeypatch.setattr(runtime, "forward_batch", lambda lm, items, **kw: passes.append(len(items)) or forward_batch(lm, items, **kw))
+    monkeypatch.setattr(runner, "forward_batch", lambda lm, items, **kw: passes.append(len(items)) or forward_batch(lm, items, **kw))
     scores = prefill(loaded, sessions, keep_last=1, score=True)
     monkeypatch.undo()
     assert sorted(passes) == [1, 4]

@@ -6,7 +6,7 @@
 For every (sessions B, new tokens n) at a cached context C per session, it times
 (median of --repeats after --warmup):
 
-  specfleet      `runtime.forward_batch`: B sessions, each feeding n new tokens (a causal
+  specfleet      `engine.forward_batch`: B sessions, each feeding n new tokens (a causal
                  chain, as a verify pass feeds a draft) after C cached positions; logits
                  stay on the device; once per --attention mode (per-session, batched)
   transformers   the same weights through the Hugging Face module's forward (its default
@@ -109,12 +109,12 @@ def main(argv: list[str] | None = None) -> int:
 def run(args) -> dict:
     import torch
 
-    from specfleet.runtime import DTYPES, resolve_device
+    from specfleet.engine import DTYPES, resolve_device
 
     device = resolve_device(args.device)
     dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     dtype = DTYPES[dtype_name]
-    from specfleet.llama import ATTENTION_MODES
+    from specfleet.engine.llama import ATTENTION_MODES
 
     sessions, tokens = _csv_ints(args.sessions), _csv_ints(args.tokens)
     args.modes = [m.strip() for m in args.attention.split(",") if m.strip()]
@@ -175,8 +175,8 @@ def _hf_model(args, device, dtype, positions: int):
 
 
 def _loaded(hf, source: str):
-    from specfleet.llama import from_hf
-    from specfleet.runtime import LoadedModel
+    from specfleet.engine.llama import from_hf
+    from specfleet.engine import LoadedModel
 
     config = hf.config
     return LoadedModel(
@@ -210,7 +210,7 @@ def _time_row(loaded, hf, b: int, n: int, args, device, dtype) -> dict:
     import torch
     from transformers import DynamicCache
 
-    from specfleet.runtime import ForwardItem, Session, forward_batch
+    from specfleet.engine import ForwardItem, Session, forward_batch
 
     model, C = loaded.model, args.context
     gen = torch.Generator(device=device).manual_seed(args.seed + 1000 * b + n)
