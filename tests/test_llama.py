@@ -17,7 +17,7 @@ import torch
 
 from specfleet.engine import runner
 from specfleet.engine.llama import ATTENTION_MODES
-from specfleet.engine import ForwardItem, Session, forward_batch, load_model, prefill
+from specfleet.engine import ForwardItem, Session, SessionStore, forward_batch, load_model, prefill
 
 DEVICE = os.environ.get("SPECFLEET_TEST_DEVICE", "cpu")
 # float32 on both sides; a GPU's kernels sum in other orders.
@@ -63,11 +63,24 @@ def _configs():
 FAMILIES = list(_configs())
 
 
-@pytest.mark.parametrize("attention", ATTENTION_MODES)
+# Where the three sessions' slots lie in the KV pool, for the batched call (llama._batch_plan):
+# prefill hands out slots shortest session first, so by default b, a, c take slots 0, 1, 2 (rows
+# permuted); "spread" leaves idle slots inside their range (read as a view, idle rows dropped);
+# "scattered" spreads them so far that the call gathers their slots.
+LAYOUTS = {"adjacent": ([], [1, 0, 2]), "spread": ([0, 2, 4], [2, 0, 4]), "scattered": ([0, 4, 11], [4, 0, 11])}
+CASES = [(attention, "adjacent") for attention in ATTENTION_MODES] + [("batched", "spread"), ("batched", "scattered")]
+
+
+@pytest.mark.parametrize("attention, layout", CASES, ids=[f"{a}-{lay}" for a, lay in CASES])
 @pytest.mark.parametrize("name", FAMILIES)
-def test_forward_matches_transformers(tmp_path, name, attention):
+def test_forward_matches_transformers(tmp_path, name, attention, layout):
     reference = _save(tmp_path, _configs()[name], name)
     loaded = load_model(name, tmp_path / name, device=DEVICE, attention=attention)
+    free, slots = LAYOUTS[layout]
+    if free:
+        taken = [loaded.pool.acquire() for _ in range(12)]
+        for slot in free:
+            loaded.pool.release(taken[slot])
     gen = torch.Generator().manual_seed(1)
     prompt_a = torch.randint(0, 8192, (9,), generator=gen).tolist()
     prompt_b = torch.randint(0, 8192, (4,), generator=gen).tolist()
@@ -79,20 +92,24 @@ def test_forward_matches_transformers(tmp_path, name, attention):
     #   b's root r, nodes 0 -> 1 and 0 -> 2 (siblings), 3 a second child of the root.
     a, b, c = Session(token_ids=list(prompt_a)), Session(token_ids=list(prompt_b)), Session(token_ids=list(prompt_c))
     prefill(loaded, [a, b, c], keep_last=1)
+    assert [a.slot, b.slot, c.slot] == slots
     chain = [11, 12, 13]
     tree_tokens, tree_parents = [21, 22, 23, 24], [-1, 0, 0, -1]
     attend = torch.tensor(
         [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 0, 0, 1]], dtype=torch.bool
     )
     root_a, root_b, root_c = len(prompt_a) - 1, len(prompt_b) - 1, len(prompt_c) - 1
-    logits = forward_batch(
-        loaded,
-        [
-            ForwardItem(a, [prompt_a[-1], *chain], list(range(root_a, root_a + 4))),
-            ForwardItem(b, [prompt_b[-1], *tree_tokens], [root_b, root_b + 1, root_b + 2, root_b + 2, root_b + 1], attend),
-            ForwardItem(c, [prompt_c[-1]], [root_c]),
-        ],
-    )
+    items = [
+        ForwardItem(a, [prompt_a[-1], *chain], list(range(root_a, root_a + 4))),
+        ForwardItem(b, [prompt_b[-1], *tree_tokens], [root_b, root_b + 1, root_b + 2, root_b + 2, root_b + 1], attend),
+        ForwardItem(c, [prompt_c[-1]], [root_c]),
+    ]
+    logits = forward_batch(loaded, items)
+    # A pass commits nothing, so the same pass again attends per session: the reference path.
+    loaded.model.attention = "per-session"
+    per_session = forward_batch(loaded, items)
+    for b_, n in enumerate([4, 5, 1]):
+        torch.testing.assert_close(logits[b_, :n], per_session[b_, :n], **TOLERANCE)
 
     def ref_logits(ids):
         with torch.no_grad():
@@ -133,6 +150,66 @@ def test_prefill_passes_group_similar_lengths_and_match_transformers(tmp_path, m
         torch.testing.assert_close(step[b, 0], ref[-1], **TOLERANCE)
         ref_score = ref[:-1].log_softmax(-1).gather(1, torch.tensor(prompt[1:]).unsqueeze(1)).sum()
         assert scores[b][1] == len(prompt) - 1 and abs(scores[b][0] - float(ref_score)) < 1e-3
+
+
+def test_kv_pool_rolls_back_in_place_and_evicts_into_reused_slots(tmp_path):
+    """Inside the KV pool: rejecting drafts is a length change (the session keeps its slot, the next
+    pass writes over the rejected positions); the LRU budgets take slots back and new sessions reuse
+    them (the pool does not grow); a cache rebuilt from the token ids gives the reference's logits."""
+    reference = _save(tmp_path, _configs()["llama-gqa"], "llama-gqa")
+    loaded = load_model("llama-gqa", tmp_path / "llama-gqa", device=DEVICE, attention="batched")
+    pool = loaded.pool
+    store = SessionStore(max_cache_bytes=2 * pool.slot_bytes, max_sessions=3)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 8192, (10 + 7 * i,), generator=gen).tolist() for i in range(3)]
+    s0, s1, s2 = sessions = [store.sync(f"s{i}", 0, p) for i, p in enumerate(prompts)]
+    prefill(loaded, sessions, keep_last=1)
+    slot0 = s0.slot
+
+    def ref_logits(ids):
+        with torch.no_grad():
+            return reference(torch.tensor([ids], device=DEVICE)).logits[0, -1].float().cpu()
+
+    def step(batch):
+        """A decode step: each session's cache lacks its last token; feed it, check, append the argmax."""
+        logits = forward_batch(loaded, [ForwardItem(s, [s.token_ids[-1]], [len(s.token_ids) - 1]) for s in batch])
+        for b, s in enumerate(batch):
+            torch.testing.assert_close(logits[b, 0], ref_logits(s.token_ids), **TOLERANCE)
+            s.commit([0])
+            s.token_ids.append(int(logits[b, 0].argmax()))
+
+    # s0 drafts a chain of three; the target accepts the first and corrects the second.
+    root = len(prompts[0]) - 1
+    forward_batch(loaded, [ForwardItem(s0, [prompts[0][-1], 11, 12, 13], list(range(root, root + 4)))])
+    s0.commit([0, 1])
+    s0.token_ids += [11, 40]
+    assert s0.slot == slot0 and s0.kv_len == len(prompts[0]) + 1
+    step(sessions)  # one batched pass: three lengths
+    # The client rolls s0 back past its last two tokens and appends another: a length change.
+    store.sync("s0", len(prompts[0]) + 1, [50])
+    assert s0.slot == slot0 and s0.kv_len == len(prompts[0]) + 1
+    step([s0, s1])
+
+    # Room for two sessions' KV: the least recently synced (s1) loses its slot, keeps its tokens.
+    store.enforce_budget()
+    assert s1.slot is None and s1.kv_len == 0 and store.get("s1") is s1 and s2.slot is not None
+    # New sessions under both budgets, round after round: slots come back and are reused, both those
+    # of evicted caches and those of forgotten sessions (room for three caches: the session forgotten
+    # under max_sessions still holds one).
+    store.max_cache_bytes = 3 * pool.slot_bytes
+    for i in range(6):
+        new = store.sync(f"n{i}", 0, prompts[i % 3][:5])
+        prefill(loaded, [new], keep_last=1)
+        step([new, s0])
+        store.enforce_budget(protect={f"n{i}", "s0"})
+        held = [s.slot for s in (store.get(sid) for sid in store._sessions) if s.slot is not None]
+        assert len(held) == len(set(held)) <= 3
+    assert pool.slots == 4, "released slots must be reused, not the pool grown"
+    assert len(store) == 3 and store.get("s1") is None and store.get("s2") is None
+    # s0's cache survived it all; a forgotten session comes back and rebuilds from its token ids.
+    rebuilt = store.sync("s1", 0, s1.token_ids)
+    prefill(loaded, [rebuilt], keep_last=1)
+    step([rebuilt, s0])
 
 
 def test_unsupported_architecture_is_refused_by_name(tmp_path):

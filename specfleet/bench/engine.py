@@ -125,7 +125,7 @@ def run(args) -> dict:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     hf, source = _hf_model(args, device, dtype, args.context + max(tokens))
-    loaded = _loaded(hf, source)
+    loaded = _loaded(hf, source, args.context + max(tokens))
     bandwidth, peak, hardware_source = hardware(device, dtype, args.bandwidth_gbs, args.peak_tflops)
     model = loaded.model
     params = loaded.parameters
@@ -174,14 +174,15 @@ def _hf_model(args, device, dtype, positions: int):
     return hf, f"random {args.shape}"
 
 
-def _loaded(hf, source: str):
+def _loaded(hf, source: str, positions: int):
     from specfleet.engine.llama import from_hf
     from specfleet.engine import LoadedModel
 
     config = hf.config
     return LoadedModel(
         name="bench", path=source, model=from_hf(hf), tokenizer=None, fingerprint="", vocab_size=int(config.vocab_size),
-        max_context=int(config.max_position_embeddings), eos_token_id=-1, parameters=sum(p.numel() for p in hf.parameters()),
+        # Pool slots as long as the benchmark's sessions, not the model's whole context.
+        max_context=positions, eos_token_id=-1, parameters=sum(p.numel() for p in hf.parameters()),
     )
 
 
@@ -221,7 +222,7 @@ def _time_row(loaded, hf, b: int, n: int, args, device, dtype) -> dict:
     sessions = []
     for s in range(b):
         session = Session(token_ids=[0] * C)
-        session.reserve(model, C + n)
+        session.reserve(loaded.pool, C + n)
         session.kv[:, :, :, :C] = kv[:, s]
         session.kv_len = C
         sessions.append(session)
@@ -258,6 +259,8 @@ def _time_row(loaded, hf, b: int, n: int, args, device, dtype) -> dict:
         cache.clear()
         theirs_out = out["transformers"].float()
         row["max_abs_logit_diff"] = max(float((o - theirs_out).abs().max()) for o in ours_out.values())
+    for session in sessions:
+        session.evict_kv()  # its slot goes back to the pool for the next row
     del sessions, items, kv, out, ours_out
     if device.type == "cuda":
         torch.cuda.empty_cache()

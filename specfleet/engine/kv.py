@@ -9,6 +9,7 @@ changes output.
 
 from __future__ import annotations
 
+import heapq
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -16,6 +17,57 @@ from dataclasses import dataclass
 import torch
 
 from specfleet.engine.llama import LlamaModel
+
+
+class KVPool:
+    """The KV memory of one model: fixed slots of `positions` positions, one per session holding a cache.
+
+    `kv` is [layers, 2, slots, KV heads, positions, head dim] on the model's device. A session
+    takes a slot when it first needs a cache and keeps it until its cache is evicted: it grows
+    into the slot (a write past its length) and rolls back in it (a length change), never moving.
+
+    Fixed slots rather than paged blocks: the sessions of a pass attend in one call over their
+    slots' range as one strided view of the pool (`llama.forward`), with nothing gathered when
+    their slots are adjacent (the lowest free slot is handed out first, so they mostly are), and
+    plain SDPA needs no block table; the same tensors every pass is what CUDA graphs need. The
+    price is memory: a slot holds `positions` (the model's context) whatever the session's length,
+    and the cache budget counts whole slots. The pool grows (doubling, one copy) when every slot
+    is taken, so a tiny budget still serves the sessions of the pass in hand.
+    """
+
+    def __init__(self, model: LlamaModel, positions: int):
+        self.positions = positions
+        self.kv = torch.zeros(
+            model.num_layers, 2, 0, model.kv_heads, positions, model.head_dim, dtype=model.dtype, device=model.device
+        )
+        self._free: list[int] = []  # a heap: the lowest free slot first
+        self.slot_bytes = model.num_layers * 2 * model.kv_heads * positions * model.head_dim * self.kv.element_size()
+        # Bumped when the pool's tensor is replaced (growth): captured CUDA graphs hold the old one.
+        self.generation = 0
+
+    @property
+    def slots(self) -> int:
+        return self.kv.shape[2]
+
+    def acquire(self) -> int:
+        if not self._free:
+            self._grow(max(4, 2 * self.slots))
+        return heapq.heappop(self._free)
+
+    def release(self, slot: int) -> None:
+        # Not zeroed: positions past a session's length are masked, and every value here is a finite
+        # key or value written by some pass (or the zeros of allocation), so masked reads add 0.
+        heapq.heappush(self._free, slot)
+
+    def _grow(self, slots: int) -> None:
+        old = self.kv
+        shape = list(old.shape)
+        shape[2] = slots
+        self.kv = torch.zeros(shape, dtype=old.dtype, device=old.device)
+        self.kv[:, :, : old.shape[2]] = old
+        for added in range(old.shape[2], slots):
+            heapq.heappush(self._free, added)
+        self.generation += 1
 
 
 class UnknownSession(Exception):
@@ -26,12 +78,17 @@ class UnknownSession(Exception):
 class Session:
     token_ids: list[int]
     kv_len: int = 0
-    # [layers, 2, KV heads, capacity, head dim]; positions [0, kv_len) hold the KV of
-    # token_ids[:kv_len]. Spare capacity makes appending a write, not a copy.
-    kv: torch.Tensor | None = None
+    # Positions [0, kv_len) of the pool's slot `slot` hold the KV of token_ids[:kv_len]; no slot, no cache.
+    pool: KVPool | None = None
+    slot: int | None = None
+
+    @property
+    def kv(self) -> torch.Tensor | None:
+        """This session's slot: [layers, 2, KV heads, positions, head dim], a view of the pool."""
+        return None if self.slot is None else self.pool.kv[:, :, self.slot]
 
     def kv_bytes(self) -> int:
-        return 0 if self.kv is None else self.kv.numel() * self.kv.element_size()
+        return 0 if self.slot is None else self.pool.slot_bytes
 
     def truncate(self, length: int) -> None:
         """Keep only the first `length` tokens (rolling back rejected drafts)."""
@@ -41,30 +98,25 @@ class Session:
     def crop_kv(self, length: int) -> None:
         self.kv_len = min(self.kv_len, length)
 
-    def reserve(self, model: LlamaModel, count: int) -> None:
-        """Make room for `count` positions past the cached prefix."""
-        needed = self.kv_len + count
-        if self.kv is not None and needed <= self.kv.shape[3]:
-            return
-        # Doubling keeps appends amortised O(1) per position.
-        capacity = max(64, 1 << (needed - 1).bit_length())
-        # Zeros, not empty: the batched attention path reads (masked) positions past a session's end.
-        grown = torch.zeros(
-            model.num_layers, 2, model.kv_heads, capacity, model.head_dim, dtype=model.dtype, device=model.device
-        )
-        if self.kv is not None and self.kv_len:
-            grown[:, :, :, : self.kv_len] = self.kv[:, :, :, : self.kv_len]
-        self.kv = grown
+    def reserve(self, pool: KVPool, count: int) -> None:
+        """Make room for `count` positions past the cached prefix: a slot of `pool`, if it has none."""
+        if self.kv_len + count > pool.positions:
+            raise ValueError(f"a session of {self.kv_len + count} positions exceeds the model's {pool.positions}")
+        if self.slot is None:
+            self.pool, self.slot = pool, pool.acquire()
 
     def commit(self, rows: list[int]) -> None:
         """Keep these of the positions the last forward pass wrote past the cached prefix, in this order."""
         if rows != list(range(len(rows))):
-            src = torch.tensor(rows, device=self.kv.device) + self.kv_len
-            self.kv[:, :, :, self.kv_len : self.kv_len + len(rows)] = self.kv[:, :, :, src]
+            kv = self.pool.kv
+            src = torch.tensor(rows, device=kv.device) + self.kv_len
+            kv[:, :, self.slot, :, self.kv_len : self.kv_len + len(rows)] = kv[:, :, self.slot, :, src]
         self.kv_len += len(rows)
 
     def evict_kv(self) -> None:
-        self.kv = None
+        if self.slot is not None:
+            self.pool.release(self.slot)
+        self.pool = self.slot = None
         self.kv_len = 0
 
 
@@ -118,9 +170,8 @@ class SessionStore:
             if session is None:
                 continue
             released += 1
-            if keep_tokens:
-                session.evict_kv()
-            else:
+            session.evict_kv()
+            if not keep_tokens:
                 del self._sessions[sid]
         return released
 
@@ -130,7 +181,7 @@ class SessionStore:
             victim = next((sid for sid in self._sessions if sid not in protect), None)
             if victim is None:
                 break
-            del self._sessions[victim]
+            self._sessions.pop(victim).evict_kv()
             self.evictions += 1
         total = sum(s.kv_bytes() for s in self._sessions.values())
         for sid, session in self._sessions.items():

@@ -14,11 +14,12 @@ import logging
 import os
 import pathlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from specfleet.engine import llama
+from specfleet.engine.kv import KVPool
 from specfleet.engine.llama import LlamaModel, check_supported, from_hf
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,11 @@ class LoadedModel:
     # Draft models only: the vocabulary ids the output layer scores (see `load_model`), or None for all.
     token_map: torch.Tensor | None = None  # [V'] int64, global ids in the order of the logits
     local_index: torch.Tensor | None = None  # [vocab] int64: position in token_map, -1 if absent
+    # The KV memory of this model's sessions: slots of max_context positions on the model's device.
+    pool: KVPool = field(init=False)
+
+    def __post_init__(self):
+        self.pool = KVPool(self.model, self.max_context)
 
     def global_ids(self, local: torch.Tensor) -> torch.Tensor:
         """Vocabulary ids of positions along the logits' last dimension."""

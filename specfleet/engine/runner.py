@@ -47,12 +47,10 @@ def forward_batch(loaded: LoadedModel, items: list[ForwardItem], logits: bool = 
     width = max(new_lens)
     # Padded in Python lists and sent to the device once: a tensor op per session costs more.
     ids_rows, pos_rows, attends = [], [], []
-    # Batched attention stacks every buffer to the batch's longest context: each must hold that many.
-    total = max(it.session.kv_len + n for it, n in zip(items, new_lens)) if model.attention == "batched" else 0
     for it, n in zip(items, new_lens):
         ids_rows.append(list(it.input_ids) + [0] * (width - n))
         pos_rows.append(list(it.positions) + [0] * (width - n))
-        it.session.reserve(model, max(n, total - it.session.kv_len))
+        it.session.reserve(loaded.pool, n)
         if n == 1:
             attends.append(None)
         else:
@@ -61,7 +59,8 @@ def forward_batch(loaded: LoadedModel, items: list[ForwardItem], logits: bool = 
         model,
         torch.tensor(ids_rows, dtype=torch.long, device=model.device),
         torch.tensor(pos_rows, dtype=torch.long, device=model.device),
-        [it.session.kv for it in items],
+        loaded.pool.kv,
+        [it.session.slot for it in items],
         [it.session.kv_len for it in items],
         new_lens,
         attends,
