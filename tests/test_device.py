@@ -111,3 +111,18 @@ def test_attention_mode_is_a_checked_setting_spelt_as_the_engine_spells_it():
     data["drafters"][0]["attention"] = "paged"
     with pytest.raises(config_mod.ConfigError, match=r"drafters\[0\].attention: must be one of per-session, batched, got 'paged'"):
         config_mod.parse(data)
+
+
+@pytest.mark.parametrize("sizes", [[[4, 1], [8, 5]], []])
+def test_cuda_graph_sizes_are_checked_pairs(sizes):
+    data = _config()
+    data["verifier"]["cuda_graph_sizes"] = sizes
+    assert config_mod.parse(data).verifier.cuda_graph_sizes == sizes
+
+
+@pytest.mark.parametrize("sizes", [[4, 8], [[4]], [[0, 1]], [[2, "5"]], "[[1, 1]]"])
+def test_cuda_graph_sizes_refuse_anything_but_positive_pairs_naming_the_key(sizes):
+    data = _config()
+    data["verifier"]["cuda_graph_sizes"] = sizes
+    with pytest.raises(config_mod.ConfigError, match=r"verifier.cuda_graph_sizes: a list of \[sessions, tokens\] pairs"):
+        config_mod.parse(data)

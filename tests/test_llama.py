@@ -212,6 +212,75 @@ def test_kv_pool_rolls_back_in_place_and_evicts_into_reused_slots(tmp_path):
     step([rebuilt, s0])
 
 
+def _graphs_against_eager(tmp_path, attach_graphs):
+    """Greedy decoding of ragged sessions plus a tree pass, with and without graphs: the same
+    tokens, logits within tolerance, and two graphs were used (padded sessions and tokens)."""
+    _save(tmp_path, _configs()["qwen3-qk-norm"], "qwen3")
+    runs = {}
+    for graphed in (False, True):
+        loaded = load_model("qwen3", tmp_path / "qwen3", device=DEVICE, attention="batched")
+        if graphed:
+            attach_graphs(loaded, [[4, 1], [4, 8]])
+        gen = torch.Generator().manual_seed(4)
+        sessions = [Session(token_ids=torch.randint(0, 8192, (n,), generator=gen).tolist()) for n in (5, 17, 40)]
+        prefill(loaded, sessions, keep_last=1)
+        steps = []
+        for _ in range(6):
+            logits = forward_batch(loaded, [ForwardItem(s, [s.token_ids[-1]], [len(s.token_ids) - 1]) for s in sessions])
+            steps.append(logits[:, 0])
+            for b, s in enumerate(sessions):
+                s.commit([0])
+                s.token_ids.append(int(logits[b, 0].argmax()))
+        a, b = sessions[0], sessions[1]
+        root_a, root_b = len(a.token_ids) - 1, len(b.token_ids) - 1
+        attend = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+        tree = forward_batch(loaded, [
+            ForwardItem(a, [a.token_ids[-1], 11, 12, 13], [root_a, root_a + 1, root_a + 1, root_a + 2], attend),
+            ForwardItem(b, [b.token_ids[-1], 21, 22], list(range(root_b, root_b + 3))),
+        ])
+        runs[graphed] = ([s.token_ids for s in sessions], steps, tree)
+        if graphed:
+            assert sorted(loaded.graphs._graphs) == [(4, 1, 64), (4, 8, 32)]
+    assert runs[True][0] == runs[False][0]
+    for graphed_step, eager_step in zip(runs[True][1], runs[False][1]):
+        torch.testing.assert_close(graphed_step, eager_step, **TOLERANCE)
+    torch.testing.assert_close(runs[True][2][0, :4], runs[False][2][0, :4], **TOLERANCE)
+    torch.testing.assert_close(runs[True][2][1, :3], runs[False][2][1, :3], **TOLERANCE)
+
+
+@pytest.mark.skipif(not DEVICE.startswith("cuda"), reason="CUDA graphs need a CUDA device (scripts/device-check runs this)")
+def test_cuda_graphs_change_no_output(tmp_path):
+    from specfleet.engine import graphs
+
+    _graphs_against_eager(tmp_path, lambda loaded, sizes: setattr(loaded, "graphs", graphs.CudaGraphs(loaded, sizes)))
+    assert load_model("qwen3", tmp_path / "qwen3", device=DEVICE, cuda_graph_sizes=[[1, 1]]).graphs is not None
+
+
+def test_graph_padding_gives_the_eager_pass(tmp_path, monkeypatch):
+    """What a CUDA graph replays, run eagerly on any device: the static pass padded to its bucket
+    (padding sessions and tokens writing into the scratch slot) gives the unpadded pass's output."""
+    from specfleet.engine import graphs
+
+    class Eager(graphs._Graph):
+        memory_pool = staticmethod(lambda: None)
+
+        def _capture(self, memory):
+            class Replay:
+                def replay(_):
+                    self.out = self._forward()
+
+            return Replay()
+
+    monkeypatch.setattr(graphs, "_Graph", Eager)
+    _graphs_against_eager(tmp_path, lambda loaded, sizes: setattr(loaded, "graphs", graphs.CudaGraphs(loaded, sizes)))
+
+
+def test_cuda_graph_sizes_are_ignored_on_a_cpu(tmp_path):
+    _save(tmp_path, _configs()["llama-gqa"], "llama-gqa")
+    if DEVICE == "cpu":
+        assert load_model("llama-gqa", tmp_path / "llama-gqa", cuda_graph_sizes=[[4, 1]]).graphs is None
+
+
 def test_unsupported_architecture_is_refused_by_name(tmp_path):
     from transformers import GPT2Config
 

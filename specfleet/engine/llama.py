@@ -209,8 +209,12 @@ def forward(
     new_lens: list[int],  # n_b; kv_b + n_b <= P
     attends: list[torch.Tensor | None],  # per session [n_b, n_b] bool, or None when n_b == 1
     logits: bool = True,
+    plan: _BatchPlan | None = None,
 ) -> torch.Tensor | None:
     """Logits [B, N, V] (row b valid for its first n_b positions), or None with logits=False.
+
+    With `plan` (a CUDA graph's static one, `graphs.py`), attention is batched as it says and
+    slots, lengths and patterns are not read.
 
     Writes each session's new keys and values into its slot at [kv_b, kv_b + n_b) (batched:
     all sessions in one indexed write per layer).
@@ -222,11 +226,11 @@ def forward(
     x = model.embed[input_ids]  # [B, N, E]
     cos = model.cos[positions].to(model.dtype).unsqueeze(1)  # [B, 1, N, D]
     sin = model.sin[positions].to(model.dtype).unsqueeze(1)
-    batched = model.attention == "batched" and batch > 1
-    if batched:
-        plan = _batch_plan(model, slots, kv_lens, new_lens, attends, width)
-    else:
+    batched = plan is not None or (model.attention == "batched" and batch > 1)
+    if not batched:
         masks = _session_masks(model, kv_lens, new_lens, attends)
+    elif plan is None:
+        plan = _batch_plan(model, slots, kv_lens, new_lens, attends, width)
     for i, layer in enumerate(model.layers):
         h = F.rms_norm(x, (x.shape[-1],), layer.input_norm, model.eps)
         qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # [B, N, (H + 2 KV) D]
@@ -300,8 +304,7 @@ def _batch_plan(model, slots, kv_lens, new_lens, attends, width) -> _BatchPlan:
     reads their range of the pool as a view, nothing copied, with a query row for every slot of
     it (the others see position 0 alone and are dropped); reading a few idle slots costs less
     than gathering every session's keys and values into a new tensor, which scattered slots
-    need. Row i of session b sees its cached prefix and its own pattern among the new tokens,
-    nothing past its end; a padding row (i >= n_b) sees position 0, so that no row is all -inf.
+    need. The mask is `ragged_bias`, with the idle slots' rows seeing position 0 alone.
     """
     device, batch = model.device, len(slots)
     total = max(k + n for k, n in zip(kv_lens, new_lens))
@@ -312,6 +315,25 @@ def _batch_plan(model, slots, kv_lens, new_lens, attends, width) -> _BatchPlan:
         rows = None if slots == list(range(lo, hi)) else to_tensor([s - lo for s in slots])
     else:
         keys, span, rows = to_tensor(slots), batch, None
+    bias = ragged_bias(model, kv_lens, new_lens, attends, width, total)
+    if rows is not None or span != batch:
+        full = torch.full((span, width, total), float("-inf"), dtype=model.dtype, device=device)
+        full[:, :, 0] = 0
+        full[rows if rows is not None else slice(None)] = bias
+        bias = full
+    writes = [(b, j) for b, n in enumerate(new_lens) for j in range(n)]
+    return _BatchPlan(
+        write_b=to_tensor([b for b, _ in writes]), write_j=to_tensor([j for _, j in writes]),
+        write_slot=to_tensor([slots[b] for b, _ in writes]), write_pos=to_tensor([kv_lens[b] + j for b, j in writes]),
+        keys=keys, rows=rows, total=total, bias=bias.unsqueeze(1),
+    )
+
+
+def ragged_bias(model, kv_lens, new_lens, attends, width: int, total: int) -> torch.Tensor:
+    """[B, N, T] additive: row i of session b sees its cached prefix and its own pattern among the new
+    tokens, nothing past its end; a padding row (i >= n_b) sees position 0, so that no row is all -inf."""
+    device, batch = model.device, len(kv_lens)
+    to_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
     pattern = torch.zeros(batch, width, width, dtype=torch.bool, device=device)
     for b, (n, attend) in enumerate(zip(new_lens, attends)):
         if attend is None:
@@ -325,18 +347,7 @@ def _batch_plan(model, slots, kv_lens, new_lens, attends, width) -> _BatchPlan:
     visible = (offset < 0) | new  # [B, N, T]
     padding = torch.arange(width, device=device) >= to_tensor(new_lens)[:, None]  # [B, N]
     visible[:, :, 0] |= padding
-    bias = torch.zeros(batch, width, total, dtype=model.dtype, device=device).masked_fill_(~visible, float("-inf"))
-    if rows is not None or span != batch:
-        full = torch.full((span, width, total), float("-inf"), dtype=model.dtype, device=device)
-        full[:, :, 0] = 0
-        full[rows if rows is not None else slice(None)] = bias
-        bias = full
-    writes = [(b, j) for b, n in enumerate(new_lens) for j in range(n)]
-    return _BatchPlan(
-        write_b=to_tensor([b for b, _ in writes]), write_j=to_tensor([j for _, j in writes]),
-        write_slot=to_tensor([slots[b] for b, _ in writes]), write_pos=to_tensor([kv_lens[b] + j for b, j in writes]),
-        keys=keys, rows=rows, total=total, bias=bias.unsqueeze(1),
-    )
+    return torch.zeros(batch, width, total, dtype=model.dtype, device=device).masked_fill_(~visible, float("-inf"))
 
 
 def _attend_batched(q: torch.Tensor, pool_layer: torch.Tensor, plan: _BatchPlan, gqa: bool) -> torch.Tensor:

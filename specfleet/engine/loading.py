@@ -83,6 +83,8 @@ class LoadedModel:
     local_index: torch.Tensor | None = None  # [vocab] int64: position in token_map, -1 if absent
     # The KV memory of this model's sessions: slots of max_context positions on the model's device.
     pool: KVPool = field(init=False)
+    # CUDA graphs of batched passes (`graphs.CudaGraphs`), or None: every pass eager.
+    graphs: object | None = None
 
     def __post_init__(self):
         self.pool = KVPool(self.model, self.max_context)
@@ -114,7 +116,7 @@ TOKEN_MAP_FILE = "token_map.json"
 
 def load_model(
     name: str, path: str | os.PathLike, dtype: str = "float32", device: str = "cpu", use_token_map: bool = False,
-    attention: str = "per-session",
+    attention: str = "per-session", cuda_graph_sizes: list[list[int]] | None = None,
 ) -> LoadedModel:
     """Load a Hugging Face Llama-family causal LM and its tokenizer from a local directory, offline.
 
@@ -126,6 +128,9 @@ def load_model(
     is still exactly what they were drawn from, so verification stays lossless; a token
     outside the map can only be reached as the target's correction. The target never
     uses one: its distribution must be whole.
+
+    cuda_graph_sizes: [sessions, tokens] buckets whose passes replay CUDA graphs (`graphs.py`)
+    when the model runs on a CUDA device; ignored on a CPU.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -175,6 +180,10 @@ def load_model(
         token_map=token_map,
         local_index=local_index,
     )
+    if cuda_graph_sizes and model.device.type == "cuda":
+        from specfleet.engine.graphs import CudaGraphs
+
+        loaded.graphs = CudaGraphs(loaded, cuda_graph_sizes)
     log.info(
         "loaded model %s from %s: %.1fM parameters, %s on %s, %s attention, %s, %.1fs",
         name, path, loaded.parameters / 1e6, dtype, _describe_device(model.device), attention,

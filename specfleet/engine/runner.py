@@ -55,17 +55,22 @@ def forward_batch(loaded: LoadedModel, items: list[ForwardItem], logits: bool = 
             attends.append(None)
         else:
             attends.append(it.attend if it.attend is not None else torch.ones(n, n, dtype=torch.bool, device=model.device).tril())
-    out = llama.forward(
-        model,
-        torch.tensor(ids_rows, dtype=torch.long, device=model.device),
-        torch.tensor(pos_rows, dtype=torch.long, device=model.device),
-        loaded.pool.kv,
-        [it.session.slot for it in items],
-        [it.session.kv_len for it in items],
-        new_lens,
-        attends,
-        logits=logits,
-    )
+    slots, kv_lens = [it.session.slot for it in items], [it.session.kv_len for it in items]
+    out = None
+    if loaded.graphs is not None:
+        out = loaded.graphs.run(ids_rows, pos_rows, slots, kv_lens, new_lens, attends, logits)
+    if out is None:
+        out = llama.forward(
+            model,
+            torch.tensor(ids_rows, dtype=torch.long, device=model.device),
+            torch.tensor(pos_rows, dtype=torch.long, device=model.device),
+            loaded.pool.kv,
+            slots,
+            kv_lens,
+            new_lens,
+            attends,
+            logits=logits,
+        )
     if out is None:
         return None
     return out.float().cpu() if host else out.float()
