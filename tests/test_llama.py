@@ -308,3 +308,16 @@ def test_a_sliding_window_bounds_the_context(tmp_path):
                            num_key_value_heads=1, max_position_embeddings=128, sliding_window=48)
     _save(tmp_path, config, "mistral-window")
     assert load_model("mistral-window", tmp_path / "mistral-window").max_context == 48
+
+
+def test_a_long_context_model_gets_slots_of_at_most_max_positions(tmp_path):
+    """Every cached session takes a slot of max_context positions: a 128k model must not ask for 128k."""
+    from transformers import LlamaConfig
+
+    from specfleet.engine.loading import MAX_POSITIONS
+
+    config = LlamaConfig(vocab_size=8192, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                         max_position_embeddings=4 * MAX_POSITIONS)
+    _save(tmp_path, config, "long")
+    loaded = load_model("long", tmp_path / "long")
+    assert loaded.max_context == loaded.pool.positions == MAX_POSITIONS == loaded.info().max_context

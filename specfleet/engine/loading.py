@@ -113,6 +113,12 @@ class LoadedModel:
 
 TOKEN_MAP_FILE = "token_map.json"
 
+# Positions a session may use at most, whatever the model allows: every session holding a cache
+# takes a KV pool slot of max_context positions (`kv.KVPool`), and a slot of a 128k-context
+# model (Llama 3.1) would take 16 GiB at 8B. GetInfo advertises the smaller limit, and the
+# router refuses longer requests.
+MAX_POSITIONS = 8192
+
 
 def load_model(
     name: str, path: str | os.PathLike, dtype: str = "float32", device: str = "cpu", use_token_map: bool = False,
@@ -174,7 +180,7 @@ def load_model(
         tokenizer=tokenizer,
         fingerprint=tokenizer_fingerprint(tokenizer),
         vocab_size=int(config.vocab_size),
-        max_context=llama.context_limit(config),
+        max_context=min(llama.context_limit(config), MAX_POSITIONS),
         eos_token_id=int(eos) if eos is not None else -1,
         parameters=sum(p.numel() for p in hf_model.parameters()),
         token_map=token_map,
