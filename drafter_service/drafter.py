@@ -30,21 +30,9 @@ import contextlib
 import zlib
 from dataclasses import dataclass, field
 
-import torch
-
+from specfleet.engine import LoadedModel, SessionStore, UnknownSession, next_token_logits, prefill, shaping
 from specfleet.fusion import lead
-from specfleet.runtime import ForwardItem, LoadedModel, SessionStore, UnknownSession, forward_batch, prefill
-from specfleet.sampling import (
-    STREAM_DRAFT,
-    SamplingParams,
-    generator_for,
-    probs_from_logits,
-    race,
-    race_keys,
-    race_noise,
-    sample_sparse,
-    truncate,
-)
+from specfleet.sampling import STREAM_DRAFT, SamplingParams
 
 # Catch-ups up to this many tokens ride in the first draft step: a separate pass for them cost
 # about a fifth of a draft call, and padding a step to this width costs a small model little.
@@ -89,51 +77,12 @@ class DraftModel:
 
         Each session feeds what its cache lacks (at least its last token); its logits are
         read at the last position it fed."""
-        forward_items = [
-            ForwardItem(d.session, d.session.token_ids[d.session.kv_len :], list(range(d.session.kv_len, len(d.session.token_ids))))
-            for d in drafting
-        ]
-        fed = [len(item.input_ids) for item in forward_items]
-        logits = forward_batch(self.loaded, forward_items)
-        logits = logits[torch.arange(len(fed)), torch.tensor(fed) - 1]
-        params = [d.item.sampling for d in drafting]
-        if all(p.greedy for p in params):
-            # No sampling machinery: the argmax and its point mass.
-            local_tokens = logits.argmax(dim=1)
-            confidences = logits.softmax(dim=1).gather(1, local_tokens.unsqueeze(1)).squeeze(1)
-            tokens = self.loaded.global_ids(local_tokens).tolist()
-            proposals = [([t], [1.0]) for t in tokens]
-        else:
-            probs = probs_from_logits(
-                logits,
-                torch.tensor([p.temperature for p in params]),
-                torch.tensor([p.top_k for p in params], dtype=torch.long),
-                torch.tensor([p.top_p for p in params]),
-            )
-            ids, q = truncate(probs, self.proposal_top_k)
-            local_tokens = torch.empty(len(drafting), dtype=torch.long, device=ids.device)
-            raced = [b for b, p in enumerate(params) if p.raced]
-            drawn = [b for b, p in enumerate(params) if not p.raced]
-            if drawn:
-                gens = [generator_for(params[b].seed, drafting[b].committed + step, self.stream) for b in drawn]
-                local_tokens[drawn] = sample_sparse(ids[drawn], q[drawn], gens)
-            if raced:
-                # The verifier races p against the same noise (verification.py, obligation 6).
-                keys = race_keys([params[b].seed for b in raced], [drafting[b].committed + step for b in raced], device=ids.device)
-                winners = race(q[raced], race_noise(keys, self.loaded.global_ids(ids[raced])))
-                local_tokens[raced] = ids[raced].gather(1, winners.unsqueeze(1)).squeeze(1)
-            # Confidence: the model's own probability of its token; for greedy requests,
-            # at temperature 1, since the point mass says nothing.
-            confidence_probs = torch.where(torch.tensor([p.greedy for p in params]).unsqueeze(1), logits.softmax(dim=1), probs)
-            confidences = confidence_probs.gather(1, local_tokens.unsqueeze(1)).squeeze(1)
-            # Positions along the logits are vocabulary ids unless the model has a token map.
-            tokens = self.loaded.global_ids(local_tokens).tolist()
-            proposals = [
-                ([t for t, p in zip(row_ids, row_q) if p > 0], [p for p in row_q if p > 0])
-                for row_ids, row_q in zip(self.loaded.global_ids(ids).tolist(), q.tolist())
-            ]
-        for d, token, proposal, confidence, n in zip(drafting, tokens, proposals, confidences.tolist(), fed):
-            d.session.commit(list(range(n)))
+        logits = next_token_logits(self.loaded, [d.session for d in drafting])
+        tokens, proposals, confidences = shaping.propose(
+            self.loaded, logits, [d.item.sampling for d in drafting], [d.committed + step for d in drafting], self.stream,
+            self.proposal_top_k,
+        )
+        for d, token, proposal, confidence in zip(drafting, tokens, proposals, confidences):
             d.result.token_ids.append(token)
             d.result.proposals.append(proposal)
             d.result.confidences.append(confidence)

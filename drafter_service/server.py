@@ -12,7 +12,7 @@ from specfleet import config as config_mod
 from specfleet import metrics, placement, security
 from specfleet.metrics import PassTelemetry
 from specfleet.ports import listen
-from specfleet.runtime import SessionStore, configure_torch, load_model
+from specfleet.engine import SessionStore, configure_torch, load_model
 from specfleet.sampling import SamplingParams
 from specfleet.serving import BatchQueue, serve, setup_logging
 from specfleet.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc

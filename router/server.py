@@ -26,7 +26,7 @@ from router.verifiers import VerifierPool
 from specfleet import config as config_mod
 from specfleet import metrics, placement, security
 from specfleet.metrics import RouterTelemetry
-from specfleet.runtime import load_tokenizer, tokenizer_fingerprint
+from specfleet.engine import load_tokenizer, tokenizer_fingerprint
 from specfleet.ports import listen
 from specfleet.serving import ROUTER_DRAIN_S, serve, setup_logging, wait_until_serving
 from specfleet.v1 import common_pb2, drafter_pb2, generation_pb2, generation_pb2_grpc, verifier_pb2

@@ -18,7 +18,7 @@ import torch
 
 from specfleet.bench.workload import resolve_source
 from specfleet.config import DEMO_MODELS
-from specfleet.runtime import ForwardItem, Session, forward_batch, load_model
+from specfleet.engine import ForwardItem, Session, forward_batch, load_model
 from specfleet.sampling import SamplingParams, probs_from_logits, race, race_keys, race_noise, truncate
 
 SHAPES = {"t=1.0": SamplingParams(temperature=1.0), "t=0.7 top_p=0.9": SamplingParams(temperature=0.7, top_p=0.9)}

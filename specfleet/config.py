@@ -52,7 +52,7 @@ class ConfigError(ValueError):
 
 # cpu, cuda, cuda:N (a GPU by index) or auto (cuda if torch sees one, else cpu).
 DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?|auto")
-# specfleet.llama.ATTENTION_MODES, spelled out so that reading a config does not import torch.
+# specfleet.engine.llama.ATTENTION_MODES, spelled out so that reading a config does not import torch.
 ATTENTION_MODES = ("per-session", "batched")
 # security.tls.client_auth: which servers require a client certificate.
 TLS_CLIENT_AUTH = ("internal", "all", "none")
@@ -98,6 +98,9 @@ class VerifierConfig:
     max_cache_mb: float = 1024.0
     # Sessions whose token ids are kept at all; past it the oldest are forgotten.
     max_sessions: int = 4096
+    # On a CUDA device: [sessions, tokens] buckets whose passes replay CUDA graphs (captured on first
+    # use, batched attention), e.g. [[1, 1], [8, 5], [32, 5], [64, 5]]; other shapes and CPUs run eagerly.
+    cuda_graph_sizes: list[list[int]] = field(default_factory=list)
     # Cores this service may run on when `specfleet serve` starts it on this machine (CPU
     # affinity; empty: any). Keeps a busy drafter off the verifier's core; under --ray use `ray`.
     cpus: list[int] = field(default_factory=list)
@@ -395,6 +398,12 @@ def validate(config: Config) -> None:
         _validate_replicas(svc, f"drafters[{i}]")
     if r.verifier_wait_s <= 0:
         raise ConfigError(f"router.verifier_wait_s: must be above 0, got {r.verifier_wait_s}")
+    sizes = v.cuda_graph_sizes
+    if not isinstance(sizes, list) or not all(
+        isinstance(size, list) and len(size) == 2 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in size)
+        for size in sizes
+    ):
+        raise ConfigError(f"verifier.cuda_graph_sizes: a list of [sessions, tokens] pairs of positive integers, got {sizes!r}")
     for where, cpus in [("verifier.cpus", v.cpus), ("router.cpus", r.cpus)] + [(f"drafters[{i}].cpus", d.cpus) for i, d in enumerate(config.drafters)]:
         if not isinstance(cpus, list) or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in cpus):
             raise ConfigError(f"{where}: a list of core numbers (0, 1, ...), got {cpus!r}")

@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from specfleet import config as config_mod
-from specfleet.runtime import load_model
+from specfleet.engine import load_model
 from tests.conftest import REPO, cluster_config
 
 # SPECFLEET_TEST_DEVICE=cuda runs the engine tests on a GPU (scripts/device-check sets it).
@@ -102,7 +102,7 @@ def test_model_info_names_device_and_dtype(dtype):
 
 
 def test_attention_mode_is_a_checked_setting_spelt_as_the_engine_spells_it():
-    from specfleet import llama
+    from specfleet.engine import llama
 
     assert config_mod.ATTENTION_MODES == llama.ATTENTION_MODES
     data = _config()
@@ -110,4 +110,19 @@ def test_attention_mode_is_a_checked_setting_spelt_as_the_engine_spells_it():
     assert config_mod.parse(data).verifier.attention == "batched"
     data["drafters"][0]["attention"] = "paged"
     with pytest.raises(config_mod.ConfigError, match=r"drafters\[0\].attention: must be one of per-session, batched, got 'paged'"):
+        config_mod.parse(data)
+
+
+@pytest.mark.parametrize("sizes", [[[4, 1], [8, 5]], []])
+def test_cuda_graph_sizes_are_checked_pairs(sizes):
+    data = _config()
+    data["verifier"]["cuda_graph_sizes"] = sizes
+    assert config_mod.parse(data).verifier.cuda_graph_sizes == sizes
+
+
+@pytest.mark.parametrize("sizes", [[4, 8], [[4]], [[0, 1]], [[2, "5"]], "[[1, 1]]"])
+def test_cuda_graph_sizes_refuse_anything_but_positive_pairs_naming_the_key(sizes):
+    data = _config()
+    data["verifier"]["cuda_graph_sizes"] = sizes
+    with pytest.raises(config_mod.ConfigError, match=r"verifier.cuda_graph_sizes: a list of \[sessions, tokens\] pairs"):
         config_mod.parse(data)

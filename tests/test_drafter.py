@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from drafter_service.drafter import STEP_CATCH_UP, DraftItem, DraftModel, draft_batch
-from specfleet.runtime import SessionStore, load_model
+from specfleet.engine import SessionStore, load_model
 from specfleet.sampling import SamplingParams
 
 CONTEXTS = [[5, 17, 42, 9, 33], [7, 7, 7], [101, 3, 250, 8, 19, 44, 2], [60]]

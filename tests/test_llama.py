@@ -15,9 +15,9 @@ import os
 import pytest
 import torch
 
-from specfleet import runtime
-from specfleet.llama import ATTENTION_MODES
-from specfleet.runtime import ForwardItem, Session, forward_batch, load_model, prefill
+from specfleet.engine import runner
+from specfleet.engine.llama import ATTENTION_MODES
+from specfleet.engine import ForwardItem, Session, SessionStore, forward_batch, load_model, prefill
 
 DEVICE = os.environ.get("SPECFLEET_TEST_DEVICE", "cpu")
 # float32 on both sides; a GPU's kernels sum in other orders.
@@ -36,7 +36,7 @@ def _save(tmp_path, config, name):
                 param.normal_(1.0 if "norm" in pname else 0.0, 0.5)
     model.save_pretrained(tmp_path / name)
     # The tokenizer only has to load; reuse the demo one.
-    from specfleet.runtime import load_tokenizer
+    from specfleet.engine import load_tokenizer
 
     load_tokenizer("models/demo/tokenizer").save_pretrained(tmp_path / name)
     return model.to(DEVICE)
@@ -63,11 +63,24 @@ def _configs():
 FAMILIES = list(_configs())
 
 
-@pytest.mark.parametrize("attention", ATTENTION_MODES)
+# Where the three sessions' slots lie in the KV pool, for the batched call (llama._batch_plan):
+# prefill hands out slots shortest session first, so by default b, a, c take slots 0, 1, 2 (rows
+# permuted); "spread" leaves idle slots inside their range (read as a view, idle rows dropped);
+# "scattered" spreads them so far that the call gathers their slots.
+LAYOUTS = {"adjacent": ([], [1, 0, 2]), "spread": ([0, 2, 4], [2, 0, 4]), "scattered": ([0, 4, 11], [4, 0, 11])}
+CASES = [(attention, "adjacent") for attention in ATTENTION_MODES] + [("batched", "spread"), ("batched", "scattered")]
+
+
+@pytest.mark.parametrize("attention, layout", CASES, ids=[f"{a}-{lay}" for a, lay in CASES])
 @pytest.mark.parametrize("name", FAMILIES)
-def test_forward_matches_transformers(tmp_path, name, attention):
+def test_forward_matches_transformers(tmp_path, name, attention, layout):
     reference = _save(tmp_path, _configs()[name], name)
     loaded = load_model(name, tmp_path / name, device=DEVICE, attention=attention)
+    free, slots = LAYOUTS[layout]
+    if free:
+        taken = [loaded.pool.acquire() for _ in range(12)]
+        for slot in free:
+            loaded.pool.release(taken[slot])
     gen = torch.Generator().manual_seed(1)
     prompt_a = torch.randint(0, 8192, (9,), generator=gen).tolist()
     prompt_b = torch.randint(0, 8192, (4,), generator=gen).tolist()
@@ -79,20 +92,24 @@ def test_forward_matches_transformers(tmp_path, name, attention):
     #   b's root r, nodes 0 -> 1 and 0 -> 2 (siblings), 3 a second child of the root.
     a, b, c = Session(token_ids=list(prompt_a)), Session(token_ids=list(prompt_b)), Session(token_ids=list(prompt_c))
     prefill(loaded, [a, b, c], keep_last=1)
+    assert [a.slot, b.slot, c.slot] == slots
     chain = [11, 12, 13]
     tree_tokens, tree_parents = [21, 22, 23, 24], [-1, 0, 0, -1]
     attend = torch.tensor(
         [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 0, 0, 1]], dtype=torch.bool
     )
     root_a, root_b, root_c = len(prompt_a) - 1, len(prompt_b) - 1, len(prompt_c) - 1
-    logits = forward_batch(
-        loaded,
-        [
-            ForwardItem(a, [prompt_a[-1], *chain], list(range(root_a, root_a + 4))),
-            ForwardItem(b, [prompt_b[-1], *tree_tokens], [root_b, root_b + 1, root_b + 2, root_b + 2, root_b + 1], attend),
-            ForwardItem(c, [prompt_c[-1]], [root_c]),
-        ],
-    )
+    items = [
+        ForwardItem(a, [prompt_a[-1], *chain], list(range(root_a, root_a + 4))),
+        ForwardItem(b, [prompt_b[-1], *tree_tokens], [root_b, root_b + 1, root_b + 2, root_b + 2, root_b + 1], attend),
+        ForwardItem(c, [prompt_c[-1]], [root_c]),
+    ]
+    logits = forward_batch(loaded, items)
+    # A pass commits nothing, so the same pass again attends per session: the reference path.
+    loaded.model.attention = "per-session"
+    per_session = forward_batch(loaded, items)
+    for b_, n in enumerate([4, 5, 1]):
+        torch.testing.assert_close(logits[b_, :n], per_session[b_, :n], **TOLERANCE)
 
     def ref_logits(ids):
         with torch.no_grad():
@@ -122,7 +139,7 @@ def test_prefill_passes_group_similar_lengths_and_match_transformers(tmp_path, m
     prompts = [torch.randint(0, 8192, (n,), generator=gen).tolist() for n in (11, 12, 13, 13, 40)]
     sessions = [Session(token_ids=list(p)) for p in prompts]
     passes = []
-    monkeypatch.setattr(runtime, "forward_batch", lambda lm, items, **kw: passes.append(len(items)) or forward_batch(lm, items, **kw))
+    monkeypatch.setattr(runner, "forward_batch", lambda lm, items, **kw: passes.append(len(items)) or forward_batch(lm, items, **kw))
     scores = prefill(loaded, sessions, keep_last=1, score=True)
     monkeypatch.undo()
     assert sorted(passes) == [1, 4]
@@ -133,6 +150,135 @@ def test_prefill_passes_group_similar_lengths_and_match_transformers(tmp_path, m
         torch.testing.assert_close(step[b, 0], ref[-1], **TOLERANCE)
         ref_score = ref[:-1].log_softmax(-1).gather(1, torch.tensor(prompt[1:]).unsqueeze(1)).sum()
         assert scores[b][1] == len(prompt) - 1 and abs(scores[b][0] - float(ref_score)) < 1e-3
+
+
+def test_kv_pool_rolls_back_in_place_and_evicts_into_reused_slots(tmp_path):
+    """Inside the KV pool: rejecting drafts is a length change (the session keeps its slot, the next
+    pass writes over the rejected positions); the LRU budgets take slots back and new sessions reuse
+    them (the pool does not grow); a cache rebuilt from the token ids gives the reference's logits."""
+    reference = _save(tmp_path, _configs()["llama-gqa"], "llama-gqa")
+    loaded = load_model("llama-gqa", tmp_path / "llama-gqa", device=DEVICE, attention="batched")
+    pool = loaded.pool
+    store = SessionStore(max_cache_bytes=2 * pool.slot_bytes, max_sessions=3)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 8192, (10 + 7 * i,), generator=gen).tolist() for i in range(3)]
+    s0, s1, s2 = sessions = [store.sync(f"s{i}", 0, p) for i, p in enumerate(prompts)]
+    prefill(loaded, sessions, keep_last=1)
+    slot0 = s0.slot
+
+    def ref_logits(ids):
+        with torch.no_grad():
+            return reference(torch.tensor([ids], device=DEVICE)).logits[0, -1].float().cpu()
+
+    def step(batch):
+        """A decode step: each session's cache lacks its last token; feed it, check, append the argmax."""
+        logits = forward_batch(loaded, [ForwardItem(s, [s.token_ids[-1]], [len(s.token_ids) - 1]) for s in batch])
+        for b, s in enumerate(batch):
+            torch.testing.assert_close(logits[b, 0], ref_logits(s.token_ids), **TOLERANCE)
+            s.commit([0])
+            s.token_ids.append(int(logits[b, 0].argmax()))
+
+    # s0 drafts a chain of three; the target accepts the first and corrects the second.
+    root = len(prompts[0]) - 1
+    forward_batch(loaded, [ForwardItem(s0, [prompts[0][-1], 11, 12, 13], list(range(root, root + 4)))])
+    s0.commit([0, 1])
+    s0.token_ids += [11, 40]
+    assert s0.slot == slot0 and s0.kv_len == len(prompts[0]) + 1
+    step(sessions)  # one batched pass: three lengths
+    # The client rolls s0 back past its last two tokens and appends another: a length change.
+    store.sync("s0", len(prompts[0]) + 1, [50])
+    assert s0.slot == slot0 and s0.kv_len == len(prompts[0]) + 1
+    step([s0, s1])
+
+    # Room for two sessions' KV: the least recently synced (s1) loses its slot, keeps its tokens.
+    store.enforce_budget()
+    assert s1.slot is None and s1.kv_len == 0 and store.get("s1") is s1 and s2.slot is not None
+    # New sessions under both budgets, round after round: slots come back and are reused, both those
+    # of evicted caches and those of forgotten sessions (room for three caches: the session forgotten
+    # under max_sessions still holds one).
+    store.max_cache_bytes = 3 * pool.slot_bytes
+    for i in range(6):
+        new = store.sync(f"n{i}", 0, prompts[i % 3][:5])
+        prefill(loaded, [new], keep_last=1)
+        step([new, s0])
+        store.enforce_budget(protect={f"n{i}", "s0"})
+        held = [s.slot for s in (store.get(sid) for sid in store._sessions) if s.slot is not None]
+        assert len(held) == len(set(held)) <= 3
+    assert pool.slots == 4, "released slots must be reused, not the pool grown"
+    assert len(store) == 3 and store.get("s1") is None and store.get("s2") is None
+    # s0's cache survived it all; a forgotten session comes back and rebuilds from its token ids.
+    rebuilt = store.sync("s1", 0, s1.token_ids)
+    prefill(loaded, [rebuilt], keep_last=1)
+    step([rebuilt, s0])
+
+
+def _graphs_against_eager(tmp_path, attach_graphs):
+    """Greedy decoding of ragged sessions plus a tree pass, with and without graphs: the same
+    tokens, logits within tolerance, and two graphs were used (padded sessions and tokens)."""
+    _save(tmp_path, _configs()["qwen3-qk-norm"], "qwen3")
+    runs = {}
+    for graphed in (False, True):
+        loaded = load_model("qwen3", tmp_path / "qwen3", device=DEVICE, attention="batched")
+        if graphed:
+            attach_graphs(loaded, [[4, 1], [4, 8]])
+        gen = torch.Generator().manual_seed(4)
+        sessions = [Session(token_ids=torch.randint(0, 8192, (n,), generator=gen).tolist()) for n in (5, 17, 40)]
+        prefill(loaded, sessions, keep_last=1)
+        steps = []
+        for _ in range(6):
+            logits = forward_batch(loaded, [ForwardItem(s, [s.token_ids[-1]], [len(s.token_ids) - 1]) for s in sessions])
+            steps.append(logits[:, 0])
+            for b, s in enumerate(sessions):
+                s.commit([0])
+                s.token_ids.append(int(logits[b, 0].argmax()))
+        a, b = sessions[0], sessions[1]
+        root_a, root_b = len(a.token_ids) - 1, len(b.token_ids) - 1
+        attend = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+        tree = forward_batch(loaded, [
+            ForwardItem(a, [a.token_ids[-1], 11, 12, 13], [root_a, root_a + 1, root_a + 1, root_a + 2], attend),
+            ForwardItem(b, [b.token_ids[-1], 21, 22], list(range(root_b, root_b + 3))),
+        ])
+        runs[graphed] = ([s.token_ids for s in sessions], steps, tree)
+        if graphed:
+            assert sorted(loaded.graphs._graphs) == [(4, 1, 64), (4, 8, 32)]
+    assert runs[True][0] == runs[False][0]
+    for graphed_step, eager_step in zip(runs[True][1], runs[False][1]):
+        torch.testing.assert_close(graphed_step, eager_step, **TOLERANCE)
+    torch.testing.assert_close(runs[True][2][0, :4], runs[False][2][0, :4], **TOLERANCE)
+    torch.testing.assert_close(runs[True][2][1, :3], runs[False][2][1, :3], **TOLERANCE)
+
+
+@pytest.mark.skipif(not DEVICE.startswith("cuda"), reason="CUDA graphs need a CUDA device (scripts/device-check runs this)")
+def test_cuda_graphs_change_no_output(tmp_path):
+    from specfleet.engine import graphs
+
+    _graphs_against_eager(tmp_path, lambda loaded, sizes: setattr(loaded, "graphs", graphs.CudaGraphs(loaded, sizes)))
+    assert load_model("qwen3", tmp_path / "qwen3", device=DEVICE, cuda_graph_sizes=[[1, 1]]).graphs is not None
+
+
+def test_graph_padding_gives_the_eager_pass(tmp_path, monkeypatch):
+    """What a CUDA graph replays, run eagerly on any device: the static pass padded to its bucket
+    (padding sessions and tokens writing into the scratch slot) gives the unpadded pass's output."""
+    from specfleet.engine import graphs
+
+    class Eager(graphs._Graph):
+        memory_pool = staticmethod(lambda: None)
+
+        def _capture(self, memory):
+            class Replay:
+                def replay(_):
+                    self.out = self._forward()
+
+            return Replay()
+
+    monkeypatch.setattr(graphs, "_Graph", Eager)
+    _graphs_against_eager(tmp_path, lambda loaded, sizes: setattr(loaded, "graphs", graphs.CudaGraphs(loaded, sizes)))
+
+
+def test_cuda_graph_sizes_are_ignored_on_a_cpu(tmp_path):
+    _save(tmp_path, _configs()["llama-gqa"], "llama-gqa")
+    if DEVICE == "cpu":
+        assert load_model("llama-gqa", tmp_path / "llama-gqa", cuda_graph_sizes=[[4, 1]]).graphs is None
 
 
 def test_unsupported_architecture_is_refused_by_name(tmp_path):
@@ -162,3 +308,16 @@ def test_a_sliding_window_bounds_the_context(tmp_path):
                            num_key_value_heads=1, max_position_embeddings=128, sliding_window=48)
     _save(tmp_path, config, "mistral-window")
     assert load_model("mistral-window", tmp_path / "mistral-window").max_context == 48
+
+
+def test_a_long_context_model_gets_slots_of_at_most_max_positions(tmp_path):
+    """Every cached session takes a slot of max_context positions: a 128k model must not ask for 128k."""
+    from transformers import LlamaConfig
+
+    from specfleet.engine.loading import MAX_POSITIONS
+
+    config = LlamaConfig(vocab_size=8192, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                         max_position_embeddings=4 * MAX_POSITIONS)
+    _save(tmp_path, config, "long")
+    loaded = load_model("long", tmp_path / "long")
+    assert loaded.max_context == loaded.pool.positions == MAX_POSITIONS == loaded.info().max_context

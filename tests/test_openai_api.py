@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from router.openai_api import ApiError, render_chat
-from specfleet.runtime import load_tokenizer
+from specfleet.engine import load_tokenizer
 from specfleet.v1 import generation_pb2_grpc
 from tests.conftest import Cluster, cluster_config, free_port
 from tests.helpers import greedy_request, target_greedy

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from drafter_service.drafter import DraftItem, DraftModel, draft_batch
-from specfleet.runtime import TOKEN_MAP_FILE, SessionStore, load_model
+from specfleet.engine import TOKEN_MAP_FILE, SessionStore, load_model
 from specfleet.sampling import SamplingParams
 from tests.helpers import load_target
 

@@ -12,7 +12,7 @@ from specfleet import config as config_mod
 from specfleet import metrics, placement, security
 from specfleet.metrics import PassTelemetry
 from specfleet.ports import listen
-from specfleet.runtime import SessionStore, configure_torch, load_model
+from specfleet.engine import SessionStore, configure_torch, load_model
 from specfleet.sampling import SamplingParams
 from specfleet.serving import BatchQueue, serve, setup_logging
 from specfleet.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
@@ -106,7 +106,8 @@ def load_core(vcfg: config_mod.VerifierConfig, model: str | None = None, threads
     """Load the target model and build the verifier with its batch queue, as the config says."""
     configure_torch(threads or vcfg.threads)
     device = config_mod.resolve_device(vcfg.device, "verifier.device")
-    loaded = load_model("target", model or vcfg.model, dtype=vcfg.dtype, device=device, attention=vcfg.attention)
+    loaded = load_model("target", model or vcfg.model, dtype=vcfg.dtype, device=device, attention=vcfg.attention,
+                        cuda_graph_sizes=vcfg.cuda_graph_sizes)
     store = SessionStore(max_cache_bytes=int(vcfg.max_cache_mb * 2**20), max_sessions=vcfg.max_sessions)
     verifier = Verifier(loaded, store)
     telemetry = PassTelemetry("verifier", lambda: [store])

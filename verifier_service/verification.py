@@ -83,6 +83,31 @@ class TreeBatch:
     q_ids: torch.Tensor  # [B, N, K] int64, support of each node's proposal distribution
     q_probs: torch.Tensor  # [B, N, K] float, probabilities on that support (0 for padding)
 
+    @classmethod
+    def from_lists(
+        cls, tokens: list[list[int]], parents: list[list[int]], proposals: list[list[tuple[list[int], list[float]]]], num_nodes: int,
+        device,
+    ) -> "TreeBatch":
+        """Sessions' trees (token ids, parents, per node its proposal's (ids, probs)) padded to N nodes and
+        K entries, on the device. Padded in Python lists, converted once."""
+        batch = len(tokens)
+        k_max = max([len(ids) for session in proposals for ids, _ in session] or [1])
+        rows_t, rows_p, rows_qi, rows_qp = [], [], [], []
+        for toks, pars, props in zip(tokens, parents, proposals):
+            pad = num_nodes - len(toks)
+            rows_t.append(toks + [0] * pad)
+            rows_p.append(pars + [-2] * pad)
+            rows_qi.append([ids + [0] * (k_max - len(ids)) for ids, _ in props] + [[0] * k_max] * pad)
+            rows_qp.append([probs + [0.0] * (k_max - len(probs)) for _, probs in props] + [[0.0] * k_max] * pad)
+        parents_t = torch.tensor(rows_p, dtype=torch.long, device=device).reshape(batch, num_nodes)
+        return cls(
+            tokens=torch.tensor(rows_t, dtype=torch.long, device=device).reshape(batch, num_nodes),
+            parents=parents_t,
+            valid=parents_t > -2,
+            q_ids=torch.tensor(rows_qi, dtype=torch.long, device=device).reshape(batch, num_nodes, k_max),
+            q_probs=torch.tensor(rows_qp, dtype=torch.float32, device=device).reshape(batch, num_nodes, k_max),
+        )
+
     def select(self, rows: list[int]) -> "TreeBatch":
         """These sessions' trees, in this order."""
         return TreeBatch(self.tokens[rows], self.parents[rows], self.valid[rows], self.q_ids[rows], self.q_probs[rows])

@@ -2,7 +2,8 @@
 
 Per session and round: sync the session's tokens (the client sends only what
 changed), feed the last committed token followed by the tree's nodes with
-tree attention, shape the target's logits into p as the request asked, run
+tree attention, shape the target's logits into p as the request asked (the model-execution
+layer, `specfleet.engine`, runs the pass and shapes), run
 `verification.verify_trees` (rejection sampling), or, for greedy and
 drafter-invariant sessions, `verify_trees_greedy` on the target's fixed token at
 every row (the argmax, or the winner of the seeded exponential race), keep the
@@ -16,10 +17,8 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-import torch
-
-from specfleet.runtime import ForwardItem, LoadedModel, SessionStore, UnknownSession, forward_batch, prefill
-from specfleet.sampling import STREAM_VERIFY, SamplingParams, generator_for, probs_from_logits, race, race_keys, race_noise
+from specfleet.engine import LoadedModel, SessionStore, UnknownSession, prefill, shaping, tree_pass
+from specfleet.sampling import SamplingParams
 from verifier_service.verification import TreeBatch, verify_trees, verify_trees_greedy
 
 log = logging.getLogger(__name__)
@@ -101,33 +100,14 @@ class Verifier:
     def _verify(self, live) -> list[VerifyResult]:
         sessions = [session for _, _, session in live]
         prefill(self.loaded, sessions, keep_last=1)
-
-        forward_items, depths = [], []
-        for _, item, session in live:
-            root_pos = len(session.token_ids) - 1
-            n = len(item.tree_tokens)
-            # Row j: which of [root, node 0, ..., node n-1] token j sees (itself and its ancestors).
-            # Built in Python, one tensor at the end: per-element tensor ops cost more than the pass.
-            depth = [0] * n
-            rows = [[True] + [False] * n]
-            for i, parent in enumerate(item.tree_parents):
-                depth[i] = 1 if parent < 0 else depth[parent] + 1
-                row = list(rows[parent + 1])
-                row[i + 1] = True
-                rows.append(row)
-            depths.append(depth)
-            forward_items.append(
-                ForwardItem(
-                    session,
-                    [session.token_ids[-1], *item.tree_tokens],
-                    [root_pos] + [root_pos + d for d in depth],
-                    torch.tensor(rows) if n else None,
-                )
-            )
-        logits = forward_batch(self.loaded, forward_items)  # [B, 1 + N, V]
+        scored = tree_pass(self.loaded, [(session, item.tree_tokens, item.tree_parents) for _, item, session in live])
+        logits = scored.logits  # [B, 1 + N, V] on the model's device
 
         num_nodes = logits.shape[1] - 1
-        trees = self._tree_batch(live, num_nodes)
+        trees = TreeBatch.from_lists(
+            [item.tree_tokens for _, item, _ in live], [item.tree_parents for _, item, _ in live],
+            [item.proposals for _, item, _ in live], num_nodes, logits.device,
+        )
         params = [item.sampling for _, item, _ in live]
         # Greedy and raced sessions have a fixed target token at every row: the greedy walk
         # decides them (obligations 5 and 6); the rest take rejection sampling.
@@ -135,13 +115,21 @@ class Verifier:
         sampled = [b for b, p in enumerate(params) if not (p.greedy or p.raced)]
         accepted, next_token = [None] * len(live), [0] * len(live)
         if fixed:
-            wanted = self._fixed_targets(live, params, depths, logits, fixed)
+            # Row 0 fills position len(tokens); the row after a node at depth d fills len(tokens) + d.
+            filled = [[len(live[b][2].token_ids) + d for d in [0, *scored.depths[b]]] for b in fixed]
+            wanted = shaping.target_tokens([params[b] for b in fixed], logits[fixed], filled)
             verdict = verify_trees_greedy(wanted, trees.select(fixed))
             for row, b in enumerate(fixed):
                 accepted[b] = verdict.accepted[row, : int(verdict.num_accepted[row])].tolist()
                 next_token[b] = int(verdict.next_token[row])
         if sampled:
-            verdict = self._verify_sampled(live, params, logits, trees, sampled)
+            # Rejection sampling: p shaped as each session asked, with its seeded noise.
+            rows = [params[b] for b in sampled]
+            target_probs = shaping.shape(rows, logits[sampled])
+            uniforms, exponentials = shaping.verify_noise(
+                rows, [len(live[b][2].token_ids) for b in sampled], logits.shape[1], logits.shape[2], logits.device
+            )
+            verdict = verify_trees(target_probs, trees.select(sampled), uniforms, exponentials)
             for row, b in enumerate(sampled):
                 accepted[b] = verdict.accepted[row, : int(verdict.num_accepted[row])].tolist()
                 next_token[b] = int(verdict.next_token[row])
@@ -154,70 +142,3 @@ class Verifier:
             session.token_ids.extend(tokens)
             results.append(VerifyResult(item.session_id, known=True, accepted_nodes=path, token_ids=tokens))
         return results
-
-    def _fixed_targets(self, live, params: list[SamplingParams], depths: list[list[int]], logits: torch.Tensor, rows: list[int]):
-        """[len(rows), N + 1] the target's token after the root and after each node: the argmax for greedy
-        sessions, the exponential race's winner over p for raced ones (keyed by the position it fills)."""
-        wanted = logits[rows].argmax(dim=-1)
-        raced = [r for r, b in enumerate(rows) if params[b].raced]
-        if not raced:
-            return wanted
-        _, width, vocab = logits.shape
-        picked = [rows[r] for r in raced]
-        seeds, positions = [], []
-        for b in picked:
-            session, depth = live[b][2], depths[b]
-            # Row 0 fills position len(tokens); the row after a node at depth d fills len(tokens) + d.
-            filled = [len(session.token_ids)] + [len(session.token_ids) + d for d in depth]
-            filled += [filled[-1]] * (width - len(filled))  # padding rows: never read
-            seeds += [params[b].seed] * width
-            positions += filled
-        probs = self._shape([params[b] for b in picked], logits[picked])
-        noise = race_noise(race_keys(seeds, positions, device=logits.device), torch.arange(vocab, device=logits.device))
-        wanted[raced] = race(probs.reshape(len(picked) * width, vocab), noise).reshape(len(picked), width)
-        return wanted
-
-    @staticmethod
-    def _shape(params: list[SamplingParams], logits: torch.Tensor) -> torch.Tensor:
-        """p [b, W, V] as each session asked (temperature, top-k, top-p), from logits [b, W, V]."""
-        batch, width, vocab = logits.shape
-        per_row = lambda values, dtype: torch.tensor(values, dtype=dtype, device=logits.device).repeat_interleave(width)  # noqa: E731
-        return probs_from_logits(
-            logits.reshape(batch * width, vocab),
-            per_row([p.temperature for p in params], torch.float32),
-            per_row([p.top_k for p in params], torch.long),
-            per_row([p.top_p for p in params], torch.float32),
-        ).reshape(batch, width, vocab)
-
-    def _verify_sampled(self, live, params: list[SamplingParams], logits: torch.Tensor, trees: TreeBatch, rows: list[int]):
-        """Rejection sampling for these sessions: p shaped as each asked, with its seeded noise."""
-        _, width, vocab = logits.shape
-        target_probs = self._shape([params[b] for b in rows], logits[rows])
-        uniforms = torch.empty(len(rows), width - 1)
-        exponentials = torch.empty(len(rows), vocab)
-        for r, b in enumerate(rows):
-            gen = generator_for(params[b].seed, len(live[b][2].token_ids), STREAM_VERIFY)
-            uniforms[r] = torch.rand(width - 1, generator=gen)
-            exponentials[r].exponential_(generator=gen)
-        return verify_trees(target_probs, trees.select(rows), uniforms, exponentials)
-
-    @staticmethod
-    def _tree_batch(live, num_nodes: int) -> TreeBatch:
-        batch = len(live)
-        k_max = max([len(ids) for _, item, _ in live for ids, _ in item.proposals] or [1])
-        # Padded to [B, N] / [B, N, K] in Python lists, converted once.
-        tokens, parents, q_ids, q_probs = [], [], [], []
-        for _, item, _ in live:
-            pad = num_nodes - len(item.tree_tokens)
-            tokens.append(item.tree_tokens + [0] * pad)
-            parents.append(item.tree_parents + [-2] * pad)
-            q_ids.append([ids + [0] * (k_max - len(ids)) for ids, _ in item.proposals] + [[0] * k_max] * pad)
-            q_probs.append([probs + [0.0] * (k_max - len(probs)) for _, probs in item.proposals] + [[0.0] * k_max] * pad)
-        parents_t = torch.tensor(parents, dtype=torch.long).reshape(batch, num_nodes)
-        return TreeBatch(
-            tokens=torch.tensor(tokens, dtype=torch.long).reshape(batch, num_nodes),
-            parents=parents_t,
-            valid=parents_t > -2,
-            q_ids=torch.tensor(q_ids, dtype=torch.long).reshape(batch, num_nodes, k_max),
-            q_probs=torch.tensor(q_probs, dtype=torch.float32).reshape(batch, num_nodes, k_max),
-        )

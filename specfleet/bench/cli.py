@@ -366,7 +366,7 @@ async def run_benchmark(args, command: str) -> dict:
     from specfleet.bench import report, runner, workload
     from specfleet.bench.systems import Settings
     from specfleet.bench.vllm import VLLMUnavailable
-    from specfleet.runtime import load_tokenizer
+    from specfleet.engine import load_tokenizer
 
     cache = REPO / ".cache"
     family = runner.resolve_family(args.models, args.drafter, cache)

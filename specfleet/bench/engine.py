@@ -6,7 +6,7 @@
 For every (sessions B, new tokens n) at a cached context C per session, it times
 (median of --repeats after --warmup):
 
-  specfleet      `runtime.forward_batch`: B sessions, each feeding n new tokens (a causal
+  specfleet      `engine.forward_batch`: B sessions, each feeding n new tokens (a causal
                  chain, as a verify pass feeds a draft) after C cached positions; logits
                  stay on the device; once per --attention mode (per-session, batched)
   transformers   the same weights through the Hugging Face module's forward (its default
@@ -109,12 +109,12 @@ def main(argv: list[str] | None = None) -> int:
 def run(args) -> dict:
     import torch
 
-    from specfleet.runtime import DTYPES, resolve_device
+    from specfleet.engine import DTYPES, resolve_device
 
     device = resolve_device(args.device)
     dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     dtype = DTYPES[dtype_name]
-    from specfleet.llama import ATTENTION_MODES
+    from specfleet.engine.llama import ATTENTION_MODES
 
     sessions, tokens = _csv_ints(args.sessions), _csv_ints(args.tokens)
     args.modes = [m.strip() for m in args.attention.split(",") if m.strip()]
@@ -125,7 +125,7 @@ def run(args) -> dict:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     hf, source = _hf_model(args, device, dtype, args.context + max(tokens))
-    loaded = _loaded(hf, source)
+    loaded = _loaded(hf, source, args.context + max(tokens))
     bandwidth, peak, hardware_source = hardware(device, dtype, args.bandwidth_gbs, args.peak_tflops)
     model = loaded.model
     params = loaded.parameters
@@ -174,14 +174,15 @@ def _hf_model(args, device, dtype, positions: int):
     return hf, f"random {args.shape}"
 
 
-def _loaded(hf, source: str):
-    from specfleet.llama import from_hf
-    from specfleet.runtime import LoadedModel
+def _loaded(hf, source: str, positions: int):
+    from specfleet.engine.llama import from_hf
+    from specfleet.engine import LoadedModel
 
     config = hf.config
     return LoadedModel(
         name="bench", path=source, model=from_hf(hf), tokenizer=None, fingerprint="", vocab_size=int(config.vocab_size),
-        max_context=int(config.max_position_embeddings), eos_token_id=-1, parameters=sum(p.numel() for p in hf.parameters()),
+        # Pool slots as long as the benchmark's sessions, not the model's whole context.
+        max_context=positions, eos_token_id=-1, parameters=sum(p.numel() for p in hf.parameters()),
     )
 
 
@@ -210,7 +211,7 @@ def _time_row(loaded, hf, b: int, n: int, args, device, dtype) -> dict:
     import torch
     from transformers import DynamicCache
 
-    from specfleet.runtime import ForwardItem, Session, forward_batch
+    from specfleet.engine import ForwardItem, Session, forward_batch
 
     model, C = loaded.model, args.context
     gen = torch.Generator(device=device).manual_seed(args.seed + 1000 * b + n)
@@ -221,7 +222,7 @@ def _time_row(loaded, hf, b: int, n: int, args, device, dtype) -> dict:
     sessions = []
     for s in range(b):
         session = Session(token_ids=[0] * C)
-        session.reserve(model, C + n)
+        session.reserve(loaded.pool, C + n)
         session.kv[:, :, :, :C] = kv[:, s]
         session.kv_len = C
         sessions.append(session)
@@ -258,6 +259,8 @@ def _time_row(loaded, hf, b: int, n: int, args, device, dtype) -> dict:
         cache.clear()
         theirs_out = out["transformers"].float()
         row["max_abs_logit_diff"] = max(float((o - theirs_out).abs().max()) for o in ours_out.values())
+    for session in sessions:
+        session.evict_kv()  # its slot goes back to the pool for the next row
     del sessions, items, kv, out, ours_out
     if device.type == "cuda":
         torch.cuda.empty_cache()

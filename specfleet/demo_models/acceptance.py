@@ -127,7 +127,7 @@ def _heldout_loss(model, stream, n: int, length: int, seed: int) -> float:
 
 
 def _token_map(name: str, model_dir: Path, vocab_size: int):
-    from specfleet.runtime import TOKEN_MAP_FILE, read_token_map
+    from specfleet.engine import TOKEN_MAP_FILE, read_token_map
 
     path = model_dir / TOKEN_MAP_FILE
     return read_token_map(name, path, vocab_size) if path.exists() else None
@@ -135,7 +135,7 @@ def _token_map(name: str, model_dir: Path, vocab_size: int):
 
 def step_costs_ms(cases: dict, vocab: int, context: int = 128, reps: int = 60) -> dict:
     """Median wall time (ms) of one KV-cached decode step, batch 1, for each ``name: (model, k[, token_map])``,
-    through specfleet's own forward pass (`specfleet.llama`, what the services run; a token map
+    through specfleet's own forward pass (`specfleet.engine.llama`, what the services run; a token map
     keeps only those rows of the output layer, as the drafter service does).
 
     ``k`` tokens are fed at once (k = 1: a drafter/target decode step; k > 1: a verification
@@ -144,8 +144,8 @@ def step_costs_ms(cases: dict, vocab: int, context: int = 128, reps: int = 60) -
     """
     import torch
 
-    from specfleet import llama
-    from specfleet.runtime import Session
+    from specfleet.engine import Session, llama
+    from specfleet.engine.kv import KVPool
 
     g = torch.Generator().manual_seed(0)
     ctx = torch.randint(0, vocab, (1, context), generator=g)
@@ -154,19 +154,20 @@ def step_costs_ms(cases: dict, vocab: int, context: int = 128, reps: int = 60) -
         model = llama.from_hf(m)
         if token_map and token_map[0] is not None:
             model.lm_head = model.lm_head[token_map[0]].contiguous()
+        pool = KVPool(model, context + k)
         session = Session(token_ids=ctx[0].tolist())
-        session.reserve(model, context + k)
+        session.reserve(pool, context + k)
         causal = torch.ones(context, context, dtype=torch.bool).tril()
-        llama.forward(model, ctx, torch.arange(context)[None], [session.kv], [0], [context], [causal], logits=False)
+        llama.forward(model, ctx, torch.arange(context)[None], pool.kv, [session.slot], [0], [context], [causal], logits=False)
         session.kv_len = context
         attend = None if k == 1 else torch.ones(k, k, dtype=torch.bool).tril()
-        runs[n] = (model, session, k, attend)
+        runs[n] = (model, pool, session, k, attend)
     for r in range(reps + 5):
-        for n, (model, session, k, attend) in runs.items():
+        for n, (model, pool, session, k, attend) in runs.items():
             x = torch.randint(0, vocab, (1, k), generator=g)
             positions = torch.arange(context, context + k)[None]
             t = time.perf_counter()
-            llama.forward(model, x, positions, [session.kv], [context], [k], [attend])
+            llama.forward(model, x, positions, pool.kv, [session.slot], [context], [k], [attend])
             dt = time.perf_counter() - t
             if r >= 5:
                 times[n].append(dt)
@@ -211,7 +212,7 @@ def matrix_main(argv: list[str]) -> int:
     tok = AutoTokenizer.from_pretrained(str(models / "tokenizer"))
     target = _load(models / "target", torch.float32)
     drafters = {n: _load(models / "drafters" / n, torch.float32) for n in DRAFTERS if (models / "drafters" / n).exists()}
-    # As served: a drafter with a token map scores only the mapped ids (specfleet.runtime.load_model).
+    # As served: a drafter with a token map scores only the mapped ids (specfleet.engine.load_model).
     token_maps = {n: _token_map(n, models / "drafters" / n, m.config.vocab_size) for n, m in drafters.items()}
 
     sets = [(d, s) for d in DOMAINS for s in ("heldout", "unseen")] if not args.cost_only else []

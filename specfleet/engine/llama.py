@@ -14,16 +14,18 @@ Face checkpoint of a supported family, loaded by `transformers`.
 
 One pass serves many sessions with ragged contexts: B sessions, each feeding
 n_b new tokens (N = max n_b) at its own positions, after its own kv_b cached
-positions. Each session's keys and values live in its own buffer
-[layers, 2, KV, capacity, D]; the pass writes the new tokens' KV at
-[kv_b, kv_b + n_b) in place, and attention runs per session over
-[0, kv_b + n_b) of that buffer, so nothing is padded or copied to batch the
-caches. Linear layers run on all B x N rows at once. `attend` [n_b, n_b]
-says which new tokens see which (causal for a chain, ancestors for a tree);
-every new token sees the whole cached prefix.
+positions. Every session's keys and values live in its slot of one KV pool
+[layers, 2, slots, KV, P, D] (`kv.KVPool`); the pass writes the new tokens' KV
+at [kv_b, kv_b + n_b) of each slot in place. Linear layers run on all B x N
+rows at once. Attention runs per session over [0, kv_b + n_b) of its slot, or
+batched: one call per layer over the sessions' slots, with a mask for the
+ragged lengths and patterns. `attend` [n_b, n_b] says which new tokens see
+which (causal for a chain, ancestors for a tree); every new token sees the
+whole cached prefix.
 
 Shapes: B sessions, N new tokens per session (padded), E hidden size, H query
-heads, KV key/value heads, D head dim, V vocabulary, T cached + new positions.
+heads, KV key/value heads, D head dim, V vocabulary, T cached + new positions,
+P positions of a pool slot.
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ import torch.nn.functional as F
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # per-session: one attention call per session and layer over its own buffer, nothing padded or copied
 #   (measured faster on CPU: docs/ARCHITECTURE.md, "Batching shapes and the forward pass").
-# batched: one call per layer for all sessions, over their buffers stacked to the longest context with
-#   an additive mask (padding, ragged lengths, tree patterns); B times fewer attention launches, for GPUs.
+# batched: one call per layer for all sessions, over their slots of the KV pool (a view of a range of
+#   slots, or the slots gathered) with an additive mask (padding, ragged lengths, tree patterns).
 ATTENTION_MODES = ("per-session", "batched")
 # RoPE variants computed here (`rope_frequencies`); the others (yarn, dynamic, longrope, ...) are refused.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -201,30 +203,34 @@ def forward(
     model: LlamaModel,
     input_ids: torch.Tensor,  # [B, N] long
     positions: torch.Tensor,  # [B, N] long
-    kv_buffers: list[torch.Tensor],  # per session [layers, 2, KV, capacity >= kv_b + n_b, D]
+    kv: torch.Tensor,  # the KV pool, [layers, 2, slots, KV, P, D] (`kv.KVPool`)
+    slots: list[int],  # each session's slot, distinct
     kv_lens: list[int],  # kv_b
-    new_lens: list[int],  # n_b
+    new_lens: list[int],  # n_b; kv_b + n_b <= P
     attends: list[torch.Tensor | None],  # per session [n_b, n_b] bool, or None when n_b == 1
     logits: bool = True,
+    plan: _BatchPlan | None = None,
 ) -> torch.Tensor | None:
     """Logits [B, N, V] (row b valid for its first n_b positions), or None with logits=False.
 
-    Writes each session's new keys and values into its buffer at [kv_b, kv_b + n_b).
-    With model.attention == "batched", every buffer must hold max(kv_b + n_b) positions,
-    zero past what was written (`runtime.Session.reserve` makes them so).
+    With `plan` (a CUDA graph's static one, `graphs.py`), attention is batched as it says and
+    slots, lengths and patterns are not read.
+
+    Writes each session's new keys and values into its slot at [kv_b, kv_b + n_b) (batched:
+    all sessions in one indexed write per layer).
     """
     batch, width = input_ids.shape
     H, KV, D = model.heads, model.kv_heads, model.head_dim
-    input_ids, positions = input_ids.to(model.device), positions.to(model.device)
+    device = model.device
+    input_ids, positions = input_ids.to(device), positions.to(device)
     x = model.embed[input_ids]  # [B, N, E]
     cos = model.cos[positions].to(model.dtype).unsqueeze(1)  # [B, 1, N, D]
     sin = model.sin[positions].to(model.dtype).unsqueeze(1)
-    batched = model.attention == "batched" and batch > 1
-    if batched:
-        total = max(k + n for k, n in zip(kv_lens, new_lens))
-        bias = _batch_bias(model, total, width, kv_lens, new_lens, attends)
-    else:
+    batched = plan is not None or (model.attention == "batched" and batch > 1)
+    if not batched:
         masks = _session_masks(model, kv_lens, new_lens, attends)
+    elif plan is None:
+        plan = _batch_plan(model, slots, kv_lens, new_lens, attends, width)
     for i, layer in enumerate(model.layers):
         h = F.rms_norm(x, (x.shape[-1],), layer.input_norm, model.eps)
         qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # [B, N, (H + 2 KV) D]
@@ -238,17 +244,16 @@ def forward(
         v = v.view(batch, width, KV, D).transpose(1, 2)
         new_kv = torch.stack([k, v], dim=1)  # [B, 2, KV, N, D]
         if batched:
-            for b in range(batch):
-                kv_buffers[b][i][:, :, kv_lens[b] : kv_lens[b] + new_lens[b]] = new_kv[b, :, :, : new_lens[b]]
-            cache = torch.stack([buf[i, :, :, :total] for buf in kv_buffers])  # [B, 2, KV, T, D]
-            attn = F.scaled_dot_product_attention(q, cache[:, 0], cache[:, 1], attn_mask=bias, enable_gqa=KV != H)
+            # One indexed write for every session: [2, slots, KV, P, D] at (slot, position) pairs.
+            kv[i][:, plan.write_slot, :, plan.write_pos] = new_kv[plan.write_b, :, :, plan.write_j]
+            attn = _attend_batched(q, kv[i], plan, KV != H)
         else:
             # Per session, as few tensor ops as possible: at 32 sessions and 16 layers this loop
             # runs 512 times a pass, and each op costs about a microsecond of dispatch.
             outs = []
             for b in range(batch):
                 kv_len, n = kv_lens[b], new_lens[b]
-                cache = kv_buffers[b][i]  # [2, KV, capacity, D]
+                cache = kv[i, :, slots[b]]  # [2, KV, P, D]
                 cache[:, :, kv_len : kv_len + n] = new_kv[b, :, :, :n]
                 # 4-D operands: the 3-D form falls back to a slower kernel on CPU.
                 keys, values = cache[:, None, :, : kv_len + n].unbind(0)
@@ -278,18 +283,78 @@ def _session_masks(model, kv_lens, new_lens, attends) -> list[torch.Tensor | Non
     return masks
 
 
-def _batch_bias(model, total, width, kv_lens, new_lens, attends) -> torch.Tensor:
-    """[B, 1, N, T] additive, built once a pass for batched attention over buffers stacked to T positions.
+@dataclass
+class _BatchPlan:
+    """How one pass's sessions attend in one call per layer (built once a pass, used by every layer)."""
 
-    Row i of session b sees its cached prefix and its own pattern among the new tokens, nothing
-    past its end; a padding row (i >= n_b) sees position 0 only, so that no row is all -inf (NaN).
+    write_b: torch.Tensor  # [R]: the pass's new tokens (b, j), R = sum of n_b ...
+    write_j: torch.Tensor
+    write_slot: torch.Tensor  # ... and where their KV goes: slot b, position kv_b + j
+    write_pos: torch.Tensor
+    keys: slice | torch.Tensor  # the pool's slots the call reads: a range (a view) or listed slots (a copy)
+    rows: torch.Tensor | None  # each session's row among them, or None when row b is slot b of the range
+    total: int  # T: positions read per slot
+    bias: torch.Tensor  # [A, 1, N, T] additive, A rows of the call
+
+
+def _batch_plan(model, slots, kv_lens, new_lens, attends, width) -> _BatchPlan:
+    """Which slots one call reads and its mask.
+
+    When the sessions' slots span at most twice as many slots as there are sessions, the call
+    reads their range of the pool as a view, nothing copied, with a query row for every slot of
+    it (the others see position 0 alone and are dropped); reading a few idle slots costs less
+    than gathering every session's keys and values into a new tensor, which scattered slots
+    need. The mask is `ragged_bias`, with the idle slots' rows seeing position 0 alone.
     """
-    bias = torch.full((len(kv_lens), width, total), float("-inf"), dtype=model.dtype, device=model.device)
-    for b, (kv_len, n, attend) in enumerate(zip(kv_lens, new_lens, attends)):
-        bias[b, :n, :kv_len] = 0
+    device, batch = model.device, len(slots)
+    total = max(k + n for k, n in zip(kv_lens, new_lens))
+    lo, hi = min(slots), max(slots) + 1
+    to_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+    if hi - lo <= 2 * batch:
+        keys, span = slice(lo, hi), hi - lo
+        rows = None if slots == list(range(lo, hi)) else to_tensor([s - lo for s in slots])
+    else:
+        keys, span, rows = to_tensor(slots), batch, None
+    bias = ragged_bias(model, kv_lens, new_lens, attends, width, total)
+    if rows is not None or span != batch:
+        full = torch.full((span, width, total), float("-inf"), dtype=model.dtype, device=device)
+        full[:, :, 0] = 0
+        full[rows if rows is not None else slice(None)] = bias
+        bias = full
+    writes = [(b, j) for b, n in enumerate(new_lens) for j in range(n)]
+    return _BatchPlan(
+        write_b=to_tensor([b for b, _ in writes]), write_j=to_tensor([j for _, j in writes]),
+        write_slot=to_tensor([slots[b] for b, _ in writes]), write_pos=to_tensor([kv_lens[b] + j for b, j in writes]),
+        keys=keys, rows=rows, total=total, bias=bias.unsqueeze(1),
+    )
+
+
+def ragged_bias(model, kv_lens, new_lens, attends, width: int, total: int) -> torch.Tensor:
+    """[B, N, T] additive: row i of session b sees its cached prefix and its own pattern among the new
+    tokens, nothing past its end; a padding row (i >= n_b) sees position 0, so that no row is all -inf."""
+    device, batch = model.device, len(kv_lens)
+    to_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+    pattern = torch.zeros(batch, width, width, dtype=torch.bool, device=device)
+    for b, (n, attend) in enumerate(zip(new_lens, attends)):
         if attend is None:
-            bias[b, :n, kv_len : kv_len + n] = 0
+            pattern[b, :n, :n] = True
         else:
-            bias[b, :n, kv_len : kv_len + n].masked_fill_(attend.to(model.device), 0)
-        bias[b, n:, 0] = 0
-    return bias.unsqueeze(1)
+            pattern[b, :n, :n] = attend.to(device)
+    t = torch.arange(total, device=device)
+    kv_len = to_tensor(kv_lens)[:, None, None]  # [B, 1, 1]
+    offset = t - kv_len  # [B, 1, T]: position relative to the first new token
+    new = pattern.gather(2, offset.clamp(0, width - 1).expand(batch, width, total)) & (offset >= 0) & (offset < width)
+    visible = (offset < 0) | new  # [B, N, T]
+    padding = torch.arange(width, device=device) >= to_tensor(new_lens)[:, None]  # [B, N]
+    visible[:, :, 0] |= padding
+    return torch.zeros(batch, width, total, dtype=model.dtype, device=device).masked_fill_(~visible, float("-inf"))
+
+
+def _attend_batched(q: torch.Tensor, pool_layer: torch.Tensor, plan: _BatchPlan, gqa: bool) -> torch.Tensor:
+    """[B, H, N, D]: one SDPA call for every session of the pass over its slots in the pool."""
+    keys, values = pool_layer[:, plan.keys, :, : plan.total].unbind(0)  # views of a range, or gathered slots
+    if plan.rows is None:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=plan.bias, enable_gqa=gqa)
+    spread = q.new_zeros(keys.shape[0], *q.shape[1:])
+    spread[plan.rows] = q
+    return F.scaled_dot_product_attention(spread, keys, values, attn_mask=plan.bias, enable_gqa=gqa)[plan.rows]

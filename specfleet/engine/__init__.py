@@ -1,0 +1,32 @@
+"""The model-execution layer: everything that touches a model's tensors lives here.
+
+The verifier and the drafters hand it token ids and sessions and get back token
+ids, probabilities or proposals; they create no tensors of their own.
+
+    loading.py   load a checkpoint onto its device and dtype (`load_model`, `LoadedModel`)
+    llama.py     the forward pass of every served family, plain tensor code
+    kv.py        the KV pool, sessions and the LRU budget (`KVPool`, `Session`, `SessionStore`)
+    runner.py    batched passes over sessions: `forward_batch`, `prefill`, `tree_pass`, `next_token_logits`
+    shaping.py   logits to what is sent: target tokens, shaped p and its noise, draft proposals
+"""
+
+from specfleet.engine.kv import KVPool, Session, SessionStore, UnknownSession
+from specfleet.engine.loading import (
+    DTYPES,
+    TOKEN_MAP_FILE,
+    LoadedModel,
+    configure_torch,
+    dtype_name,
+    load_model,
+    load_tokenizer,
+    read_token_map,
+    resolve_device,
+    tokenizer_fingerprint,
+)
+from specfleet.engine.runner import ForwardItem, TreePass, forward_batch, next_token_logits, prefill, tree_pass
+
+__all__ = [
+    "DTYPES", "TOKEN_MAP_FILE", "ForwardItem", "KVPool", "LoadedModel", "Session", "SessionStore", "TreePass", "UnknownSession",
+    "configure_torch", "dtype_name", "forward_batch", "load_model", "load_tokenizer", "next_token_logits", "prefill",
+    "read_token_map", "resolve_device", "tokenizer_fingerprint", "tree_pass",
+]

@@ -1,0 +1,220 @@
+"""Loading a served model onto its device: weights, tokenizer, dtype, the draft token map.
+
+`load_model` reads a Hugging Face checkpoint of a supported family
+(`llama.check_supported`) with `transformers`, takes its weights into the
+plain-tensor form `llama.forward` runs (`LoadedModel.model`), on the device
+and in the dtype the service's config names.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import pathlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specfleet.engine import llama
+from specfleet.engine.kv import KVPool
+from specfleet.engine.llama import LlamaModel, check_supported, from_hf
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The config's name of a torch dtype (float32, bfloat16, float16)."""
+    return next((name for name, d in DTYPES.items() if d == dtype), str(dtype).removeprefix("torch."))
+
+
+def resolve_device(device: str) -> torch.device:
+    """cpu, cuda, cuda:N, or auto (cuda if torch sees one, else cpu); raises ValueError when it does not exist here.
+
+    Services check their config's `device` with `specfleet.config.resolve_device` first, which
+    names the setting; this is the same check for direct callers (tests, benchmarks).
+    """
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for but torch sees no CUDA device (torch.cuda.is_available() is False)")
+    return resolved
+
+
+def configure_torch(threads: int) -> None:
+    # One thread per model process: with two threads and another busy process on a
+    # 2-core machine, latency spiked 10-100x.
+    torch.set_num_threads(threads)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def load_tokenizer(path: str | os.PathLike):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Hash of the vocabulary and special tokens: equal iff token ids mean the same strings."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    special = {"eos": tokenizer.eos_token_id, "bos": tokenizer.bos_token_id}
+    payload = json.dumps([vocab, special], ensure_ascii=False).encode()
+    return hashlib.sha256(payload).hexdigest()[:16]
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    path: str
+    model: LlamaModel
+    tokenizer: object
+    fingerprint: str
+    vocab_size: int
+    max_context: int
+    eos_token_id: int
+    parameters: int
+    # Draft models only: the vocabulary ids the output layer scores (see `load_model`), or None for all.
+    token_map: torch.Tensor | None = None  # [V'] int64, global ids in the order of the logits
+    local_index: torch.Tensor | None = None  # [vocab] int64: position in token_map, -1 if absent
+    # The KV memory of this model's sessions: slots of max_context positions on the model's device.
+    pool: KVPool = field(init=False)
+    # CUDA graphs of batched passes (`graphs.CudaGraphs`), or None: every pass eager.
+    graphs: object | None = None
+
+    def __post_init__(self):
+        self.pool = KVPool(self.model, self.max_context)
+
+    def global_ids(self, local: torch.Tensor) -> torch.Tensor:
+        """Vocabulary ids of positions along the logits' last dimension."""
+        return local if self.token_map is None else self.token_map[local.to(self.token_map.device)]
+
+    def info(self):
+        """This model as the contract's ModelInfo (what GetInfo answers)."""
+        from specfleet.v1 import common_pb2
+
+        return common_pb2.ModelInfo(
+            name=self.name,
+            path=self.path,
+            vocab_size=self.vocab_size,
+            max_context=self.max_context,
+            eos_token_id=self.eos_token_id,
+            tokenizer_fingerprint=self.fingerprint,
+            parameters=self.parameters,
+            device=str(self.model.device),
+            dtype=dtype_name(self.model.dtype),
+            attention=self.model.attention,
+        )
+
+
+TOKEN_MAP_FILE = "token_map.json"
+
+# Positions a session may use at most, whatever the model allows: every session holding a cache
+# takes a KV pool slot of max_context positions (`kv.KVPool`), and a slot of a 128k-context
+# model (Llama 3.1) would take 16 GiB at 8B. GetInfo advertises the smaller limit, and the
+# router refuses longer requests.
+MAX_POSITIONS = 8192
+
+
+def load_model(
+    name: str, path: str | os.PathLike, dtype: str = "float32", device: str = "cpu", use_token_map: bool = False,
+    attention: str = "per-session", cuda_graph_sizes: list[list[int]] | None = None,
+) -> LoadedModel:
+    """Load a Hugging Face Llama-family causal LM and its tokenizer from a local directory, offline.
+
+    use_token_map (drafters only): if the directory has `token_map.json`, a JSON list of
+    vocabulary ids, the output layer keeps only those rows (FR-Spec's frequency-ranked
+    draft vocabulary; SGLang's speculative token map). On a small drafter the output
+    layer is most of a step's cost, and the target's tokens rarely fall outside the few
+    thousand most frequent ones. Proposals are then distributions over those ids, which
+    is still exactly what they were drawn from, so verification stays lossless; a token
+    outside the map can only be reached as the target's correction. The target never
+    uses one: its distribution must be whole.
+
+    cuda_graph_sizes: [sessions, tokens] buckets whose passes replay CUDA graphs (`graphs.py`)
+    when the model runs on a CUDA device; ignored on a CPU.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = pathlib.Path(path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"model '{name}': no config.json in {path}; expected a Hugging Face model directory")
+    if dtype not in DTYPES:
+        raise ValueError(f"model '{name}': dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if attention not in llama.ATTENTION_MODES:
+        raise ValueError(f"model '{name}': attention must be one of {list(llama.ATTENTION_MODES)}, got {attention!r}")
+    try:
+        device = resolve_device(str(device))
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"model '{name}': {e}") from None
+    started = time.perf_counter()
+    try:
+        check_supported(AutoConfig.from_pretrained(str(path), local_files_only=True))
+    except ValueError as e:
+        raise ValueError(f"model '{name}' at {path}: {e}") from None
+    tokenizer = load_tokenizer(path)
+    hf_model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=DTYPES[dtype])
+    hf_model.to(device).eval()
+    config = hf_model.config
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else config.eos_token_id
+    if isinstance(eos, list):
+        eos = eos[0]
+    model = from_hf(hf_model)
+    model.attention = attention
+    token_map = local_index = None
+    if use_token_map and (path / TOKEN_MAP_FILE).exists():
+        token_map = read_token_map(name, path / TOKEN_MAP_FILE, int(config.vocab_size))
+        model.lm_head = model.lm_head[token_map.to(model.device)].contiguous()
+        # The maps stay on the CPU: they translate positions of logits that forward_batch
+        # hands back on the CPU, where the drafter samples.
+        local_index = torch.full((int(config.vocab_size),), -1, dtype=torch.long)
+        local_index[token_map] = torch.arange(len(token_map))
+    loaded = LoadedModel(
+        name=name,
+        path=str(path),
+        model=model,
+        tokenizer=tokenizer,
+        fingerprint=tokenizer_fingerprint(tokenizer),
+        vocab_size=int(config.vocab_size),
+        max_context=min(llama.context_limit(config), MAX_POSITIONS),
+        eos_token_id=int(eos) if eos is not None else -1,
+        parameters=sum(p.numel() for p in hf_model.parameters()),
+        token_map=token_map,
+        local_index=local_index,
+    )
+    if cuda_graph_sizes and model.device.type == "cuda":
+        from specfleet.engine.graphs import CudaGraphs
+
+        loaded.graphs = CudaGraphs(loaded, cuda_graph_sizes)
+    log.info(
+        "loaded model %s from %s: %.1fM parameters, %s on %s, %s attention, %s, %.1fs",
+        name, path, loaded.parameters / 1e6, dtype, _describe_device(model.device), attention,
+        f"output layer over {len(token_map)} ids ({TOKEN_MAP_FILE})" if token_map is not None else "full output layer",
+        time.perf_counter() - started,
+    )
+    return loaded
+
+
+def _describe_device(device: torch.device) -> str:
+    """cpu, or cuda:N with the card's name (what the start-up log says)."""
+    if device.type != "cuda":
+        return str(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
+
+
+def read_token_map(name: str, path: pathlib.Path, vocab_size: int) -> torch.Tensor:
+    """A token_map.json's ids, checked: raises ValueError naming the model and the file."""
+    try:
+        ids = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"model '{name}': cannot read {path}: {err}") from None
+    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
+        raise ValueError(f"model '{name}': {path} must be a non-empty JSON list of vocabulary ids in [0, {vocab_size})")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"model '{name}': {path} lists some ids twice")
+    return torch.tensor(ids, dtype=torch.long)

@@ -1,0 +1,185 @@
+"""Batched forward passes over sessions: what the verifier and the drafters run.
+
+`forward_batch` runs many sessions in one forward pass (`llama.forward`):
+each session feeds its own new tokens at its own positions with its own
+attention pattern among them (causal for a chain, ancestor-only for a token
+tree), and the pass writes their keys and values into the session's cache
+just past its cached prefix. The caller then keeps the positions it wants
+(`Session.commit`): all of them for a prompt, the accepted path of a tree.
+`prefill` rebuilds caches; `tree_pass` (verification) and `next_token_logits`
+(drafting) are the two passes the services run, handed token ids and sessions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specfleet.engine import llama
+from specfleet.engine.kv import Session
+from specfleet.engine.loading import LoadedModel
+
+
+@dataclass
+class ForwardItem:
+    """One session's part of a batched forward pass."""
+
+    session: Session
+    input_ids: list[int]  # new tokens fed this pass (n of them)
+    positions: list[int]  # their position ids
+    attend: torch.Tensor | None = None  # [n, n] bool: new token i may attend to new token j; None = causal
+
+
+def forward_batch(loaded: LoadedModel, items: list[ForwardItem], logits: bool = True, host: bool = True) -> torch.Tensor | None:
+    """One forward pass over many sessions: logits [B, N, V] float32 (row b valid for its first n_b positions).
+
+    V is the vocabulary, or the token map's ids in its order when the model has one
+    (`LoadedModel.global_ids` turns positions into vocabulary ids). With `host` the logits
+    come back on the CPU, where the verifier and the drafter shape and sample them today;
+    `host=False` leaves them on the model's device.
+
+    Each session's new KV is written just past its cached prefix and is not yet
+    part of it: the caller keeps what it wants with `Session.commit`.
+    """
+    model = loaded.model
+    new_lens = [len(it.input_ids) for it in items]
+    width = max(new_lens)
+    # Padded in Python lists and sent to the device once: a tensor op per session costs more.
+    ids_rows, pos_rows, attends = [], [], []
+    for it, n in zip(items, new_lens):
+        ids_rows.append(list(it.input_ids) + [0] * (width - n))
+        pos_rows.append(list(it.positions) + [0] * (width - n))
+        it.session.reserve(loaded.pool, n)
+        if n == 1:
+            attends.append(None)
+        else:
+            attends.append(it.attend if it.attend is not None else torch.ones(n, n, dtype=torch.bool, device=model.device).tril())
+    slots, kv_lens = [it.session.slot for it in items], [it.session.kv_len for it in items]
+    out = None
+    if loaded.graphs is not None:
+        out = loaded.graphs.run(ids_rows, pos_rows, slots, kv_lens, new_lens, attends, logits)
+    if out is None:
+        out = llama.forward(
+            model,
+            torch.tensor(ids_rows, dtype=torch.long, device=model.device),
+            torch.tensor(pos_rows, dtype=torch.long, device=model.device),
+            loaded.pool.kv,
+            slots,
+            kv_lens,
+            new_lens,
+            attends,
+            logits=logits,
+        )
+    if out is None:
+        return None
+    return out.float().cpu() if host else out.float()
+
+
+# Rows of one prefill pass at most (bounds the [rows, V] logits a scored pass holds).
+_PREFILL_ROWS = 2048
+
+
+def prefill(loaded: LoadedModel, sessions: list[Session], keep_last: int = 1, score: bool = False) -> list[tuple[float, int]]:
+    """Bring each session's cache up to all but its last `keep_last` tokens.
+
+    Sessions are prefilled together in passes of similar lengths (padding at most
+    a quarter of a pass's rows), apart from any decode step: rebuilding a long
+    context inside a batched decode step would pad every other session to its
+    length. With `score`, also returns per session (sum of log-probabilities,
+    count) of each prefilled token's successor given what precedes it: how well
+    the model knows this text. Without it, the pass skips the vocabulary projection.
+    """
+    scores = [(0.0, 0)] * len(sessions)
+    todo = []  # (index, session, first position to prefill, end)
+    for i, session in enumerate(sessions):
+        end = len(session.token_ids) - keep_last
+        session.crop_kv(end)
+        if session.kv_len < end:
+            todo.append((i, session, session.kv_len, end))
+    todo.sort(key=lambda t: t[3] - t[2])
+    passes: list[list] = []
+    rows = 0  # real (unpadded) rows of the last pass
+    for t in todo:
+        n = t[3] - t[2]
+        # Sorted by length, so n is the widest of the pass: with t, its padded rows are (len + 1) * n.
+        padded = (len(passes[-1]) + 1) * n if passes else 0
+        if passes and padded <= 1.25 * (rows + n) and padded <= _PREFILL_ROWS:
+            passes[-1].append(t)
+            rows += n
+        else:
+            passes.append([t])
+            rows = n
+    for group in passes:
+        items = [ForwardItem(session, session.token_ids[start:end], list(range(start, end))) for _, session, start, end in group]
+        logits = forward_batch(loaded, items, logits=score)
+        for b, (i, session, start, end) in enumerate(group):
+            session.commit(list(range(end - start)))
+            if score:
+                scores[i] = _score(loaded, logits[b, : end - start], session.token_ids[start + 1 : end + 1])
+    return scores
+
+
+def _score(loaded: LoadedModel, logits: torch.Tensor, successors: list[int]) -> tuple[float, int]:
+    """(sum of log-probabilities of `successors` under `logits` [n, V], n)."""
+    successors = torch.tensor(successors)
+    log_probs = logits.log_softmax(dim=-1)
+    if loaded.token_map is None:
+        log_probs = log_probs.gather(1, successors.unsqueeze(1))
+    else:
+        # A successor outside the token map is one the model cannot propose: it scores as
+        # unlikely as the model's least likely mapped token.
+        local = loaded.local_index[successors]
+        log_probs = torch.where(
+            local >= 0, log_probs.gather(1, local.clamp(min=0).unsqueeze(1)).squeeze(1), log_probs.min(dim=1).values
+        )
+    return float(log_probs.sum()), len(successors)
+
+
+@dataclass
+class TreePass:
+    """What a verification pass gives back: the target's logits after each session's root and nodes."""
+
+    logits: torch.Tensor  # [B, 1 + N, V] on the model's device; row b valid for its first 1 + n_b positions
+    depths: list[list[int]]  # per session, each node's depth below the root (1 for the root's children)
+
+
+def tree_pass(loaded: LoadedModel, trees: list[tuple[Session, list[int], list[int]]]) -> TreePass:
+    """One pass over (session, tree token ids, tree parents) triples: each session's last token (the root)
+    followed by its tree's nodes, every node seeing itself and its ancestors.
+
+    Each session's cache must hold all but its last token (`prefill(keep_last=1)`); the
+    pass writes the root's and the nodes' KV past it, for `Session.commit` to keep a path.
+    """
+    items, depths = [], []
+    for session, tokens, parents in trees:
+        root_pos = len(session.token_ids) - 1
+        n = len(tokens)
+        # Row j: which of [root, node 0, ..., node n-1] token j sees (itself and its ancestors).
+        # Built in Python, one tensor at the end: per-element tensor ops cost more than the pass.
+        depth = [0] * n
+        rows = [[True] + [False] * n]
+        for i, parent in enumerate(parents):
+            depth[i] = 1 if parent < 0 else depth[parent] + 1
+            row = list(rows[parent + 1])
+            row[i + 1] = True
+            rows.append(row)
+        depths.append(depth)
+        attend = torch.tensor(rows, device=loaded.model.device) if n else None
+        items.append(ForwardItem(session, [session.token_ids[-1], *tokens], [root_pos] + [root_pos + d for d in depth], attend))
+    return TreePass(forward_batch(loaded, items, host=False), depths)
+
+
+def next_token_logits(loaded: LoadedModel, sessions: list[Session]) -> torch.Tensor:
+    """[B, V] logits after each session's last token, on the model's device, in one pass.
+
+    Each session feeds what its cache lacks (at least its last token), and its cache then
+    holds all its tokens. V is the token map's ids when the model has one (`global_ids`).
+    """
+    items = [ForwardItem(s, s.token_ids[s.kv_len :], list(range(s.kv_len, len(s.token_ids)))) for s in sessions]
+    fed = [len(item.input_ids) for item in items]
+    logits = forward_batch(loaded, items, host=False)
+    for session, n in zip(sessions, fed):
+        session.commit(list(range(n)))
+    device = logits.device
+    return logits[torch.arange(len(fed), device=device), torch.tensor(fed, device=device) - 1]

@@ -1,0 +1,121 @@
+"""From a pass's logits to what the services send: the target's tokens and distributions, draft proposals.
+
+Shaping is `specfleet.sampling`'s (temperature, then top-k, then top-p; a point
+mass at temperature 0), applied per session as its request asked, on the
+model's device. Random draws come from `sampling.generator_for(seed, position,
+stream)` on the CPU and move to the device, so they are the same numbers on
+any device; the exponential race's noise is integer hashing (`race_noise`),
+the same bits on any device.
+
+Shapes: B sessions, W rows per session (the root and the tree's nodes), V vocabulary, K proposal entries.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specfleet.engine.loading import LoadedModel
+from specfleet.sampling import (
+    STREAM_VERIFY,
+    SamplingParams,
+    generator_for,
+    probs_from_logits,
+    race,
+    race_keys,
+    race_noise,
+    sample_sparse,
+    truncate,
+)
+
+
+def shape(params: list[SamplingParams], logits: torch.Tensor) -> torch.Tensor:
+    """p [B, W, V] as each session asked (temperature, top-k, top-p), from logits [B, W, V]."""
+    batch, width, vocab = logits.shape
+    per_row = lambda values, dtype: torch.tensor(values, dtype=dtype, device=logits.device).repeat_interleave(width)  # noqa: E731
+    return probs_from_logits(
+        logits.reshape(batch * width, vocab),
+        per_row([p.temperature for p in params], torch.float32),
+        per_row([p.top_k for p in params], torch.long),
+        per_row([p.top_p for p in params], torch.float32),
+    ).reshape(batch, width, vocab)
+
+
+def target_tokens(params: list[SamplingParams], logits: torch.Tensor, filled: list[list[int]]) -> torch.Tensor:
+    """[B, W] the target's token at every row of sessions with a fixed one: the argmax for greedy sessions,
+    the exponential race's winner over p for raced ones, keyed by the position the row fills
+    (`filled[b]`, at most W entries; rows past them are padding, never read)."""
+    wanted = logits.argmax(dim=-1)
+    raced = [b for b, p in enumerate(params) if p.raced]
+    if not raced:
+        return wanted
+    _, width, vocab = logits.shape
+    seeds, positions = [], []
+    for b in raced:
+        rows = filled[b] + [filled[b][-1]] * (width - len(filled[b]))
+        seeds += [params[b].seed] * width
+        positions += rows
+    probs = shape([params[b] for b in raced], logits[raced])
+    noise = race_noise(race_keys(seeds, positions, device=logits.device), torch.arange(vocab, device=logits.device))
+    wanted[raced] = race(probs.reshape(len(raced) * width, vocab), noise).reshape(len(raced), width)
+    return wanted
+
+
+def verify_noise(params: list[SamplingParams], positions: list[int], width: int, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rejection sampling's draws per session: uniforms [B, W - 1] (one per node) and Exp(1) noise [B, V]
+    (the final draw), from (seed, position of the session's next token, STREAM_VERIFY)."""
+    uniforms = torch.empty(len(params), width - 1)
+    exponentials = torch.empty(len(params), vocab)
+    for r, (p, position) in enumerate(zip(params, positions)):
+        gen = generator_for(p.seed, position, STREAM_VERIFY)
+        uniforms[r] = torch.rand(width - 1, generator=gen)
+        exponentials[r].exponential_(generator=gen)
+    return uniforms.to(device), exponentials.to(device)
+
+
+def propose(
+    loaded: LoadedModel, logits: torch.Tensor, params: list[SamplingParams], positions: list[int], stream: int, proposal_top_k: int
+) -> tuple[list[int], list[tuple[list[int], list[float]]], list[float]]:
+    """Draft tokens from logits [B, V']: (token ids, proposals as (ids, probs), confidences), one per session.
+
+    Greedy sessions: the argmax and its point mass. Sampled ones: drawn from the shaped
+    distribution truncated to its `proposal_top_k` most likely tokens and renormalised, which
+    is exactly what is sent. Raced sessions (drafter-invariant): the exponential race of that
+    truncated q against the noise keyed by (seed, position) that the verifier races p with
+    (verification.py, obligation 6). Confidence: the model's own probability of its token; for
+    greedy sessions at temperature 1, since the point mass says nothing.
+    """
+    if all(p.greedy for p in params):
+        local_tokens = logits.argmax(dim=1)
+        confidences = logits.softmax(dim=1).gather(1, local_tokens.unsqueeze(1)).squeeze(1)
+        tokens = loaded.global_ids(local_tokens).tolist()
+        return tokens, [([t], [1.0]) for t in tokens], confidences.tolist()
+    device = logits.device
+    probs = probs_from_logits(
+        logits,
+        torch.tensor([p.temperature for p in params], device=device),
+        torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
+        torch.tensor([p.top_p for p in params], device=device),
+    )
+    ids, q = truncate(probs, proposal_top_k)
+    # The draws use CPU generators (the same numbers on any device): K entries a session.
+    ids_host, q_host = ids.cpu(), q.cpu()
+    local_tokens = torch.empty(len(params), dtype=torch.long)
+    raced = [b for b, p in enumerate(params) if p.raced]
+    drawn = [b for b, p in enumerate(params) if not p.raced]
+    if drawn:
+        gens = [generator_for(params[b].seed, positions[b], stream) for b in drawn]
+        local_tokens[drawn] = sample_sparse(ids_host[drawn], q_host[drawn], gens)
+    if raced:
+        keys = race_keys([params[b].seed for b in raced], [positions[b] for b in raced])
+        winners = race(q_host[raced], race_noise(keys, loaded.global_ids(ids_host[raced])))
+        local_tokens[raced] = ids_host[raced].gather(1, winners.unsqueeze(1)).squeeze(1)
+    local_tokens = local_tokens.to(device)
+    greedy = torch.tensor([p.greedy for p in params], device=device).unsqueeze(1)
+    confidences = torch.where(greedy, logits.softmax(dim=1), probs).gather(1, local_tokens.unsqueeze(1)).squeeze(1)
+    # Positions along the logits are vocabulary ids unless the model has a token map.
+    tokens = loaded.global_ids(local_tokens).tolist()
+    proposals = [
+        ([t for t, p in zip(row_ids, row_q) if p > 0], [p for p in row_q if p > 0])
+        for row_ids, row_q in zip(loaded.global_ids(ids).tolist(), q.tolist())
+    ]
+    return tokens, proposals, confidences.tolist()
