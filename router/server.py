@@ -404,7 +404,7 @@ async def run(
         return [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name]
 
     try:
-        await serve("router", host, port, register, grace_s=ROUTER_DRAIN_S, on_reload=on_reload)
+        await serve("router", host, port, register, grace_s=ROUTER_DRAIN_S, on_reload=on_reload, max_request_bytes=cfg.router.max_request_bytes)
     finally:
         if http is not None:
             await openai_api.stop(*http)

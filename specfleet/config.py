@@ -193,6 +193,9 @@ class RouterConfig:
     draft_per_token_ms: float = 1.0
     draft_base_ms: float = 0.0
     pin_cost_model: bool = False
+    # The largest request the public gRPC API reads (bytes of the serialized message); gRPC refuses
+    # a larger one with RESOURCE_EXHAUSTED before reading it into memory.
+    max_request_bytes: int = 4 * 1024 * 1024
     # Requests being generated at once; more wait (RESOURCE_EXHAUSTED past max_queued).
     max_running: int = 64
     max_queued: int = 1024
@@ -307,6 +310,7 @@ def validate(config: Config) -> None:
     at_least_one = [
         ("verifier.max_batch_size", v.max_batch_size),
         ("router.max_running", r.max_running),
+        ("router.max_request_bytes", r.max_request_bytes),
         ("verifier.max_call_sessions", v.max_call_sessions),
         ("verifier.max_call_tokens", v.max_call_tokens),
     ]

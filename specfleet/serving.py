@@ -179,14 +179,17 @@ async def serve(
     grace_s: float = 10.0,
     on_stop: Callable[[], None] | None = None,
     on_reload: Callable[[], Awaitable[None]] | None = None,
+    max_request_bytes: int = MAX_MESSAGE_BYTES,
 ) -> None:
     """Run a gRPC server until SIGTERM or SIGINT, then let in-flight calls finish (up to grace_s).
 
     `register` adds the servicers and returns their full service names; health
     checking (grpc.health.v1) and reflection are added for all of them.
-    SIGHUP calls `on_reload`, when given.
+    SIGHUP calls `on_reload`, when given. A request over max_request_bytes is refused by gRPC itself
+    (RESOURCE_EXHAUSTED) before it is read into memory.
     """
-    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=[UndecodableRequests()])
+    options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", max_request_bytes)]
+    server = grpc.aio.server(options=options, interceptors=[UndecodableRequests()])
     service_names = list(register(server))
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

@@ -50,6 +50,7 @@ BAD = [
     ("no target model", with_("verifier.model", ""), "verifier.model"),
     ("batch size zero", with_("verifier.max_batch_size", 0), "verifier.max_batch_size: must be at least 1"),
     ("max_running zero", with_("router.max_running", 0), "router.max_running: must be at least 1"),
+    ("request bytes zero", with_("router.max_request_bytes", 0), "router.max_request_bytes: must be at least 1"),
     ("call sessions zero", with_("verifier.max_call_sessions", 0), "verifier.max_call_sessions: must be at least 1"),
     ("call tokens as float", with_("drafters.1.max_call_tokens", 1.5), "drafters[1].max_call_tokens: expected int"),
     ("call tokens negative", with_("drafters.1.max_call_tokens", -5), "drafters[1].max_call_tokens: must be at least 1"),
