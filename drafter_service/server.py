@@ -42,7 +42,9 @@ class DrafterCore:
     def items(self, request: drafter_pb2.DraftRequest) -> list[tuple[str, DraftItem]]:
         """Validate a request and convert it to (model name, item) pairs; raises InvalidArgument naming the problem,
         or CallTooLarge for a call over this service's per-call limits (checked here, before any forward pass)."""
+        # Counted on the message, before anything is converted: a huge call costs no more than its parse.
         limits_mod.check_sessions(len(request.sessions), self.limits)
+        limits_mod.check_tokens(sum(limits_mod.draft_tokens(s) for s in request.sessions), self.limits)
         items = []
         seen = set()
         for s in request.sessions:
@@ -81,7 +83,6 @@ class DrafterCore:
                     ),
                 )
             )
-        limits_mod.check_tokens(sum(limits_mod.draft_tokens(s) for s in request.sessions), self.limits)
         return items
 
     async def draft(self, request: drafter_pb2.DraftRequest) -> drafter_pb2.DraftResponse:

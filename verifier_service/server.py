@@ -38,7 +38,9 @@ class VerifierCore:
     def items(self, request: verifier_pb2.VerifyRequest) -> list[VerifyItem]:
         """Validate a request and convert it; raises InvalidArgument naming the problem, or CallTooLarge
         for a call over this verifier's per-call limits (checked here, before any forward pass)."""
+        # Counted on the message, before anything is converted: a huge call costs no more than its parse.
         limits_mod.check_sessions(len(request.sessions), self.limits)
+        limits_mod.check_tokens(sum(limits_mod.verify_tokens(s) for s in request.sessions), self.limits)
         loaded = self.verifier.loaded
         items = []
         seen = set()
@@ -62,7 +64,6 @@ class VerifierCore:
                 raise InvalidArgument(str(err)) from None
             seen.add(item.session_id)
             items.append(item)
-        limits_mod.check_tokens(sum(limits_mod.verify_tokens(s) for s in request.sessions), self.limits)
         return items
 
     async def verify(self, request: verifier_pb2.VerifyRequest) -> verifier_pb2.VerifyResponse:
