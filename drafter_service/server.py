@@ -9,6 +9,7 @@ import logging
 import grpc
 
 from specfleet import config as config_mod
+from specfleet import limits as limits_mod
 from specfleet import metrics, placement, security
 from specfleet.metrics import PassTelemetry
 from specfleet.ports import listen
@@ -32,13 +33,18 @@ class IncompatibleModels(ValueError):
 class DrafterCore:
     """The drafter service's logic in proto messages, shared by the gRPC servicer and the Ray actor."""
 
-    def __init__(self, models: dict[str, DraftModel], batcher: BatchQueue, telemetry: PassTelemetry):
+    def __init__(self, models: dict[str, DraftModel], batcher: BatchQueue, telemetry: PassTelemetry, limits: limits_mod.CallLimits | None = None):
         self.models = models
         self.telemetry = telemetry
         self.batcher = batcher
+        self.limits = limits or limits_mod.CallLimits()
 
     def items(self, request: drafter_pb2.DraftRequest) -> list[tuple[str, DraftItem]]:
-        """Validate a request and convert it to (model name, item) pairs; raises InvalidArgument naming the problem."""
+        """Validate a request and convert it to (model name, item) pairs; raises InvalidArgument naming the problem,
+        or CallTooLarge for a call over this service's per-call limits (checked here, before any forward pass)."""
+        # Counted on the message, before anything is converted: a huge call costs no more than its parse.
+        limits_mod.check_sessions(len(request.sessions), self.limits)
+        limits_mod.check_tokens(sum(limits_mod.draft_tokens(s) for s in request.sessions), self.limits)
         items = []
         seen = set()
         for s in request.sessions:
@@ -136,6 +142,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             return await self.core.draft(request)
         except InvalidArgument as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except limits_mod.CallTooLarge as err:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
 
     async def ReleaseSessions(self, request, context):
         return await self.core.release(request)
@@ -163,7 +171,7 @@ def load_core(svc: config_mod.DrafterServiceConfig, threads: int | None = None) 
     batcher = BatchQueue(
         f"drafter-{svc.name}", telemetry.timed(lambda tagged: draft_batch(models, tagged)), svc.max_batch_size, svc.max_wait_ms / 1e3
     )
-    return DrafterCore(models, batcher, telemetry)
+    return DrafterCore(models, batcher, telemetry, limits_mod.CallLimits(svc.max_call_sessions, svc.max_call_tokens, f"drafters[{svc.name}]"))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,6 +50,7 @@ from router.routing import DrafterRouter
 from router.speculation import SpeculationController
 from router.transport import DrafterTransport, TransportError
 from router.verifiers import VerifierPool
+from specfleet import limits
 from specfleet.v1 import common_pb2, drafter_pb2, verifier_pb2
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,10 @@ class SchedulerConfig:
     max_queued: int
     rpc_timeout_s: float
     pipeline_depth: int = 2
+    # What one call to the verifier, and to each drafter service by name, may carry: larger
+    # batches travel as several calls (specfleet/limits.py).
+    verify_limits: limits.CallLimits = field(default_factory=limits.CallLimits)
+    draft_limits: dict[str, limits.CallLimits] = field(default_factory=dict)
 
 
 @dataclass
@@ -356,7 +361,23 @@ class Scheduler:
                 out.append((state, drafter, drafted))
             return out
 
-        results = await asyncio.gather(*(call(transports[name], entries) for name, entries in by_service.items()))
+        def units(entries):
+            # A lockstep group's sessions draft together: they travel in one call.
+            grouped: dict = collections.defaultdict(list)
+            for entry in entries:
+                grouped[entry[3].lockstep_group or id(entry)].append(entry)
+            return list(grouped.values())
+
+        def call_limits(entries) -> limits.CallLimits:
+            service = self.drafters[entries[0][1]].name  # every replica of a service has its limits
+            return self.config.draft_limits.get(service, limits.CallLimits())
+
+        parts = [
+            (name, part)
+            for name, entries in by_service.items()
+            for part in limits.split(units(entries), lambda entry: limits.draft_tokens(entry[3]), call_limits(entries))
+        ]
+        results = await asyncio.gather(*(call(transports[name], entries) for name, entries in parts))
         return [r for part in results for r in part]
 
     def _draft_timeout_s(self, entries, score: bool) -> float:
@@ -407,17 +428,21 @@ class Scheduler:
         return min(self.config.rpc_timeout_s, deadline)
 
     async def _verify_on(self, replica: str, batch: list[RequestState], trees: dict[str, DraftTree]) -> None:
-        sessions = []
+        """The replica's requests in calls within the verifier's per-call limits, concurrently."""
+        entries = []
         for state in batch:
             prefix, new = state.verifier_mirror.diff(state.tokens)
             tree = trees.get(state.spec.session_id)
-            sessions.append(
-                verifier_pb2.VerifySession(
-                    sync=common_pb2.SessionSync(session_id=state.spec.session_id, prefix_length=prefix, new_token_ids=new),
-                    tree=tree.to_proto() if tree else verifier_pb2.TokenTree(),
-                    sampling=_sampling_proto(state),
-                )
+            session = verifier_pb2.VerifySession(
+                sync=common_pb2.SessionSync(session_id=state.spec.session_id, prefix_length=prefix, new_token_ids=new),
+                tree=tree.to_proto() if tree else verifier_pb2.TokenTree(),
+                sampling=_sampling_proto(state),
             )
+            entries.append([(state, session)])
+        calls = limits.split(entries, lambda entry: limits.verify_tokens(entry[1]), self.config.verify_limits)
+        await asyncio.gather(*(self._verify_call(replica, [e[0] for e in call], [e[1] for e in call], trees) for call in calls))
+
+    async def _verify_call(self, replica: str, batch: list[RequestState], sessions: list, trees: dict[str, DraftTree]) -> None:
         started = time.perf_counter()
         try:
             reply = await self.verifiers.replicas[replica].verify(verifier_pb2.VerifyRequest(sessions=sessions), self._verify_timeout_s(sessions))

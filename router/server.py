@@ -24,7 +24,7 @@ from router.transport import GrpcDrafter, GrpcVerifier
 from router.drafters import DrafterService
 from router.verifiers import VerifierPool
 from specfleet import config as config_mod
-from specfleet import metrics, placement, security
+from specfleet import limits, metrics, placement, security
 from specfleet.metrics import RouterTelemetry
 from specfleet.engine import load_tokenizer, tokenizer_fingerprint
 from specfleet.ports import listen
@@ -179,14 +179,17 @@ async def build(cfg: config_mod.Config, transports: tuple | None = None) -> tupl
         adaptive=rcfg.adaptive_speculation,
         stop_below=rcfg.stop_below_confidence,
     )
+    verify_limits, draft_limits = call_limits(cfg, target, await drafter_contexts(cfg, services))
     if not rcfg.pin_cost_model:
-        await profile_costs(verifier.first, drafters, controller.cost, target.eos_token_id, target.max_context)
+        await profile_costs(verifier.first, drafters, controller.cost, target.eos_token_id, target.max_context, verify_limits)
     scheduler = Scheduler(
         SchedulerConfig(
             max_running=rcfg.max_running,
             max_queued=rcfg.max_queued,
             rpc_timeout_s=rcfg.rpc_timeout_s,
             pipeline_depth=pipeline_depth(rcfg.pipeline_depth, target, drafters),
+            verify_limits=verify_limits,
+            draft_limits=draft_limits,
         ),
         verifier,
         drafters,
@@ -262,6 +265,41 @@ async def collect_drafters(cfg: config_mod.Config, services: dict[str, DrafterSe
     return drafters
 
 
+async def drafter_contexts(cfg: config_mod.Config, services: dict) -> dict[str, int]:
+    """Drafter service name -> the longest context of its draft models."""
+    contexts = {}
+    for svc in cfg.drafters:
+        info = await services[svc.name].replicas[0].info(timeout_s=30)
+        contexts[svc.name] = max((m.max_context for m in info.models), default=0)
+    return contexts
+
+
+def call_limits(cfg: config_mod.Config, target, drafter_contexts: dict[str, int]) -> tuple[limits.CallLimits, dict[str, limits.CallLimits]]:
+    """The per-call limits of the verifier and each drafter service, which the scheduler's calls keep to.
+
+    The scheduler splits a round's calls to fit, down to one session per Verify call and one
+    lockstep group (router.fusion_width sessions) per Draft call: a service whose limits refuse
+    even that would refuse requests, so the router does not start."""
+    v = cfg.verifier
+    if v.max_call_tokens < target.max_context:
+        raise StartupError(
+            f"verifier.max_call_tokens ({v.max_call_tokens}) is below the target's context ({target.max_context} tokens): "
+            "a long request would be refused; raise it"
+        )
+    verify = limits.CallLimits(v.max_call_sessions, v.max_call_tokens, "verifier")
+    width = cfg.router.fusion_width
+    draft = {}
+    for svc in cfg.drafters:
+        where = f"drafters[{svc.name}]"
+        if svc.max_call_sessions < width or svc.max_call_tokens < width * drafter_contexts[svc.name]:
+            raise StartupError(
+                f"{where}.max_call_sessions ({svc.max_call_sessions}) and max_call_tokens ({svc.max_call_tokens}) must hold "
+                f"router.fusion_width ({width}) sessions of its models' full context ({drafter_contexts[svc.name]} tokens) in one call; raise them"
+            )
+        draft[svc.name] = limits.CallLimits(svc.max_call_sessions, svc.max_call_tokens, where)
+    return verify, draft
+
+
 async def reload(servicer: GenerationServicer, scheduler: Scheduler, config_path: str, over_grpc: bool) -> None:
     """Apply a changed config file without a restart (SIGHUP).
 
@@ -291,6 +329,8 @@ async def reload(servicer: GenerationServicer, scheduler: Scheduler, config_path
     scheduler.config.max_running = rcfg.max_running
     scheduler.config.max_queued = rcfg.max_queued
     scheduler.config.rpc_timeout_s = rcfg.rpc_timeout_s
+    if over_grpc:
+        _, scheduler.config.draft_limits = call_limits(cfg, servicer.target, await drafter_contexts(cfg, services))
     limits = servicer.limits
     limits.default_max_tokens, limits.max_tokens_limit = rcfg.default_max_tokens, rcfg.max_tokens_limit
     limits.default_draft_tokens, limits.max_draft_tokens = rcfg.num_draft_tokens, rcfg.max_draft_tokens
@@ -324,16 +364,20 @@ def build_drafter_router(cfg: config_mod.Config, served: list[str]) -> DrafterRo
     return DrafterRouter(routing, profiles, DomainClassifier(exemplars), store)
 
 
-async def profile_costs(verifier, drafters: dict, cost: CostModel, token: int, max_context: int) -> None:
+async def profile_costs(
+    verifier, drafters: dict, cost: CostModel, token: int, max_context: int, verify_limits: limits.CallLimits = limits.CallLimits()
+) -> None:
     """Seed the cost model with timed passes of different sizes.
 
     Verification: sessions with a context, each verifying a chain of 0 or 4 tokens, at
-    1, 4 and 16 sessions a pass, the fastest of two tries each (`CostModel.fit_verify`).
+    1, 4 and 16 sessions a pass (fewer where the verifier's per-call limits say so), the
+    fastest of two tries each (`CostModel.fit_verify`).
     """
     sampling = common_pb2.SamplingParams(temperature=0.0, top_p=1.0)
     context = max(1, min(64, max_context // 4))
+    most = max(1, min(verify_limits.sessions, verify_limits.tokens // (context + 4)))
     timed: dict[tuple[int, int], float] = {}
-    for n in (1, 4, 16):
+    for n in sorted({min(n, most) for n in (1, 4, 16)}):
         ids = [f"profile-{n}-{i}" for i in range(n)]
 
         def request(depth: int, first: bool) -> verifier_pb2.VerifyRequest:
@@ -418,7 +462,7 @@ async def run(
     try:
         await serve(
             "router", host, port, register, grace_s=ROUTER_DRAIN_S, on_reload=on_reload,
-            healthy=lambda: bool(scheduler.verifiers.live()),
+            healthy=lambda: bool(scheduler.verifiers.live()), max_request_bytes=cfg.router.max_request_bytes,
             credentials=sec.server_credentials(public=True), interceptors=sec.server_interceptors(public=True, api_key=api_key),
         )
     finally:

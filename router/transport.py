@@ -26,7 +26,9 @@ class TransportError(Exception):
 
 
 def _wrap(err: grpc.aio.AioRpcError) -> TransportError:
-    return TransportError(f"{err.code().name}: {err.details()}", invalid_argument=err.code() == grpc.StatusCode.INVALID_ARGUMENT)
+    # RESOURCE_EXHAUSTED: a call over the server's per-call limits (specfleet/limits.py), as refused as a malformed one.
+    refused = err.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
+    return TransportError(f"{err.code().name}: {err.details()}", invalid_argument=refused)
 
 
 class DrafterTransport(Protocol):

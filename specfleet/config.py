@@ -101,6 +101,12 @@ class VerifierConfig:
     # On a CUDA device: [sessions, tokens] buckets whose passes replay CUDA graphs (captured on first
     # use, batched attention), e.g. [[1, 1], [8, 5], [32, 5], [64, 5]]; other shapes and CPUs run eagerly.
     cuda_graph_sizes: list[list[int]] = field(default_factory=list)
+    # What one Verify call may carry (specfleet/limits.py): sessions, and context tokens summed over
+    # its sessions (kept prefix, new tokens, tree), which bounds its compute and its KV (tokens times
+    # the model's KV bytes per token: 32 KB for the demo target, so 1 GB at the default). A larger
+    # call is refused before any forward pass; the router splits its calls to fit.
+    max_call_sessions: int = 256
+    max_call_tokens: int = 32768
     # Cores this service may run on when `specfleet serve` starts it on this machine (CPU
     # affinity; empty: any). Keeps a busy drafter off the verifier's core; under --ray use `ray`.
     cpus: list[int] = field(default_factory=list)
@@ -145,6 +151,9 @@ class DrafterServiceConfig:
     max_wait_ms: float = 0.0
     max_cache_mb: float = 512.0
     max_sessions: int = 4096
+    # What one Draft call may carry (see VerifierConfig.max_call_sessions); drafts count as tokens.
+    max_call_sessions: int = 256
+    max_call_tokens: int = 32768
     # Entries kept in a sampled proposal's sparse distribution.
     proposal_top_k: int = 16
     # Cores this service may run on when `specfleet serve` starts it on this machine (CPU
@@ -207,6 +216,9 @@ class RouterConfig:
     draft_per_token_ms: float = 1.0
     draft_base_ms: float = 0.0
     pin_cost_model: bool = False
+    # The largest request the public gRPC API reads (bytes of the serialized message); gRPC refuses
+    # a larger one with RESOURCE_EXHAUSTED before reading it into memory.
+    max_request_bytes: int = 4 * 1024 * 1024
     # Requests being generated at once; more wait (RESOURCE_EXHAUSTED past max_queued).
     max_running: int = 64
     max_queued: int = 1024
@@ -365,7 +377,16 @@ def validate(config: Config) -> None:
     v, r = config.verifier, config.router
     if not v.model:
         raise ConfigError("verifier.model: the target model directory is required")
-    for name, value in [("verifier.max_batch_size", v.max_batch_size), ("router.max_running", r.max_running)]:
+    at_least_one = [
+        ("verifier.max_batch_size", v.max_batch_size),
+        ("router.max_running", r.max_running),
+        ("router.max_request_bytes", r.max_request_bytes),
+        ("verifier.max_call_sessions", v.max_call_sessions),
+        ("verifier.max_call_tokens", v.max_call_tokens),
+    ]
+    for i, d in enumerate(config.drafters):
+        at_least_one += [(f"drafters[{i}].max_call_sessions", d.max_call_sessions), (f"drafters[{i}].max_call_tokens", d.max_call_tokens)]
+    for name, value in at_least_one:
         if value < 1:
             raise ConfigError(f"{name}: must be at least 1, got {value}")
     if not 1 <= r.default_max_tokens <= r.max_tokens_limit:

@@ -51,12 +51,46 @@ PASS_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
+# A scrape is one short request: a client gets this long to send it all (a slow client cannot hold a
+# connection), at most this many connections are served at once (more are answered 503 and closed), and
+# a request has at most this many header lines (each within asyncio's 64 KB line limit).
+REQUEST_DEADLINE_S = 10.0
+MAX_CONNECTIONS = 64
+MAX_HEADER_LINES = 100
+
+
+class _BadRequest(Exception):
+    def __init__(self, status: str):
+        super().__init__(status)
+        self.status = status
+
+
+async def _read_request(reader: asyncio.StreamReader) -> tuple[str, bytes]:
+    """The request line and its Authorization header's value (b"" without one); other headers are
+    read and ignored. Raises _BadRequest for what a scrape never sends."""
+    try:
+        request_line = await reader.readline()
+        authorization = b""
+        for _ in range(MAX_HEADER_LINES + 1):
+            header = (await reader.readline()).strip()
+            if not header:
+                return request_line.decode("latin-1"), authorization
+            name, _, value = header.partition(b":")
+            if name.strip().lower() == b"authorization":
+                authorization = value.strip()
+    except ValueError:  # a line over the stream's 64 KB limit (asyncio.LimitOverrunError, raised as ValueError)
+        raise _BadRequest("431 Request Header Fields Too Large") from None
+    raise _BadRequest("431 Request Header Fields Too Large")
+
+
 async def serve(
     sock: socket.socket,
     registry: CollectorRegistry,
     extra: Callable[[], str] | None = None,
     ssl_context: ssl.SSLContext | None = None,
     token: str = "",
+    deadline_s: float = REQUEST_DEADLINE_S,
+    max_connections: int = MAX_CONNECTIONS,
 ) -> asyncio.Server:
     """GET /metrics on `sock` (specfleet.ports.listen): the registry's samples, then `extra()` text.
 
@@ -64,31 +98,49 @@ async def serve(
     (specfleet.security.Security.metrics_options gives both).
     """
     expected = f"bearer {token}".encode()
+    open_connections = 0
+
+    def respond(writer: asyncio.StreamWriter, status: str, body: bytes, ctype: str = "text/plain") -> None:
+        writer.write(
+            f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body
+        )
+
+    async def refuse(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, status: str, body: bytes) -> None:
+        # Answer, then read (briefly) what the client still sends: closing with unread data resets the
+        # connection, and the client would see the reset instead of the answer.
+        respond(writer, status, body)
+        await asyncio.wait_for(writer.drain(), timeout=deadline_s)
+        writer.write_eof()
+        with contextlib.suppress(asyncio.TimeoutError, ValueError):
+            await asyncio.wait_for(reader.read(1 << 20), timeout=min(0.5, deadline_s))
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal open_connections
+        open_connections += 1
         try:
-            request_line = await asyncio.wait_for(reader.readline(), timeout=5)
-            authorized = not token
-            while header := (await asyncio.wait_for(reader.readline(), timeout=5)).strip():
-                name, _, value = header.partition(b":")
-                if token and name.strip().lower() == b"authorization":
-                    scheme, _, given = value.strip().partition(b" ")
-                    authorized = hmac.compare_digest(scheme.lower() + b" " + given.strip(), expected)
-            parts = request_line.decode("latin-1").split()
+            if open_connections > max_connections:
+                await refuse(reader, writer, "503 Service Unavailable", b"too many connections\n")
+                return
+            try:
+                request_line, authorization = await asyncio.wait_for(_read_request(reader), timeout=deadline_s)
+            except _BadRequest as err:
+                await refuse(reader, writer, err.status, b"request too large\n")
+                return
+            scheme, _, given = authorization.partition(b" ")
+            authorized = not token or hmac.compare_digest(scheme.lower() + b" " + given.strip(), expected)
+            parts = request_line.split()
             if not authorized:
-                body, status, ctype = b"unauthorized: send Authorization: Bearer <the metrics token>\n", "401 Unauthorized", "text/plain"
+                respond(writer, "401 Unauthorized", b"unauthorized: send Authorization: Bearer <the metrics token>\n")
             elif len(parts) >= 2 and parts[0] == "GET" and parts[1].split("?")[0] == "/metrics":
                 body = generate_latest(registry) + (extra().encode() if extra else b"")
-                status, ctype = "200 OK", "text/plain; version=0.0.4; charset=utf-8"
+                respond(writer, "200 OK", body, "text/plain; version=0.0.4; charset=utf-8")
             else:
-                body, status, ctype = b"not found: try /metrics\n", "404 Not Found", "text/plain"
-            writer.write(
-                f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body
-            )
-            await writer.drain()
+                respond(writer, "404 Not Found", b"not found: try /metrics\n")
+            await asyncio.wait_for(writer.drain(), timeout=deadline_s)
         except (asyncio.TimeoutError, ConnectionError, ssl.SSLError):
             pass
         finally:
+            open_connections -= 1
             writer.close()
 
     server = await asyncio.start_server(handle, sock=sock, ssl=ssl_context, ssl_handshake_timeout=5 if ssl_context else None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import os
@@ -95,6 +96,85 @@ def add_reflection_v1(service_names: Sequence[str], server: grpc.aio.Server) -> 
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": handler}),))
 
 
+class _Undecodable:
+    """What a request deserializer returns for bytes it cannot decode, so the handler can refuse them."""
+
+    def __init__(self, size: int, error: Exception):
+        self.size = size
+        self.error = error
+
+
+def _tolerant(deserialize: Callable[[bytes], object]) -> Callable[[bytes], object]:
+    def run(raw: bytes):
+        try:
+            return deserialize(raw)
+        except Exception as err:  # protobuf's DecodeError and whatever else a malformed message raises
+            return _Undecodable(len(raw), err)
+
+    return run
+
+
+class UndecodableRequests(grpc.aio.ServerInterceptor):
+    """Answers a request that does not decode (garbage bytes, invalid UTF-8 in a string field, a
+    truncated message) with INVALID_ARGUMENT and one log line, on every RPC of the server.
+
+    gRPC raises in its own deserialization step, outside the handler, which turns any exception into
+    UNKNOWN with a logged traceback; here the deserializer returns a marker instead, and the handler
+    refuses it before the servicer sees it.
+    """
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        method = handler_call_details.method
+
+        async def refuse(request: _Undecodable, context) -> None:
+            log.warning("%s: refused an undecodable request of %d bytes (%s)", method, request.size, request.error)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request is not a valid message for {method}: {request.error}")
+
+        async def checked(requests, context):
+            async for request in requests:
+                if isinstance(request, _Undecodable):
+                    await refuse(request, context)
+                yield request
+
+        if handler.request_streaming:
+            behavior = handler.stream_stream or handler.stream_unary
+            if inspect.isasyncgenfunction(behavior):
+
+                async def guarded(requests, context):
+                    async for reply in behavior(checked(requests, context), context):
+                        yield reply
+
+            else:
+
+                async def guarded(requests, context):
+                    reply = behavior(checked(requests, context), context)
+                    return await reply if inspect.isawaitable(reply) else reply
+
+        else:
+            behavior = handler.unary_stream or handler.unary_unary
+            if inspect.isasyncgenfunction(behavior):
+
+                async def guarded(request, context):
+                    if isinstance(request, _Undecodable):
+                        await refuse(request, context)
+                    async for reply in behavior(request, context):
+                        yield reply
+
+            else:
+
+                async def guarded(request, context):
+                    if isinstance(request, _Undecodable):
+                        await refuse(request, context)
+                    reply = behavior(request, context)
+                    return await reply if inspect.isawaitable(reply) else reply
+
+        kind = ("stream" if handler.request_streaming else "unary") + "_" + ("stream" if handler.response_streaming else "unary")
+        return handler._replace(request_deserializer=_tolerant(handler.request_deserializer), **{kind: guarded})
+
+
 async def serve(
     name: str,
     host: str,
@@ -106,6 +186,7 @@ async def serve(
     healthy: Callable[[], bool] | None = None,
     credentials: grpc.ServerCredentials | None = None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    max_request_bytes: int = MAX_MESSAGE_BYTES,
 ) -> None:
     """Run a gRPC server until SIGTERM or SIGINT, then let in-flight calls finish (up to grace_s).
 
@@ -113,9 +194,12 @@ async def serve(
     checking (grpc.health.v1) and reflection are added for all of them, SERVING
     while `healthy()` says so (when given: the router is healthy only while a
     verifier is). SIGHUP calls `on_reload`, when given. credentials: TLS (None:
-    plain text); interceptors: who may call (specfleet.security builds both).
+    plain text); interceptors: who may call (specfleet.security builds both). A
+    request over max_request_bytes is refused by gRPC itself (RESOURCE_EXHAUSTED)
+    before it is read into memory.
     """
-    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=list(interceptors))
+    options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", max_request_bytes)]
+    server = grpc.aio.server(options=options, interceptors=[UndecodableRequests(), *interceptors])
     service_names = list(register(server))
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

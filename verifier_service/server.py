@@ -9,6 +9,7 @@ import logging
 import grpc
 
 from specfleet import config as config_mod
+from specfleet import limits as limits_mod
 from specfleet import metrics, placement, security
 from specfleet.metrics import PassTelemetry
 from specfleet.ports import listen
@@ -28,13 +29,18 @@ class InvalidArgument(ValueError):
 class VerifierCore:
     """The verifier service's logic in proto messages, shared by the gRPC servicer and the Ray actor."""
 
-    def __init__(self, verifier: Verifier, batcher: BatchQueue, telemetry: PassTelemetry):
+    def __init__(self, verifier: Verifier, batcher: BatchQueue, telemetry: PassTelemetry, limits: limits_mod.CallLimits | None = None):
         self.verifier = verifier
         self.batcher = batcher
         self.telemetry = telemetry
+        self.limits = limits or limits_mod.CallLimits()
 
     def items(self, request: verifier_pb2.VerifyRequest) -> list[VerifyItem]:
-        """Validate a request and convert it; raises InvalidArgument naming the problem."""
+        """Validate a request and convert it; raises InvalidArgument naming the problem, or CallTooLarge
+        for a call over this verifier's per-call limits (checked here, before any forward pass)."""
+        # Counted on the message, before anything is converted: a huge call costs no more than its parse.
+        limits_mod.check_sessions(len(request.sessions), self.limits)
+        limits_mod.check_tokens(sum(limits_mod.verify_tokens(s) for s in request.sessions), self.limits)
         loaded = self.verifier.loaded
         items = []
         seen = set()
@@ -112,7 +118,7 @@ def load_core(vcfg: config_mod.VerifierConfig, model: str | None = None, threads
     verifier = Verifier(loaded, store)
     telemetry = PassTelemetry("verifier", lambda: [store])
     batcher = BatchQueue("verifier", telemetry.timed(verifier.verify_batch), vcfg.max_batch_size, vcfg.max_wait_ms / 1e3)
-    return VerifierCore(verifier, batcher, telemetry)
+    return VerifierCore(verifier, batcher, telemetry, limits_mod.CallLimits(vcfg.max_call_sessions, vcfg.max_call_tokens, "verifier"))
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
@@ -124,6 +130,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             return await self.core.verify(request)
         except InvalidArgument as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except limits_mod.CallTooLarge as err:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
 
     async def ReleaseSessions(self, request, context):
         return await self.core.release(request)
