@@ -25,7 +25,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from specfleet.v1 import common_pb2, drafter_pb2, generation_pb2, verifier_pb2, verifier_pb2_grpc
-from tests.conftest import Cluster, cluster_config
+from tests.conftest import INTERNAL_TOKEN, Cluster, cluster_config
 from tests.helpers import PROMPTS, greedy_request, target_greedy
 from tests.operations import service_pid
 
@@ -231,7 +231,9 @@ def fuzz_service(address: str, methods: list[tuple[str, bool, object]], fuzzer: 
         for i in range(count):
             call_fn, method, streaming, make = callables[i % len(callables)]
             raw = fuzzer.wire(make)
-            call = call_fn(raw, timeout=CALL_DEADLINE_S) if streaming else call_fn.future(raw, timeout=CALL_DEADLINE_S)
+            # With the internal token: the fuzz plays a caller that got past authentication (the worst case).
+            metadata = [("authorization", f"Bearer {INTERNAL_TOKEN}")]
+            call = call_fn(raw, timeout=CALL_DEADLINE_S, metadata=metadata) if streaming else call_fn.future(raw, timeout=CALL_DEADLINE_S, metadata=metadata)
             pending.append((method, streaming, call))
             if len(pending) >= IN_FLIGHT:
                 settle(pending.popleft())
