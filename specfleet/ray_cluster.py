@@ -3,12 +3,22 @@
     specfleet serve --ray [ADDRESS]   connect to a Ray cluster (none given: start a local one),
                                       create the actors, print where each runs, start the router
 
+ADDRESS is a cluster's GCS address (HOST:6379, `auto`) from a process on a Ray node, or
+`ray://HOST:10001` from anywhere else: Ray Client, whose server runs on the head node
+(`ray start --head` starts it on port 10001). The router, a child process, connects the same
+way. Under Ray Client the cluster's nodes must have specfleet and the models installed (the
+same image): the client sends no code.
+
 Each service's `ray` key in the config (`specfleet.config.RayPlacement`) says what
 its actor needs: CPUs, GPUs, custom resources (`ray start --resources`) or node
-labels (`ray start --labels`), and how often Ray restarts it. The actors are named
-(`verifier`, `drafter-<service name>`) in a Ray namespace, so a router anywhere
-in the cluster finds them (`specfleet router --ray ADDRESS`) and talks to them
-through `router.ray_transport`, the same interfaces as over gRPC.
+labels (`ray start --labels`), and how often Ray restarts it. The verifier runs as one
+actor per replica (`verifier.address` and each of `verifier.replicas`), all with the
+verifier's placement. The actors are named (`verifier`, `verifier-1`, ...,
+`drafter-<service name>`) in a Ray namespace, so a router anywhere in the cluster
+finds them (`specfleet router --ray ADDRESS`) and talks to them through
+`router.ray_transport`, the same interfaces as over gRPC; it spreads requests over
+the verifier actors and moves a dead one's requests like any replica's
+(`router.verifiers.VerifierPool`).
 
 Ray token authentication (RAY_AUTH_MODE=token, Ray >= 2.52; on by default for
 local clusters in the Ray this project pins) stays on: every process that joins
@@ -48,6 +58,23 @@ def prepare_actor_process() -> None:
 
 def drafter_actor_name(service: str) -> str:
     return f"drafter-{service}"
+
+
+def verifier_actor_names(cfg: config_mod.Config) -> list[str]:
+    """One actor per verifier replica: `verifier`, `verifier-1`, ... (the addresses only count them under Ray)."""
+    return [VERIFIER_ACTOR if i == 0 else f"{VERIFIER_ACTOR}-{i}" for i in range(len(cfg.verifier.addresses()))]
+
+
+def actor_placements(cfg: config_mod.Config) -> dict[str, config_mod.RayPlacement | None]:
+    """Every actor of this config, verifiers first: {actor name: its placement}."""
+    placements = {name: cfg.verifier.ray for name in verifier_actor_names(cfg)}
+    placements.update({drafter_actor_name(s.name): s.ray for s in cfg.drafters})
+    return placements
+
+
+def is_client_address(address: str | None) -> bool:
+    """A Ray Client address (`ray://HOST:PORT`): this process joins through the head's client server, not as a node's driver."""
+    return bool(address) and address.startswith("ray://")
 
 
 def where() -> dict:
@@ -128,7 +155,7 @@ def resolve_model_paths(cfg: config_mod.Config) -> None:
 
 
 def connect(address: str | None, namespace: str, **init_kwargs) -> str:
-    """Join the Ray cluster at address (None: start a local one); returns the cluster's GCS address."""
+    """Join the Ray cluster at address (None: start a local one; `ray://`: through Ray Client); returns the cluster's GCS address."""
     import ray
 
     if not ray.is_initialized():
@@ -137,7 +164,7 @@ def connect(address: str | None, namespace: str, **init_kwargs) -> str:
 
 
 def create_actors(cfg: config_mod.Config, namespace: str, detached: bool = False) -> dict:
-    """Create the verifier and one actor per drafter service; returns {actor name: handle}."""
+    """Create one actor per verifier replica and per drafter service; returns {actor name: handle}."""
     import ray
 
     from drafter_service.actor import DrafterActor
@@ -145,7 +172,7 @@ def create_actors(cfg: config_mod.Config, namespace: str, detached: bool = False
 
     config_yaml = cfg.to_yaml()
     handles = {}
-    specs = [(VERIFIER_ACTOR, VerifierActor, cfg.verifier.ray, (config_yaml,))]
+    specs = [(name, VerifierActor, cfg.verifier.ray, (config_yaml,)) for name in verifier_actor_names(cfg)]
     specs += [(drafter_actor_name(s.name), DrafterActor, s.ray, (config_yaml, s.name)) for s in cfg.drafters]
     for name, cls, placement, args in specs:
         options = actor_options(placement, name, namespace, detached)
@@ -163,7 +190,7 @@ def lookup_actors(cfg: config_mod.Config, namespace: str, timeout_s: float) -> d
     """The named actors of this config, waiting (up to timeout_s) for them to be registered."""
     import ray
 
-    names = [VERIFIER_ACTOR] + [drafter_actor_name(s.name) for s in cfg.drafters]
+    names = list(actor_placements(cfg))
     deadline = time.monotonic() + timeout_s
     handles = {}
     while True:
@@ -212,7 +239,7 @@ async def wait_ready(handles: dict, timeout_s: float, cfg: config_mod.Config | N
         waiting = [n for n, t in tasks.items() if t in pending]
         asked = ""
         if cfg is not None:
-            wants = {VERIFIER_ACTOR: cfg.verifier.ray, **{drafter_actor_name(s.name): s.ray for s in cfg.drafters}}
+            wants = actor_placements(cfg)
             keys = ("num_cpus", "num_gpus", "resources", "label_selector", "memory")
             asked = "; ".join(
                 f"{n} asks for {({k: v for k, v in actor_options(wants.get(n), n, '', False).items() if k in keys})}" for n in waiting
@@ -235,7 +262,8 @@ def _root_cause(err: BaseException) -> str:
 
 def format_placement(placements: dict) -> str:
     lines = []
-    for name in sorted(placements, key=lambda n: (n != VERIFIER_ACTOR, n)):
+    # Verifiers first, in replica order.
+    for name in sorted(placements, key=lambda n: (not n.startswith(VERIFIER_ACTOR), len(n), n)):
         w = placements[name]
         res = ", ".join(f"{k}={v:g}" for k, v in sorted(w.get("resources", {}).items())) or "-"
         gpus = f" gpus {','.join(w['gpu_ids'])}" if w.get("gpu_ids") else ""
@@ -246,7 +274,7 @@ def format_placement(placements: dict) -> str:
 def _local_resources(cfg: config_mod.Config) -> dict[str, float]:
     """Custom resources the config asks for, to declare on a local one-node cluster so the same config runs."""
     wanted: dict[str, float] = {}
-    for placement in [cfg.verifier.ray] + [s.ray for s in cfg.drafters]:
+    for placement in actor_placements(cfg).values():
         for k, v in (placement.resources if placement else {}).items():
             wanted[k] = wanted.get(k, 0.0) + v
     return wanted
@@ -274,7 +302,10 @@ def serve(cfg: config_mod.Config, address: str | None, namespace: str, detached:
     except Exception as err:
         print(f"specfleet serve: cannot connect to Ray at {address or '(local)'}: {err}", file=sys.stderr)
         return 1
-    print(f"specfleet serve: Ray cluster at {gcs_address}, namespace {namespace!r}, {len(ray.nodes())} node(s)", flush=True)
+    via = f" through Ray Client {address}" if is_client_address(address) else ""
+    print(f"specfleet serve: Ray cluster at {gcs_address}{via}, namespace {namespace!r}, {len(ray.nodes())} node(s)", flush=True)
+    # The router joins the way this process did: a process that is no Ray node can only use Ray Client.
+    router_ray_address = address if is_client_address(address) else gcs_address
     router_proc: subprocess.Popen | None = None
     handles: dict = {}
     config_dir = _tempdir()
@@ -310,7 +341,7 @@ def serve(cfg: config_mod.Config, address: str | None, namespace: str, detached:
 
         config_file = pathlib.Path(config_dir) / "config.yaml"
         config_file.write_text(cfg.to_yaml())
-        command = [sys.executable, "-m", "router", "--config", str(config_file), "--ray", gcs_address, "--ray-namespace", namespace]
+        command = [sys.executable, "-m", "router", "--config", str(config_file), "--ray", router_ray_address, "--ray-namespace", namespace]
         router_proc = subprocess.Popen(command)
         router_address = f"{cfg.router.host}:{cfg.router.port}"
         from specfleet.cli import _wait_ready
