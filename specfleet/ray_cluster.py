@@ -262,13 +262,19 @@ def _root_cause(err: BaseException) -> str:
 
 def format_placement(placements: dict) -> str:
     lines = []
-    # Verifiers first, in replica order.
-    for name in sorted(placements, key=lambda n: (not n.startswith(VERIFIER_ACTOR), len(n), n)):
+    for name in sorted(placements, key=_listing_order):
         w = placements[name]
         res = ", ".join(f"{k}={v:g}" for k, v in sorted(w.get("resources", {}).items())) or "-"
         gpus = f" gpus {','.join(w['gpu_ids'])}" if w.get("gpu_ids") else ""
         lines.append(f"  {name:<24} node {w['node_id'][:12]} ip {w['node_ip']} host {w['hostname']} pid {w['pid']} [{res}]{gpus}")
     return "\n".join(lines)
+
+
+def _listing_order(name: str) -> tuple:
+    """Verifiers first, by replica (`verifier`, `verifier-1`, ..., `verifier-10`), then drafters by name."""
+    if name == VERIFIER_ACTOR or name.startswith(VERIFIER_ACTOR + "-"):
+        return (0, int(name.rpartition("-")[2]) if name != VERIFIER_ACTOR else 0, "")
+    return (1, 0, name)
 
 
 def _local_resources(cfg: config_mod.Config) -> dict[str, float]:

@@ -95,6 +95,22 @@ def test_actor_options_follow_the_config():
     assert "lifetime" not in ray_cluster.actor_options(None, "x", "ns", detached=False)
 
 
+def test_one_verifier_actor_per_replica():
+    """Under Ray the verifier's addresses only count its actors; each has the verifier's placement, and a local
+    one-node Ray declares the custom resources of all of them."""
+    from specfleet import ray_cluster
+
+    config = _base(resources={"big_gpu": 0.5})
+    config["verifier"]["replicas"] = ["127.0.0.1:50063", "127.0.0.1:50064"]
+    cfg = config_mod.parse(config)
+    assert ray_cluster.verifier_actor_names(cfg) == ["verifier", "verifier-1", "verifier-2"]
+    placements = ray_cluster.actor_placements(cfg)
+    assert list(placements) == ["verifier", "verifier-1", "verifier-2", "drafter-d"]
+    assert all(placements[n].resources == {"big_gpu": 0.5} for n in ("verifier", "verifier-1", "verifier-2"))
+    assert ray_cluster._local_resources(cfg) == {"big_gpu": 1.5, "small_gpu": 0.5}
+    assert ray_cluster.verifier_actor_names(config_mod.parse(_base())) == ["verifier"]
+
+
 def test_grpc_services_still_refuse_bad_requests_as_invalid_argument(cluster):
     """The servicers now delegate to VerifierCore/DrafterCore (shared with the actors); refusals stay INVALID_ARGUMENT."""
     import grpc
@@ -232,7 +248,12 @@ class RayServe:
             if not line and self.proc.poll() is not None:
                 break
         self.stop()
-        raise RuntimeError(f"specfleet serve --ray did not start; stdout:\n{''.join(self.stdout_lines)}\nlog:\n{self.log_path.read_text()[-6000:]}")
+        client_servers = "".join(
+            f"\n{path.name}:\n{path.read_text()[-3000:]}" for path in sorted(pathlib.Path(self.nodes.temp).glob("session_latest/logs/ray_client_server*.err"))
+        )
+        raise RuntimeError(
+            f"specfleet serve --ray did not start; stdout:\n{''.join(self.stdout_lines)}\nlog:\n{self.log_path.read_text()[-6000:]}{client_servers}"
+        )
 
     def stop(self) -> None:
         if self.proc.poll() is None:
