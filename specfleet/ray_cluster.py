@@ -45,6 +45,7 @@ from specfleet import config as config_mod
 log = logging.getLogger(__name__)
 
 DEFAULT_NAMESPACE = "specfleet"
+CLIENT_CONNECT_ATTEMPTS = 3
 VERIFIER_ACTOR = "verifier"
 # Environment every actor process sets before it imports the model stack (Ray workers inherit the
 # raylet's environment, not the driver's).
@@ -158,8 +159,21 @@ def connect(address: str | None, namespace: str, **init_kwargs) -> str:
     """Join the Ray cluster at address (None: start a local one; `ray://`: through Ray Client); returns the cluster's GCS address."""
     import ray
 
-    if not ray.is_initialized():
-        ray.init(address=address, namespace=namespace, **init_kwargs)
+    # Through Ray Client, the head starts a server process per client; on a busy head that start
+    # sometimes fails at once (ConnectionAbortedError "Starting Ray client server failed"), and
+    # the next try gets a fresh one.
+    attempts = CLIENT_CONNECT_ATTEMPTS if is_client_address(address) else 1
+    for attempt in range(1, attempts + 1):
+        if ray.is_initialized():
+            break
+        try:
+            ray.init(address=address, namespace=namespace, **init_kwargs)
+        except ConnectionAbortedError as err:
+            if attempt == attempts:
+                raise
+            log.warning("Ray Client at %s: %s; trying again (%d of %d)", address, str(err).strip().splitlines()[-1], attempt + 1, attempts)
+            ray.shutdown()
+            time.sleep(2.0 * attempt)
     return ray.get_runtime_context().gcs_address
 
 

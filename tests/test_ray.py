@@ -249,7 +249,7 @@ class RayServe:
                 break
         self.stop()
         client_servers = "".join(
-            f"\n{path.name}:\n{path.read_text()[-3000:]}" for path in sorted(pathlib.Path(self.nodes.temp).glob("session_latest/logs/ray_client_server*.err"))
+            f"\n{path.name}:\n{path.read_text()[-3000:]}" for path in sorted(pathlib.Path(self.nodes.temp).glob("session_latest/logs/ray_client_server*"))
         )
         raise RuntimeError(
             f"specfleet serve --ray did not start; stdout:\n{''.join(self.stdout_lines)}\nlog:\n{self.log_path.read_text()[-6000:]}{client_servers}"
