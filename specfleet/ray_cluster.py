@@ -159,9 +159,9 @@ def connect(address: str | None, namespace: str, **init_kwargs) -> str:
     """Join the Ray cluster at address (None: start a local one; `ray://`: through Ray Client); returns the cluster's GCS address."""
     import ray
 
-    # Through Ray Client, the head starts a server process per client; on a busy head that start
-    # sometimes fails at once (ConnectionAbortedError "Starting Ray client server failed"), and
-    # the next try gets a fresh one.
+    # Through Ray Client, the head starts a server process per client, and Ray's proxy sometimes
+    # fails that start at once (it reads the new process while it is a zombie, psutil.ZombieProcess:
+    # ConnectionAbortedError "Starting Ray client server failed"); the next try gets a fresh one.
     attempts = CLIENT_CONNECT_ATTEMPTS if is_client_address(address) else 1
     for attempt in range(1, attempts + 1):
         if ray.is_initialized():
