@@ -9,7 +9,7 @@ like a gRPC service:
 
 | Ray                                                    | status code        | scheduler |
 |---|---|---|
-| actor dead, restarting, or its node gone (RayActorError) | UNAVAILABLE        | drafter: this round decodes plainly; verifier: the round's requests fail UNAVAILABLE |
+| actor dead, restarting, or its node gone (RayActorError) | UNAVAILABLE        | drafter: this round decodes plainly; verifier: the round's requests move to another replica (or wait for one) |
 | no answer within the deadline                          | DEADLINE_EXCEEDED  | as above |
 | the actor refused the request (ValueError inside)      | INVALID_ARGUMENT   | verifier: INTERNAL to the client (a router bug) |
 | anything else raised inside the actor                  | INTERNAL           | as UNAVAILABLE |
@@ -113,21 +113,23 @@ class RayDrafter:
 
 
 class RayVerifier:
-    """The verifier's actor (`verifier`) as a VerifierTransport."""
+    """A verifier replica's actor (`verifier`, `verifier-1`, ...) as a VerifierTransport."""
 
-    def __init__(self, handle):
-        self.address = "ray actor verifier"
+    def __init__(self, name: str, handle):
+        self.name = name
+        # The replica's name in the router's VerifierPool, logs and metrics: unique per actor.
+        self.address = f"ray actor {name}"
         self._actor = handle
 
     async def verify(self, request: verifier_pb2.VerifyRequest, timeout_s: float) -> verifier_pb2.VerifyResponse:
-        data = await call(self._actor.verify, request.SerializeToString(), timeout_s, "verifier: Verify")
+        data = await call(self._actor.verify, request.SerializeToString(), timeout_s, f"{self.name}: Verify")
         return verifier_pb2.VerifyResponse.FromString(data)
 
     async def release(self, session_ids: list[str]) -> None:
-        await call(self._actor.release, common_pb2.ReleaseRequest(session_ids=session_ids).SerializeToString(), 10.0, "verifier: ReleaseSessions")
+        await call(self._actor.release, common_pb2.ReleaseRequest(session_ids=session_ids).SerializeToString(), 10.0, f"{self.name}: ReleaseSessions")
 
     async def info(self, timeout_s: float) -> common_pb2.ModelInfo:
-        return common_pb2.ModelInfo.FromString(await call(self._actor.info, None, timeout_s, "verifier: GetInfo"))
+        return common_pb2.ModelInfo.FromString(await call(self._actor.info, None, timeout_s, f"{self.name}: GetInfo"))
 
     async def close(self) -> None:
         pass
@@ -136,7 +138,8 @@ class RayVerifier:
 async def connect(cfg, address: str, namespace: str, timeout_s: float):
     """Join the Ray cluster, find the config's actors, wait until they are ready.
 
-    Returns ([RayVerifier], {drafter service name: RayDrafter}) for `router.server.build`.
+    address: a GCS address from a Ray node, or `ray://HOST:PORT` (Ray Client) from anywhere.
+    Returns ([RayVerifier per replica], {drafter service name: RayDrafter}) for `router.server.build`.
     """
     from specfleet import ray_cluster
 
@@ -144,6 +147,6 @@ async def connect(cfg, address: str, namespace: str, timeout_s: float):
     handles = await asyncio.to_thread(ray_cluster.lookup_actors, cfg, namespace, timeout_s)
     placements = await ray_cluster.wait_ready(handles, timeout_s, cfg)
     log.info("Ray cluster %s, namespace %r; actors:\n%s", gcs, namespace, ray_cluster.format_placement(placements))
-    verifiers = [RayVerifier(handles[ray_cluster.VERIFIER_ACTOR])]
+    verifiers = [RayVerifier(name, handles[name]) for name in ray_cluster.verifier_actor_names(cfg)]
     drafters = {svc.name: RayDrafter(svc.name, handles[ray_cluster.drafter_actor_name(svc.name)]) for svc in cfg.drafters}
     return verifiers, drafters

@@ -177,7 +177,7 @@ class RequestState:
     # Every verifier replica that was sent this request's sessions (released on all of them at the end:
     # a replica that only stalled still holds them).
     verifier_replicas: set[str] = field(default_factory=set)
-    # When a verifier call for it last failed with none succeeding since (router/verifiers.py).
+    # Since when it has had no verifier replica (its call failed, or none was live), with no call succeeding since (router/verifiers.py).
     verifier_lost_at: float | None = None
     drafter_mirrors: dict[str, SessionMirror] = field(default_factory=dict)
     finish_reason: str = ""

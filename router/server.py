@@ -496,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", help="deployment YAML (default: bundled demo models)")
     parser.add_argument("--host", help="listen address (default: router.host)")
     parser.add_argument("--port", type=int, help="port (default: router.port)")
-    parser.add_argument("--ray", metavar="ADDRESS", help="reach the verifier and drafters as Ray actors in the cluster at ADDRESS (`auto`: this node's)")
+    parser.add_argument("--ray", metavar="ADDRESS", help="reach the verifier and drafters as Ray actors in the cluster at ADDRESS (`auto`: this node's; ray://HOST:10001: through Ray Client)")
     parser.add_argument("--ray-namespace", default="specfleet", help="Ray namespace of the actors (default: specfleet)")
     parser.add_argument(
         "--api-key", default=os.environ.get("SPECFLEET_API_KEY", ""),

@@ -62,6 +62,9 @@ class VerifierPool:
         else:
             live = self.live()
             if not live:
+                # A request that finds no replica live waits from now on, whether or not a call of its own failed.
+                if state.verifier_lost_at is None:
+                    state.verifier_lost_at = self._clock()
                 return None
             replica = min(live, key=lambda name: (self._load[name], name))
             if current is not None:

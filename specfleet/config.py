@@ -18,7 +18,10 @@ at start-up with the key's path in the message.
 
 With `specfleet serve --ray`, the verifier and each drafter service run as Ray
 actors instead of gRPC servers; their optional `ray` key says what the actor
-needs from a node (the `address` keys are then unused):
+needs from a node. The `address` keys are then unused, except that the verifier
+runs as one actor per address it lists (`verifier.address` and each of
+`verifier.replicas`: the same count as over gRPC), each with the verifier's `ray`
+placement, named `verifier`, `verifier-1`, ...:
 
     verifier:
       ray: {num_cpus: 1, num_gpus: 1, resources: {big_gpu: 1}, max_restarts: 3}

@@ -3,12 +3,22 @@
     specfleet serve --ray [ADDRESS]   connect to a Ray cluster (none given: start a local one),
                                       create the actors, print where each runs, start the router
 
+ADDRESS is a cluster's GCS address (HOST:6379, `auto`) from a process on a Ray node, or
+`ray://HOST:10001` from anywhere else: Ray Client, whose server runs on the head node
+(`ray start --head` starts it on port 10001). The router, a child process, connects the same
+way. Under Ray Client the cluster's nodes must have specfleet and the models installed (the
+same image): the client sends no code.
+
 Each service's `ray` key in the config (`specfleet.config.RayPlacement`) says what
 its actor needs: CPUs, GPUs, custom resources (`ray start --resources`) or node
-labels (`ray start --labels`), and how often Ray restarts it. The actors are named
-(`verifier`, `drafter-<service name>`) in a Ray namespace, so a router anywhere
-in the cluster finds them (`specfleet router --ray ADDRESS`) and talks to them
-through `router.ray_transport`, the same interfaces as over gRPC.
+labels (`ray start --labels`), and how often Ray restarts it. The verifier runs as one
+actor per replica (`verifier.address` and each of `verifier.replicas`), all with the
+verifier's placement. The actors are named (`verifier`, `verifier-1`, ...,
+`drafter-<service name>`) in a Ray namespace, so a router anywhere in the cluster
+finds them (`specfleet router --ray ADDRESS`) and talks to them through
+`router.ray_transport`, the same interfaces as over gRPC; it spreads requests over
+the verifier actors and moves a dead one's requests like any replica's
+(`router.verifiers.VerifierPool`).
 
 Ray token authentication (RAY_AUTH_MODE=token, Ray >= 2.52; on by default for
 local clusters in the Ray this project pins) stays on: every process that joins
@@ -36,6 +46,7 @@ from specfleet import config as config_mod
 log = logging.getLogger(__name__)
 
 DEFAULT_NAMESPACE = "specfleet"
+CLIENT_CONNECT_ATTEMPTS = 3
 VERIFIER_ACTOR = "verifier"
 # Environment every actor process sets before it imports the model stack (Ray workers inherit the
 # raylet's environment, not the driver's).
@@ -49,6 +60,23 @@ def prepare_actor_process() -> None:
 
 def drafter_actor_name(service: str) -> str:
     return f"drafter-{service}"
+
+
+def verifier_actor_names(cfg: config_mod.Config) -> list[str]:
+    """One actor per verifier replica: `verifier`, `verifier-1`, ... (the addresses only count them under Ray)."""
+    return [VERIFIER_ACTOR if i == 0 else f"{VERIFIER_ACTOR}-{i}" for i in range(len(cfg.verifier.addresses()))]
+
+
+def actor_placements(cfg: config_mod.Config) -> dict[str, config_mod.RayPlacement | None]:
+    """Every actor of this config, verifiers first: {actor name: its placement}."""
+    placements = {name: cfg.verifier.ray for name in verifier_actor_names(cfg)}
+    placements.update({drafter_actor_name(s.name): s.ray for s in cfg.drafters})
+    return placements
+
+
+def is_client_address(address: str | None) -> bool:
+    """A Ray Client address (`ray://HOST:PORT`): this process joins through the head's client server, not as a node's driver."""
+    return bool(address) and address.startswith("ray://")
 
 
 def where() -> dict:
@@ -129,16 +157,29 @@ def resolve_model_paths(cfg: config_mod.Config) -> None:
 
 
 def connect(address: str | None, namespace: str, **init_kwargs) -> str:
-    """Join the Ray cluster at address (None: start a local one); returns the cluster's GCS address."""
+    """Join the Ray cluster at address (None: start a local one; `ray://`: through Ray Client); returns the cluster's GCS address."""
     import ray
 
-    if not ray.is_initialized():
-        ray.init(address=address, namespace=namespace, **init_kwargs)
+    # Through Ray Client, the head starts a server process per client, and Ray's proxy sometimes
+    # fails that start at once (it reads the new process while it is a zombie, psutil.ZombieProcess:
+    # ConnectionAbortedError "Starting Ray client server failed"); the next try gets a fresh one.
+    attempts = CLIENT_CONNECT_ATTEMPTS if is_client_address(address) else 1
+    for attempt in range(1, attempts + 1):
+        if ray.is_initialized():
+            break
+        try:
+            ray.init(address=address, namespace=namespace, **init_kwargs)
+        except ConnectionAbortedError as err:
+            if attempt == attempts:
+                raise
+            log.warning("Ray Client at %s: %s; trying again (%d of %d)", address, str(err).strip().splitlines()[-1], attempt + 1, attempts)
+            ray.shutdown()
+            time.sleep(2.0 * attempt)
     return ray.get_runtime_context().gcs_address
 
 
 def create_actors(cfg: config_mod.Config, namespace: str, detached: bool = False) -> dict:
-    """Create the verifier and one actor per drafter service; returns {actor name: handle}."""
+    """Create one actor per verifier replica and per drafter service; returns {actor name: handle}."""
     import ray
 
     from drafter_service.actor import DrafterActor
@@ -146,7 +187,7 @@ def create_actors(cfg: config_mod.Config, namespace: str, detached: bool = False
 
     config_yaml = cfg.to_yaml()
     handles = {}
-    specs = [(VERIFIER_ACTOR, VerifierActor, cfg.verifier.ray, (config_yaml,))]
+    specs = [(name, VerifierActor, cfg.verifier.ray, (config_yaml,)) for name in verifier_actor_names(cfg)]
     specs += [(drafter_actor_name(s.name), DrafterActor, s.ray, (config_yaml, s.name)) for s in cfg.drafters]
     for name, cls, placement, args in specs:
         options = actor_options(placement, name, namespace, detached)
@@ -164,7 +205,7 @@ def lookup_actors(cfg: config_mod.Config, namespace: str, timeout_s: float) -> d
     """The named actors of this config, waiting (up to timeout_s) for them to be registered."""
     import ray
 
-    names = [VERIFIER_ACTOR] + [drafter_actor_name(s.name) for s in cfg.drafters]
+    names = list(actor_placements(cfg))
     deadline = time.monotonic() + timeout_s
     handles = {}
     while True:
@@ -213,7 +254,7 @@ async def wait_ready(handles: dict, timeout_s: float, cfg: config_mod.Config | N
         waiting = [n for n, t in tasks.items() if t in pending]
         asked = ""
         if cfg is not None:
-            wants = {VERIFIER_ACTOR: cfg.verifier.ray, **{drafter_actor_name(s.name): s.ray for s in cfg.drafters}}
+            wants = actor_placements(cfg)
             keys = ("num_cpus", "num_gpus", "resources", "label_selector", "memory")
             asked = "; ".join(
                 f"{n} asks for {({k: v for k, v in actor_options(wants.get(n), n, '', False).items() if k in keys})}" for n in waiting
@@ -236,7 +277,7 @@ def _root_cause(err: BaseException) -> str:
 
 def format_placement(placements: dict) -> str:
     lines = []
-    for name in sorted(placements, key=lambda n: (n != VERIFIER_ACTOR, n)):
+    for name in sorted(placements, key=_listing_order):
         w = placements[name]
         res = ", ".join(f"{k}={v:g}" for k, v in sorted(w.get("resources", {}).items())) or "-"
         gpus = f" gpus {','.join(w['gpu_ids'])}" if w.get("gpu_ids") else ""
@@ -244,10 +285,17 @@ def format_placement(placements: dict) -> str:
     return "\n".join(lines)
 
 
+def _listing_order(name: str) -> tuple:
+    """Verifiers first, by replica (`verifier`, `verifier-1`, ..., `verifier-10`), then drafters by name."""
+    if name == VERIFIER_ACTOR or name.startswith(VERIFIER_ACTOR + "-"):
+        return (0, int(name.rpartition("-")[2]) if name != VERIFIER_ACTOR else 0, "")
+    return (1, 0, name)
+
+
 def _local_resources(cfg: config_mod.Config) -> dict[str, float]:
     """Custom resources the config asks for, to declare on a local one-node cluster so the same config runs."""
     wanted: dict[str, float] = {}
-    for placement in [cfg.verifier.ray] + [s.ray for s in cfg.drafters]:
+    for placement in actor_placements(cfg).values():
         for k, v in (placement.resources if placement else {}).items():
             wanted[k] = wanted.get(k, 0.0) + v
     return wanted
@@ -276,7 +324,10 @@ def serve(cfg: config_mod.Config, address: str | None, namespace: str, detached:
     except Exception as err:
         print(f"specfleet serve: cannot connect to Ray at {address or '(local)'}: {err}", file=sys.stderr)
         return 1
-    print(f"specfleet serve: Ray cluster at {gcs_address}, namespace {namespace!r}, {len(ray.nodes())} node(s)", flush=True)
+    via = f" through Ray Client {address}" if is_client_address(address) else ""
+    print(f"specfleet serve: Ray cluster at {gcs_address}{via}, namespace {namespace!r}, {len(ray.nodes())} node(s)", flush=True)
+    # The router joins the way this process did: a process that is no Ray node can only use Ray Client.
+    router_ray_address = address if is_client_address(address) else gcs_address
     router_proc: subprocess.Popen | None = None
     handles: dict = {}
     config_dir = _tempdir()
@@ -312,7 +363,7 @@ def serve(cfg: config_mod.Config, address: str | None, namespace: str, detached:
 
         config_file = pathlib.Path(config_dir) / "config.yaml"
         config_file.write_text(cfg.to_yaml())
-        command = [sys.executable, "-m", "router", "--config", str(config_file), "--ray", gcs_address, "--ray-namespace", namespace]
+        command = [sys.executable, "-m", "router", "--config", str(config_file), "--ray", router_ray_address, "--ray-namespace", namespace]
         router_proc = subprocess.Popen(command)
         router_address = f"{cfg.router.host}:{cfg.router.port}"
         from specfleet.cli import _wait_ready

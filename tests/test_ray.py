@@ -6,6 +6,11 @@ ADDRESS` creates the actors and runs the router over Ray transports. The tests
 check where each actor landed, that greedy output equals the target's own
 `generate`, and that killing the drafter actor costs nothing but speed.
 
+A second `specfleet serve --ray ray://127.0.0.1:PORT`, in a namespace of its own on
+the same cluster, is a driver outside the cluster (Ray Client, through the head's
+client server) with two verifier actors: it serves the same output, and killing
+one verifier actor mid-stream loses no request.
+
 Token authentication stays on: the cluster and every process joining it get a
 fresh token through RAY_AUTH_MODE=token and RAY_AUTH_TOKEN (nothing is written
 to ~/.ray). The cluster's processes are this test's own: `ray start --block`
@@ -18,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import secrets
 import shutil
 import signal
@@ -32,7 +38,7 @@ import yaml
 from router import breaker
 from specfleet import config as config_mod
 from tests.conftest import REPO, free_port
-from tests.helpers import greedy_request, target_greedy
+from tests.helpers import PROMPTS, greedy_request, target_greedy
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -89,6 +95,22 @@ def test_actor_options_follow_the_config():
     assert "lifetime" not in ray_cluster.actor_options(None, "x", "ns", detached=False)
 
 
+def test_one_verifier_actor_per_replica():
+    """Under Ray the verifier's addresses only count its actors; each has the verifier's placement, and a local
+    one-node Ray declares the custom resources of all of them."""
+    from specfleet import ray_cluster
+
+    config = _base(resources={"big_gpu": 0.5})
+    config["verifier"]["replicas"] = ["127.0.0.1:50063", "127.0.0.1:50064"]
+    cfg = config_mod.parse(config)
+    assert ray_cluster.verifier_actor_names(cfg) == ["verifier", "verifier-1", "verifier-2"]
+    placements = ray_cluster.actor_placements(cfg)
+    assert list(placements) == ["verifier", "verifier-1", "verifier-2", "drafter-d"]
+    assert all(placements[n].resources == {"big_gpu": 0.5} for n in ("verifier", "verifier-1", "verifier-2"))
+    assert ray_cluster._local_resources(cfg) == {"big_gpu": 1.5, "small_gpu": 0.5}
+    assert ray_cluster.verifier_actor_names(config_mod.parse(_base())) == ["verifier"]
+
+
 def test_grpc_services_still_refuse_bad_requests_as_invalid_argument(cluster):
     """The servicers now delegate to VerifierCore/DrafterCore (shared with the actors); refusals stay INVALID_ARGUMENT."""
     import grpc
@@ -113,7 +135,7 @@ def test_grpc_services_still_refuse_bad_requests_as_invalid_argument(cluster):
 
 
 class RayNodes:
-    """Two `ray start --block` nodes on loopback: head with big_gpu, worker with small_gpu."""
+    """Two `ray start --block` nodes on loopback: head with big_gpu and the Ray Client server, worker with small_gpu."""
 
     def __init__(self, workdir: pathlib.Path):
         self.workdir = workdir
@@ -121,6 +143,7 @@ class RayNodes:
         self.temp = tempfile.mkdtemp(prefix="sfray-", dir="/tmp")
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
+        self.client_address = f"ray://127.0.0.1:{free_port()}"
         self.env = {
             **os.environ,
             "RAY_AUTH_MODE": "token",
@@ -128,6 +151,9 @@ class RayNodes:
             "RAY_USAGE_STATS_ENABLED": "0",
             "PYTHONUNBUFFERED": "1",
             "OMP_NUM_THREADS": "1",
+            # The actors import this tree's code, as nodes of a real cluster import the image's (a Ray Client
+            # driver sends no code; the editable install would give them another checkout's).
+            "PYTHONPATH": str(REPO),
         }
         self.procs: list[subprocess.Popen] = []
 
@@ -139,9 +165,13 @@ class RayNodes:
         )
 
     def start(self, timeout_s: float = 150.0) -> "RayNodes":
-        self._start("head", ["--head", f"--port={self.port}", f"--temp-dir={self.temp}", "--include-dashboard=false", '--resources={"big_gpu": 1}'])
+        client_port = self.client_address.rsplit(":", 1)[1]
+        self._start(
+            "head",
+            ["--head", f"--port={self.port}", f"--ray-client-server-port={client_port}", f"--temp-dir={self.temp}", "--include-dashboard=false", '--resources={"big_gpu": 2}'],
+        )
         self._wait_nodes(1, timeout_s)
-        self._start("worker", [f"--address={self.address}", '--resources={"small_gpu": 1}'])
+        self._start("worker", [f"--address={self.address}", '--resources={"small_gpu": 2}'])
         self.nodes = self._wait_nodes(2, timeout_s)
         return self
 
@@ -191,20 +221,22 @@ class RayNodes:
 
 
 class RayServe:
-    """`specfleet serve --ray ADDRESS --config FILE`, as a user would run it."""
+    """`specfleet serve --ray ADDRESS --config FILE`, as a user would run it (ADDRESS: the GCS address by default)."""
 
-    def __init__(self, nodes: RayNodes, config: dict, workdir: pathlib.Path):
-        self.config_path = workdir / "ray-config.yaml"
+    def __init__(self, nodes: RayNodes, config: dict, workdir: pathlib.Path, address: str | None = None, namespace: str = NAMESPACE, name: str = "serve"):
+        self.config_path = workdir / f"{name}-config.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
-        self.log_path = workdir / "serve.log"
+        self.log_path = workdir / f"{name}.log"
         self.router = f"127.0.0.1:{config['router']['port']}"
         self.nodes = nodes
+        self.address = address or nodes.address
+        self.namespace = namespace
         self.stdout_lines: list[str] = []
 
     def start(self, timeout_s: float = 240.0) -> "RayServe":
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "specfleet.cli", "serve", "--ray", self.nodes.address, "--namespace", NAMESPACE, "--config", str(self.config_path)],
+            [sys.executable, "-m", "specfleet.cli", "serve", "--ray", self.address, "--namespace", self.namespace, "--config", str(self.config_path)],
             stdout=subprocess.PIPE, stderr=self._log, text=True, cwd=REPO, env=self.nodes.env,
         )
         deadline = time.monotonic() + timeout_s
@@ -216,7 +248,12 @@ class RayServe:
             if not line and self.proc.poll() is not None:
                 break
         self.stop()
-        raise RuntimeError(f"specfleet serve --ray did not start; stdout:\n{''.join(self.stdout_lines)}\nlog:\n{self.log_path.read_text()[-6000:]}")
+        client_servers = "".join(
+            f"\n{path.name}:\n{path.read_text()[-3000:]}" for path in sorted(pathlib.Path(self.nodes.temp).glob("session_latest/logs/ray_client_server*"))
+        )
+        raise RuntimeError(
+            f"specfleet serve --ray did not start; stdout:\n{''.join(self.stdout_lines)}\nlog:\n{self.log_path.read_text()[-6000:]}{client_servers}"
+        )
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -229,41 +266,47 @@ class RayServe:
 
 
 @pytest.fixture(scope="module")
-def ray_serve(random_family, tmp_path_factory):
+def ray_nodes(tmp_path_factory):
     if not RAY_BIN.exists():
         pytest.skip(f"no ray executable next to {sys.executable}")
-    workdir = tmp_path_factory.mktemp("ray")
-    nodes = RayNodes(workdir)
+    nodes = RayNodes(tmp_path_factory.mktemp("ray"))
     try:
         nodes.start()
-        config = {
-            "verifier": {"model": str(random_family["target"]), "ray": {"num_cpus": 0, "resources": {"big_gpu": 1}, "max_restarts": 0}},
-            "drafters": [
-                {
-                    "name": "small",
-                    "models": [{"name": "drafter-noisy", "path": str(random_family["drafter-noisy"])}],
-                    "ray": {"num_cpus": 0, "resources": {"small_gpu": 1}, "max_restarts": 2},
-                }
-            ],
-            "router": {"port": free_port(), "default_drafter": "drafter-noisy", "startup_timeout_s": 240},
-        }
-        serve = RayServe(nodes, config, workdir).start()
     except BaseException:
         nodes.stop()
         raise
-    yield serve
-    serve.stop()
+    yield nodes
     nodes.stop()
 
 
+def serve_config(random_family, verifier_ray: dict, drafter_ray: dict, **verifier) -> dict:
+    return {
+        "verifier": {"model": str(random_family["target"]), "ray": verifier_ray, **verifier},
+        "drafters": [{"name": "small", "models": [{"name": "drafter-noisy", "path": str(random_family["drafter-noisy"])}], "ray": drafter_ray}],
+        # verifier_wait_s: how long requests wait once no verifier is left (the last test here kills the only one).
+        "router": {"port": free_port(), "default_drafter": "drafter-noisy", "startup_timeout_s": 240, "verifier_wait_s": 15},
+    }
+
+
+@pytest.fixture(scope="module")
+def ray_serve(random_family, ray_nodes):
+    config = serve_config(
+        random_family, {"num_cpus": 0, "resources": {"big_gpu": 1}, "max_restarts": 0}, {"num_cpus": 0, "resources": {"small_gpu": 1}, "max_restarts": 2}
+    )
+    serve = RayServe(ray_nodes, config, ray_nodes.workdir).start()
+    yield serve
+    serve.stop()
+
+
 def ray_query(serve: RayServe, body: str, timeout_s: float = 240.0):
-    """Run `body` in a separate Ray driver of the test cluster (with its token); it sets `result`, returned as JSON.
+    """Run `body` in a separate Ray driver of the test cluster (with its token), in the namespace of `serve`'s
+    actors; it sets `result`, returned as JSON.
 
     A separate process, because a Ray driver reads its authentication settings once, at import.
     """
     script = (
         "import json, ray\n"
-        f"ray.init(address={serve.nodes.address!r}, namespace={NAMESPACE!r}, logging_level='ERROR', log_to_driver=False)\n"
+        f"ray.init(address={serve.nodes.address!r}, namespace={serve.namespace!r}, logging_level='ERROR', log_to_driver=False)\n"
         + body
         + "\nprint('RESULT ' + json.dumps(result))\n"
     )
@@ -368,7 +411,7 @@ def test_refused_request_maps_to_invalid_argument(ray_serve):
         "bad = verifier_pb2.VerifyRequest(sessions=[verifier_pb2.VerifySession(sync=common_pb2.SessionSync(session_id=''))])\n"
         "async def go():\n"
         "    try:\n"
-        "        await ray_transport.RayVerifier(ray.get_actor('verifier')).verify(bad, 60)\n"
+        "        await ray_transport.RayVerifier('verifier', ray.get_actor('verifier')).verify(bad, 60)\n"
         "    except TransportError as err:\n"
         "        return [err.code().name, err.invalid_argument, err.details()]\n"
         "result = asyncio.run(go())\n"
@@ -378,7 +421,7 @@ def test_refused_request_maps_to_invalid_argument(ray_serve):
 
 
 def test_dead_verifier_actor_fails_requests_unavailable(ray_serve):
-    """Last: the verifier (max_restarts: 0) is killed for good; requests fail UNAVAILABLE and the router keeps serving."""
+    """Last of `ray_serve`'s: its verifier (max_restarts: 0) is killed for good; requests fail UNAVAILABLE and the router keeps serving."""
     import grpc
 
     ray_query(ray_serve, "ray.kill(ray.get_actor('verifier'), no_restart=True)\nresult = True")
@@ -386,3 +429,81 @@ def test_dead_verifier_actor_fails_requests_unavailable(ray_serve):
         _generate(ray_serve, "The", max_tokens=4)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
     assert ray_serve.proc.poll() is None
+
+
+# --- a driver outside the cluster (Ray Client), two verifier actors ---------------------------------------------------
+
+CLIENT_NAMESPACE = "specfleet-client-test"
+
+
+@pytest.fixture(scope="module")
+def ray_client_serve(random_family, ray_nodes):
+    """`specfleet serve --ray ray://...`: a process that is not a Ray node. The verifier lists two replicas (their
+    addresses only count them under Ray): two actors, each with half of the head's big_gpu, never restarted."""
+    config = serve_config(
+        random_family,
+        {"num_cpus": 0, "resources": {"big_gpu": 0.5}, "max_restarts": 0},
+        {"num_cpus": 0, "resources": {"small_gpu": 1}, "max_restarts": 0},
+        address="127.0.0.1:50061",
+        replicas=["127.0.0.1:50063"],
+    )
+    serve = RayServe(ray_nodes, config, ray_nodes.workdir, address=ray_nodes.client_address, namespace=CLIENT_NAMESPACE, name="client-serve").start()
+    yield serve
+    serve.stop()
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for c in pathlib.Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+CLIENT_ACTORS = ("verifier", "verifier-1", "drafter-small")
+
+
+def test_ray_client_driver_with_two_verifier_actors_serves_the_target_greedy(ray_client_serve, random_family):
+    serve = ray_client_serve
+    # Token authentication is on for the client server too: a client with another token does not get in.
+    intruder = subprocess.Popen(
+        [sys.executable, "-c", f"import ray; ray.init({serve.address!r}, logging_level='ERROR'); print('CONNECTED')"],
+        env={**serve.nodes.env, "RAY_AUTH_TOKEN": secrets.token_hex(32)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    where = ray_query(serve, f"result = {{n: ray.get(ray.get_actor(n).where.remote(), timeout=120) for n in {CLIENT_ACTORS!r}}}")
+    head = next(n["id"] for n in serve.nodes.nodes if "big_gpu" in n["resources"])
+    for name in ("verifier", "verifier-1"):
+        assert where[name]["node_id"] == head and where[name]["resources"].get("big_gpu") == 0.5, where[name]
+    assert where["verifier"]["pid"] != where["verifier-1"]["pid"]
+    printed = "".join(serve.stdout_lines)
+    assert f"through Ray Client {serve.address}" in printed
+    assert all(any(ln.strip().startswith(n + " ") for ln in printed.splitlines()) for n in CLIENT_ACTORS), printed
+    # Neither serve nor its router is a driver on a Ray node: the jobs' drivers are the head's client servers.
+    ours = {serve.proc.pid, *_children(serve.proc.pid)}
+    assert len(ours) == 2, ours
+    drivers = ray_query(serve, "result = [(j['DriverPid'], j['Entrypoint']) for j in ray._private.state.jobs() if not j['IsDead']]")
+    assert not ours & {pid for pid, _ in drivers}, drivers
+    assert sum("ray.util.client.server" in entry for _, entry in drivers) >= 2, drivers
+    target = str(random_family["target"])
+    for prompt in ("def fibonacci(n):", "name: specfleet\nversion:"):
+        reply = _generate(serve, prompt, max_tokens=16)
+        assert list(reply.token_ids) == target_greedy(target, prompt, 16)
+        assert reply.speculation.draft_tokens > 0, "the drafter actor was not used"
+    out, err = intruder.communicate(timeout=120)
+    assert intruder.returncode != 0 and "CONNECTED" not in out, (out, err[-2000:])
+
+
+def test_killed_verifier_actor_loses_no_request(ray_client_serve, random_family):
+    """kill -9 one of the two verifier actors with 8 streams in flight: its requests move to the other
+    actor, which rebuilds their KV from the token ids; none fails and every output is the target's own."""
+    from tests.test_supervision import Streams
+
+    serve = ray_client_serve
+    victim = ray_query(serve, "result = ray.get(ray.get_actor('verifier-1').where.remote(), timeout=120)")
+    streams = Streams([serve.router], [PROMPTS[i] for i in range(8)], max_tokens=160)
+    streams.start()
+    os.kill(victim["pid"], signal.SIGKILL)
+    streams.join()
+    streams.check(str(random_family["target"]))
+    log = serve.log_path.read_text()
+    assert re.search(r"request \S+ moves to verifier replica ray actor verifier\b(?!-)", log), log[-4000:]
+    # The router keeps serving on the live actor.
+    reply = _generate(serve, PROMPTS[0], max_tokens=8)
+    assert list(reply.token_ids) == target_greedy(str(random_family["target"]), PROMPTS[0], 8)
+    assert serve.proc.poll() is None
