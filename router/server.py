@@ -109,13 +109,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             finish_reason=state.finish_reason,
             usage=state.usage(),
             speculation=state.stats(),
+            logprobs=state.logprobs,
         )
 
     async def GenerateStream(self, request, context):
         state = await self._start(request, context)
         async for chunk in self._updates(state, context):
             chunk: Chunk
-            msg = generation_pb2.GenerateChunk(request_id=state.spec.request_id, text=chunk.text, token_ids=chunk.token_ids)
+            msg = generation_pb2.GenerateChunk(request_id=state.spec.request_id, text=chunk.text, token_ids=chunk.token_ids, logprobs=chunk.logprobs)
             if chunk.final:
                 msg.finish_reason = state.finish_reason
                 msg.usage.CopyFrom(state.usage())
