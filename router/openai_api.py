@@ -17,7 +17,7 @@ top-p), as vLLM reports them by default.
 
 Errors use OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`,
 and status codes: 400 bad input, 401 bad key, 404 unknown model, 429 queue
-full, 503 verifier down, 504 deadline.
+full, 503 verifier down or server shutting down, 504 deadline.
 """
 
 from __future__ import annotations
@@ -243,6 +243,16 @@ def create_app(servicer, model_name: str, api_key: str = "") -> FastAPI:
     """The ASGI app over `servicer` (router.server.GenerationServicer). api_key: when set, /v1/* needs it."""
     app = FastAPI(title="specfleet", docs_url=None, redoc_url=None, openapi_url=None)
     created = int(time.time())
+    # Set when the router stops: requests in flight finish, new ones get a 503 (and /health says so).
+    app.state.draining = False
+
+    def check_open() -> None:
+        if app.state.draining:
+            raise ApiError(
+                503,
+                "the server is shutting down: it finishes the requests in flight and takes no new ones; retry on another replica",
+                code="shutting_down",
+            )
 
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, err: ApiError):
@@ -366,6 +376,8 @@ def create_app(servicer, model_name: str, api_key: str = "") -> FastAPI:
 
     @app.get("/health")
     async def health():
+        if app.state.draining:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/version")
@@ -388,6 +400,7 @@ def create_app(servicer, model_name: str, api_key: str = "") -> FastAPI:
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
+        check_open()
         _refuse_unsupported(body)
         check_model(body.model)
         prompts = body.prompt
@@ -422,6 +435,7 @@ def create_app(servicer, model_name: str, api_key: str = "") -> FastAPI:
 
     @v1.post("/chat/completions")
     async def chat(body: ChatRequest, request: Request):
+        check_open()
         _refuse_unsupported(body)
         check_model(body.model)
         if body.max_tokens is not None and body.max_completion_tokens is not None:

@@ -353,6 +353,14 @@ async def run(
         # The earlier hand-written specfleet_router_* families follow the specfleet:* ones.
         metrics_server = await metrics.serve(metrics_sock, scheduler.telemetry.registry, lambda: render_metrics(scheduler))
     http = await start_http(cfg, host, servicer, api_key)
+
+    async def drain() -> None:
+        """Take no new HTTP requests, and wait until every request in flight, HTTP or gRPC, has finished."""
+        if http is not None:
+            http[0].state.draining = True
+        while scheduler.running or scheduler.waiting:
+            await asyncio.sleep(0.05)
+
     on_reload = (lambda: reload(servicer, scheduler, config_path, over_grpc=given is None)) if config_path else None
 
     def register(server):
@@ -360,10 +368,10 @@ async def run(
         return [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name]
 
     try:
-        await serve("router", host, port, register, grace_s=ROUTER_DRAIN_S, on_reload=on_reload)
+        await serve("router", host, port, register, grace_s=ROUTER_DRAIN_S, on_reload=on_reload, on_drain=drain)
     finally:
         if http is not None:
-            await openai_api.stop(*http)
+            await openai_api.stop(*http[1:])
         if metrics_server is not None:
             metrics_server.close()
         await scheduler.stop()
@@ -372,7 +380,7 @@ async def run(
 
 
 async def start_http(cfg: config_mod.Config, host: str, servicer: GenerationServicer, api_key: str):
-    """The OpenAI-compatible API on router.http_port, or None when it is off."""
+    """The OpenAI-compatible API on router.http_port, as (app, server, task), or None when it is off."""
     sock = listen(host, cfg.router.http_port, config_mod.DEFAULT_HTTP_PORT, "HTTP API", "router.http_port")
     if sock is None:
         return None
@@ -384,7 +392,7 @@ async def start_http(cfg: config_mod.Config, host: str, servicer: GenerationServ
         "OpenAI-compatible API on http://%s:%d/v1 (model %r)%s",
         address[0], address[1], model_name, ", API key required" if api_key else "",
     )
-    return started
+    return (app, *started)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -99,12 +99,15 @@ async def serve(
     grace_s: float = 10.0,
     on_stop: Callable[[], None] | None = None,
     on_reload: Callable[[], Awaitable[None]] | None = None,
+    on_drain: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """Run a gRPC server until SIGTERM or SIGINT, then let in-flight calls finish (up to grace_s).
 
     `register` adds the servicers and returns their full service names; health
     checking (grpc.health.v1) and reflection are added for all of them.
-    SIGHUP calls `on_reload`, when given.
+    SIGHUP calls `on_reload`, when given. `on_drain`, when given, runs beside the
+    gRPC drain, within the same grace_s: the work other than gRPC calls that must
+    finish first (the router's HTTP requests).
     """
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
     service_names = list(register(server))
@@ -131,10 +134,20 @@ async def serve(
     log.info("%s shutting down: finishing in-flight calls (up to %.0fs)", name, grace_s)
     for service in ["", *service_names]:
         await health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-    await server.stop(grace_s)
+    drains = [server.stop(grace_s)]
+    if on_drain is not None:
+        drains.append(_bounded(on_drain(), grace_s, f"{name}: in-flight work did not finish within {grace_s:.0f}s"))
+    await asyncio.gather(*drains)
     if on_stop is not None:
         on_stop()
     log.info("%s stopped", name)
+
+
+async def _bounded(awaitable, timeout_s: float, message: str) -> None:
+    try:
+        await asyncio.wait_for(awaitable, timeout_s)
+    except TimeoutError:
+        log.warning(message)
 
 
 async def _reload(name: str, on_reload) -> None:
