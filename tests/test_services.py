@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -250,7 +251,13 @@ def test_cli_generate_prints_text(cluster, stream):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout == expected.text + "\n"
-    assert "finish: length; rounds: " in out.stderr
+    assert "finish: length; rounds: " in out.stderr and "8 tokens, " in out.stderr
+    # Where the time went: the whole call, and the router's draft and verify calls, wall and compute.
+    timing = re.search(r"\[time: (\d+) ms, [\d.]+ ms/token, [\d.]+ tokens/s(; first token \d+ ms)?; draft \d+ ms wall, \d+ ms compute; "
+                       r"verify (\d+) ms wall, (\d+) ms compute; per token: draft [\d.]+/[\d.]+ ms, verify [\d.]+/[\d.]+ ms \(wall/compute\)\]", out.stderr)
+    assert timing, out.stderr
+    assert (timing.group(2) is not None) == stream
+    assert int(timing.group(4)) <= int(timing.group(3)) <= int(timing.group(1)) and int(timing.group(3)) > 0
     bad = subprocess.run(
         [sys.executable, "-m", "specfleet.cli", "generate", "--server", cluster.router, "--temperature", "-1", *(["--stream"] if stream else []), "x"],
         capture_output=True, text=True, timeout=60, cwd=REPO,
