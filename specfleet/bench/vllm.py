@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 
-from specfleet.bench.systems import REPO, Output, System, free_port, taskset_prefix
+from specfleet.bench.systems import REPO, SYSTEMS, Output, System, free_port, taskset_prefix
 from specfleet.bench.workload import Request
 
 VLLM_VERSION = "0.32.0"
@@ -231,3 +231,7 @@ class VLLMNgram(VLLMTarget):
 
     def speculative_config(self) -> dict:
         return {"method": "ngram", "num_speculative_tokens": self.settings.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+for _system in (VLLMTarget, VLLMDraft, VLLMNgram):
+    SYSTEMS[_system.name] = _system
