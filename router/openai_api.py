@@ -106,6 +106,7 @@ class Sampling(BaseModel):
     presence_penalty: float = 0.0
     logit_bias: dict | None = None
     # vLLM's extra sampling fields, and specfleet's.
+    repetition_penalty: float = 1.0  # only its neutral value (`vllm bench serve` sends it)
     top_k: int = 0
     ignore_eos: bool = False
     # Name logprobs' tokens "token_id:<id>" (vLLM's option): exact where a token's text is not.
@@ -141,6 +142,8 @@ def _refuse_unsupported(body: Sampling) -> None:
     for name in ("frequency_penalty", "presence_penalty"):
         if getattr(body, name) != 0:
             raise ApiError(400, f"{name}: only 0 is supported (penalties would change the target's distribution)", param=name, code="unsupported_field")
+    if body.repetition_penalty != 1:
+        raise ApiError(400, "repetition_penalty: only 1 is supported (a penalty would change the target's distribution)", param="repetition_penalty", code="unsupported_field")
     if body.logit_bias:
         raise ApiError(400, "logit_bias: not supported by specfleet", param="logit_bias", code="unsupported_field")
     if isinstance(body, CompletionRequest):

@@ -98,7 +98,10 @@ def test_completions_take_token_ids_and_several_prompts(client, tokenizer, targe
 def test_completions_stream_with_usage(client, tokenizer, target_with_template):
     prompt = PROMPTS[0]
     expected_ids = target_greedy(str(target_with_template), prompt, MAX_TOKENS)
-    chunks = list(client.completions.create(model="random-target", prompt=prompt, stream=True, stream_options={"include_usage": True}, **greedy()))
+    # As `vllm bench serve` asks: with vLLM's neutral repetition_penalty.
+    chunks = list(client.completions.create(
+        model="random-target", prompt=prompt, stream=True, stream_options={"include_usage": True}, **greedy(repetition_penalty=1.0)
+    ))
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == tokenizer.decode(expected_ids, skip_special_tokens=True)
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
@@ -171,6 +174,7 @@ REFUSED = [
     ("completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
     ("chat", {"presence_penalty": 1.0}, "presence_penalty"),
     ("completions", {"logit_bias": {"5": 10}}, "logit_bias"),
+    ("completions", {"extra_body": {"repetition_penalty": 1.2}}, "repetition_penalty"),
     ("completions", {"echo": True}, "echo"),
     ("completions", {"suffix": "end"}, "suffix"),
     ("completions", {"best_of": 2}, "best_of"),

