@@ -415,3 +415,21 @@ def test_grpc_clients_get_the_same_logprobs(api, tokenizer, target_with_template
         assert [lp.token_id for c in chunks for lp in c.logprobs] == list(reply.token_ids)
         assert all(not lp.top for c in chunks for lp in c.logprobs)
         assert not stub.Generate(greedy_request(prompt, MAX_TOKENS, 4), timeout=120).logprobs
+
+
+def test_logprobs_stop_where_the_output_stops(client, tokenizer, target_with_template):
+    """A stop string or the end of sequence cuts the tokens mid-round: their logprobs are cut with them."""
+    expected = tokenizer.decode(target_greedy(str(target_with_template), PROMPTS[0], MAX_TOKENS), skip_special_tokens=True)
+    stop = expected[len(expected) // 2 : len(expected) // 2 + 3]
+    assert stop.strip()
+    for stream in (False, True):
+        reply = client.completions.create(model="random-target", prompt=PROMPTS[0], logprobs=0, stop=[stop], stream=stream, **greedy(return_tokens_as_token_ids=True))
+        chunks = list(reply) if stream else [reply]
+        tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+        assert chunks[-1].choices[0].finish_reason == "stop"
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert stop not in text and expected.startswith(text)
+        # The tokens up to the one that completed the stop string, each with its logprob.
+        assert tokenizer.decode(_ids(tokens), skip_special_tokens=True).startswith(text + stop[:1])
+        assert stop in tokenizer.decode(_ids(tokens), skip_special_tokens=True)
+        assert stop not in tokenizer.decode(_ids(tokens)[:-1], skip_special_tokens=True)
