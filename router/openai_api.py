@@ -8,12 +8,16 @@ names, chat messages, the fields specfleet does not implement), then turned
 into a `GenerateRequest` and handed to `GenerationServicer.admit`: the same
 validation, queue and scheduler as the gRPC `Generate`, in this process, with
 no network hop. A field specfleet cannot honour is refused with a 400 naming
-it, never ignored: a client that asks for `logprobs` or `frequency_penalty` and gets
+it, never ignored: a client that asks for `frequency_penalty` and gets
 something else would be misled.
+
+`logprobs` are the target's, computed by the verifier from the logits it
+verified with: the raw distribution (log-softmax before temperature, top-k and
+top-p), as vLLM reports them by default.
 
 Errors use OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`,
 and status codes: 400 bad input, 401 bad key, 404 unknown model, 429 queue
-full, 503 verifier down, 504 deadline.
+full, 503 verifier down or server shutting down, 504 deadline.
 """
 
 from __future__ import annotations
@@ -27,7 +31,6 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, Literal
 
 import grpc
 import uvicorn
@@ -101,12 +104,13 @@ class Sampling(BaseModel):
     n: int = 1
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
-    logprobs: Any = None
-    top_logprobs: int | None = None
     logit_bias: dict | None = None
     # vLLM's extra sampling fields, and specfleet's.
+    repetition_penalty: float = 1.0  # only its neutral value (`vllm bench serve` sends it)
     top_k: int = 0
     ignore_eos: bool = False
+    # Name logprobs' tokens "token_id:<id>" (vLLM's option): exact where a token's text is not.
+    return_tokens_as_token_ids: bool = False
     speculation: Speculation | None = None
     domain: str = ""
     request_id: str = ""
@@ -114,6 +118,8 @@ class Sampling(BaseModel):
 
 class CompletionRequest(Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
+    # The chosen tokens' log-probabilities and this many alternatives each (OpenAI allows 0 to 5).
+    logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -122,6 +128,8 @@ class CompletionRequest(Sampling):
 class ChatRequest(Sampling):
     messages: list[dict] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
 
 
 def _refuse_unsupported(body: Sampling) -> None:
@@ -134,10 +142,8 @@ def _refuse_unsupported(body: Sampling) -> None:
     for name in ("frequency_penalty", "presence_penalty"):
         if getattr(body, name) != 0:
             raise ApiError(400, f"{name}: only 0 is supported (penalties would change the target's distribution)", param=name, code="unsupported_field")
-    # The verifier does not return the target's log-probabilities of committed tokens yet.
-    if body.logprobs not in (None, False) or body.top_logprobs is not None:
-        name = "logprobs" if body.logprobs not in (None, False) else "top_logprobs"
-        raise ApiError(400, f"{name}: log-probabilities are not supported yet", param=name, code="unsupported_field")
+    if body.repetition_penalty != 1:
+        raise ApiError(400, "repetition_penalty: only 1 is supported (a penalty would change the target's distribution)", param="repetition_penalty", code="unsupported_field")
     if body.logit_bias:
         raise ApiError(400, "logit_bias: not supported by specfleet", param="logit_bias", code="unsupported_field")
     if isinstance(body, CompletionRequest):
@@ -174,6 +180,10 @@ def _generate_request(body: Sampling, max_tokens: int | None, prompt: str | list
         req.seed = body.seed + choice
     if body.ignore_eos:
         req.stop_at_eos = False
+    if isinstance(body, CompletionRequest) and body.logprobs is not None:
+        req.logprobs, req.top_logprobs = True, body.logprobs
+    if isinstance(body, ChatRequest):
+        req.logprobs, req.top_logprobs = body.logprobs, body.top_logprobs or 0
     if body.speculation is not None:
         req.speculation.max_draft_tokens = body.speculation.max_draft_tokens
         req.speculation.disabled = body.speculation.disabled
@@ -196,6 +206,38 @@ def _usage(states: list[RequestState]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+def _token_text(tokenizer, as_ids: bool):
+    return (lambda token_id: f"token_id:{token_id}") if as_ids else (lambda token_id: tokenizer.decode([token_id]))
+
+
+def _completion_logprobs(name, logprobs: list, offset: int) -> dict:
+    """The completions API's logprobs object for these tokens; `name` gives a token's text; text_offset counts from `offset`."""
+    tokens = [name(lp.token_id) for lp in logprobs]
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        # The chosen token and its alternatives, as vLLM and OpenAI list them.
+        "top_logprobs": [
+            {name(t.token_id): t.logprob for t in [*lp.top, lp]} for lp in logprobs
+        ],
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprobs(name, logprobs: list) -> dict:
+    """The chat API's logprobs object for these tokens; `name` gives a token's text."""
+
+    def entry(token_id: int, logprob: float) -> dict:
+        token = name(token_id)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t.token_id, t.logprob) for t in lp.top]} for lp in logprobs]}
+
+
 def _sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
@@ -204,6 +246,16 @@ def create_app(servicer, model_name: str, api_key: str = "") -> FastAPI:
     """The ASGI app over `servicer` (router.server.GenerationServicer). api_key: when set, /v1/* needs it."""
     app = FastAPI(title="specfleet", docs_url=None, redoc_url=None, openapi_url=None)
     created = int(time.time())
+    # Set when the router stops: requests in flight finish, new ones get a 503 (and /health says so).
+    app.state.draining = False
+
+    def check_open() -> None:
+        if app.state.draining:
+            raise ApiError(
+                503,
+                "the server is shutting down: it finishes the requests in flight and takes no new ones; retry on another replica",
+                code="shutting_down",
+            )
 
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, err: ApiError):
@@ -310,9 +362,9 @@ def create_app(servicer, model_name: str, api_key: str = "") -> FastAPI:
                     yield _sse(envelope([choice]))
                 async for index, chunk in updates(states):
                     state = states[index]
-                    if not chunk.text and not chunk.final:
+                    if not chunk.text and not chunk.final and not chunk.logprobs:
                         continue
-                    choice = chunk_of(index, chunk.text, FINISH_REASONS.get(state.finish_reason) if chunk.final else None)
+                    choice = chunk_of(index, chunk.text, FINISH_REASONS.get(state.finish_reason) if chunk.final else None, chunk.logprobs)
                     if chunk.final:
                         choice["speculation"] = _speculation([state])[0]
                     yield _sse(envelope([choice]))
@@ -327,6 +379,8 @@ def create_app(servicer, model_name: str, api_key: str = "") -> FastAPI:
 
     @app.get("/health")
     async def health():
+        if app.state.draining:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/version")
@@ -349,6 +403,7 @@ def create_app(servicer, model_name: str, api_key: str = "") -> FastAPI:
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
+        check_open()
         _refuse_unsupported(body)
         check_model(body.model)
         prompts = body.prompt
@@ -359,8 +414,14 @@ def create_app(servicer, model_name: str, api_key: str = "") -> FastAPI:
         n = body.n
         states = await admit([_generate_request(body, body.max_tokens, p, i * n + c, c) for i, p in enumerate(prompts) for c in range(n)])
 
-        def chunk_of(index: int, text: str, finish: str | None) -> dict:
-            return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+        offsets = [0] * len(states)  # text_offset of each choice's next streamed token
+
+        def chunk_of(index: int, text: str, finish: str | None, logprobs: list) -> dict:
+            lp = None
+            if body.logprobs is not None:
+                lp = _completion_logprobs(_token_text(servicer.tokenizer, body.return_tokens_as_token_ids), logprobs, offsets[index])
+                offsets[index] += sum(len(t) for t in lp["tokens"])
+            return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
 
         if body.stream:
             return stream(states, "text_completion", chunk_of, bool(body.stream_options and body.stream_options.include_usage))
@@ -370,13 +431,14 @@ def create_app(servicer, model_name: str, api_key: str = "") -> FastAPI:
             "object": "text_completion",
             "created": int(time.time()),
             "model": model_name,
-            "choices": [chunk_of(i, s.text, FINISH_REASONS.get(s.finish_reason)) for i, s in enumerate(states)],
+            "choices": [chunk_of(i, s.text, FINISH_REASONS.get(s.finish_reason), s.logprobs) for i, s in enumerate(states)],
             "usage": _usage(states),
             "speculation": _speculation(states),
         }
 
     @v1.post("/chat/completions")
     async def chat(body: ChatRequest, request: Request):
+        check_open()
         _refuse_unsupported(body)
         check_model(body.model)
         if body.max_tokens is not None and body.max_completion_tokens is not None:
@@ -385,8 +447,9 @@ def create_app(servicer, model_name: str, api_key: str = "") -> FastAPI:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         states = await admit([_generate_request(body, max_tokens, prompt, c, c) for c in range(body.n)])
 
-        def chunk_of(index: int, text: str, finish: str | None) -> dict:
-            return {"index": index, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": finish}
+        def chunk_of(index: int, text: str, finish: str | None, logprobs: list) -> dict:
+            lp = _chat_logprobs(_token_text(servicer.tokenizer, body.return_tokens_as_token_ids), logprobs) if body.logprobs else None
+            return {"index": index, "delta": {"content": text} if text else {}, "logprobs": lp, "finish_reason": finish}
 
         if body.stream:
             first = [{"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None} for c in range(body.n)]
@@ -398,7 +461,12 @@ def create_app(servicer, model_name: str, api_key: str = "") -> FastAPI:
             "created": int(time.time()),
             "model": model_name,
             "choices": [
-                {"index": c, "message": {"role": "assistant", "content": s.text}, "logprobs": None, "finish_reason": FINISH_REASONS.get(s.finish_reason)}
+                {
+                    "index": c,
+                    "message": {"role": "assistant", "content": s.text},
+                    "logprobs": _chat_logprobs(_token_text(servicer.tokenizer, body.return_tokens_as_token_ids), s.logprobs) if body.logprobs else None,
+                    "finish_reason": FINISH_REASONS.get(s.finish_reason),
+                }
                 for c, s in enumerate(states)
             ],
             "usage": _usage(states),

@@ -14,6 +14,7 @@ from specfleet.v1 import generation_pb2
 
 MAX_STOP_STRINGS = 16
 MAX_LABEL_CHARS = 128
+MAX_TOP_LOGPROBS = 20
 
 
 class InvalidRequest(ValueError):
@@ -55,6 +56,8 @@ class RequestSpec:
     stop_at_eos: bool
     draft_tokens: int  # per round at most; 0 disables speculation
     domain: str  # the client's domain hint, or ""
+    logprobs: bool = False  # return each output token's log-probability (the target's raw distribution)
+    top_logprobs: int = 0  # and this many alternatives each
 
 
 def parse_request(req: generation_pb2.GenerateRequest, tokenizer, limits: Limits) -> RequestSpec:
@@ -108,6 +111,10 @@ def parse_request(req: generation_pb2.GenerateRequest, tokenizer, limits: Limits
     spec_opts = req.speculation
     if not 0 <= spec_opts.max_draft_tokens <= limits.max_draft_tokens:
         raise InvalidRequest(f"speculation.max_draft_tokens: must be between 0 and {limits.max_draft_tokens}, got {spec_opts.max_draft_tokens}")
+    if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"top_logprobs: must be between 0 and {MAX_TOP_LOGPROBS}, got {req.top_logprobs}")
+    if req.top_logprobs and not req.logprobs:
+        raise InvalidRequest("top_logprobs: needs logprobs set")
     draft_tokens = 0 if spec_opts.disabled else (spec_opts.max_draft_tokens or limits.default_draft_tokens)
 
     # A client's seed must fix the output whatever is drafted, batched or learned: such a request
@@ -125,6 +132,8 @@ def parse_request(req: generation_pb2.GenerateRequest, tokenizer, limits: Limits
         stop_at_eos=req.stop_at_eos if req.HasField("stop_at_eos") else True,
         draft_tokens=draft_tokens,
         domain=req.domain,
+        logprobs=req.logprobs,
+        top_logprobs=req.top_logprobs,
     )
 
 
@@ -162,6 +171,7 @@ class Chunk:
     text: str
     token_ids: list[int]
     final: bool = False
+    logprobs: list = field(default_factory=list)  # generation_pb2.TokenLogprobs per token id, when asked
 
 
 @dataclass
@@ -192,6 +202,7 @@ class RequestState:
     accepted_tokens: int = 0
     per_drafter: dict[str, DrafterCounts] = field(default_factory=dict)
     timing_ms: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("draft_wall", "draft_compute", "verify_wall", "verify_compute"), 0.0))
+    logprobs: list = field(default_factory=list)  # generation_pb2.TokenLogprobs per output token, when asked
     text: str = ""  # output text so far (stop strings removed)
     sent_text: int = 0  # characters of text already streamed
     sent_tokens: int = 0
@@ -213,9 +224,10 @@ class RequestState:
         """Tokens this request may still produce: max_tokens, and the model's context, bound it."""
         return min(self.spec.max_tokens - len(self.output_ids), self.max_context - len(self.tokens))
 
-    def commit(self, new_tokens: list[int]) -> None:
-        """Append verified tokens, stopping at max_tokens, end of sequence or a stop string."""
+    def commit(self, new_tokens: list[int], logprobs: list | None = None) -> None:
+        """Append verified tokens (with their TokenLogprobs, when asked), stopping at max_tokens, end of sequence or a stop string."""
         new_tokens = new_tokens[: self.remaining()]
+        self.logprobs.extend((logprobs or [])[: len(new_tokens)])
         if self.spec.stop_at_eos and self.eos_token_id in new_tokens:
             new_tokens = new_tokens[: new_tokens.index(self.eos_token_id) + 1]
             self.finish_reason = "eos"
@@ -226,6 +238,7 @@ class RequestState:
         self.text = self.tokenizer.decode(self.output_ids, skip_special_tokens=True)
         if self.spec.stop:
             self._apply_stop(start)
+        del self.logprobs[len(self.output_ids) :]  # what the end of sequence or a stop string cut
 
     def _apply_stop(self, start: int) -> None:
         search_from = max(0, self.sent_text - max(len(s) for s in self.spec.stop))
@@ -261,9 +274,10 @@ class RequestState:
         new_ids = self.output_ids[self.sent_tokens :]
         if not new_text and not new_ids and not self.finished:
             return None
+        logprobs = self.logprobs[self.sent_tokens : self.sent_tokens + len(new_ids)]
         self.sent_text += len(new_text)
         self.sent_tokens += len(new_ids)
-        return Chunk(text=new_text, token_ids=new_ids, final=self.finished)
+        return Chunk(text=new_text, token_ids=new_ids, final=self.finished, logprobs=logprobs)
 
     def stats(self) -> generation_pb2.SpeculationStats:
         drafters = [

@@ -51,7 +51,7 @@ from router.speculation import SpeculationController
 from router.transport import DrafterTransport, TransportError
 from router.verifiers import VerifierPool
 from specfleet import limits
-from specfleet.v1 import common_pb2, drafter_pb2, verifier_pb2
+from specfleet.v1 import common_pb2, drafter_pb2, generation_pb2, verifier_pb2
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +104,23 @@ def _sampling_proto(state: RequestState) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(
         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed, drafter_invariant=s.drafter_invariant
     )
+
+
+def token_logprobs(verified: verifier_pb2.VerifiedSession) -> list[generation_pb2.TokenLogprobs]:
+    """The verifier's flat log-probabilities of a round's tokens, one TokenLogprobs per token."""
+    n = len(verified.token_ids)
+    top = len(verified.top_token_ids) // n if n else 0
+    return [
+        generation_pb2.TokenLogprobs(
+            token_id=token,
+            logprob=verified.logprobs[i],
+            top=[
+                generation_pb2.TokenLogprob(token_id=t, logprob=lp)
+                for t, lp in zip(verified.top_token_ids[i * top : (i + 1) * top], verified.top_logprobs[i * top : (i + 1) * top])
+            ],
+        )
+        for i, token in enumerate(verified.token_ids)
+    ]
 
 
 class Scheduler:
@@ -437,6 +454,8 @@ class Scheduler:
                 sync=common_pb2.SessionSync(session_id=state.spec.session_id, prefix_length=prefix, new_token_ids=new),
                 tree=tree.to_proto() if tree else verifier_pb2.TokenTree(),
                 sampling=_sampling_proto(state),
+                logprobs=state.spec.logprobs,
+                top_logprobs=state.spec.top_logprobs,
             )
             entries.append([(state, session)])
         calls = limits.split(entries, lambda entry: limits.verify_tokens(entry[1]), self.config.verify_limits)
@@ -481,7 +500,7 @@ class Scheduler:
             state.rounds += 1
             if tree is not None:
                 self._learn(state, tree, list(verified.accepted_nodes), list(verified.token_ids))
-            state.commit(list(verified.token_ids))
+            state.commit(list(verified.token_ids), token_logprobs(verified) if state.spec.logprobs else None)
             state.verifier_mirror.held = list(state.tokens)
 
     def _learn(self, state: RequestState, tree: DraftTree, accepted_nodes: list[int], emitted: list[int]) -> None:

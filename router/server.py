@@ -113,13 +113,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             finish_reason=state.finish_reason,
             usage=state.usage(),
             speculation=state.stats(),
+            logprobs=state.logprobs,
         )
 
     async def GenerateStream(self, request, context):
         state = await self._start(request, context)
         async for chunk in self._updates(state, context):
             chunk: Chunk
-            msg = generation_pb2.GenerateChunk(request_id=state.spec.request_id, text=chunk.text, token_ids=chunk.token_ids)
+            msg = generation_pb2.GenerateChunk(request_id=state.spec.request_id, text=chunk.text, token_ids=chunk.token_ids, logprobs=chunk.logprobs)
             if chunk.final:
                 msg.finish_reason = state.finish_reason
                 msg.usage.CopyFrom(state.usage())
@@ -453,6 +454,14 @@ async def run(
             metrics_sock, scheduler.telemetry.registry, lambda: render_metrics(scheduler), **sec.metrics_options()
         )
     http = await start_http(cfg, host, servicer, api_key, sec)
+
+    async def drain() -> None:
+        """Take no new HTTP requests, and wait until every request in flight, HTTP or gRPC, has finished."""
+        if http is not None:
+            http[0].state.draining = True
+        while scheduler.running or scheduler.waiting:
+            await asyncio.sleep(0.05)
+
     on_reload = (lambda: reload(servicer, scheduler, config_path, over_grpc=given is None)) if config_path else None
 
     def register(server):
@@ -461,13 +470,13 @@ async def run(
 
     try:
         await serve(
-            "router", host, port, register, grace_s=ROUTER_DRAIN_S, on_reload=on_reload,
+            "router", host, port, register, grace_s=ROUTER_DRAIN_S, on_reload=on_reload, on_drain=drain,
             healthy=lambda: bool(scheduler.verifiers.live()), max_request_bytes=cfg.router.max_request_bytes,
             credentials=sec.server_credentials(public=True), interceptors=sec.server_interceptors(public=True, api_key=api_key),
         )
     finally:
         if http is not None:
-            await openai_api.stop(*http)
+            await openai_api.stop(*http[1:])
         if metrics_server is not None:
             metrics_server.close()
         await scheduler.stop()
@@ -476,7 +485,8 @@ async def run(
 
 
 async def start_http(cfg: config_mod.Config, host: str, servicer: GenerationServicer, api_key: str, sec: security.Security):
-    """The OpenAI-compatible API on router.http_port (HTTPS when security.tls is set), or None when it is off."""
+    """The OpenAI-compatible API on router.http_port (HTTPS when security.tls is set), as (app, server, task),
+    or None when it is off."""
     sock = listen(host, cfg.router.http_port, config_mod.DEFAULT_HTTP_PORT, "HTTP API", "router.http_port")
     if sock is None:
         return None
@@ -488,7 +498,7 @@ async def start_http(cfg: config_mod.Config, host: str, servicer: GenerationServ
         "OpenAI-compatible API on %s://%s:%d/v1 (model %r)%s",
         "https" if sec.tls else "http", address[0], address[1], model_name, ", API key required" if api_key else "",
     )
-    return started
+    return (app, *started)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -288,31 +288,53 @@ def cmd_generate(argv: list[str]) -> int:
     else:
         channel = grpc.insecure_channel(args.server)
     metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+    first_token_s = None
     with channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
+        started = time.perf_counter()
         try:
             if args.stream:
                 final = None
                 for chunk in stub.GenerateStream(request, timeout=args.timeout, metadata=metadata):
+                    if first_token_s is None and chunk.token_ids:
+                        first_token_s = time.perf_counter() - started
                     sys.stdout.write(chunk.text)
                     sys.stdout.flush()
                     final = chunk
                 sys.stdout.write("\n")
-                stats, reason = final.speculation, final.finish_reason
+                stats, reason, tokens = final.speculation, final.finish_reason, final.usage.completion_tokens
             else:
                 reply = stub.Generate(request, timeout=args.timeout, metadata=metadata)
                 print(reply.text)
-                stats, reason = reply.speculation, reply.finish_reason
+                stats, reason, tokens = reply.speculation, reply.finish_reason, reply.usage.completion_tokens
+            elapsed_s = time.perf_counter() - started
         except grpc.RpcError as err:
             print(f"specfleet generate: {err.code().name}: {err.details()}", file=sys.stderr)
             return 1
     if args.stats:
         rate = stats.accepted_tokens / stats.draft_tokens if stats.draft_tokens else 0.0
         print(
-            f"[finish: {reason}; rounds: {stats.rounds}; drafts accepted: {stats.accepted_tokens}/{stats.draft_tokens} ({rate:.0%})]",
+            f"[finish: {reason}; rounds: {stats.rounds}; drafts accepted: {stats.accepted_tokens}/{stats.draft_tokens} ({rate:.0%}); "
+            f"{tokens} tokens, {tokens / max(1, stats.rounds):.2f} per round (target passes; 1.00 without drafts)]",
             file=sys.stderr,
         )
+        print(_timing(elapsed_s, first_token_s, tokens, stats), file=sys.stderr)
     return 0
+
+
+def _timing(elapsed_s: float, first_token_s: float | None, tokens: int, stats) -> str:
+    """Where the request's time went, as `generate --stats` prints it: the whole call as this client saw it,
+    and the router's draft and verify calls summed over rounds, wall (as the router saw them: network and
+    queueing included) and compute (the servers' forward passes, shared with requests batched alongside)."""
+    per = max(1, tokens)
+    first = f"; first token {first_token_s * 1e3:.0f} ms" if first_token_s is not None else ""
+    return (
+        f"[time: {elapsed_s * 1e3:.0f} ms, {elapsed_s * 1e3 / per:.1f} ms/token, {tokens / elapsed_s if elapsed_s > 0 else 0:.1f} tokens/s{first}; "
+        f"draft {stats.draft_wall_ms:.0f} ms wall, {stats.draft_compute_ms:.0f} ms compute; "
+        f"verify {stats.verify_wall_ms:.0f} ms wall, {stats.verify_compute_ms:.0f} ms compute; "
+        f"per token: draft {stats.draft_wall_ms / per:.1f}/{stats.draft_compute_ms / per:.1f} ms, "
+        f"verify {stats.verify_wall_ms / per:.1f}/{stats.verify_compute_ms / per:.1f} ms (wall/compute)]"
+    )
 
 
 def cmd_models(argv: list[str]) -> int:

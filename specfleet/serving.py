@@ -187,6 +187,7 @@ async def serve(
     credentials: grpc.ServerCredentials | None = None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     max_request_bytes: int = MAX_MESSAGE_BYTES,
+    on_drain: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """Run a gRPC server until SIGTERM or SIGINT, then let in-flight calls finish (up to grace_s).
 
@@ -196,7 +197,9 @@ async def serve(
     verifier is). SIGHUP calls `on_reload`, when given. credentials: TLS (None:
     plain text); interceptors: who may call (specfleet.security builds both). A
     request over max_request_bytes is refused by gRPC itself (RESOURCE_EXHAUSTED)
-    before it is read into memory.
+    before it is read into memory. `on_drain`, when given, runs beside the gRPC
+    drain, within the same grace_s: the work other than gRPC calls that must
+    finish first (the router's HTTP requests).
     """
     options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", max_request_bytes)]
     server = grpc.aio.server(options=options, interceptors=[UndecodableRequests(), *interceptors])
@@ -228,7 +231,10 @@ async def serve(
     log.info("%s shutting down: finishing in-flight calls (up to %.0fs)", name, grace_s)
     for service in ["", *service_names]:
         await health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-    await server.stop(grace_s)
+    drains = [server.stop(grace_s)]
+    if on_drain is not None:
+        drains.append(_bounded(on_drain(), grace_s, f"{name}: in-flight work did not finish within {grace_s:.0f}s"))
+    await asyncio.gather(*drains)
     if on_stop is not None:
         on_stop()
     log.info("%s stopped", name)
@@ -245,6 +251,13 @@ async def _follow_health(name: str, health, services: list[str], healthy: Callab
             log.warning("%s health: %s", name, health_pb2.HealthCheckResponse.ServingStatus.Name(status))
             for service in services:
                 await health.set(service, status)
+
+
+async def _bounded(awaitable, timeout_s: float, message: str) -> None:
+    try:
+        await asyncio.wait_for(awaitable, timeout_s)
+    except TimeoutError:
+        log.warning(message)
 
 
 async def _reload(name: str, on_reload) -> None:

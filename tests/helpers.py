@@ -50,6 +50,18 @@ def target_greedy(path: str, prompt: str, max_new_tokens: int) -> list[int]:
     return out[0, ids.shape[1] :].tolist()
 
 
+def target_logprobs(path: str, prompt_ids: list[int], output_ids: list[int], top: int = 0) -> tuple[list[float], list[list[int]], list[list[float]]]:
+    """The target's own log-probabilities (transformers, one pass over prompt and output, no cache) of each
+    output token, and each position's `top` most likely tokens with theirs."""
+    model, _ = load_target(path)
+    ids = torch.tensor([prompt_ids + output_ids])
+    with torch.inference_mode():
+        logp = model(ids).logits[0, len(prompt_ids) - 1 : -1].float().log_softmax(dim=-1)
+    chosen = logp.gather(1, torch.tensor(output_ids).unsqueeze(1)).squeeze(1).tolist()
+    best = logp.topk(top, dim=-1) if top else None
+    return chosen, best.indices.tolist() if best else [], best.values.tolist() if best else []
+
+
 def greedy_request(prompt: str, max_tokens: int, k: int = 0, **kwargs) -> generation_pb2.GenerateRequest:
     return generation_pb2.GenerateRequest(
         prompt=prompt,

@@ -24,6 +24,27 @@ def verify_session(sid: str, sampling: dict, probs: list[float] = (1.0,)) -> ver
     )
 
 
+@pytest.mark.parametrize("top_logprobs", [-1, 21])
+def test_verifier_refuses_top_logprobs_out_of_range_and_returns_logprobs_only_when_asked(cluster, top_logprobs):
+    with cluster.channel(cluster.verifier) as channel:
+        stub = verifier_pb2_grpc.VerifierStub(channel)
+        bad = verify_session(f"bad-top-{top_logprobs}", {})
+        bad.logprobs, bad.top_logprobs = True, top_logprobs
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Verify(verifier_pb2.VerifyRequest(sessions=[bad]), timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "top_logprobs" in err.value.details()
+        asked = verify_session(f"asked-{top_logprobs}", {})
+        asked.logprobs, asked.top_logprobs = True, 3
+        reply = stub.Verify(verifier_pb2.VerifyRequest(sessions=[asked, verify_session(f"not-asked-{top_logprobs}", {})]), timeout=30)
+        with_logprobs, without = reply.sessions
+        assert len(with_logprobs.logprobs) == len(with_logprobs.token_ids) and all(lp <= 0 for lp in with_logprobs.logprobs)
+        assert len(with_logprobs.top_token_ids) == len(with_logprobs.top_logprobs) == 3 * len(with_logprobs.token_ids)
+        assert list(with_logprobs.top_logprobs[:3]) == sorted(with_logprobs.top_logprobs[:3], reverse=True)
+        assert not without.logprobs and not without.top_token_ids
+        stub.ReleaseSessions(common_pb2.ReleaseRequest(session_ids=[f"asked-{top_logprobs}", f"not-asked-{top_logprobs}"]), timeout=30)
+
+
 @pytest.mark.parametrize(
     "sampling,probs,field",
     [

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
 from specfleet.bench import main as bench_main
 from specfleet.bench import report, runner, workload
+from tests.conftest import REPO
 
 
 def test_builtin_workload_names_win_over_folders_of_that_name(tmp_path, monkeypatch):
@@ -181,3 +184,12 @@ other_metric 3
         "specfleet_router_verify_busy_seconds_total": 0.75,
         "specfleet_router_drafter_proposed_tokens_total": 15.0,
     }
+
+
+@pytest.mark.parametrize("first", ["specfleet.bench.vllm", "specfleet.bench.systems"])
+def test_bench_modules_import_in_either_order(first):
+    """`specfleet bench vllm-setup` imports bench/vllm.py before bench/systems.py; either order gives every system."""
+    code = f"import {first}; from specfleet.bench.systems import SYSTEMS; print(' '.join(sorted(SYSTEMS)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert {"vllm-target", "vllm-draft", "vllm-ngram", "specfleet"} <= set(out.stdout.split())

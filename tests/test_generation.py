@@ -249,3 +249,24 @@ def test_cancelled_stream_releases_its_sessions(cluster, stub):
     session_id = session_of(cluster, request.request_id)
     held = wait_released(cluster, session_id)
     assert session_id not in held["verifier"] | held["drafter"], held
+
+
+def test_logprobs_are_cut_with_the_tokens_a_stop_string_or_eos_cuts(random_family):
+    """A round's tokens past a stop string or the end of sequence are dropped, and so are their logprobs."""
+    from router.request import RequestSpec, RequestState
+    from specfleet.runtime import load_tokenizer
+    from specfleet.sampling import SamplingParams
+    from specfleet.v1 import generation_pb2
+
+    tokenizer = load_tokenizer(str(random_family["target"]))
+    ids = tokenizer.encode(" hello world again", add_special_tokens=False)
+    assert len(ids) >= 3
+    stop_after = next(n for n in range(1, len(ids)) if tokenizer.decode(ids[:n]).strip())  # tokens whose text is the stop string
+    stop = tokenizer.decode(ids[:stop_after])
+    eos = tokenizer.eos_token_id
+    for stops, tokens, kept in (([stop], ids, stop_after), ([], [ids[0], eos, ids[1]], 2)):
+        spec = RequestSpec("r", "s", [ids[0]], 16, SamplingParams(), stops, True, 0, "", logprobs=True)
+        state = RequestState(spec=spec, tokenizer=tokenizer, eos_token_id=eos, max_context=64, deadline=None)
+        state.commit(tokens, [generation_pb2.TokenLogprobs(token_id=t, logprob=-1.0) for t in tokens])
+        assert state.finished
+        assert [lp.token_id for lp in state.logprobs] == state.output_ids == tokens[:kept]

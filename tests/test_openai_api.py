@@ -20,7 +20,7 @@ from router.openai_api import ApiError, render_chat
 from specfleet.engine import load_tokenizer
 from specfleet.v1 import generation_pb2_grpc
 from tests.conftest import Cluster, cluster_config, free_port
-from tests.helpers import greedy_request, target_greedy
+from tests.helpers import greedy_request, target_greedy, target_logprobs
 
 API_KEY = "test-key-123"
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
@@ -95,7 +95,10 @@ def test_completions_take_token_ids_and_several_prompts(client, tokenizer, targe
 def test_completions_stream_with_usage(client, tokenizer, target_with_template):
     prompt = PROMPTS[0]
     expected_ids = target_greedy(str(target_with_template), prompt, MAX_TOKENS)
-    chunks = list(client.completions.create(model="random-target", prompt=prompt, stream=True, stream_options={"include_usage": True}, **greedy()))
+    # As `vllm bench serve` asks: with vLLM's neutral repetition_penalty.
+    chunks = list(client.completions.create(
+        model="random-target", prompt=prompt, stream=True, stream_options={"include_usage": True}, **greedy(repetition_penalty=1.0)
+    ))
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == tokenizer.decode(expected_ids, skip_special_tokens=True)
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
@@ -160,12 +163,15 @@ def test_messages_the_chat_template_refuses_get_its_reason(random_family):
 REFUSED = [
     ("completions", {"n": 0}, "n"),
     ("chat", {"n": 17}, "n"),
-    ("completions", {"logprobs": 2}, "logprobs"),
-    ("chat", {"logprobs": True}, "logprobs"),
+    ("completions", {"logprobs": 6}, "logprobs"),
+    ("completions", {"extra_body": {"top_logprobs": 2}}, "top_logprobs"),
+    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    # OpenAI's rule: alternatives only with logprobs.
     ("chat", {"top_logprobs": 2}, "top_logprobs"),
     ("completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
     ("chat", {"presence_penalty": 1.0}, "presence_penalty"),
     ("completions", {"logit_bias": {"5": 10}}, "logit_bias"),
+    ("completions", {"extra_body": {"repetition_penalty": 1.2}}, "repetition_penalty"),
     ("completions", {"echo": True}, "echo"),
     ("completions", {"suffix": "end"}, "suffix"),
     ("completions", {"best_of": 2}, "best_of"),
@@ -313,3 +319,115 @@ def test_a_unary_client_that_hangs_up_cancels_its_request(api):
     assert _metric(verifier_metrics, "specfleet:sessions") == 0
     assert _metric(metrics, "specfleet:request_cancelled_total") == cancelled_before + 1
     assert _metric(metrics, "specfleet:generation_tokens_total") - tokens_before < 900
+
+
+# float32 on CPU: the verifier's cached, batched tree passes and one plain transformers pass
+# agree to about 1e-5; a wrong row or a shaped (temperature, top-k) distribution is off by far more.
+LOGPROB_TOLERANCE = 1e-3
+
+
+def _ids(tokens: list[str]) -> list[int]:
+    """Token ids from logprobs' token names under return_tokens_as_token_ids."""
+    assert all(t.startswith("token_id:") for t in tokens), tokens
+    return [int(t.split(":", 1)[1]) for t in tokens]
+
+
+def _check_against_target(path, prompt_ids, ids, logprobs, tops: list[dict] | None = None, top: int = 0):
+    """logprobs of ids equal the target's own; tops (token name -> logprob per position) its `top` most likely."""
+    chosen, best_ids, best_values = target_logprobs(path, prompt_ids, ids, top)
+    assert logprobs == pytest.approx(chosen, abs=LOGPROB_TOLERANCE)
+    for position, alternatives in enumerate(tops or []):
+        expected = {f"token_id:{t}": v for t, v in zip(best_ids[position], best_values[position])}
+        expected[f"token_id:{ids[position]}"] = chosen[position]  # the chosen token is listed too
+        assert set(alternatives) == set(expected), position
+        assert [alternatives[k] for k in expected] == pytest.approx(list(expected.values()), abs=LOGPROB_TOLERANCE)
+
+
+SAMPLED = {"temperature": 0.7, "top_p": 0.9, "seed": 5}
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "sampled"])
+def test_completions_logprobs_are_the_target_s_unary_and_streaming(client, tokenizer, target_with_template, sampling):
+    prompt = PROMPTS[0]
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    args = greedy(return_tokens_as_token_ids=True, top_k=8)
+    if sampling == "sampled":
+        args.update(SAMPLED)  # shaped sampling: the logprobs stay the raw distribution's
+    reply = client.completions.create(model="random-target", prompt=prompt, logprobs=3, **args)
+    lp = reply.choices[0].logprobs
+    ids = _ids(lp.tokens)
+    assert len(ids) == reply.usage.completion_tokens and reply.model_extra["speculation"][0]["accepted_tokens"] > 0
+    if sampling == "greedy":
+        assert ids == target_greedy(str(target_with_template), prompt, MAX_TOKENS)
+    assert all(len(alternatives) in (3, 4) for alternatives in lp.top_logprobs)
+    _check_against_target(str(target_with_template), prompt_ids, ids, lp.token_logprobs, lp.top_logprobs, top=3)
+    assert lp.text_offset == [len("token_id:") * i + sum(len(str(t)) for t in ids[:i]) for i in range(len(ids))]
+
+    streamed_tokens, streamed_logprobs = [], []
+    for chunk in client.completions.create(model="random-target", prompt=prompt, logprobs=3, stream=True, **args):
+        if chunk.choices and chunk.choices[0].logprobs:
+            streamed_tokens += chunk.choices[0].logprobs.tokens
+            streamed_logprobs += chunk.choices[0].logprobs.token_logprobs
+    assert streamed_tokens == lp.tokens
+    assert streamed_logprobs == pytest.approx(lp.token_logprobs, abs=LOGPROB_TOLERANCE)
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "sampled"])
+def test_chat_logprobs_are_the_target_s_unary_and_streaming(client, tokenizer, target_with_template, sampling):
+    messages = [{"role": "user", "content": "The quick brown fox"}]
+    prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False)
+    args = greedy(return_tokens_as_token_ids=True)
+    if sampling == "sampled":
+        args.update(SAMPLED)
+    reply = client.chat.completions.create(model="random-target", messages=messages, logprobs=True, top_logprobs=2, **args)
+    content = reply.choices[0].logprobs.content
+    ids = _ids([e.token for e in content])
+    assert len(ids) == reply.usage.completion_tokens
+    assert all(len(e.top_logprobs) == 2 and e.bytes == list(e.token.encode()) for e in content)
+    tops = [{t.token: t.logprob for t in [*e.top_logprobs, e]} for e in content]
+    _check_against_target(str(target_with_template), prompt_ids, ids, [e.logprob for e in content], tops, top=2)
+
+    streamed = []
+    for chunk in client.chat.completions.create(model="random-target", messages=messages, logprobs=True, stream=True, **args):
+        if chunk.choices and chunk.choices[0].logprobs:
+            streamed += chunk.choices[0].logprobs.content
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert all(e.top_logprobs == [] for e in streamed)  # none asked for
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=LOGPROB_TOLERANCE)
+    # Without logprobs, none come back.
+    assert client.chat.completions.create(model="random-target", messages=messages, **greedy()).choices[0].logprobs is None
+
+
+def test_grpc_clients_get_the_same_logprobs(api, tokenizer, target_with_template):
+    prompt = PROMPTS[1]
+    with api.channel() as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        reply = stub.Generate(greedy_request(prompt, MAX_TOKENS, 4, logprobs=True, top_logprobs=2), timeout=120)
+        assert [lp.token_id for lp in reply.logprobs] == list(reply.token_ids)
+        tops = [{f"token_id:{t.token_id}": t.logprob for t in [*lp.top, lp]} for lp in reply.logprobs]
+        _check_against_target(
+            str(target_with_template), tokenizer.encode(prompt, add_special_tokens=False), list(reply.token_ids),
+            [lp.logprob for lp in reply.logprobs], tops, top=2,
+        )
+        chunks = list(stub.GenerateStream(greedy_request(prompt, MAX_TOKENS, 4, logprobs=True), timeout=120))
+        assert [lp.token_id for c in chunks for lp in c.logprobs] == list(reply.token_ids)
+        assert all(not lp.top for c in chunks for lp in c.logprobs)
+        assert not stub.Generate(greedy_request(prompt, MAX_TOKENS, 4), timeout=120).logprobs
+
+
+def test_logprobs_stop_where_the_output_stops(client, tokenizer, target_with_template):
+    """A stop string or the end of sequence cuts the tokens mid-round: their logprobs are cut with them."""
+    expected = tokenizer.decode(target_greedy(str(target_with_template), PROMPTS[0], MAX_TOKENS), skip_special_tokens=True)
+    stop = expected[len(expected) // 2 : len(expected) // 2 + 3]
+    assert stop.strip()
+    for stream in (False, True):
+        reply = client.completions.create(model="random-target", prompt=PROMPTS[0], logprobs=0, stop=[stop], stream=stream, **greedy(return_tokens_as_token_ids=True))
+        chunks = list(reply) if stream else [reply]
+        tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+        assert chunks[-1].choices[0].finish_reason == "stop"
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert stop not in text and expected.startswith(text)
+        # The tokens up to the one that completed the stop string, each with its logprob.
+        assert tokenizer.decode(_ids(tokens), skip_special_tokens=True).startswith(text + stop[:1])
+        assert stop in tokenizer.decode(_ids(tokens), skip_special_tokens=True)
+        assert stop not in tokenizer.decode(_ids(tokens)[:-1], skip_special_tokens=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -118,35 +119,75 @@ def test_each_service_runs_on_the_cores_its_config_names(random_family, tmp_path
     assert out.returncode == 2 and "verifier: cpus [4096] are not all usable here" in out.stderr
 
 
+def _descendants(pid: int) -> list[int]:
+    found = children(pid)
+    return found + [d for child in found for d in _descendants(child)]
+
+
+# The OpenAI API's streams during a stop: long enough to be provably mid-generation at the signal.
+DRAIN_STREAMS = 8
+DRAIN_STREAM_TOKENS = 600  # outlasting the gRPC stream (GRPC_STREAM_TOKENS)
+GRPC_STREAM_TOKENS = 300
+
+
 @pytest.mark.parametrize("how", ["sigterm", "ctrl-c"])
 def test_sigterm_lets_in_flight_requests_finish(random_family, tmp_path, monkeypatch, how):
-    """SIGTERM to `specfleet serve`, or a terminal's Ctrl-C (SIGINT to its whole process group), while a
-    request is provably mid-generation (its first round streamed, the verifier paused, well over a hundred
-    tokens to go): new requests are refused UNAVAILABLE, the in-flight one finishes with the full, correct
-    output, and serve exits 0 by itself, having stopped the router before the services the router's last
-    rounds need, and having killed nothing."""
+    """SIGTERM to `specfleet serve`, or a terminal's Ctrl-C (SIGINT to its whole process group), while a gRPC
+    stream and 8 HTTP streams (the official `openai` client) are provably mid-generation (first chunks
+    streamed, the verifier paused, all 9 running, well over a hundred tokens to go): new requests are refused,
+    UNAVAILABLE over gRPC and 503 saying why over HTTP; every in-flight one finishes with its full, correct
+    output (finish_reason `length`); serve exits 0 by itself, having stopped the router before the services
+    the router's last rounds need, and having killed nothing; no process it started is left."""
     import functools
 
+    import openai
+
+    from specfleet.runtime import load_tokenizer
     from specfleet.serving import ROUTER_DRAIN_S
     from tests.operations import metrics, paused, service_pid
 
-    config = cluster_config(random_family, router={"metrics_port": free_port()})
+    http_port = free_port()
+    config = cluster_config(random_family, router={"metrics_port": free_port(), "http_port": http_port})
     cluster = Cluster(config, tmp_path, "graceful")
     with monkeypatch.context() as patch:
         # As from a terminal: serve leads its own process group, which Ctrl-C signals as a whole.
         patch.setattr(subprocess, "Popen", functools.partial(subprocess.Popen, start_new_session=True))
         cluster.start()
+    started = _descendants(cluster.proc.pid)
+    target = str(random_family["target"])
     prompt = PROMPTS[0]
-    reference = target_greedy(str(random_family["target"]), prompt, 200)
+    reference = target_greedy(target, prompt, GRPC_STREAM_TOKENS)
     assert len(reference) > 150
+    tokenizer = load_tokenizer(target)
+    http_prompts = PROMPTS[1 : 1 + DRAIN_STREAMS]
+    expected = [tokenizer.decode(target_greedy(target, p, DRAIN_STREAM_TOKENS), skip_special_tokens=True) for p in http_prompts]
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", max_retries=0, timeout=300)
+    model = client.models.list().data[0].id
     try:
         with cluster.channel() as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
-            request = greedy_request(prompt, 200, 2)
-            request.speculation.disabled = True  # one token a round: rounds count the tokens made
+            # Without drafting every request makes one token a round: the router's rounds (of any lane)
+            # since a request started bound the tokens it has made.
+            rounds = lambda: metrics(config["router"]["metrics_port"])["specfleet_router_rounds_total"]  # noqa: E731
+            http_started = rounds()
+            http_streams, texts = [], []
+            for p in http_prompts:
+                http_stream = client.completions.create(
+                    model=model, prompt=p, max_tokens=DRAIN_STREAM_TOKENS, temperature=0, stream=True,
+                    extra_body={"speculation": {"disabled": True}},
+                )
+                texts.append(next(iter(http_stream)).choices[0].text)  # generating
+                http_streams.append(http_stream)
+            grpc_started = rounds()
+            request = greedy_request(prompt, GRPC_STREAM_TOKENS, 2)
+            request.speculation.disabled = True
             stream = stub.GenerateStream(request, timeout=300)
             tokens = list(next(stream).token_ids)
             with paused(service_pid(cluster, "verifier")):
+                assert metrics(config["router"]["metrics_port"])["specfleet:num_requests_running"] == 1 + DRAIN_STREAMS
+                made = rounds()
+                assert made - http_started < DRAIN_STREAM_TOKENS - 50, f"the HTTP streams made up to {made - http_started} tokens before the signal"
+                assert made - grpc_started < len(reference) - 100, f"the gRPC stream made up to {made - grpc_started} tokens before the signal"
                 if how == "sigterm":
                     cluster.proc.send_signal(signal.SIGTERM)
                 else:
@@ -155,19 +196,36 @@ def test_sigterm_lets_in_flight_requests_finish(random_family, tmp_path, monkeyp
                 while "router shutting down" not in cluster.log_path.read_text():
                     assert time.monotonic() < deadline, "the router never began to shut down"
                     time.sleep(0.1)
-                made = metrics(config["router"]["metrics_port"])["specfleet_router_rounds_total"]
-                assert made < len(reference) - 100, f"{made} of {len(reference)} tokens were made before SIGTERM"
                 with pytest.raises(grpc.RpcError) as refused:
                     with cluster.channel() as fresh:
                         generation_pb2_grpc.GenerationStub(fresh).Generate(greedy_request(PROMPTS[1], 4), timeout=30)
                 assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value.details()
+                with pytest.raises(openai.APIStatusError) as refused_http:
+                    client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=4)
+                assert refused_http.value.status_code == 503
+                assert "shutting down" in refused_http.value.message and "in flight" in refused_http.value.message
             tokens += [t for chunk in stream for t in chunk.token_ids]
+            # No gRPC call is left; the HTTP streams still run, and a slow verifier pass holds them longer
+            # than uvicorn's own 5 s shutdown would wait: the router's drain waits for them.
+            with paused(service_pid(cluster, "verifier")):
+                assert metrics(config["router"]["metrics_port"])["specfleet:num_requests_running"] == DRAIN_STREAMS
+                time.sleep(7)
+            finishes = []
+            for i, http_stream in enumerate(http_streams):
+                for chunk in http_stream:
+                    texts[i] += chunk.choices[0].text
+                    if chunk.choices[0].finish_reason:
+                        finishes.append(chunk.choices[0].finish_reason)
         assert tokens == reference
+        assert texts == expected
+        assert finishes == ["length"] * DRAIN_STREAMS
         assert cluster.proc.wait(timeout=ROUTER_DRAIN_S + 60) == 0
     finally:
+        client.close()
         cluster.stop()
     log = cluster.log_path.read_text()
     assert "killing it" not in log, log[-3000:]
+    assert "did not finish within" not in log, log[-3000:]
     lines = log.splitlines()
 
     def first(text: str) -> int:
@@ -175,6 +233,9 @@ def test_sigterm_lets_in_flight_requests_finish(random_family, tmp_path, monkeyp
 
     assert first("router stopped") < first("verifier shutting down")
     assert first("router stopped") < first("drafters shutting down")
+    assert len(started) >= 3
+    left = [pid for pid in started if pathlib.Path(f"/proc/{pid}").exists()]
+    assert not left, f"processes left after serve exited: {left}"
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
@@ -190,7 +251,13 @@ def test_cli_generate_prints_text(cluster, stream):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout == expected.text + "\n"
-    assert "finish: length; rounds: " in out.stderr
+    assert "finish: length; rounds: " in out.stderr and "8 tokens, " in out.stderr
+    # Where the time went: the whole call, and the router's draft and verify calls, wall and compute.
+    timing = re.search(r"\[time: (\d+) ms, [\d.]+ ms/token, [\d.]+ tokens/s(; first token \d+ ms)?; draft \d+ ms wall, \d+ ms compute; "
+                       r"verify (\d+) ms wall, (\d+) ms compute; per token: draft [\d.]+/[\d.]+ ms, verify [\d.]+/[\d.]+ ms \(wall/compute\)\]", out.stderr)
+    assert timing, out.stderr
+    assert (timing.group(2) is not None) == stream
+    assert int(timing.group(4)) <= int(timing.group(3)) <= int(timing.group(1)) and int(timing.group(3)) > 0
     bad = subprocess.run(
         [sys.executable, "-m", "specfleet.cli", "generate", "--server", cluster.router, "--temperature", "-1", *(["--stream"] if stream else []), "x"],
         capture_output=True, text=True, timeout=60, cwd=REPO,

@@ -53,6 +53,8 @@ class VerifierCore:
                 tree_tokens=list(s.tree.token_ids),
                 tree_parents=list(s.tree.parents),
                 proposals=[(list(p.token_ids), list(p.probs)) for p in s.tree.proposals],
+                logprobs=s.logprobs,
+                top_logprobs=s.top_logprobs,
             )
             try:
                 if not item.session_id:
@@ -78,6 +80,9 @@ class VerifierCore:
                     status=common_pb2.SESSION_OK if r.known else common_pb2.SESSION_UNKNOWN,
                     accepted_nodes=r.accepted_nodes,
                     token_ids=r.token_ids,
+                    logprobs=r.logprobs,
+                    top_token_ids=r.top_token_ids,
+                    top_logprobs=r.top_logprobs,
                 )
                 for r in results
             ],

@@ -34,6 +34,9 @@ class VerifyItem:
     tree_parents: list[int] = field(default_factory=list)
     # Per node: (token ids, probs) of the distribution its token was drawn from.
     proposals: list[tuple[list[int], list[float]]] = field(default_factory=list)
+    # Return the emitted tokens' log-probabilities, and this many alternatives each.
+    logprobs: bool = False
+    top_logprobs: int = 0
 
 
 @dataclass
@@ -42,6 +45,28 @@ class VerifyResult:
     known: bool
     accepted_nodes: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    # When the item asked: see `token_logprobs`.
+    logprobs: list[float] = field(default_factory=list)
+    top_token_ids: list[int] = field(default_factory=list)  # top_logprobs per token, flattened
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+# Alternatives per token at most (OpenAI's chat API allows 20).
+MAX_TOP_LOGPROBS = 20
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], top_n: int) -> tuple[list[float], list[int], list[float]]:
+    """Log-probabilities of token_ids[i] under row i of logits [len(token_ids), V], and each row's top_n tokens.
+
+    The target's raw distribution, log_softmax of its logits before temperature, top-k and
+    top-p, as vLLM reports them by default (`logprobs_mode="raw_logprobs"`): a client sees
+    how likely the model found each token, whatever sampling shaped the choice."""
+    logp = logits.float().log_softmax(dim=-1)
+    chosen = logp.gather(1, torch.tensor(token_ids, device=logp.device).unsqueeze(1)).squeeze(1).tolist()
+    if top_n <= 0:
+        return chosen, [], []
+    top = logp.topk(top_n, dim=-1)
+    return chosen, top.indices.flatten().tolist(), top.values.flatten().tolist()
 
 
 def validate_item(item: VerifyItem, vocab_size: int, max_context: int) -> None:
@@ -65,6 +90,8 @@ def validate_item(item: VerifyItem, vocab_size: int, max_context: int) -> None:
         raise ValueError(f"session {item.session_id}: context plus tree exceeds the model's {max_context} positions")
     if item.prefix_length == 0 and not item.new_token_ids:
         raise ValueError(f"session {item.session_id}: a new session needs at least one token")
+    if not 0 <= item.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"session {item.session_id}: top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {item.top_logprobs}")
     problem = item.sampling.problem()
     if problem:
         raise ValueError(f"session {item.session_id}: {problem}")
@@ -137,8 +164,12 @@ class Verifier:
         results = []
         for b, (_, item, session) in enumerate(live):
             path = accepted[b]
-            session.commit([0] + [node + 1 for node in path])
+            rows = [0] + [node + 1 for node in path]  # the row whose distribution each emitted token was drawn from
+            session.commit(rows)
             tokens = [item.tree_tokens[node] for node in path] + [next_token[b]]
             session.token_ids.extend(tokens)
-            results.append(VerifyResult(item.session_id, known=True, accepted_nodes=path, token_ids=tokens))
+            result = VerifyResult(item.session_id, known=True, accepted_nodes=path, token_ids=tokens)
+            if item.logprobs:
+                result.logprobs, result.top_token_ids, result.top_logprobs = token_logprobs(logits[b, rows], tokens, item.top_logprobs)
+            results.append(result)
         return results

