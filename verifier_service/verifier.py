@@ -45,7 +45,7 @@ class VerifyResult:
     known: bool
     accepted_nodes: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
-    # When the item asked: see `token_logprobs`.
+    # When the item asked: see specfleet.engine.shaping.token_logprobs.
     logprobs: list[float] = field(default_factory=list)
     top_token_ids: list[int] = field(default_factory=list)  # top_logprobs per token, flattened
     top_logprobs: list[float] = field(default_factory=list)
@@ -53,20 +53,6 @@ class VerifyResult:
 
 # Alternatives per token at most (OpenAI's chat API allows 20).
 MAX_TOP_LOGPROBS = 20
-
-
-def token_logprobs(logits: torch.Tensor, token_ids: list[int], top_n: int) -> tuple[list[float], list[int], list[float]]:
-    """Log-probabilities of token_ids[i] under row i of logits [len(token_ids), V], and each row's top_n tokens.
-
-    The target's raw distribution, log_softmax of its logits before temperature, top-k and
-    top-p, as vLLM reports them by default (`logprobs_mode="raw_logprobs"`): a client sees
-    how likely the model found each token, whatever sampling shaped the choice."""
-    logp = logits.float().log_softmax(dim=-1)
-    chosen = logp.gather(1, torch.tensor(token_ids, device=logp.device).unsqueeze(1)).squeeze(1).tolist()
-    if top_n <= 0:
-        return chosen, [], []
-    top = logp.topk(top_n, dim=-1)
-    return chosen, top.indices.flatten().tolist(), top.values.flatten().tolist()
 
 
 def validate_item(item: VerifyItem, vocab_size: int, max_context: int) -> None:
@@ -170,6 +156,6 @@ class Verifier:
             session.token_ids.extend(tokens)
             result = VerifyResult(item.session_id, known=True, accepted_nodes=path, token_ids=tokens)
             if item.logprobs:
-                result.logprobs, result.top_token_ids, result.top_logprobs = token_logprobs(logits[b, rows], tokens, item.top_logprobs)
+                result.logprobs, result.top_token_ids, result.top_logprobs = shaping.token_logprobs(logits[b, rows], tokens, item.top_logprobs)
             results.append(result)
         return results

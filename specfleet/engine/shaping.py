@@ -119,3 +119,17 @@ def propose(
         for row_ids, row_q in zip(loaded.global_ids(ids).tolist(), q.tolist())
     ]
     return tokens, proposals, confidences.tolist()
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], top_n: int) -> tuple[list[float], list[int], list[float]]:
+    """Log-probabilities of token_ids[i] under row i of logits [len(token_ids), V], and each row's top_n tokens.
+
+    The target's raw distribution, log_softmax of its logits before temperature, top-k and
+    top-p, as vLLM reports them by default (`logprobs_mode="raw_logprobs"`): a client sees
+    how likely the model found each token, whatever sampling shaped the choice."""
+    logp = logits.float().log_softmax(dim=-1)
+    chosen = logp.gather(1, torch.tensor(token_ids, device=logp.device).unsqueeze(1)).squeeze(1).tolist()
+    if top_n <= 0:
+        return chosen, [], []
+    top = logp.topk(top_n, dim=-1)
+    return chosen, top.indices.flatten().tolist(), top.values.flatten().tolist()
