@@ -217,20 +217,22 @@ def grpc_drafter_service(svc: config_mod.DrafterServiceConfig, sec: security.Sec
     return DrafterService(svc.name, [GrpcDrafter(name, address, sec) for name, address in zip(names, svc.addresses())])
 
 
-def pipeline_depth(configured: int, target, drafters: dict[str, DrafterService]) -> int:
-    """router.pipeline_depth, or 1 when no drafter can draft while the verifier verifies (the same
-    cores): then a second lane only queues its verify calls behind the first's."""
-    services = {service.name: service for service in drafters.values()}
-    if configured <= 1 or not services:
+def pipeline_depth(configured: int, target, drafters: dict[str, DrafterService], router=None) -> int:
+    """router.pipeline_depth when set; when 0 (the default), 2 lanes if some drafter can compute while
+    the verifier verifies, else 1: on shared cores a second lane only queues its verify calls behind
+    the first's. router: where this router runs (placement.here())."""
+    if configured:
         return configured
-    placements = [s.placement for s in services.values() if s.placement is not None]
-    if placements and not any(placement.can_overlap(target, p) for p in placements):
+    router = router if router is not None else placement.here()
+    placements = [s.placement for s in {service.name: service for service in drafters.values()}.values() if s.placement is not None]
+    if placements and not any(placement.can_overlap(target, p, router) for p in placements):
         log.info(
-            "pipelining off (router.pipeline_depth %d -> 1): the drafters share the verifier's cores %s with %d + %d threads",
-            configured, list(target.cpus), target.threads, placements[0].threads,
+            "pipelining off (one lane): no drafter can compute beside the verifier"
+            " (cores %s for the verifier's %d threads, a drafter's %d and the router's)",
+            sorted(set(target.cpus) | set(router.cpus)), target.threads, placements[0].threads,
         )
         return 1
-    return configured
+    return 2
 
 
 async def collect_drafters(cfg: config_mod.Config, services: dict[str, DrafterService], target) -> dict[str, DrafterService]:

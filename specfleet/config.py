@@ -204,9 +204,10 @@ class RouterConfig:
     redis_url: str = ""
     # Weight left on old routing evidence after each update (follows drifting traffic).
     expertise_decay: float = 0.995
-    # Groups of requests drafted and verified alternately (1: no pipelining). The router uses 1
-    # when no drafter can run beside the verifier (the same host and too few cores for both).
-    pipeline_depth: int = 2
+    # Groups of requests drafted and verified alternately (1: no pipelining). 0: the router chooses,
+    # 2 when some drafter can compute beside the verifier (another host or device, or enough cores
+    # for the verifier's, a drafter's and the router's threads), else 1 (specfleet/placement.py).
+    pipeline_depth: int = 0
     # Choose k per request and round from predicted acceptance and load; false: always num_draft_tokens.
     adaptive_speculation: bool = True
     # Drafters stop early once the product of their confidences falls below this (0: never).
@@ -439,8 +440,10 @@ def validate(config: Config) -> None:
         raise ConfigError(f"router.routing_policy: must be one of {list(policies)}, got {r.routing_policy!r}")
     if r.domain_prior not in ("likelihood", "exemplars"):
         raise ConfigError(f"router.domain_prior: must be likelihood or exemplars, got {r.domain_prior!r}")
-    if r.fusion_width < 1 or r.pipeline_depth < 1:
-        raise ConfigError("router.fusion_width and router.pipeline_depth: must be at least 1")
+    if r.fusion_width < 1:
+        raise ConfigError("router.fusion_width: must be at least 1")
+    if r.pipeline_depth < 0:
+        raise ConfigError(f"router.pipeline_depth: 0 (the router chooses) or at least 1, got {r.pipeline_depth}")
     if not 0 < r.expertise_decay <= 1:
         raise ConfigError(f"router.expertise_decay: must be in (0, 1], got {r.expertise_decay}")
     if r.default_drafter and r.default_drafter not in seen_models:

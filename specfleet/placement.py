@@ -22,12 +22,28 @@ def describe(info) -> None:
     info.threads = torch.get_num_threads()
 
 
-def can_overlap(verifier, drafter) -> bool:
-    """Whether the drafter (a ModelInfo) can compute while the verifier (a ModelInfo) does."""
+def here(threads: int = 1):
+    """This process (the router) as a ModelInfo: its host and cores, and the threads it keeps busy."""
+    from specfleet.v1 import common_pb2
+
+    info = common_pb2.ModelInfo(host=socket.gethostname(), threads=threads)
+    cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    info.cpus.extend(sorted(cores))
+    return info
+
+
+def can_overlap(verifier, drafter, router=None) -> bool:
+    """Whether the drafter (a ModelInfo) can compute while the verifier (a ModelInfo) does. The router
+    (when given, and on the same host) needs a core of its own too: it runs every round between them."""
     if not verifier.host or not drafter.host or verifier.host != drafter.host:
         return True  # another machine (or a service that does not say)
     v_gpu, d_gpu = verifier.device.startswith("cuda"), drafter.device.startswith("cuda")
     if v_gpu or d_gpu:
         return not (v_gpu and d_gpu and verifier.device == drafter.device)
     # Both on this host's CPUs: together they need as many cores as their threads.
-    return len(set(verifier.cpus) | set(drafter.cpus)) >= max(1, verifier.threads) + max(1, drafter.threads)
+    cores = set(verifier.cpus) | set(drafter.cpus)
+    needed = max(1, verifier.threads) + max(1, drafter.threads)
+    if router is not None and router.host == verifier.host and cores & set(router.cpus):
+        cores |= set(router.cpus)
+        needed += max(1, router.threads)
+    return len(cores) >= needed

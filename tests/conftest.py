@@ -141,7 +141,9 @@ def cluster_config(family, drafter: str = "drafter-noisy", **overrides) -> dict:
                 "metrics_port": 0,
             }
         ],
-        "router": {"port": free_port(), "default_drafter": drafter, "http_port": 0, "metrics_port": 0},
+        # Two lanes, as on a fleet of several machines: the router would choose one on this machine's two
+        # cores (router.pipeline_depth 0), and the tests cover the pipelined path.
+        "router": {"port": free_port(), "default_drafter": drafter, "http_port": 0, "metrics_port": 0, "pipeline_depth": 2},
     }
     for section, values in overrides.items():
         if section == "drafter_service":

@@ -126,13 +126,18 @@ def test_pipelining_needs_a_drafter_that_can_run_beside_the_verifier():
     one_core = info(cpus=[1])
     assert not placement.can_overlap(one_core, info(cpus=[1]))  # `taskset -c 1 specfleet serve`
     assert placement.can_overlap(info(cpus=[0, 1]), info(cpus=[0, 1]))  # two cores for two threads
+    assert not placement.can_overlap(info(cpus=[0, 1]), info(cpus=[0, 1]), info(cpus=[0, 1]))  # and the router's
+    assert placement.can_overlap(info(cpus=[0, 1]), info(cpus=[0, 1]), info(host="other"))
+    assert placement.can_overlap(info(cpus=[0, 1]), info(cpus=[0, 1]), info(cpus=[2]))  # the router on a core of its own
     assert not placement.can_overlap(info(cpus=[0, 1], threads=2), info(cpus=[0, 1]))
     assert placement.can_overlap(one_core, info(host="other", cpus=[1]))
     assert placement.can_overlap(info(device="cuda:0"), info())
     assert not placement.can_overlap(info(device="cuda:0"), info(device="cuda:0"))
     service = DrafterService("d", [_Replica("d")])
     service.placement = info(cpus=[1])
-    assert pipeline_depth(2, one_core, {"general": service}) == 1
+    router = info(cpus=[1])
+    assert pipeline_depth(0, one_core, {"general": service}, router) == 1
+    assert pipeline_depth(2, one_core, {"general": service}, router) == 2  # a configured depth stands
     service.placement = info(host="other")
-    assert pipeline_depth(2, one_core, {"general": service}) == 2
-    assert pipeline_depth(2, one_core, {}) == 2
+    assert pipeline_depth(0, one_core, {"general": service}, router) == 2
+    assert pipeline_depth(0, one_core, {}, router) == 2
