@@ -12,23 +12,24 @@ import os
 import socket
 
 
-def describe(info) -> None:
-    """Fill a ModelInfo's host, cpus and threads with this process's."""
-    import torch
-
+def describe(info, threads: int | None = None) -> None:
+    """Fill a ModelInfo's host, cpus and threads with this process's (threads: its torch threads unless given)."""
     info.host = socket.gethostname()
     cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
     info.cpus.extend(sorted(cores))
-    info.threads = torch.get_num_threads()
+    if threads is None:
+        import torch
+
+        threads = torch.get_num_threads()
+    info.threads = threads
 
 
-def here(threads: int = 1):
-    """This process (the router) as a ModelInfo: its host and cores, and the threads it keeps busy."""
+def here():
+    """This process (the router, one busy thread) as a ModelInfo: its host and cores."""
     from specfleet.v1 import common_pb2
 
-    info = common_pb2.ModelInfo(host=socket.gethostname(), threads=threads)
-    cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
-    info.cpus.extend(sorted(cores))
+    info = common_pb2.ModelInfo()
+    describe(info, threads=1)
     return info
 
 

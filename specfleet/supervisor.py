@@ -67,9 +67,6 @@ class Supervisor:
         child.proc = subprocess.Popen(child.command, preexec_fn=self._preexec(child.cpus), process_group=0)
         child.start_at = None
 
-    def exited(self) -> list[Child]:
-        return [c for c in self.children if c.proc is not None and c.proc.poll() is not None]
-
     def tend(self) -> None:
         """Restart the services that died, each after its delay; raises GaveUp past max_restarts."""
         now = self._clock()
