@@ -1,10 +1,11 @@
-"""Batched attention over the KV pool by where a pass's slots lie, against per-session attention.
+"""Batched and auto attention over the KV pool by where a pass's slots lie, against per-session attention.
 
     PYTHONPATH=. .venv/bin/python scripts/pool_layouts.py
 
 Demo target, 128 cached positions, CPU time (`time.thread_time`) of one pass, median of 15, ms.
 Adjacent slots are read as one view; every other slot (two pipeline lanes whose sessions
-alternate) as a view over twice the rows; every fifth slot is gathered (a copy). Prints Markdown.
+alternate) as a view over twice the rows; every fifth slot is gathered (a copy). `auto` (the
+services' default) chooses per pass. Prints Markdown.
 """
 
 import pathlib
@@ -43,10 +44,11 @@ def run(loaded, b: int, n: int, layout: str, mode: str) -> float:
 def main() -> None:
     torch.set_num_threads(1)
     loaded = load_model("target", MODEL)
-    print("| sessions x tokens | per-session | batched, adjacent slots | batched, every other slot | batched, every fifth slot (gathered) |")
-    print("|---|---|---|---|---|")
+    modes = [(lay, mode) for mode in ("batched", "auto") for lay in STRIDES]
+    print("| sessions x tokens | per-session | " + " | ".join(f"{mode}, {lay} slots" for lay, mode in modes) + " |")
+    print("|---|---|" + "---|" * len(modes))
     for b, n in [(4, 1), (16, 1), (16, 5), (32, 1), (32, 5)]:
-        row = [run(loaded, b, n, "adjacent", "per-session")] + [run(loaded, b, n, lay, "batched") for lay in STRIDES]
+        row = [run(loaded, b, n, "adjacent", "per-session")] + [run(loaded, b, n, lay, mode) for lay, mode in modes]
         print(f"| {b} x {n} | " + " | ".join(f"{x:.2f}" for x in row) + " |", flush=True)
 
 

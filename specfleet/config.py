@@ -56,7 +56,7 @@ class ConfigError(ValueError):
 # cpu, cuda, cuda:N (a GPU by index) or auto (cuda if torch sees one, else cpu).
 DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?|auto")
 # specfleet.engine.llama.ATTENTION_MODES, spelled out so that reading a config does not import torch.
-ATTENTION_MODES = ("per-session", "batched")
+ATTENTION_MODES = ("auto", "per-session", "batched")
 # security.tls.client_auth: which servers require a client certificate.
 TLS_CLIENT_AUTH = ("internal", "all", "none")
 
@@ -88,9 +88,10 @@ class VerifierConfig:
     # Where the model runs: cpu, cuda, cuda:N, or auto (cuda if torch sees one, else cpu).
     device: str = "cpu"
     dtype: str = "float32"
-    # Attention of a forward pass: per-session (one call per session and layer; the faster on CPU)
-    # or batched (one call per layer for the whole batch); docs/ARCHITECTURE.md has the numbers.
-    attention: str = "per-session"
+    # Attention of a forward pass: batched (one call per layer for the whole batch), per-session (one
+    # call per session and layer) or auto: batched on a GPU, and on a CPU when a pass's KV slots are
+    # adjacent, else per session (the faster there); docs/BENCHMARKS.md has the numbers.
+    attention: str = "auto"
     threads: int = 1
     # Dynamic batching: merge concurrent Verify calls up to this many sessions, waiting at
     # most max_wait_ms after the first arrives. 0 merges only what arrived while the previous
@@ -148,7 +149,7 @@ class DrafterServiceConfig:
     # Where this service's draft models run: cpu, cuda, cuda:N, or auto (see VerifierConfig.device).
     device: str = "cpu"
     dtype: str = "float32"
-    attention: str = "per-session"  # see VerifierConfig.attention
+    attention: str = "auto"  # see VerifierConfig.attention
     threads: int = 1
     max_batch_size: int = 64
     max_wait_ms: float = 0.0

@@ -95,7 +95,7 @@ def test_service_entry_point_refuses_cuda_naming_the_setting(tmp_path, random_fa
 def test_model_info_names_device_and_dtype(dtype):
     loaded = load_model("general", "models/demo/drafters/general", dtype=dtype, device=DEVICE)
     info = loaded.info()
-    assert info.dtype == dtype and info.attention == "per-session"
+    assert info.dtype == dtype and info.attention == "auto"
     assert info.device == str(loaded.model.device) and info.device.startswith(DEVICE.split(":")[0])
     assert loaded.model.embed.device.type == DEVICE.split(":")[0]
     assert all(t.device == loaded.model.device for layer in loaded.model.layers for t in (layer.qkv, layer.down))
@@ -109,7 +109,7 @@ def test_attention_mode_is_a_checked_setting_spelt_as_the_engine_spells_it():
     data["verifier"]["attention"] = "batched"
     assert config_mod.parse(data).verifier.attention == "batched"
     data["drafters"][0]["attention"] = "paged"
-    with pytest.raises(config_mod.ConfigError, match=r"drafters\[0\].attention: must be one of per-session, batched, got 'paged'"):
+    with pytest.raises(config_mod.ConfigError, match=r"drafters\[0\].attention: must be one of auto, per-session, batched, got 'paged'"):
         config_mod.parse(data)
 
 

@@ -68,7 +68,9 @@ FAMILIES = list(_configs())
 # permuted); "spread" leaves idle slots inside their range (read as a view, idle rows dropped);
 # "scattered" spreads them so far that the call gathers their slots.
 LAYOUTS = {"adjacent": ([], [1, 0, 2]), "spread": ([0, 2, 4], [2, 0, 4]), "scattered": ([0, 4, 11], [4, 0, 11])}
-CASES = [(attention, "adjacent") for attention in ATTENTION_MODES] + [("batched", "spread"), ("batched", "scattered")]
+CASES = [(attention, "adjacent") for attention in ATTENTION_MODES] + [
+    (attention, layout) for attention in ("batched", "auto") for layout in ("spread", "scattered")
+]
 
 
 @pytest.mark.parametrize("attention, layout", CASES, ids=[f"{a}-{lay}" for a, lay in CASES])
@@ -212,15 +214,23 @@ def test_kv_pool_rolls_back_in_place_and_evicts_into_reused_slots(tmp_path):
     step([rebuilt, s0])
 
 
-def _graphs_against_eager(tmp_path, attach_graphs):
+def _graphs_against_eager(tmp_path, attach_graphs, at_start_up: bool = False):
     """Greedy decoding of ragged sessions plus a tree pass, with and without graphs: the same
-    tokens, logits within tolerance, and two graphs were used (padded sessions and tokens)."""
+    tokens, logits within tolerance, and two graphs were used (padded sessions and tokens).
+    With `at_start_up`, every graph is captured before the first pass and none after."""
     _save(tmp_path, _configs()["qwen3-qk-norm"], "qwen3")
     runs = {}
     for graphed in (False, True):
         loaded = load_model("qwen3", tmp_path / "qwen3", device=DEVICE, attention="batched")
         if graphed:
             attach_graphs(loaded, [[4, 1], [4, 8]])
+            if at_start_up:
+                loaded.prepare(max_cache_bytes=6 * loaded.pool.slot_bytes, max_sessions=100)
+                captured = dict(loaded.graphs._graphs)
+                positions = loaded.graphs.positions()
+                assert positions[0] == 64 and positions[-1] == loaded.pool.positions
+                assert sorted(captured) == [(4, n, t) for n in (1, 8) for t in positions]
+                assert loaded.pool.slots == 7, "the pool holds the budget's 6 slots and the scratch slot"
         gen = torch.Generator().manual_seed(4)
         sessions = [Session(token_ids=torch.randint(0, 8192, (n,), generator=gen).tolist()) for n in (5, 17, 40)]
         prefill(loaded, sessions, keep_last=1)
@@ -239,8 +249,10 @@ def _graphs_against_eager(tmp_path, attach_graphs):
             ForwardItem(b, [b.token_ids[-1], 21, 22], list(range(root_b, root_b + 3))),
         ])
         runs[graphed] = ([s.token_ids for s in sessions], steps, tree)
-        if graphed:
-            assert sorted(loaded.graphs._graphs) == [(4, 1, 64), (4, 8, 32)]
+        if graphed and at_start_up:
+            assert loaded.graphs._graphs == captured, "no graph is captured after start-up"
+        elif graphed:
+            assert sorted(loaded.graphs._graphs) == [(4, 1, 64), (4, 8, 64)]
     assert runs[True][0] == runs[False][0]
     for graphed_step, eager_step in zip(runs[True][1], runs[False][1]):
         torch.testing.assert_close(graphed_step, eager_step, **TOLERANCE)
@@ -253,6 +265,7 @@ def test_cuda_graphs_change_no_output(tmp_path):
     from specfleet.engine import graphs
 
     _graphs_against_eager(tmp_path, lambda loaded, sizes: setattr(loaded, "graphs", graphs.CudaGraphs(loaded, sizes)))
+    _graphs_against_eager(tmp_path, lambda loaded, sizes: setattr(loaded, "graphs", graphs.CudaGraphs(loaded, sizes)), at_start_up=True)
     assert load_model("qwen3", tmp_path / "qwen3", device=DEVICE, cuda_graph_sizes=[[1, 1]]).graphs is not None
 
 
@@ -273,6 +286,7 @@ def test_graph_padding_gives_the_eager_pass(tmp_path, monkeypatch):
 
     monkeypatch.setattr(graphs, "_Graph", Eager)
     _graphs_against_eager(tmp_path, lambda loaded, sizes: setattr(loaded, "graphs", graphs.CudaGraphs(loaded, sizes)))
+    _graphs_against_eager(tmp_path, lambda loaded, sizes: setattr(loaded, "graphs", graphs.CudaGraphs(loaded, sizes)), at_start_up=True)
 
 
 def test_cuda_graph_sizes_are_ignored_on_a_cpu(tmp_path):
@@ -321,3 +335,31 @@ def test_a_long_context_model_gets_slots_of_at_most_max_positions(tmp_path):
     _save(tmp_path, config, "long")
     loaded = load_model("long", tmp_path / "long")
     assert loaded.max_context == loaded.pool.positions == MAX_POSITIONS == loaded.info().max_context
+
+
+def test_auto_attention_batches_adjacent_slots_on_a_cpu_and_every_pass_on_a_gpu(tmp_path, monkeypatch):
+    """`auto` (the services' default) takes one call per layer where it is the faster: on a GPU
+    always, on a CPU when a pass's slots are adjacent (docs/BENCHMARKS.md, the KV pool)."""
+    from types import SimpleNamespace
+
+    from specfleet.engine import llama
+
+    on = lambda device: SimpleNamespace(attention="auto", device=torch.device(device))  # noqa: E731
+    assert llama.runs_batched(on("cuda"), [0, 7, 3]) and llama.runs_batched(on("cpu"), [5, 3, 4])
+    assert not llama.runs_batched(on("cpu"), [0, 2, 4])
+    assert llama.runs_batched(SimpleNamespace(attention="batched", device=torch.device("cpu")), [0, 9])
+    assert not llama.runs_batched(SimpleNamespace(attention="per-session", device=torch.device("cuda")), [0, 1])
+
+    _save(tmp_path, _configs()["llama-gqa"], "llama-gqa")
+    loaded = load_model("llama-gqa", tmp_path / "llama-gqa", device=DEVICE)
+    assert loaded.model.attention == "auto"
+    plans = []
+    real_plan = llama._batch_plan
+    monkeypatch.setattr(llama, "_batch_plan", lambda *args: plans.append(args[1]) or real_plan(*args))
+    taken = [loaded.pool.acquire() for _ in range(6)]
+    for adjacent in (True, False):
+        slots = taken[:3] if adjacent else taken[::2]
+        sessions = [Session(token_ids=[1, 2, 3], kv_len=2, pool=loaded.pool, slot=slot) for slot in slots]
+        forward_batch(loaded, [ForwardItem(s, [3], [2]) for s in sessions])
+    batched_on_this_device = DEVICE != "cpu"
+    assert plans == [taken[:3]] + ([taken[::2]] if batched_on_this_device else [])

@@ -120,6 +120,7 @@ def load_core(vcfg: config_mod.VerifierConfig, model: str | None = None, threads
     loaded = load_model("target", model or vcfg.model, dtype=vcfg.dtype, device=device, attention=vcfg.attention,
                         cuda_graph_sizes=vcfg.cuda_graph_sizes)
     store = SessionStore(max_cache_bytes=int(vcfg.max_cache_mb * 2**20), max_sessions=vcfg.max_sessions)
+    loaded.prepare(store.max_cache_bytes, store.max_sessions)
     verifier = Verifier(loaded, store)
     telemetry = PassTelemetry("verifier", lambda: [store])
     batcher = BatchQueue("verifier", telemetry.timed(verifier.verify_batch), vcfg.max_batch_size, vcfg.max_wait_ms / 1e3)

@@ -8,7 +8,7 @@ For every (sessions B, new tokens n) at a cached context C per session, it times
 
   specfleet      `engine.forward_batch`: B sessions, each feeding n new tokens (a causal
                  chain, as a verify pass feeds a draft) after C cached positions; logits
-                 stay on the device; once per --attention mode (per-session, batched)
+                 stay on the device; once per --attention mode (auto, per-session, batched)
   transformers   the same weights through the Hugging Face module's forward (its default
                  attention, no compilation) with a DynamicCache holding the same C keys and
                  values per session, rebuilt before each call (untimed)
@@ -77,8 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=10, help="timed passes per row; the median is reported (default %(default)s)")
     p.add_argument("--warmup", type=int, default=3, help="untimed passes first (default %(default)s)")
     p.add_argument("--threads", type=int, default=1, help="torch threads on a CPU (default %(default)s)")
-    p.add_argument("--attention", default="per-session",
-                   help="specfleet's attention modes to time, comma separated: per-session, batched (default %(default)s); "
+    p.add_argument("--attention", default="auto",
+                   help="specfleet's attention modes to time, comma separated: auto, per-session, batched (default %(default)s); "
                    "a row's specfleet time is the fastest")
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers column")
     p.add_argument("--bandwidth-gbs", type=float, help="memory bandwidth in GB/s for the floor (default: known device, else measured)")

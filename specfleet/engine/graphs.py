@@ -2,7 +2,9 @@
 
 A pass of B sessions x N new tokens runs as the graph of the smallest configured bucket
 (B', N') with B <= B' and N <= N', over T' = the next power of two >= the pass's longest
-context (at most the pool's slot), captured on first use and replayed after. Every input is
+context (at least MIN_POSITIONS, at most the pool's slot). Every bucket is captured at start-up
+(`capture_all`, after the pool is sized for the cache budget), so no request waits for a
+capture; a bucket missing then (the pool grew past its budget) is captured on first use. Every input is
 copied into the graph's static tensors: token ids, positions, where each new token's KV goes,
 which slots attention reads and the mask. The padding (sessions past B, tokens past n_b)
 writes its KV into a scratch slot of the pool held by the graphs and sees position 0 alone,
@@ -18,12 +20,17 @@ dropped and captured again on next use.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
 from specfleet.engine import llama
 
 log = logging.getLogger(__name__)
+
+# The shortest T' a graph attends over: shorter contexts pad to it. Below it a graph's attention
+# costs little beside its projections, and each power of two under it would be one more capture.
+MIN_POSITIONS = 64
 
 
 class CudaGraphs:
@@ -41,7 +48,25 @@ class CudaGraphs:
         if not fits:
             return None
         b, n = min(fits, key=lambda size: size[0] * size[1])
-        return b, n, min(1 << (total - 1).bit_length(), self.loaded.pool.positions)
+        return b, n, min(max(MIN_POSITIONS, 1 << (total - 1).bit_length()), self.loaded.pool.positions)
+
+    def positions(self) -> list[int]:
+        """Every T' a pass can get: powers of two from MIN_POSITIONS, then the pool's slot."""
+        limit, t, found = self.loaded.pool.positions, MIN_POSITIONS, []
+        while t < limit:
+            found.append(t)
+            t *= 2
+        return found + [limit]
+
+    def capture_all(self) -> int:
+        """Capture every (B', N', T') bucket now; how many graphs there are."""
+        started = time.perf_counter()
+        for b, n in self.sizes:
+            for t in self.positions():
+                self._graph((b, n, t))
+        log.info("captured %d CUDA graphs (sessions x tokens %s, positions %s) in %.1fs",
+                 len(self._graphs), self.sizes, self.positions(), time.perf_counter() - started)
+        return len(self._graphs)
 
     def run(self, ids_rows, pos_rows, slots, kv_lens, new_lens, attends, logits: bool) -> torch.Tensor | None:
         """Logits [B, N, V] as `llama.forward` gives them, or None when no bucket holds the pass."""
@@ -50,10 +75,16 @@ class CudaGraphs:
         key = self.bucket(batch, width, total)
         if key is None or not logits:
             return None
+        return self._graph(key).replay(ids_rows, pos_rows, slots, kv_lens, new_lens, attends)
+
+    def _graph(self, key: tuple[int, int, int]) -> "_Graph":
+        """The bucket's graph, captured if the pool's tensor is new to it."""
         pool = self.loaded.pool
         if self._scratch is None:
             self._scratch = pool.acquire()  # may grow the pool: before the generation is read
         if pool.generation != self._generation:
+            if self._graphs:
+                log.warning("the KV pool grew to %d slots: its CUDA graphs are captured again on use", pool.slots)
             self._graphs.clear()
             self._generation = pool.generation
         graph = self._graphs.get(key)
@@ -61,8 +92,8 @@ class CudaGraphs:
             if self._memory is None:
                 self._memory = _Graph.memory_pool()
             graph = self._graphs[key] = _Graph(self.loaded.model, pool.kv, *key, self._scratch, self._memory)
-            log.info("captured a CUDA graph for %d sessions x %d tokens over %d positions", *key)
-        return graph.replay(ids_rows, pos_rows, slots, kv_lens, new_lens, attends)
+            log.debug("captured a CUDA graph for %d sessions x %d tokens over %d positions", *key)
+        return graph
 
 
 class _Graph:

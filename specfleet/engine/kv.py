@@ -54,6 +54,11 @@ class KVPool:
             self._grow(max(4, 2 * self.slots))
         return heapq.heappop(self._free)
 
+    def reserve(self, slots: int) -> None:
+        """Hold at least `slots` slots now (one allocation up front, as a GPU serving a budget wants)."""
+        if slots > self.slots:
+            self._grow(slots)
+
     def release(self, slot: int) -> None:
         # Not zeroed: positions past a session's length are masked, and every value here is a finite
         # key or value written by some pass (or the zeros of allocation), so masked reads add 0.

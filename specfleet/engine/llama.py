@@ -37,11 +37,13 @@ import torch
 import torch.nn.functional as F
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-# per-session: one attention call per session and layer over its own buffer, nothing padded or copied
-#   (measured faster on CPU: docs/ARCHITECTURE.md, "Batching shapes and the forward pass").
+# auto: batched on a GPU; on a CPU batched when a pass's slots are adjacent, else per session (on a
+#   CPU batched attention over scattered slots reads idle rows or copies, which costs more than the
+#   per-session calls it saves: docs/BENCHMARKS.md, "the KV pool, per-session against batched").
+# per-session: one attention call per session and layer over its own slot, nothing padded or copied.
 # batched: one call per layer for all sessions, over their slots of the KV pool (a view of a range of
 #   slots, or the slots gathered) with an additive mask (padding, ragged lengths, tree patterns).
-ATTENTION_MODES = ("per-session", "batched")
+ATTENTION_MODES = ("auto", "per-session", "batched")
 # RoPE variants computed here (`rope_frequencies`); the others (yarn, dynamic, longrope, ...) are refused.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -72,8 +74,8 @@ class LlamaModel:
     kv_heads: int
     head_dim: int
     eps: float
-    # How attention runs (`ATTENTION_MODES`): per session, or one call per layer for the whole batch.
-    attention: str = "per-session"
+    # How attention runs (`ATTENTION_MODES`): per session, one call per layer for the whole batch, or auto.
+    attention: str = "auto"
 
     @property
     def dtype(self) -> torch.dtype:
@@ -226,7 +228,7 @@ def forward(
     x = model.embed[input_ids]  # [B, N, E]
     cos = model.cos[positions].to(model.dtype).unsqueeze(1)  # [B, 1, N, D]
     sin = model.sin[positions].to(model.dtype).unsqueeze(1)
-    batched = plan is not None or (model.attention == "batched" and batch > 1)
+    batched = plan is not None or (batch > 1 and runs_batched(model, slots))
     if not batched:
         masks = _session_masks(model, kv_lens, new_lens, attends)
     elif plan is None:
@@ -267,6 +269,13 @@ def forward(
     if not logits:
         return None
     return F.linear(F.rms_norm(x, (x.shape[-1],), model.norm, model.eps), model.lm_head)
+
+
+def runs_batched(model: LlamaModel, slots: list[int]) -> bool:
+    """Whether a pass of several sessions over these (distinct) slots attends in one call per layer."""
+    if model.attention != "auto":
+        return model.attention == "batched"
+    return model.device.type != "cpu" or max(slots) - min(slots) + 1 == len(slots)
 
 
 def _session_masks(model, kv_lens, new_lens, attends) -> list[torch.Tensor | None]:

@@ -89,6 +89,15 @@ class LoadedModel:
     def __post_init__(self):
         self.pool = KVPool(self.model, self.max_context)
 
+    def prepare(self, max_cache_bytes: int, max_sessions: int) -> None:
+        """Before serving: with CUDA graphs, size the KV pool for the cache budget (its tensor then
+        stays, so the graphs stay valid) and capture every graph."""
+        if self.graphs is None:
+            return
+        slots = min(max_sessions, max_cache_bytes // self.pool.slot_bytes)
+        self.pool.reserve(slots + 1)  # + the graphs' scratch slot
+        self.graphs.capture_all()
+
     def global_ids(self, local: torch.Tensor) -> torch.Tensor:
         """Vocabulary ids of positions along the logits' last dimension."""
         return local if self.token_map is None else self.token_map[local.to(self.token_map.device)]
@@ -122,7 +131,7 @@ MAX_POSITIONS = 8192
 
 def load_model(
     name: str, path: str | os.PathLike, dtype: str = "float32", device: str = "cpu", use_token_map: bool = False,
-    attention: str = "per-session", cuda_graph_sizes: list[list[int]] | None = None,
+    attention: str = "auto", cuda_graph_sizes: list[list[int]] | None = None,
 ) -> LoadedModel:
     """Load a Hugging Face Llama-family causal LM and its tokenizer from a local directory, offline.
 
