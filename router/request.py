@@ -25,7 +25,7 @@ class InvalidRequest(ValueError):
 class Limits:
     default_max_tokens: int
     max_tokens_limit: int
-    default_draft_tokens: int
+    num_draft_tokens: int
     max_draft_tokens: int
     vocab_size: int
     max_context: int
@@ -54,7 +54,7 @@ class RequestSpec:
     sampling: SamplingParams
     stop: list[str]
     stop_at_eos: bool
-    draft_tokens: int  # per round at most; 0 disables speculation
+    max_draft_tokens: int  # per round at most; 0 disables speculation
     domain: str  # the client's domain hint, or ""
     logprobs: bool = False  # return each output token's log-probability (the target's raw distribution)
     top_logprobs: int = 0  # and this many alternatives each
@@ -115,7 +115,7 @@ def parse_request(req: generation_pb2.GenerateRequest, tokenizer, limits: Limits
         raise InvalidRequest(f"top_logprobs: must be between 0 and {MAX_TOP_LOGPROBS}, got {req.top_logprobs}")
     if req.top_logprobs and not req.logprobs:
         raise InvalidRequest("top_logprobs: needs logprobs set")
-    draft_tokens = 0 if spec_opts.disabled else (spec_opts.max_draft_tokens or limits.default_draft_tokens)
+    max_draft_tokens = 0 if spec_opts.disabled else (spec_opts.max_draft_tokens or limits.num_draft_tokens)
 
     # A client's seed must fix the output whatever is drafted, batched or learned: such a request
     # samples by the seeded exponential race (verification.py, obligation 6). Without one,
@@ -130,7 +130,7 @@ def parse_request(req: generation_pb2.GenerateRequest, tokenizer, limits: Limits
         sampling=SamplingParams(temperature=req.temperature, top_p=top_p, top_k=req.top_k, seed=seed, drafter_invariant=seeded),
         stop=list(req.stop),
         stop_at_eos=req.stop_at_eos if req.HasField("stop_at_eos") else True,
-        draft_tokens=draft_tokens,
+        max_draft_tokens=max_draft_tokens,
         domain=req.domain,
         logprobs=req.logprobs,
         top_logprobs=req.top_logprobs,
@@ -195,8 +195,8 @@ class RequestState:
     cancelled: bool = False
     published_final: bool = False
     routing: object = None  # router.routing.RequestRouting
-    round_drafters: list[str] = field(default_factory=list)  # this round's plan
-    round_k: int = 0
+    round_drafters: list[str] = field(default_factory=list)  # this round's plan: who drafts, and how many tokens
+    num_draft_tokens: int = 0
     rounds: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0

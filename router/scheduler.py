@@ -256,15 +256,15 @@ class Scheduler:
         self.metrics.rounds += 1
 
     def _plan(self, batch: list[RequestState]) -> None:
-        caps, acceptance, rounds = [], [], []
+        bounds, acceptance, rounds = [], [], []
         for state in batch:
-            cap = max(0, min(state.spec.draft_tokens, state.remaining() - 1))
-            chosen = self.router.choose(state.routing) if cap > 0 else []
+            max_draft_tokens = max(0, min(state.spec.max_draft_tokens, state.remaining() - 1))
+            chosen = self.router.choose(state.routing) if max_draft_tokens > 0 else []
             # Cooperating drafters draft in lockstep inside one service: keep those hosted with the lead.
             state.round_drafters = [d for d in chosen if self.drafters[d] is self.drafters[chosen[0]]]
             if not state.round_drafters:
-                cap = 0
-            caps.append(cap)
+                max_draft_tokens = 0
+            bounds.append(max_draft_tokens)
             if state.round_drafters:
                 a, r = self.router.posterior(state.routing, state.round_drafters[0])
                 acceptance.append(a / (a + r))
@@ -273,30 +273,30 @@ class Scheduler:
             rounds.append(state.rounds)
         # Drafting hides behind verification only while another lane has requests to verify.
         overlap = sum(1 for lane in self._lanes if lane) > 1
-        for state, k in zip(batch, self.controller.plan(acceptance, caps, rounds, overlap)):
-            state.round_k = k
+        for state, k in zip(batch, self.controller.plan(acceptance, bounds, rounds, overlap)):
+            state.num_draft_tokens = k
 
     async def _draft(self, batch: list[RequestState]) -> dict[str, DraftTree]:
         """Draft trees for every request that drafts this round, keyed by request id."""
-        trees = {s.spec.session_id: DraftTree() for s in batch if s.round_k > 0}
-        chains = [s for s in batch if s.round_k > 0 and len(s.round_drafters) == 1]
-        fused = [s for s in batch if s.round_k > 0 and len(s.round_drafters) > 1]
+        trees = {s.spec.session_id: DraftTree() for s in batch if s.num_draft_tokens > 0}
+        chains = [s for s in batch if s.num_draft_tokens > 0 and len(s.round_drafters) == 1]
+        fused = [s for s in batch if s.num_draft_tokens > 0 and len(s.round_drafters) > 1]
 
         async def draft_chains():
             # Every chain in one call per service, k tokens each.
-            calls = [(s, s.round_drafters[0], s.tokens, s.round_k, "") for s in chains]
+            calls = [(s, s.round_drafters[0], s.tokens, s.num_draft_tokens, "") for s in chains]
             for state, drafter, drafted in await self._draft_calls(calls):
                 trees[state.spec.session_id].add_chain(drafter, drafted)
 
         async def draft_fused():
             # The cooperating drafters of a request share a service and draft in lockstep there, all k positions in one call.
-            calls = [(s, d, s.tokens, s.round_k, s.spec.session_id) for s in fused for d in s.round_drafters]
+            calls = [(s, d, s.tokens, s.num_draft_tokens, s.spec.session_id) for s in fused for d in s.round_drafters]
             replies: dict[str, dict[str, drafter_pb2.DraftedSession]] = collections.defaultdict(dict)
             for state, drafter, drafted in await self._draft_calls(calls):
                 replies[state.spec.session_id][drafter] = drafted
             for state in fused:
                 tree, mine = trees[state.spec.session_id], replies[state.spec.session_id]
-                for position in range(state.round_k):
+                for position in range(state.num_draft_tokens):
                     tree.fuse_position(state.round_drafters, mine, position)
                 # Each drafter's session continued from the lead tokens, the main branch.
                 for drafter in mine:

@@ -65,9 +65,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         )
         self.scheduler.submit(state, prompt_text, spec.domain)
         log.info(
-            "request %s (session %s, %s): %d prompt tokens, max_tokens %d, temperature %g, domain %s, k <= %d",
+            "request %s (session %s, %s): %d prompt tokens, max_tokens %d, temperature %g, domain %s, max_draft_tokens %d",
             spec.request_id, spec.session_id, via, len(spec.prompt_ids), spec.max_tokens, spec.sampling.temperature,
-            state.routing.domain or "-", spec.draft_tokens,
+            state.routing.domain or "-", spec.max_draft_tokens,
         )
         return state
 
@@ -200,7 +200,7 @@ async def build(cfg: config_mod.Config, transports: tuple | None = None) -> tupl
     limits = Limits(
         default_max_tokens=rcfg.default_max_tokens,
         max_tokens_limit=rcfg.max_tokens_limit,
-        default_draft_tokens=rcfg.num_draft_tokens,
+        num_draft_tokens=rcfg.num_draft_tokens,
         max_draft_tokens=rcfg.max_draft_tokens,
         vocab_size=target.vocab_size,
         max_context=target.max_context,
@@ -336,7 +336,7 @@ async def reload(servicer: GenerationServicer, scheduler: Scheduler, config_path
         _, scheduler.config.draft_limits = call_limits(cfg, servicer.target, await drafter_contexts(cfg, services))
     limits = servicer.limits
     limits.default_max_tokens, limits.max_tokens_limit = rcfg.default_max_tokens, rcfg.max_tokens_limit
-    limits.default_draft_tokens, limits.max_draft_tokens = rcfg.num_draft_tokens, rcfg.max_draft_tokens
+    limits.num_draft_tokens, limits.max_draft_tokens = rcfg.num_draft_tokens, rcfg.max_draft_tokens
     log.info("reloaded %s: drafters %s, routing policy %s", config_path, sorted(drafters), rcfg.routing_policy)
 
 

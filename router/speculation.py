@@ -173,19 +173,20 @@ class SpeculationController:
     probe_every: int = 8
     stop_below: float = 0.0  # 0 disables early stopping in the drafter
 
-    def plan(self, acceptance: list[float], max_k: list[int], rounds: list[int], overlap: bool = False) -> list[int]:
-        """Draft lengths for one round's requests (acceptance a_i, caps, rounds so far).
+    def plan(self, acceptance: list[float], max_draft_tokens: list[int], rounds: list[int], overlap: bool = False) -> list[int]:
+        """Draft lengths (num_draft_tokens) for one round's requests, from each one's acceptance a_i,
+        max_draft_tokens and rounds so far.
 
         overlap: another group's verification runs while this group drafts (pipelined lanes
         with work in more than one), so a round lasts max(draft, verify), not their sum.
         """
         if not self.adaptive:
-            return list(max_k)
-        n = len(max_k)
+            return list(max_draft_tokens)
+        n = len(max_draft_tokens)
         best_goodput, ks = n / self.cost.round_ms([0] * n) if n else 0.0, [0] * n
         # The drafting term depends on the deepest draft only, so fix the depth D first;
         # for a given D, adding a draft token with gain g pays iff it raises sum E / T.
-        for depth in range(1, max(max_k, default=0) + 1):
+        for depth in range(1, max(max_draft_tokens, default=0) + 1):
             trial, expected, drafted = [0] * n, float(n), 0
             drafting = self.cost.draft_ms(depth)
 
@@ -195,7 +196,7 @@ class SpeculationController:
                 return max(verifying, drafting) if overlap else verifying + drafting
 
             while True:
-                candidates = [i for i in range(n) if trial[i] < min(max_k[i], depth) and acceptance[i] >= self.min_acceptance]
+                candidates = [i for i in range(n) if trial[i] < min(max_draft_tokens[i], depth) and acceptance[i] >= self.min_acceptance]
                 if not candidates:
                     break
                 i = max(candidates, key=lambda j: acceptance[j] ** (trial[j] + 1))
@@ -211,6 +212,6 @@ class SpeculationController:
             if goodput > best_goodput:
                 best_goodput, ks = goodput, trial
         for i in range(len(ks)):
-            if ks[i] == 0 and max_k[i] > 0 and rounds[i] % self.probe_every == self.probe_every - 1:
+            if ks[i] == 0 and max_draft_tokens[i] > 0 and rounds[i] % self.probe_every == self.probe_every - 1:
                 ks[i] = 1
         return ks
