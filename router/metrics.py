@@ -17,7 +17,7 @@ def _labels(**labels: str) -> str:
 
 def render(scheduler) -> str:
     """All router metrics, one `# TYPE` block per family."""
-    m = scheduler.metrics
+    m = scheduler.round.metrics
     lines: list[str] = []
 
     def family(name: str, kind: str, help_text: str, samples: list[tuple[dict, float]]) -> None:
@@ -48,9 +48,9 @@ def render(scheduler) -> str:
     )
     family(
         "routed_rounds_total", "counter", "Rounds in which each drafter led a request's drafting, per request domain.",
-        [({"domain": d or "-", "drafter": dr}, n) for (d, dr), n in sorted(scheduler.router.led.items())],
+        [({"domain": d or "-", "drafter": dr}, n) for (d, dr), n in sorted(scheduler.round.router.led.items())],
     )
-    expertise = sorted(scheduler.router.store.snapshot().items())
+    expertise = sorted(scheduler.round.router.store.snapshot().items())
     family(
         "expertise_acceptance", "gauge", "Learned per-token acceptance (posterior mean without prior) per domain and drafter.",
         [
@@ -59,7 +59,7 @@ def render(scheduler) -> str:
             if e.accepted + e.rejected > 0
         ],
     )
-    cost = scheduler.controller.cost
+    cost = scheduler.round.controller.cost
     family(
         "cost_model_ms", "gauge", "The fitted cost model used for adaptive speculation.",
         [

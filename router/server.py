@@ -18,7 +18,8 @@ from router.request import Chunk, InvalidRequest, Limits, RequestSpec, RequestSt
 from router.routing import (
     DomainClassifier, DrafterProfile, DrafterRouter, ExpertiseStore, RedisAuthError, RedisExpertiseStore, RoutingConfig, redacted,
 )
-from router.scheduler import Overloaded, Scheduler, SchedulerConfig
+from router.rounds import SchedulerConfig
+from router.scheduler import Overloaded, Scheduler
 from router.speculation import CostModel, SpeculationController
 from router.transport import GrpcDrafter, GrpcVerifier
 from router.drafters import DrafterService
@@ -312,10 +313,10 @@ async def reload(servicer: GenerationServicer, scheduler: Scheduler, config_path
     """
     cfg = config_mod.load(config_path)
     rcfg = cfg.router
-    drafters = scheduler.drafters
+    drafters = scheduler.round.drafters
     if over_grpc:
         sec = security.load(cfg.security)
-        existing = {service.name: service for service in scheduler.drafters.values()}
+        existing = {service.name: service for service in scheduler.round.drafters.values()}
         services = {}
         for svc in cfg.drafters:
             old = existing.get(svc.name)
@@ -325,15 +326,15 @@ async def reload(servicer: GenerationServicer, scheduler: Scheduler, config_path
                 await wait_until_serving(address, 30.0, security=sec)
         drafters = await collect_drafters(cfg, services, servicer.target)
     new_router = build_drafter_router(cfg, sorted(drafters))
-    new_router.store = scheduler.router.store
-    scheduler.drafters, scheduler.router = drafters, new_router
-    scheduler.controller.adaptive = rcfg.adaptive_speculation
-    scheduler.controller.stop_below = rcfg.stop_below_confidence
-    scheduler.config.max_running = rcfg.max_running
-    scheduler.config.max_queued = rcfg.max_queued
-    scheduler.config.rpc_timeout_s = rcfg.rpc_timeout_s
+    new_router.store = scheduler.round.router.store
+    scheduler.round.drafters, scheduler.round.router = drafters, new_router
+    scheduler.round.controller.adaptive = rcfg.adaptive_speculation
+    scheduler.round.controller.stop_below = rcfg.stop_below_confidence
+    scheduler.round.config.max_running = rcfg.max_running
+    scheduler.round.config.max_queued = rcfg.max_queued
+    scheduler.round.config.rpc_timeout_s = rcfg.rpc_timeout_s
     if over_grpc:
-        _, scheduler.config.draft_limits = call_limits(cfg, servicer.target, await drafter_contexts(cfg, services))
+        _, scheduler.round.config.draft_limits = call_limits(cfg, servicer.target, await drafter_contexts(cfg, services))
     limits = servicer.limits
     limits.default_max_tokens, limits.max_tokens_limit = rcfg.default_max_tokens, rcfg.max_tokens_limit
     limits.num_draft_tokens, limits.max_draft_tokens = rcfg.num_draft_tokens, rcfg.max_draft_tokens
@@ -450,10 +451,10 @@ async def run(
     metrics_server = None
     metrics_sock = listen(host, cfg.router.metrics_port, config_mod.DEFAULT_METRICS_PORTS["router"], "router metrics", "router.metrics_port")
     if metrics_sock is not None:
-        scheduler.telemetry = RouterTelemetry(scheduler)
+        scheduler.round.telemetry = RouterTelemetry(scheduler)
         # The earlier hand-written specfleet_router_* families follow the specfleet:* ones.
         metrics_server = await metrics.serve(
-            metrics_sock, scheduler.telemetry.registry, lambda: render_metrics(scheduler), **sec.metrics_options()
+            metrics_sock, scheduler.round.telemetry.registry, lambda: render_metrics(scheduler), **sec.metrics_options()
         )
     http = await start_http(cfg, host, servicer, api_key, sec)
 

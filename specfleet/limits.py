@@ -3,7 +3,7 @@
 The verifier and drafter services refuse a larger call before any forward pass
 (RESOURCE_EXHAUSTED over gRPC: the call is well formed but over this server's
 size limit, as a message over gRPC's own size limit is); the router splits its
-calls so that none is larger (router/scheduler.py). A call's tokens are its
+calls so that none is larger (router/drafting.py, router/verifying.py). A call's tokens are its
 sessions' contexts after the call (the tokens kept, the new ones, the tree or
 drafts): what its forward pass computes over and what its KV caches hold, so
 a call's KV is at most max_call_tokens times the model's KV bytes per token.

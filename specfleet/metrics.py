@@ -281,7 +281,7 @@ class RouterTelemetry:
         self.failed.labels(code=getattr(code, "name", str(code))).inc()
 
     def verified(self, state, tree, accepted_nodes: list[int]) -> None:
-        """One request's draft tree came back from verification (Scheduler._learn)."""
+        """One request's draft tree came back from verification (router/verifying.py, Verifying._learn)."""
         if not tree.tokens:
             return
         self.drafts.inc()
@@ -309,7 +309,7 @@ class _DrafterAcceptance:
         accepted = CounterMetricFamily(
             "specfleet:drafter_accepted_tokens", "Proposals of each drafter that matched the target's tokens, per domain.", labels=["drafter", "domain"]
         )
-        for (domain, drafter), counts in sorted(self.scheduler.metrics.by_domain.items()):
+        for (domain, drafter), counts in sorted(self.scheduler.round.metrics.by_domain.items()):
             proposed.add_metric([drafter, domain or "-"], counts.draft_tokens)
             accepted.add_metric([drafter, domain or "-"], counts.accepted_tokens)
         yield proposed
