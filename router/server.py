@@ -169,8 +169,9 @@ async def build(cfg: config_mod.Config, transports: tuple | None = None) -> tupl
         )
     drafters = await collect_drafters(cfg, services, target)
     drafter_router = build_drafter_router(cfg, sorted(drafters))
-    controller = SpeculationController(
-        cost=CostModel(
+    controller = speculation_controller(
+        rcfg,
+        CostModel(
             verify_base=rcfg.verify_base_ms,
             verify_per_session=rcfg.verify_per_session_ms,
             verify_per_token=rcfg.verify_per_token_ms,
@@ -178,38 +179,46 @@ async def build(cfg: config_mod.Config, transports: tuple | None = None) -> tupl
             draft_base=rcfg.draft_base_ms,
             pinned=rcfg.pin_cost_model,
         ),
-        adaptive=rcfg.adaptive_speculation,
-        stop_below=rcfg.stop_below_confidence,
     )
     verify_limits, draft_limits = call_limits(cfg, target, await drafter_contexts(cfg, services))
     if not rcfg.pin_cost_model:
         await profile_costs(verifier.first, drafters, controller.cost, target.eos_token_id, target.max_context, verify_limits)
-    scheduler = Scheduler(
-        SchedulerConfig(
-            max_running=rcfg.max_running,
-            max_queued=rcfg.max_queued,
-            rpc_timeout_s=rcfg.rpc_timeout_s,
-            pipeline_depth=pipeline_depth(rcfg.pipeline_depth, target, drafters),
-            verify_limits=verify_limits,
-            draft_limits=draft_limits,
-        ),
-        verifier,
-        drafters,
-        drafter_router,
-        controller,
+    depth = pipeline_depth(rcfg.pipeline_depth, target, drafters)
+    scheduler = Scheduler(scheduler_config(rcfg, depth, verify_limits, draft_limits), verifier, drafters, drafter_router, controller)
+    limits = request_limits(rcfg, target, prompt_chars_bound(tokenizer, target.max_context))
+    servicer = GenerationServicer(scheduler, tokenizer, limits, target.eos_token_id)
+    servicer.target = target
+    return servicer, scheduler, [*replicas, *(t for service in services.values() for t in service.replicas)]
+
+
+# What the router.* keys become, each mapped in one place for the start-up and for a reload.
+
+
+def scheduler_config(rcfg: config_mod.RouterConfig, depth: int, verify_limits, draft_limits) -> SchedulerConfig:
+    return SchedulerConfig(
+        max_running=rcfg.max_running,
+        max_queued=rcfg.max_queued,
+        rpc_timeout_s=rcfg.rpc_timeout_s,
+        pipeline_depth=depth,
+        verify_limits=verify_limits,
+        draft_limits=draft_limits,
     )
-    limits = Limits(
+
+
+def request_limits(rcfg: config_mod.RouterConfig, target, max_prompt_chars: int) -> Limits:
+    return Limits(
         default_max_tokens=rcfg.default_max_tokens,
         max_tokens_limit=rcfg.max_tokens_limit,
         num_draft_tokens=rcfg.num_draft_tokens,
         max_draft_tokens=rcfg.max_draft_tokens,
         vocab_size=target.vocab_size,
         max_context=target.max_context,
-        max_prompt_chars=prompt_chars_bound(tokenizer, target.max_context),
+        max_prompt_chars=max_prompt_chars,
     )
-    servicer = GenerationServicer(scheduler, tokenizer, limits, target.eos_token_id)
-    servicer.target = target
-    return servicer, scheduler, [*replicas, *(t for service in services.values() for t in service.replicas)]
+
+
+def speculation_controller(rcfg: config_mod.RouterConfig, cost: CostModel) -> SpeculationController:
+    return SpeculationController(cost=cost, adaptive=rcfg.adaptive_speculation, stop_below=rcfg.stop_below_confidence)
 
 
 def grpc_drafter_service(svc: config_mod.DrafterServiceConfig, sec: security.Security) -> DrafterService:
@@ -327,17 +336,14 @@ async def reload(servicer: GenerationServicer, scheduler: Scheduler, config_path
         drafters = await collect_drafters(cfg, services, servicer.target)
     new_router = build_drafter_router(cfg, sorted(drafters))
     new_router.store = scheduler.round.router.store
-    scheduler.round.drafters, scheduler.round.router = drafters, new_router
-    scheduler.round.controller.adaptive = rcfg.adaptive_speculation
-    scheduler.round.controller.stop_below = rcfg.stop_below_confidence
-    scheduler.round.config.max_running = rcfg.max_running
-    scheduler.round.config.max_queued = rcfg.max_queued
-    scheduler.round.config.rpc_timeout_s = rcfg.rpc_timeout_s
-    if over_grpc:
-        _, scheduler.round.config.draft_limits = call_limits(cfg, servicer.target, await drafter_contexts(cfg, services))
-    limits = servicer.limits
-    limits.default_max_tokens, limits.max_tokens_limit = rcfg.default_max_tokens, rcfg.max_tokens_limit
-    limits.num_draft_tokens, limits.max_draft_tokens = rcfg.num_draft_tokens, rcfg.max_draft_tokens
+    shared = scheduler.round
+    draft_limits = call_limits(cfg, servicer.target, await drafter_contexts(cfg, services))[1] if over_grpc else shared.config.draft_limits
+    # Each object is replaced whole, never edited field by field: whoever reads one sees the old
+    # settings or the new, not a mix. The lanes (pipeline_depth) and the verifier stay.
+    shared.config = scheduler_config(rcfg, shared.config.pipeline_depth, shared.config.verify_limits, draft_limits)
+    shared.drafters, shared.router = drafters, new_router
+    shared.controller = speculation_controller(rcfg, shared.controller.cost)  # the learned costs stay
+    servicer.limits = request_limits(rcfg, servicer.target, servicer.limits.max_prompt_chars)
     log.info("reloaded %s: drafters %s, routing policy %s", config_path, sorted(drafters), rcfg.routing_policy)
 
 

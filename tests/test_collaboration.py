@@ -157,7 +157,8 @@ def test_saturation_every_request_finishes_or_reports_its_deadline(random_family
 
 
 def test_config_reload_and_metrics(random_family, tmp_path):
-    """SIGHUP to `specfleet serve` applies a changed config; /metrics reports per-drafter, per-domain counts."""
+    """SIGHUP to `specfleet serve` applies a changed config (drafters, routing, request limits);
+    /metrics reports per-drafter, per-domain counts."""
     import signal
     import time
     import urllib.request
@@ -173,17 +174,23 @@ def test_config_reload_and_metrics(random_family, tmp_path):
             stub = generation_pb2_grpc.GenerationStub(channel)
 
             def drafters_used():
-                reply = stub.Generate(greedy_request(PROMPTS[0], 16, 4), timeout=120)
+                reply = stub.Generate(greedy_request(PROMPTS[0], 16, 3), timeout=120)
                 return {d.drafter for d in reply.speculation.drafters}
 
             assert drafters_used() == {"drafter-random"}
+            assert stub.Generate(greedy_request(PROMPTS[0], 4, 5), timeout=120).token_ids
             config["router"]["default_drafter"] = "drafter-copy"
+            config["router"].update(num_draft_tokens=3, max_draft_tokens=4)
             cluster.config_path.write_text(yaml.safe_dump(config))
             cluster.proc.send_signal(signal.SIGHUP)
             deadline = time.monotonic() + 30
             while drafters_used() != {"drafter-copy"}:
                 assert time.monotonic() < deadline, "the reloaded default drafter was never used"
                 time.sleep(0.5)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Generate(greedy_request(PROMPTS[0], 4, 5), timeout=120)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "speculation.max_draft_tokens: must be between 0 and 4, got 5" in refused.value.details()
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{config['router']['metrics_port']}/metrics", timeout=10).read().decode()
     finally:
         cluster.stop()
