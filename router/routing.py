@@ -174,8 +174,20 @@ def _parse_evidence(name: bytes, value: bytes) -> tuple[str, str, Evidence] | No
     return domain, drafter, Evidence(a, r)
 
 
+def _tls_refused(err: BaseException) -> bool:
+    """Whether a connection failed in its TLS handshake (certificate, protocol), not for being away."""
+    import ssl
+
+    seen, depth = err, 0
+    while seen is not None and depth < 8:
+        if isinstance(seen, ssl.SSLError) or "SSL" in str(seen):
+            return True
+        seen, depth = seen.__cause__ or seen.__context__, depth + 1
+    return False
+
+
 class RedisAuthError(RuntimeError):
-    """Redis refused the router's credentials: a configuration mistake, refused at start-up."""
+    """Redis refused the router's credentials or its TLS handshake: a configuration mistake, refused at start-up."""
 
 
 def redacted(url: str) -> str:
@@ -214,6 +226,14 @@ class RedisExpertiseStore(ExpertiseStore):
                 f"router.redis_url: Redis at {self.safe_url} refused this router ({err}); put its password in the URL, "
                 "redis://:PASSWORD@host:port/db (or redis://USER:PASSWORD@... with ACLs; rediss:// for TLS)"
             ) from None
+        except redis.ConnectionError as err:
+            if not _tls_refused(err):  # away for now: routing runs on local state, and sync() keeps trying
+                log.warning("redis at %s unavailable at start-up (%s); routing continues on local state", self.safe_url, err)
+            else:  # a wrong CA or an unencrypted server does not heal by retrying
+                raise RedisAuthError(
+                    f"router.redis_url: the TLS connection to Redis at {self.safe_url} failed ({err}); with rediss://, "
+                    "name the CA that signed its certificate: rediss://host:port/db?ssl_ca_certs=PATH"
+                ) from None
         except redis.RedisError as err:  # away for now: routing runs on local state, and sync() keeps trying
             log.warning("redis at %s unavailable at start-up (%s); routing continues on local state", self.safe_url, err)
         self._script = self._client.register_script(_REDIS_ADD)

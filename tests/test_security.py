@@ -358,3 +358,40 @@ def test_redis_with_a_password_works_with_it_and_fails_clearly_without(tmp_path)
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed (scripts/ensure-redis)")
+def test_redis_over_tls_shares_state_and_a_wrong_ca_fails_clearly(pki, tmp_path):
+    """rediss:// with the CA that signed Redis's certificate works; another CA stops the router at
+    start-up naming router.redis_url and what to set (retrying would never heal it)."""
+    import redis
+
+    from router.routing import RedisAuthError, RedisExpertiseStore
+
+    good, rogue, port = pki["good"], pki["rogue"], free_port()
+    proc = subprocess.Popen(
+        ["redis-server", "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--tls-cert-file", str(good["cert"]), "--tls-key-file", str(good["key"]), "--tls-ca-cert-file", str(good["ca"]),
+         "--tls-auth-clients", "no"],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        client = redis.Redis(port=port, ssl=True, ssl_ca_certs=str(good["ca"]))
+        for _ in range(100):
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        store = RedisExpertiseStore(f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={good['ca']}", decay=1.0)
+        store.add("code", "drafter-copy", 5.0, 1.0)
+        store.sync()
+        assert store.backend == "redis"
+        assert client.hgetall("specfleet:expertise") == {b"code\x1fdrafter-copy": b"5.000000,1.000000"}
+        with pytest.raises(RedisAuthError) as err:
+            RedisExpertiseStore(f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={rogue['ca']}", decay=1.0)
+        assert "router.redis_url" in str(err.value) and "ssl_ca_certs=PATH" in str(err.value)
+        assert "CERTIFICATE_VERIFY_FAILED" in str(err.value)
+    finally:
+        proc.kill()
+        proc.wait()
