@@ -5,12 +5,12 @@ Real processes on loopback: `specfleet serve` with a throwaway CA and certificat
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
 import pathlib
 import shlex
 import shutil
-import ssl
 import subprocess
 import sys
 import time
@@ -324,30 +324,48 @@ def test_serve_refuses_a_missing_certificate_before_starting_anything(random_fam
 # --- Redis with a password ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed (scripts/ensure-redis)")
-def test_redis_with_a_password_works_with_it_and_fails_clearly_without(tmp_path):
+needs_redis = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed (scripts/ensure-redis)")
+
+
+@contextlib.contextmanager
+def redis_server(args: list[str], **client_options):
+    """A redis-server started with these arguments (beside an ephemeral-state default), and a
+    redis-py client of it that has seen it answer; the server is killed on exit."""
     import redis
 
-    from router.routing import RedisExpertiseStore, RedisAuthError
-
-    port, password = free_port(), "redis-pass-0123456789"
     proc = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--requirepass", password],
-        stdout=subprocess.DEVNULL,
+        ["redis-server", "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", *args], stdout=subprocess.DEVNULL
     )
     try:
-        client = redis.Redis(port=port, password=password)
+        client = redis.Redis(**client_options)
         for _ in range(100):
             try:
                 client.ping()
                 break
             except redis.ConnectionError:
                 time.sleep(0.05)
+        yield client
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def check_shared(store, client) -> None:
+    """What the router learns reaches Redis through this store."""
+    store.add("code", "drafter-copy", 5.0, 1.0)
+    store.sync()
+    assert store.backend == "redis"
+    assert client.hgetall("specfleet:expertise") == {b"code\x1fdrafter-copy": b"5.000000,1.000000"}
+
+
+@needs_redis
+def test_redis_with_a_password_works_with_it_and_fails_clearly_without(tmp_path):
+    from router.routing import RedisExpertiseStore, RedisAuthError
+
+    port, password = free_port(), "redis-pass-0123456789"
+    with redis_server(["--port", str(port), "--requirepass", password], port=port, password=password) as client:
         store = RedisExpertiseStore(f"redis://:{password}@127.0.0.1:{port}/0", decay=1.0)
-        store.add("code", "drafter-copy", 5.0, 1.0)
-        store.sync()
-        assert store.backend == "redis"
-        assert client.hgetall("specfleet:expertise") == {b"code\x1fdrafter-copy": b"5.000000,1.000000"}
+        check_shared(store, client)
         for url in (f"redis://127.0.0.1:{port}/0", f"redis://:wrong-password@127.0.0.1:{port}/0"):
             with pytest.raises(RedisAuthError) as err:
                 RedisExpertiseStore(url, decay=1.0)
@@ -355,43 +373,20 @@ def test_redis_with_a_password_works_with_it_and_fails_clearly_without(tmp_path)
             assert password not in str(err.value)
         # The password never reaches a log line or an error message.
         assert password not in store.safe_url and "***" in store.safe_url
-    finally:
-        proc.kill()
-        proc.wait()
 
 
-@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed (scripts/ensure-redis)")
+@needs_redis
 def test_redis_over_tls_shares_state_and_a_wrong_ca_fails_clearly(pki, tmp_path):
     """rediss:// with the CA that signed Redis's certificate works; another CA stops the router at
     start-up naming router.redis_url and what to set (retrying would never heal it)."""
-    import redis
-
     from router.routing import RedisAuthError, RedisExpertiseStore
 
     good, rogue, port = pki["good"], pki["rogue"], free_port()
-    proc = subprocess.Popen(
-        ["redis-server", "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--tls-cert-file", str(good["cert"]), "--tls-key-file", str(good["key"]), "--tls-ca-cert-file", str(good["ca"]),
-         "--tls-auth-clients", "no"],
-        stdout=subprocess.DEVNULL,
-    )
-    try:
-        client = redis.Redis(port=port, ssl=True, ssl_ca_certs=str(good["ca"]))
-        for _ in range(100):
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        store = RedisExpertiseStore(f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={good['ca']}", decay=1.0)
-        store.add("code", "drafter-copy", 5.0, 1.0)
-        store.sync()
-        assert store.backend == "redis"
-        assert client.hgetall("specfleet:expertise") == {b"code\x1fdrafter-copy": b"5.000000,1.000000"}
+    tls = ["--port", "0", "--tls-port", str(port), "--tls-cert-file", str(good["cert"]), "--tls-key-file", str(good["key"]),
+           "--tls-ca-cert-file", str(good["ca"]), "--tls-auth-clients", "no"]
+    with redis_server(tls, port=port, ssl=True, ssl_ca_certs=str(good["ca"])) as client:
+        check_shared(RedisExpertiseStore(f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={good['ca']}", decay=1.0), client)
         with pytest.raises(RedisAuthError) as err:
             RedisExpertiseStore(f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={rogue['ca']}", decay=1.0)
         assert "router.redis_url" in str(err.value) and "ssl_ca_certs=PATH" in str(err.value)
         assert "CERTIFICATE_VERIFY_FAILED" in str(err.value)
-    finally:
-        proc.kill()
-        proc.wait()
