@@ -1,17 +1,17 @@
 """CUDA graphs of batched forward passes, one per (sessions, tokens, positions) bucket; eager outside them.
 
-A pass of B sessions x N new tokens runs as the graph of the smallest configured bucket
-(B', N') with B <= B' and N <= N', over T' = the next power of two >= the pass's longest
-context (at least MIN_POSITIONS, at most the pool's slot). Every bucket is captured at start-up
+A pass of B sessions x N new tokens runs as the graph of the smallest configured bucket (B',
+N') with B <= B' and N <= N', over T' = the next power of two >= the pass's longest context (at
+least MIN_POSITIONS, at most the pool's slot). Every bucket is captured at start-up
 (`capture_all`, after the pool is sized for the cache budget), so no request waits for a
-capture; a bucket missing then (the pool grew past its budget) is captured on first use. Every input is
-copied into the graph's static tensors: token ids, positions, where each new token's KV goes,
-which slots attention reads and the mask. The padding (sessions past B, tokens past n_b)
-writes its KV into a scratch slot of the pool held by the graphs and sees position 0 alone,
-so it touches no session, and the rows handed back are the real ones. The graph runs the same
-`llama.forward` code as an eager batched pass, over gathered slots (the graph's shapes cannot
-depend on where slots lie); a graph changes no output (scripts/device-check compares greedy
-tokens with and without graphs on the GPU).
+capture; a bucket missing then (the pool grew past its budget) is captured on first use. Every
+input is copied into the graph's static tensors: token ids, positions, where each new token's
+KV goes, which slots attention reads and the mask. The padding (sessions past B, tokens past
+n_b) writes its KV into a scratch slot of the pool held by the graphs and sees position 0
+alone, so it touches no session, and the rows handed back are the real ones. The graph runs the
+same `llama.forward` code as an eager batched pass, over gathered slots (the graph's shapes
+cannot depend on where slots lie); a graph changes no output (scripts/device-check compares
+greedy tokens with and without graphs on the GPU).
 
 When the pool grows its tensor is replaced, and every graph (which holds the old one) is
 dropped and captured again on next use.
