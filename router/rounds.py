@@ -41,8 +41,6 @@ class RouterMetrics:
     requests_finished: int = 0
     requests_failed: int = 0
     requests_cancelled: int = 0  # the client went away (or its deadline passed on its side)
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
     drafter_errors: int = 0
     session_misses: int = 0
     verify_busy_ms: float = 0.0

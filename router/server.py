@@ -13,7 +13,6 @@ import time
 import grpc
 
 from router import openai_api
-from router.metrics import render as render_metrics
 from router.request import Chunk, InvalidRequest, Limits, RequestSpec, RequestState, parse_request, prompt_chars_bound
 from router.routing import (
     DomainClassifier, DrafterProfile, DrafterRouter, ExpertiseStore, RedisAuthError, RedisExpertiseStore, RoutingConfig, redacted,
@@ -458,10 +457,7 @@ async def run(
     metrics_sock = listen(host, cfg.router.metrics_port, config_mod.DEFAULT_METRICS_PORTS["router"], "router metrics", "router.metrics_port")
     if metrics_sock is not None:
         scheduler.round.telemetry = RouterTelemetry(scheduler)
-        # The earlier hand-written specfleet_router_* families follow the specfleet:* ones.
-        metrics_server = await metrics.serve(
-            metrics_sock, scheduler.round.telemetry.registry, lambda: render_metrics(scheduler), **sec.metrics_options()
-        )
+        metrics_server = await metrics.serve(metrics_sock, scheduler.round.telemetry.registry, **sec.metrics_options())
     http = await start_http(cfg, host, servicer, api_key, sec)
 
     async def drain() -> None:

@@ -150,8 +150,6 @@ class Verifying:
         state.accepted_tokens += len(accepted_nodes)
         if self.round.telemetry is not None:
             self.round.telemetry.verified(state, tree, accepted_nodes)
-        metrics.draft_tokens += len(tree.tokens)
-        metrics.accepted_tokens += len(accepted_nodes)
         accepted_owners = collections.Counter(d for node in accepted_nodes for d in tree.owners[node])
         outcomes = tree.outcomes(accepted_nodes, emitted)
         for drafter, (hits, _) in outcomes.items():

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 log = logging.getLogger(__name__)
 
@@ -86,13 +86,12 @@ async def _read_request(reader: asyncio.StreamReader) -> tuple[str, bytes]:
 async def serve(
     sock: socket.socket,
     registry: CollectorRegistry,
-    extra: Callable[[], str] | None = None,
     ssl_context: ssl.SSLContext | None = None,
     token: str = "",
     deadline_s: float = REQUEST_DEADLINE_S,
     max_connections: int = MAX_CONNECTIONS,
 ) -> asyncio.Server:
-    """GET /metrics on `sock` (specfleet.ports.listen): the registry's samples, then `extra()` text.
+    """GET /metrics on `sock` (specfleet.ports.listen): the registry's samples.
 
     ssl_context: serve HTTPS; token: answer 401 unless the request has `Authorization: Bearer token`
     (specfleet.security.Security.metrics_options gives both).
@@ -132,7 +131,7 @@ async def serve(
             if not authorized:
                 respond(writer, "401 Unauthorized", b"unauthorized: send Authorization: Bearer <the metrics token>\n")
             elif len(parts) >= 2 and parts[0] == "GET" and parts[1].split("?")[0] == "/metrics":
-                body = generate_latest(registry) + (extra().encode() if extra else b"")
+                body = generate_latest(registry)
                 respond(writer, "200 OK", body, "text/plain; version=0.0.4; charset=utf-8")
             else:
                 respond(writer, "404 Not Found", b"not found: try /metrics\n")
@@ -150,9 +149,9 @@ async def serve(
 
 
 @contextlib.asynccontextmanager
-async def exported(sock: socket.socket | None, registry: CollectorRegistry, extra: Callable[[], str] | None = None, **options):
+async def exported(sock: socket.socket | None, registry: CollectorRegistry, **options):
     """Serve /metrics on `sock` while the body runs; None: metrics are off. options: `serve`'s ssl_context and token."""
-    server = await serve(sock, registry, extra, **options) if sock is not None else None
+    server = await serve(sock, registry, **options) if sock is not None else None
     try:
         yield
     finally:
@@ -249,11 +248,11 @@ class RouterTelemetry:
         self.replica_sessions = Counter(
             "specfleet:verifier_replica_sessions", "Request rounds each verifier replica verified.", ["replica"], registry=r
         )
-        r.register(_DrafterAcceptance(scheduler))
+        r.register(_RoundState(scheduler))
         self._last_token_at: dict[int, float] = {}  # id(state) -> when its last tokens went out
 
     def published(self, state, chunk) -> None:
-        """A chunk went to the client (router.scheduler.Scheduler._publish)."""
+        """A chunk went to the client (Scheduler._publish)."""
         now = time.monotonic()
         n = len(chunk.token_ids)
         if n:
@@ -295,22 +294,50 @@ class RouterTelemetry:
             self.fusion_width.observe(len(state.round_drafters))
 
 
-class _DrafterAcceptance:
-    """Per drafter and domain, tokens proposed and accepted, and verifier replica moves: read from the scheduler's counters at scrape time."""
+class _RoundState:
+    """What the router's scheduler counts and learns, read at scrape time: drafts and acceptance per drafter
+    and domain, rounds, failures, verifier time, verifier replica moves, learned expertise, the cost model."""
 
     def __init__(self, scheduler):
         self.scheduler = scheduler
 
     def collect(self):
+        shared = self.scheduler.round
+        m = shared.metrics
         yield CounterMetricFamily(
             "specfleet:verifier_replica_moves", "Requests moved off a failed verifier replica to a live one.", value=self.scheduler.verifiers.moves
+        )
+        yield CounterMetricFamily("specfleet:rounds", "Draft-and-verify rounds, one per lane and pass.", value=m.rounds)
+        yield CounterMetricFamily("specfleet:drafter_errors", "Failed Draft calls (their requests decoded that round without drafts).", value=m.drafter_errors)
+        yield CounterMetricFamily("specfleet:session_misses", "Sessions a verifier or drafter had lost and was sent again whole.", value=m.session_misses)
+        yield CounterMetricFamily(
+            "specfleet:verify_busy_seconds", "Verifier compute time reported for this router's Verify calls.", value=m.verify_busy_ms / 1e3
         )
         proposed = CounterMetricFamily("specfleet:drafter_draft_tokens", "Tokens each drafter proposed, per request domain.", labels=["drafter", "domain"])
         accepted = CounterMetricFamily(
             "specfleet:drafter_accepted_tokens", "Proposals of each drafter that matched the target's tokens, per domain.", labels=["drafter", "domain"]
         )
-        for (domain, drafter), counts in sorted(self.scheduler.round.metrics.by_domain.items()):
+        for (domain, drafter), counts in sorted(m.by_domain.items()):
             proposed.add_metric([drafter, domain or "-"], counts.draft_tokens)
             accepted.add_metric([drafter, domain or "-"], counts.accepted_tokens)
         yield proposed
         yield accepted
+        expertise = GaugeMetricFamily(
+            "specfleet:expertise_acceptance", "Learned per-token acceptance (posterior mean without prior) per drafter and domain.",
+            labels=["drafter", "domain"],
+        )
+        for (domain, drafter), e in sorted(shared.router.store.snapshot().items()):
+            if e.accepted + e.rejected > 0:
+                expertise.add_metric([drafter, domain or "-"], e.accepted / (e.accepted + e.rejected))
+        yield expertise
+        cost = shared.controller.cost
+        model = GaugeMetricFamily("specfleet:cost_model_ms", "The fitted cost model adaptive speculation plans with.", labels=["term"])
+        for term, ms in [
+            ("verify_base", cost.verify_scale * cost.verify_base),
+            ("verify_per_session", cost.verify_scale * cost.verify_per_session),
+            ("verify_per_token", cost.verify_scale * cost.verify_per_token),
+            ("draft_base", cost.draft_base),
+            ("draft_per_token", cost.draft_per_token),
+        ]:
+            model.add_metric([term], ms)
+        yield model

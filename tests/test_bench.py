@@ -171,18 +171,18 @@ vllm:num_requests_running{engine="0",model_name="target"} 0.0
 def test_router_counters_are_parsed():
     from specfleet.bench.systems import parse_prometheus
 
-    text = """# TYPE specfleet_router_rounds_total counter
-specfleet_router_rounds_total 120
-specfleet_router_verify_busy_seconds_total 0.75
-specfleet_router_drafter_proposed_tokens_total{domain="code",drafter="code"} 10
-specfleet_router_drafter_proposed_tokens_total{domain="prose",drafter="code"} 5
-specfleet_router_expertise_acceptance{domain="code",drafter="code"} NaN
+    text = """# TYPE specfleet:rounds_total counter
+specfleet:rounds_total 120
+specfleet:verify_busy_seconds_total 0.75
+specfleet:drafter_draft_tokens_total{domain="code",drafter="code"} 10
+specfleet:drafter_draft_tokens_total{domain="prose",drafter="code"} 5
+specfleet:expertise_acceptance{domain="code",drafter="code"} NaN
 other_metric 3
 """
-    assert parse_prometheus(text, "specfleet_router_") == {
-        "specfleet_router_rounds_total": 120.0,
-        "specfleet_router_verify_busy_seconds_total": 0.75,
-        "specfleet_router_drafter_proposed_tokens_total": 15.0,
+    assert parse_prometheus(text, "specfleet:") == {
+        "specfleet:rounds_total": 120.0,
+        "specfleet:verify_busy_seconds_total": 0.75,
+        "specfleet:drafter_draft_tokens_total": 15.0,
     }
 
 

@@ -195,7 +195,7 @@ def test_config_reload_and_metrics(random_family, tmp_path):
     finally:
         cluster.stop()
     assert "reloaded" in cluster.log_path.read_text()
-    rounds = [line for line in metrics.splitlines() if line.startswith("specfleet_router_rounds_total")]
+    rounds = [line for line in metrics.splitlines() if line.startswith("specfleet:rounds_total")]
     assert rounds and float(rounds[0].split()[-1]) > 0
-    assert 'specfleet_router_drafter_proposed_tokens_total{domain="-",drafter="drafter-copy"}' in metrics
-    assert "# TYPE specfleet_router_accepted_tokens_total counter" in metrics
+    assert 'specfleet:drafter_draft_tokens_total{domain="-",drafter="drafter-copy"}' in metrics
+    assert "# TYPE specfleet:cost_model_ms gauge" in metrics and 'specfleet:cost_model_ms{term="verify_per_token"}' in metrics

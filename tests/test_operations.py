@@ -53,15 +53,15 @@ def _slot_taken(cluster, stub, request_id: str):
     verifier resumes; yields the blocking request's future."""
     with paused(service_pid(cluster, "verifier")):
         blocker = stub.Generate.future(greedy_request(PROMPTS[0], 8, 2, request_id=request_id), timeout=600)
-        wait_for_metric(_port(cluster), "specfleet_router_requests_running", 1)
+        wait_for_metric(_port(cluster), "specfleet:num_requests_running", 1)
         yield blocker
 
 
 def _queue(cluster, stub, request, timeout_s: float):
     """Send a request and wait until the router has queued it (so arrival order is this call order)."""
-    waiting = metrics(_port(cluster))["specfleet_router_requests_waiting"]
+    waiting = metrics(_port(cluster))["specfleet:num_requests_waiting"]
     future = stub.Generate.future(request, timeout=timeout_s)
-    wait_for_metric(_port(cluster), "specfleet_router_requests_waiting", waiting + 1)
+    wait_for_metric(_port(cluster), "specfleet:num_requests_waiting", waiting + 1)
     return future
 
 
@@ -112,13 +112,14 @@ def test_metrics_count_what_the_replies_report(ops, stub):
     drafted = sum(r.speculation.draft_tokens for r in replies)
     accepted = sum(r.speculation.accepted_tokens for r in replies)
     assert 0 < accepted < drafted  # the drafter proposed, and the target both accepted and rejected
-    assert moved("specfleet_router_draft_tokens_total") == drafted
-    assert moved("specfleet_router_accepted_tokens_total") == accepted
-    assert moved("specfleet_router_requests_finished_total") == len(replies)
-    assert moved("specfleet_router_requests_failed_total") == 0
+    assert moved("specfleet:spec_decode_num_draft_tokens_total") == drafted
+    assert moved("specfleet:spec_decode_num_accepted_tokens_total") == accepted
+    assert moved_family("specfleet:request_success_total") == len(replies)
+    assert moved_family("specfleet:request_failure_total") == 0
+    assert moved("specfleet:rounds_total") >= max(r.speculation.rounds for r in replies)
     # Per drafter (one drafter, chains only: its proposals are the request's drafts).
-    assert moved_family("specfleet_router_drafter_proposed_tokens_total") == sum(d.draft_tokens for r in replies for d in r.speculation.drafters)
-    assert moved_family("specfleet_router_drafter_accepted_tokens_total") == sum(d.accepted_tokens for r in replies for d in r.speculation.drafters)
+    assert moved_family("specfleet:drafter_draft_tokens_total") == sum(d.draft_tokens for r in replies for d in r.speculation.drafters)
+    assert moved_family("specfleet:drafter_accepted_tokens_total") == sum(d.accepted_tokens for r in replies for d in r.speculation.drafters)
 
 
 def test_a_cancelled_request_stops_and_counts_as_cancelled(ops, stub):
@@ -132,7 +133,7 @@ def test_a_cancelled_request_stops_and_counts_as_cancelled(ops, stub):
     stream = stub.GenerateStream(request, timeout=300)
     next(stream)
     with paused(service_pid(ops, "verifier")):
-        rounds = metrics(_port(ops))["specfleet_router_rounds_total"]  # still, but for the round in flight
+        rounds = metrics(_port(ops))["specfleet:rounds_total"]  # still, but for the round in flight
         stream.cancel()
         with pytest.raises(grpc.RpcError) as err:
             list(stream)
@@ -145,9 +146,10 @@ def test_a_cancelled_request_stops_and_counts_as_cancelled(ops, stub):
     held = wait_released(ops, session_id)
     assert session_id not in held["verifier"] | held["drafter"], held
     after = metrics(_port(ops))
-    assert after["specfleet_router_rounds_total"] - rounds <= 1
-    assert after["specfleet_router_requests_cancelled_total"] - before.get("specfleet_router_requests_cancelled_total", 0) == 1
-    assert after["specfleet_router_requests_finished_total"] == before["specfleet_router_requests_finished_total"]
+    assert after["specfleet:rounds_total"] - rounds <= 1
+    assert after["specfleet:request_cancelled_total"] - before.get("specfleet:request_cancelled_total", 0) == 1
+    finished = lambda sample: sum(v for k, v in sample.items() if k.startswith("specfleet:request_success_total{"))  # noqa: E731
+    assert finished(after) == finished(before)
 
 
 def test_bad_config_on_sighup_is_refused_and_the_old_one_kept(ops, stub):

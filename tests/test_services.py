@@ -168,7 +168,7 @@ def test_sigterm_lets_in_flight_requests_finish(random_family, tmp_path, monkeyp
             stub = generation_pb2_grpc.GenerationStub(channel)
             # Without drafting every request makes one token a round: the router's rounds (of any lane)
             # since a request started bound the tokens it has made.
-            rounds = lambda: metrics(config["router"]["metrics_port"])["specfleet_router_rounds_total"]  # noqa: E731
+            rounds = lambda: metrics(config["router"]["metrics_port"])["specfleet:rounds_total"]  # noqa: E731
             http_started = rounds()
             http_streams, texts = [], []
             for p in http_prompts:

@@ -215,14 +215,14 @@ def summarize(records: list[Record], span: tuple[float, float], references: dict
         m["speculation"] = speculation_summary(spec)
     if counters_delta:
         m["server_counters"] = counters_delta
-        busy_s = counters_delta.get("specfleet_router_verify_busy_seconds_total")
+        busy_s = counters_delta.get("specfleet:verify_busy_seconds_total")
         if busy_s is not None and "speculation" in m:
             # exact: the verifier's reported compute over this load point's wall time
             m["speculation"]["verifier_busy_fraction_estimate"] = m["speculation"]["verifier_busy_fraction"]
             m["speculation"]["verifier_busy_fraction"] = busy_s / wall
             m["speculation"]["verifier_busy_source"] = "router /metrics verify_busy_seconds_total / wall"
-        if counters_delta.get("specfleet_router_rounds_total") and "speculation" in m:
-            m["speculation"]["server_rounds"] = counters_delta["specfleet_router_rounds_total"]
+        if counters_delta.get("specfleet:rounds_total") and "speculation" in m:
+            m["speculation"]["server_rounds"] = counters_delta["specfleet:rounds_total"]
         drafts = counters_delta.get("vllm:spec_decode_num_draft_tokens")
         accepted = counters_delta.get("vllm:spec_decode_num_accepted_tokens")
         n_drafts = counters_delta.get("vllm:spec_decode_num_drafts")

@@ -346,7 +346,7 @@ class Specfleet(System):
 
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-                return parse_prometheus(r.read().decode(), "specfleet_router_")
+                return {k: v for k, v in parse_prometheus(r.read().decode(), "specfleet:").items() if k.endswith("_total")}
         except OSError:
             return {}
 
