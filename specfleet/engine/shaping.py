@@ -90,12 +90,7 @@ def propose(
         tokens = loaded.global_ids(local_tokens).tolist()
         return tokens, [([t], [1.0]) for t in tokens], confidences.tolist()
     device = logits.device
-    probs = probs_from_logits(
-        logits,
-        torch.tensor([p.temperature for p in params], device=device),
-        torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
-        torch.tensor([p.top_p for p in params], device=device),
-    )
+    probs = shape(params, logits.unsqueeze(1)).squeeze(1)  # [B, V']
     ids, q = truncate(probs, proposal_top_k)
     # The draws use CPU generators (the same numbers on any device): K entries a session.
     ids_host, q_host = ids.cpu(), q.cpu()
