@@ -128,7 +128,7 @@ class VerifierConfig:
 class DraftModelConfig:
     name: str = ""
     path: str = ""
-    # What this draft model is good at (labels such as code, prose, docs, structured), and
+    # What this draft model is good at (labels such as code, de, structured), and
     # a few texts typical of it, for routing prompts before anything is learned. Exemplars
     # may also come from a file of JSON lines with a "text" field.
     specialities: list[str] = field(default_factory=list)

@@ -83,9 +83,9 @@ def read_jsonl(path: str | pathlib.Path) -> list[dict]:
 
 
 def resolve_source(name_or_path: str) -> tuple[str, list[dict]]:
-    """A workload by name (code, prose, docs, structured, mixed) or by file; the fallback list when absent."""
+    """A workload by name (en, de, fr, es, it, code, structured, mixed) or by file; the fallback list when absent."""
     path = pathlib.Path(name_or_path)
-    # Only a file is a workload: from the repository root, "docs" also names the docs/ folder.
+    # Only a file is a workload: a folder in the working directory may bear a workload's name.
     if path.suffix in (".jsonl", ".json") or path.is_file():
         return str(path), read_jsonl(path)
     if name_or_path not in BUILTIN_NAMES:

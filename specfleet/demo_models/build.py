@@ -77,7 +77,7 @@ def make_plan(args) -> Plan:
         target_batch=8,
         target_lr=2e-3,
         seq=256,
-        teacher_seqs=args.teacher_seqs or 320,  # fresh windows rather than repeated epochs
+        teacher_seqs=args.teacher_seqs or 800,  # specialists see each window about four times
         teacher_topk=32,
         drafter_steps=args.drafter_steps or 100_000,
         drafter_minutes=args.drafter_minutes or 1.75,

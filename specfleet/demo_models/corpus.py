@@ -449,6 +449,9 @@ def build_corpora(work: Path, quick: bool, log: Callable[[str], None] = print) -
             "heldout": _interleave_sources(held_src, limits.heldout_chars),
             "unseen": _interleave_sources(unseen, limits.unseen_chars),
         }
+        if not splits["heldout"] and len(splits["train"]) > 1:
+            # a small source (quick mode) can leave no document to the 5% held-out draw
+            splits["heldout"] = [splits["train"].pop()]
         if not splits["unseen"]:
             # quick mode has no separate source for some domains: reuse the held-out split
             splits["unseen"] = splits["heldout"]
