@@ -69,8 +69,8 @@ def make_plan(args) -> Plan:
         vocab=args.vocab or 12288,
         target=ModelSpec(layers=10, hidden=256, intermediate=512, heads=4),
         # one layer and a 2,048-id output layer: the drafter must cost <= 1/6 of the target per
-        # token, and at this size the domains compete for its capacity, so a specialist that
-        # covers one of them beats the general drafter that covers all seven
+        # token, and at this size the domains compete for its capacity. With the 17-minute target
+        # the specialists do not yet beat the general drafter (docs/BENCHMARKS.md, demo family v2)
         drafter=ModelSpec(layers=1, hidden=128, intermediate=384, heads=4),
         target_steps=args.target_steps or 100_000,
         target_minutes=args.target_minutes or 17.0,
