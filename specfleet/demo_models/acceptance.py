@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-DRAFTERS = ("code", "prose", "docs", "structured", "general")
+from .build import DRAFTER_NAMES as DRAFTERS  # noqa: E402
 
 
 def _load(path: Path, dtype):

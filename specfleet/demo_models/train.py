@@ -276,18 +276,32 @@ def distill_batch_fn(caches: list[dict[str, np.ndarray]]):
     return fn
 
 
-def distill_loss(model, batch):
-    """Cross-entropy to the target's top-k distribution plus a tail bucket (= KL up to a constant)."""
-    ids, v, i = batch
-    ids = torch.from_numpy(ids)
-    p = torch.from_numpy(v).exp()  # (B, T, K) target probs of its top-k tokens
-    idx = torch.from_numpy(i)
-    logq = torch.log_softmax(model(input_ids=ids).logits.float(), dim=-1)
-    logq_k = logq.gather(-1, idx)
-    p_tail = (1.0 - p.sum(-1)).clamp_min(0.0)
-    q_tail = (1.0 - logq_k.exp().sum(-1)).clamp_min(1e-6)
-    loss = -(p * logq_k).sum(-1) - p_tail * q_tail.log()
-    return loss.mean()
+def distill_loss_fn(token_map: torch.Tensor, vocab: int):
+    """Cross-entropy to the target's top-k distribution plus a tail bucket (= KL up to a constant).
+
+    The drafter scores only the ids of its token map, as it does when served: its
+    distribution is a softmax over those, and the target's probability of every other id
+    belongs to the tail, which the drafter can never propose.
+    """
+    local = torch.full((vocab,), -1, dtype=torch.long)
+    local[token_map] = torch.arange(len(token_map))
+
+    def loss_fn(model, batch):
+        ids, v, i = batch
+        ids = torch.from_numpy(ids)
+        p = torch.from_numpy(v).exp()  # (B, T, K) target probs of its top-k tokens
+        idx = local[torch.from_numpy(i)]  # (B, T, K) position in the token map, -1 if absent
+        mapped = idx >= 0
+        h = model.model(input_ids=ids).last_hidden_state
+        logq = torch.log_softmax((h @ model.lm_head.weight[token_map].T).float(), dim=-1)
+        logq_k = logq.gather(-1, idx.clamp_min(0))
+        p_in = p * mapped
+        p_tail = (1.0 - p_in.sum(-1)).clamp_min(0.0)
+        q_tail = (1.0 - (logq_k.exp() * mapped).sum(-1)).clamp_min(1e-6)
+        loss = -(p_in * logq_k).sum(-1) - p_tail * q_tail.log()
+        return loss.mean()
+
+    return loss_fn
 
 
 # --------------------------------------------------------------------------- export
