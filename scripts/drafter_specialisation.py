@@ -11,7 +11,7 @@ the control gains there: only that margin would make a specialist worth
 routing to. Results and the command are in docs/BENCHMARKS.md ("Why the
 specialists do not beat the general drafter").
 
-    .venv/bin/python scripts/drafter_specialisation.py --domain prose
+    .venv/bin/python scripts/drafter_specialisation.py --domain de
     .venv/bin/python scripts/drafter_specialisation.py --domain general
 
 One thread; run the runs one per core (taskset -c N) to use both cores.

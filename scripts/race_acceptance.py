@@ -16,7 +16,7 @@ import argparse
 
 import torch
 
-from specfleet.bench.workload import resolve_source
+from specfleet.bench.workload import DOMAINS, resolve_source
 from specfleet.config import DEMO_MODELS
 from specfleet.engine import ForwardItem, Session, forward_batch, load_model
 from specfleet.sampling import SamplingParams, probs_from_logits, race, race_keys, race_noise, truncate
@@ -43,10 +43,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     target = load_model("target", DEMO_MODELS / "target")
-    drafters = {name: load_model(name, DEMO_MODELS / "drafters" / name, use_token_map=True) for name in ("general", "code", "prose", "docs", "structured")}
+    drafters = {name: load_model(name, DEMO_MODELS / "drafters" / name, use_token_map=True) for name in ("general", *DOMAINS)}
     print(f"| domain | drafter | shape | positions | rejection sampling | race | race / rejection |")
     print("|---|---|---|---|---|---|---|")
-    for domain in ("code", "prose", "docs", "structured"):
+    for domain in DOMAINS:
         _, rows = resolve_source(domain)
         texts = [target.tokenizer.encode(r["text"], add_special_tokens=False)[: args.tokens] for r in rows[: args.prompts]]
         for drafter_name in ("general", domain):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,8 @@ from .corpus import DOMAINS
 # one specialist per domain, named after it (its directory name is its speciality), and
 # the general drafter over the mix
 DRAFTER_NAMES = DOMAINS + ("general",)
+# the drafter every one of them starts from (work dir only, not exported)
+BASE_DRAFTER = "base"
 STAGES = ("corpus", "tokenizer", "target", "teacher", "drafters", "export", "matrix")
 
 
@@ -39,6 +40,7 @@ class Plan:
     drafter_minutes: float
     drafter_batch: int
     drafter_lr: float
+    specialise_minutes: float  # every drafter's second phase, from the base drafter
     token_map: int  # ids each drafter's output layer scores (token_map.json), in training and serving
 
 
@@ -61,28 +63,35 @@ def make_plan(args) -> Plan:
             drafter_minutes=args.drafter_minutes or 0.1,
             drafter_batch=8,
             drafter_lr=3e-3,
+            specialise_minutes=args.specialise_minutes or 0.1,
             token_map=256,
         )
     return Plan(
         # 12k ids: five languages, Python and YAML/JSON share one byte-level BPE; at 8k the
         # languages other than English fall to about 2.6 bytes per token
         vocab=args.vocab or 12288,
-        target=ModelSpec(layers=10, hidden=256, intermediate=512, heads=4),
+        # six layers, not more: on two CPU threads in 48 minutes it sees the training text about
+        # three times and writes each language (held-out loss 2.4-5.0); a 10-layer target
+        # trained 17 minutes saw half of it, continued every language alike, and no specialist
+        # beat the general drafter (docs/BENCHMARKS.md, "When specialisation pays")
+        target=ModelSpec(layers=6, hidden=256, intermediate=768, heads=4),
         # one layer and a 2,048-id output layer: the drafter must cost <= 1/6 of the target per
-        # token, and at this size the domains compete for its capacity. With the 17-minute target
-        # the specialists do not yet beat the general drafter (docs/BENCHMARKS.md, demo family v2)
+        # token, and at this size the domains compete for its capacity
         drafter=ModelSpec(layers=1, hidden=128, intermediate=384, heads=4),
         target_steps=args.target_steps or 100_000,
-        target_minutes=args.target_minutes or 17.0,
+        target_minutes=args.target_minutes or 48.0,
         target_batch=8,
         target_lr=2e-3,
         seq=256,
-        teacher_seqs=args.teacher_seqs or 800,  # specialists see each window about four times
+        # about the whole training split of each domain: a specialist sees each window about three
+        # times in its budget instead of overfitting a small sample
+        teacher_seqs=args.teacher_seqs or 1600,
         teacher_topk=32,
         drafter_steps=args.drafter_steps or 100_000,
-        drafter_minutes=args.drafter_minutes or 1.75,
+        drafter_minutes=args.drafter_minutes or 4.0,
         drafter_batch=8,
         drafter_lr=3e-3,
+        specialise_minutes=args.specialise_minutes or 2.0,
         token_map=2048,
     )
 
@@ -107,6 +116,11 @@ def _card(title: str, body: dict, command: str) -> str:
         lines.append(f"- **{k}**: {v}")
     lines += ["", "Made by:", "", "```", command, "```", ""]
     return "\n".join(lines)
+
+
+def _threads(state: dict) -> str:
+    n = state.get("threads", 1)
+    return "one CPU thread" if n == 1 else f"{n} CPU threads"
 
 
 def _data_sources(corpus: Path, quick: bool) -> tuple[dict, dict]:
@@ -160,23 +174,30 @@ def build_main(argv: list[str]) -> int:
     ap.add_argument("--vocab", type=int, default=0)
     ap.add_argument("--target-minutes", type=float, default=0, help="training-time budget for the target")
     ap.add_argument("--target-steps", type=int, default=0)
-    ap.add_argument("--drafter-minutes", type=float, default=0, help="training-time budget per drafter")
+    ap.add_argument("--drafter-minutes", type=float, default=0, help="training-time budget of the base drafter that every drafter starts from")
     ap.add_argument("--drafter-steps", type=int, default=0)
+    ap.add_argument("--specialise-minutes", type=float, default=0, help="training-time budget per drafter after the base drafter")
     ap.add_argument("--teacher-seqs", type=int, default=0, help="target-labelled windows per domain")
     ap.add_argument("--stop-after", choices=STAGES, default=None)
     ap.add_argument("--no-matrix", action="store_true", help="skip the acceptance matrix at the end")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads for training (default %(default)s)")
+    ap.add_argument(
+        "--drafters", default="", help="comma-separated: train only these drafters and stop (run builds with different lists side by side, then once without)"
+    )
     ap.add_argument(
         "--overwrite-demo", action="store_true", help="with --quick: let the tiny models replace the bundled ones in models/demo"
     )
     args = ap.parse_args(argv)
+    only = [n for n in args.drafters.split(",") if n]
+    unknown = sorted(set(only) - set(DRAFTER_NAMES))
+    if unknown:
+        ap.error(f"--drafters: no drafter named {', '.join(unknown)}; the drafters are {', '.join(DRAFTER_NAMES)}")
     bundled = Path(__file__).resolve().parents[2] / "models" / "demo"
     if args.quick and Path(args.out).resolve() == bundled and not args.overwrite_demo:
         # The bundled models are what the README's examples and the benchmarks describe; tiny
         # quick ones written over them would change every answer without saying so.
         ap.error(f"--quick would replace the bundled demo models in {bundled} with tiny ones: pass --out DIR, or --overwrite-demo to replace them")
 
-    import numpy as np
     import torch
     from rich.console import Console
 
@@ -261,6 +282,7 @@ def build_main(argv: list[str]) -> int:
         # corpora are rebuilt later (e.g. to retrain only the drafters)
         srcs, data_desc = _data_sources(corpus, args.quick)
         state["data"] = "; ".join(f"{d}: {srcs[d]} ({data_desc[d]})" for d in srcs)
+        state["threads"] = args.threads
         T.save_json(tstate_f, {k: v for k, v in state.items()})
     else:
         target.load_state_dict(torch.load(tdir / "final.pt", map_location="cpu"))
@@ -289,25 +311,26 @@ def build_main(argv: list[str]) -> int:
     if stop("teacher"):
         return 0
 
-    # 5. drafters: one per domain + general over the mix, same budget each
-    dstates = {}
-    for j, name in enumerate(DRAFTER_NAMES):
+    # 5. drafters, in two phases of equal length for every drafter:
+    #    a. a base drafter learns the mix (general token map), so every drafter starts knowing
+    #       what all domains share: markup, numbers, names, English words inside other text;
+    #    b. each specialist continues from the base on its own domain with its own token map,
+    #       and the general drafter continues from it on the mix. Specialists trained from
+    #       scratch on one domain's 450k tokens overfit it and lose to the general drafter on
+    #       other documents of their own language (docs/BENCHMARKS.md, demo family v2).
+    def train_drafter(name: str, src: list, tmap, seed: int, minutes: float, lr: float, init: Path | None) -> dict:
         ddir = work / "drafters" / name
         ddir.mkdir(parents=True, exist_ok=True)
         sf = ddir / "state.json"
         if sf.exists():
-            dstates[name] = json.loads(sf.read_text())
-            continue
-        model = T.new_model(plan.drafter, tok, seed=10 + j)
-        T.init_embeddings_from_target(model, target)  # same vocab; PCA-projected to the drafter's width
-        src = [caches[name]] if name != "general" else [caches[d] for d in corpus_mod.DOMAINS]
-        tmap = torch.tensor(maps[name])
+            return json.loads(sf.read_text())
+        model = T.new_model(plan.drafter, tok, seed=seed)
+        if init is None:
+            T.init_embeddings_from_target(model, target)  # same vocab; PCA-projected to the drafter's width
+        else:
+            model.load_state_dict(torch.load(init, map_location="cpu"))
         budget = T.TrainBudget(
-            max_steps=plan.drafter_steps,
-            max_seconds=plan.drafter_minutes * 60,
-            batch=plan.drafter_batch,
-            seq=plan.seq,
-            lr=plan.drafter_lr,
+            max_steps=plan.drafter_steps, max_seconds=minutes * 60, batch=plan.drafter_batch, seq=plan.seq, lr=lr
         )
         with _progress() as prog:
             task = prog.add_task(f"drafter {name}", total=1.0, info="")
@@ -316,16 +339,32 @@ def build_main(argv: list[str]) -> int:
                 budget,
                 ddir / "ckpt.pt",
                 T.distill_batch_fn(src),
-                T.distill_loss_fn(tmap, len(tok)),
+                T.distill_loss_fn(torch.tensor(tmap), len(tok)),
                 f"drafter {name}",
                 progress_cb=lambda f, s: prog.update(task, completed=f, info=f"step {s['step']} kl {s['loss']:.3f}"),
                 log=log,
-                seed=10 + j,
+                seed=seed,
             )
         torch.save(model.state_dict(), ddir / "final.pt")
+        state["threads"] = args.threads
         T.save_json(sf, state)
-        dstates[name] = state
-    if stop("drafters"):
+        return state
+
+    mix = [caches[d] for d in corpus_mod.DOMAINS]
+    base_done = (work / "drafters" / BASE_DRAFTER / "state.json").exists()
+    if only and not base_done:
+        ap.error(f"--drafters: train the base drafter first (a run without --drafters, or with --stop-after teacher then --drafters {BASE_DRAFTER})")
+    base_state = train_drafter(BASE_DRAFTER, mix, maps["general"], 10 + DRAFTER_NAMES.index("general"), plan.drafter_minutes, plan.drafter_lr, None)
+    dstates = {}
+    for j, name in enumerate(DRAFTER_NAMES):
+        if only and name not in only:
+            continue
+        src = mix if name == "general" else [caches[name]]
+        state = train_drafter(
+            name, src, maps[name], 10 + j, plan.specialise_minutes, plan.drafter_lr / 2, work / "drafters" / BASE_DRAFTER / "final.pt"
+        )
+        dstates[name] = {**state, "base": base_state}
+    if stop("drafters") or only:
         return 0
 
     # 6. export
@@ -345,7 +384,7 @@ def build_main(argv: list[str]) -> int:
                 f"{plan.target.heads} heads, vocab {len(tok)}, tied embeddings, bf16 weights",
                 "data": tstate.get("data") or "; ".join(f"{d}: {srcs[d]} ({data_desc[d]})" for d in srcs),
                 "training": f"{tstate['step']} steps x {plan.target_batch} x {plan.seq} tokens "
-                f"({tstate['tokens']:,} tokens, {tstate['elapsed'] / 60:.1f} min on one CPU thread), AdamW, cosine LR",
+                f"({tstate['tokens']:,} tokens, {tstate['elapsed'] / 60:.1f} min on {_threads(tstate)}), AdamW, cosine LR",
                 "final train loss": f"{tstate['final_loss']:.3f} nats/token (EMA)",
                 "purpose": "verifier for specfleet demos; tiny and undertrained, not a useful language model",
             },
@@ -355,7 +394,7 @@ def build_main(argv: list[str]) -> int:
     for name in DRAFTER_NAMES:
         model = T.new_model(plan.drafter, tok, seed=0)
         model.load_state_dict(torch.load(work / "drafters" / name / "final.pt", map_location="cpu"))
-        st = dstates[name]
+        st, base = dstates[name], dstates[name]["base"]
         data = srcs[name] if name != "general" else "all seven domains, mixed uniformly"
         T.export_model(
             model,
@@ -368,9 +407,12 @@ def build_main(argv: list[str]) -> int:
                     f"vocab {len(tok)}, tied embeddings, bf16 weights; same tokenizer as the target",
                     "data": f"{data}; {plan.teacher_seqs} windows x {plan.seq} tokens per domain labelled by the target",
                     "training": f"distilled from the target (cross-entropy to its top-{plan.teacher_topk} "
-                    f"temperature-1 distribution + tail bucket), {st['step']} steps x {plan.drafter_batch} x {plan.seq} "
-                    f"tokens ({st['elapsed'] / 60:.1f} min on one CPU thread); tied embedding initialised from the "
-                    "target's embedding projected onto its top principal directions",
+                    f"temperature-1 distribution + tail bucket) in two phases: a base drafter on all seven domains "
+                    f"({base['step']} steps x {plan.drafter_batch} x {plan.seq} tokens, {base['elapsed'] / 60:.1f} min on "
+                    f"{_threads(base)}; tied embedding initialised from the target's embedding projected onto its top "
+                    f"principal directions), then from it on {'the mix' if name == 'general' else 'its own domain'} "
+                    f"({st['step']} steps, {st['elapsed'] / 60:.1f} min on {_threads(st)}); every drafter of the family "
+                    "trained as long",
                     "final distillation loss": f"{st['final_loss']:.3f} nats/token (EMA)",
                     "token map": f"token_map.json: the {plan.token_map} most frequent ids of "
                     + ("its domain's training text" if name != "general" else "the training mix, every domain weighted equally")

@@ -327,7 +327,7 @@ def export_model(model, tok, out_dir: Path, card: str, dtype=torch.bfloat16) -> 
 
 
 def save_json(path: Path, obj) -> None:
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # builds may run side by side (--drafters)
     tmp.write_text(json.dumps(obj, indent=1, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o)))
     os.replace(tmp, path)
 
