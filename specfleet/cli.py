@@ -252,7 +252,7 @@ def cmd_generate(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--no-speculation", action="store_true", help="decode with the target alone")
-    parser.add_argument("--draft-tokens", type=int, default=0, help="draft tokens per round (0: server default)")
+    parser.add_argument("--max-draft-tokens", type=int, default=0, help="at most this many draft tokens per round (0: the router's router.max_draft_tokens)")
     parser.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
     parser.add_argument("--stats", action="store_true", help="print speculation stats to stderr")
     parser.add_argument("--ca", help="TLS: the CA certificate (PEM) that signed the router's (security.tls.ca); turns TLS on")
@@ -272,7 +272,7 @@ def cmd_generate(argv: list[str]) -> int:
         temperature=args.temperature,
         top_k=args.top_k,
         stop=args.stop,
-        speculation=generation_pb2.SpeculationOptions(disabled=args.no_speculation, max_draft_tokens=args.draft_tokens),
+        speculation=generation_pb2.SpeculationOptions(disabled=args.no_speculation, max_draft_tokens=args.max_draft_tokens),
     )
     if args.top_p is not None:
         request.top_p = args.top_p
