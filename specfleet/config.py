@@ -129,7 +129,7 @@ class VerifierConfig:
 class DraftModelConfig:
     name: str = ""
     path: str = ""
-    # What this draft model is good at (labels such as code, prose, docs, structured), and
+    # What this draft model is good at (labels such as code, de, structured), and
     # a few texts typical of it, for routing prompts before anything is learned. Exemplars
     # may also come from a file of JSON lines with a "text" field.
     specialities: list[str] = field(default_factory=list)
@@ -578,17 +578,20 @@ def default_config(work_dir: pathlib.Path) -> Config:
             if (d / "config.json").exists()
         ]
         default = "general" if any(m.name == "general" for m in models) else models[0].name
+        # the demo family's specialists (one per language, code, structured text) are routed
+        # among by the prompt's domain; two cooperate while the best one's acceptance is low
+        router = RouterConfig(default_drafter=default, fusion_width=2)
     else:
         from specfleet.random_models import ensure_random_family
 
         paths = ensure_random_family(work_dir / "random-models")
         target = paths["target"]
         models = [DraftModelConfig(name=n, path=str(paths[n])) for n in ("drafter-noisy", "drafter-copy", "drafter-random")]
-        default = "drafter-noisy"
+        router = RouterConfig(default_drafter="drafter-noisy")
     config = Config(
         verifier=VerifierConfig(model=str(target)),
         drafters=[DrafterServiceConfig(name="drafters", models=models)],
-        router=RouterConfig(default_drafter=default),
+        router=router,
     )
     validate(config)
     return config

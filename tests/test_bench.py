@@ -14,11 +14,11 @@ from tests.conftest import REPO
 
 
 def test_builtin_workload_names_win_over_folders_of_that_name(tmp_path, monkeypatch):
-    """From the repository root, `docs` is both a workload and a folder."""
-    (tmp_path / "docs").mkdir()
+    """A workload name that is also a folder in the working directory (as `docs` is at the repository root)."""
+    (tmp_path / "code").mkdir()
     monkeypatch.chdir(tmp_path)
-    source, rows = workload.resolve_source("docs")
-    assert source.endswith("docs.jsonl") and rows and {r["domain"] for r in rows} == {"docs"}
+    source, rows = workload.resolve_source("code")
+    assert source.endswith("code.jsonl") and rows and {r["domain"] for r in rows} == {"code"}
 
 
 def test_workloads_are_files_that_replay(tmp_path):

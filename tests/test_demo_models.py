@@ -18,21 +18,35 @@ torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "models" / "demo"
-MODEL_DIRS = ["target"] + [f"drafters/{n}" for n in ("code", "prose", "docs", "structured", "general")]
+MODEL_DIRS = ["target"] + [f"drafters/{n}" for n in ("en", "de", "fr", "es", "it", "code", "structured", "general")]
 
 SAMPLES = {
     "code": (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text(encoding="utf-8")[:6000],
-    "prose": (
+    "en": (
         "Q:\tHow many Bell Labs Vice Presidents does it take to change a light bulb?\n"
         "A:\tThat's proprietary information.  Answer available from AT&T on payment of license fee.\n%\n"
-        "  3 And God said, Let there be light: and there was light.\n"
-        "Abandon \\A*ban\"don\\, v. t. [imp. & p. p. {Abandoned}; p. pr. & vb. n. {Abandoning}.]\n"
-    ),
-    "docs": (
         ".TH LS 1 2023-01-01 \"GNU coreutils\"\n.SH NAME\nls \\- list directory contents\n.B \\-a\n"
-        "=head1 NAME\n\nperlfunc - Perl builtin functions\n\n=over 4\n\n=item C<abs VALUE>\n\n"
-        "*:help*\t*help*\n:h[elp]\t\tOpen a window and display the help file.  |CTRL-W|\n"
         ":mod:`textwrap` --- Text wrapping and filling\n=============================================\n"
+    ),
+    "de": (
+        ".SH BESCHREIBUNG\n\\fBls\\fP listet Informationen über die DATEIen auf (standardmäßig das aktuelle "
+        "Verzeichnis).\nDie Einträge werden alphabetisch sortiert, wenn keine der Optionen angegeben ist.\n"
+        "Das Debian-System ist ein freies Betriebssystem. Mit dem Paketwerkzeug können Sie Programme installieren.\n"
+    ),
+    "fr": (
+        ".SH DESCRIPTION\nAfficher les informations des FICHIERs (du répertoire courant par défaut).\n"
+        "Les entrées sont triées alphabétiquement si aucune des options n'est indiquée.\n"
+        "Le système Debian est un système d'exploitation libre. Avec l'outil de paquets, vous pouvez installer des programmes.\n"
+    ),
+    "es": (
+        ".SH DESCRIPCIÓN\nMuestra información acerca de los ARCHIVOs (del directorio actual por defecto).\n"
+        "Las entradas se ordenan alfabéticamente si no se especifica ninguna de las opciones.\n"
+        "El sistema Debian es un sistema operativo libre. Con la herramienta de paquetes puede instalar programas.\n"
+    ),
+    "it": (
+        ".SH DESCRIZIONE\nElenca informazioni sui FILE (la directory corrente per impostazione predefinita).\n"
+        "Le voci vengono ordinate alfabeticamente se non è specificata nessuna delle opzioni.\n"
+        "Il sistema Debian è un sistema operativo libero. Con lo strumento dei pacchetti potete installare programmi.\n"
     ),
     "structured": (
         "---\n- name: Install packages\n  hosts: all\n  tasks:\n    - apt:\n        name: \"{{ item }}\"\n"
@@ -61,10 +75,7 @@ def test_quick_pipeline_end_to_end(quick_build):
     out, work = quick_build
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from specfleet.demo_models.build import DRAFTER_NAMES
-
-    # the quick build makes the drafters of the current pipeline; models/demo holds the first family
-    for sub in ["target"] + [f"drafters/{n}" for n in DRAFTER_NAMES]:
+    for sub in MODEL_DIRS:
         d = out / sub
         assert (d / "model.safetensors").exists(), d
         assert (d / "README.md").exists()

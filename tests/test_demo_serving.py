@@ -6,13 +6,13 @@ import json
 
 import pytest
 
+from specfleet.bench.workload import DOMAINS
 from specfleet.config import DEMO_MODELS
 from specfleet.v1 import generation_pb2_grpc
 from tests.conftest import Cluster, free_port
 from tests.helpers import greedy_request, target_greedy
 
 WORKLOADS = DEMO_MODELS.parent.parent / "specfleet" / "bench" / "workloads"
-DOMAINS = ("code", "prose", "docs", "structured")
 MAX_TOKENS = 32
 
 
@@ -66,3 +66,4 @@ def test_specialists_scoring_the_prompt_find_its_domain(demo_cluster):
         guessed = [future.result().speculation.domain for future in futures]
     right = sum(1 for (domain, _), guess in zip(cases, guessed) if guess == domain)
     assert right >= 0.8 * len(cases), list(zip([d for d, _ in cases], guessed))
+

@@ -27,27 +27,26 @@ import random
 from dataclasses import asdict, dataclass, field
 
 WORKLOAD_DIR = pathlib.Path(__file__).resolve().parent / "workloads"
-DOMAINS = ("code", "prose", "docs", "structured")
+# the demo family's domains (specfleet.demo_models.corpus.DOMAINS)
+DOMAINS = ("en", "de", "fr", "es", "it", "code", "structured")
 BUILTIN_NAMES = (*DOMAINS, "mixed")
 
 # Used when neither the committed files nor the demo corpora are there (e.g. a stripped install).
 FALLBACK_PROMPTS = [
+    ("en", "The quick brown fox jumps over the lazy dog. It was a bright cold day in April, and the clocks"),
+    ("en", "NAME\n       ls - list directory contents\n\nSYNOPSIS\n       ls [OPTION]... [FILE]...\n"),
+    ("de", "Die Paketverwaltung von Debian installiert Programme mit allen Abhängigkeiten. Mit apt können Sie"),
+    ("de", "BESCHREIBUNG\n       Dieses Programm zeigt den Inhalt eines Verzeichnisses an.\n"),
+    ("fr", "Le système de gestion des paquets de Debian installe les programmes avec leurs dépendances. Avec apt,"),
+    ("fr", "DESCRIPTION\n       Cette commande affiche le contenu d'un répertoire.\n"),
+    ("es", "El sistema de paquetes de Debian instala los programas con todas sus dependencias. Con apt puede"),
+    ("es", "DESCRIPCIÓN\n       Esta orden muestra el contenido de un directorio.\n"),
+    ("it", "Il sistema di gestione dei pacchetti di Debian installa i programmi con tutte le dipendenze. Con apt"),
+    ("it", "DESCRIZIONE\n       Questo comando mostra il contenuto di una directory.\n"),
     ("code", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n"),
-    ("code", "import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser()\n"),
     ("code", "class Cache:\n    def __init__(self, size):\n        self.size = size\n        self.items = {}\n"),
-    ("code", "for i, line in enumerate(lines):\n    if not line.strip():\n        continue\n"),
-    ("prose", "The quick brown fox jumps over the lazy dog. It was a bright cold day in April, and the clocks"),
-    ("prose", "Speculative decoding lets a small model propose tokens that a large model verifies in one pass."),
-    ("prose", "In the beginning the universe was created. This has made a lot of people very angry"),
-    ("prose", "It is a truth universally acknowledged, that a single man in possession of a good fortune"),
-    ("docs", "NAME\n       ls - list directory contents\n\nSYNOPSIS\n       ls [OPTION]... [FILE]...\n"),
-    ("docs", ".. function:: open(file, mode='r', buffering=-1)\n\n   Open *file* and return a corresponding file object."),
-    ("docs", "DESCRIPTION\n       The following options are supported:\n\n       -a, --all\n"),
-    ("docs", "Usage: specfleet serve [--config FILE]\n\nStart the verifier, the drafters and the router."),
     ("structured", "name: specfleet\nversion: 1\nitems:\n  - drafter\n  - verifier\n"),
     ("structured", "{\n  \"name\": \"specfleet\",\n  \"version\": \"0.1.0\",\n  \"dependencies\": {\n"),
-    ("structured", "[tool.pytest.ini_options]\ntestpaths = [\"tests\"]\naddopts = \"-ra\"\n"),
-    ("structured", "- hosts: all\n  become: true\n  tasks:\n    - name: install packages\n      apt:\n"),
 ]
 
 
@@ -84,9 +83,9 @@ def read_jsonl(path: str | pathlib.Path) -> list[dict]:
 
 
 def resolve_source(name_or_path: str) -> tuple[str, list[dict]]:
-    """A workload by name (code, prose, docs, structured, mixed) or by file; the fallback list when absent."""
+    """A workload by name (en, de, fr, es, it, code, structured, mixed) or by file; the fallback list when absent."""
     path = pathlib.Path(name_or_path)
-    # Only a file is a workload: from the repository root, "docs" also names the docs/ folder.
+    # Only a file is a workload: a folder in the working directory may bear a workload's name.
     if path.suffix in (".jsonl", ".json") or path.is_file():
         return str(path), read_jsonl(path)
     if name_or_path not in BUILTIN_NAMES:
