@@ -51,7 +51,7 @@ def main() -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from specfleet.demo_models.acceptance import DRAFTERS, _cont_logits, _greedy_continue, _load, _prompts, _token_map
+    from specfleet.demo_models.acceptance import DRAFTERS, _cont_logits, _greedy_continue, _load, _prompts, _token_map, drafter_logits
     from specfleet.demo_models.corpus import fetch_debs
 
     torch.set_num_threads(1)
@@ -69,11 +69,7 @@ def main() -> int:
         p_arg = _cont_logits(target, seq, args.prompt_len).argmax(-1)
         row = {}
         for n, m in drafters.items():
-            q = _cont_logits(m, seq, args.prompt_len)
-            if maps[n] is not None:
-                unmapped = torch.ones(q.shape[-1], dtype=torch.bool)
-                unmapped[maps[n]] = False
-                q = q.masked_fill(unmapped, float("-inf"))
+            q = drafter_logits(m, maps[n], seq, args.prompt_len)
             row[n] = round(float((q.argmax(-1) == p_arg).float().mean()), 3)
         result[lang] = {"chars": sum(map(len, texts)), "packages": packages, "greedy": row}
         own = row.get(lang)

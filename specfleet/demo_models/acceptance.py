@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -126,6 +125,19 @@ def _heldout_loss(model, stream, n: int, length: int, seed: int) -> float:
     return sum(losses) / (n * length)
 
 
+def drafter_logits(model, token_map, seq, prompt_len: int):
+    """A drafter's logits at the continuation's positions, as served: ids outside its token map
+    (None: none) can never be proposed."""
+    import torch
+
+    logits = _cont_logits(model, seq, prompt_len)
+    if token_map is not None:
+        unmapped = torch.ones(logits.shape[-1], dtype=torch.bool)
+        unmapped[token_map] = False
+        logits = logits.masked_fill(unmapped, float("-inf"))
+    return logits
+
+
 def _token_map(name: str, model_dir: Path, vocab_size: int):
     from specfleet.engine import TOKEN_MAP_FILE, read_token_map
 
@@ -193,7 +205,6 @@ def matrix_main(argv: list[str]) -> int:
     if args.quick:
         args.prompts, args.prompt_len, args.new_tokens, args.loss_windows = 8, 16, 16, 4
 
-    import numpy as np
     import torch
     from rich.console import Console
     from rich.progress import Progress
@@ -229,11 +240,7 @@ def matrix_main(argv: list[str]) -> int:
             p_T = torch.softmax(p_logits / T, -1)
             res["loss"][(d, s)] = _heldout_loss(target, stream, args.loss_windows, 256 if not args.quick else 32, seed=si)
             for n, m in drafters.items():
-                q_logits = _cont_logits(m, seq, args.prompt_len)
-                if token_maps[n] is not None:
-                    unmapped = torch.ones(q_logits.shape[-1], dtype=torch.bool)
-                    unmapped[token_maps[n]] = False
-                    q_logits = q_logits.masked_fill(unmapped, float("-inf"))
+                q_logits = drafter_logits(m, token_maps[n], seq, args.prompt_len)
                 match = (q_logits.argmax(-1) == p_arg).numpy()
                 beta = torch.minimum(p_T, torch.softmax(q_logits / T, -1)).sum(-1).numpy()
                 res["greedy"][(n, d, s)] = float(match.mean())
@@ -313,7 +320,7 @@ def render(res, cost, args, drafters, sets, token_maps=None) -> str:
         lines.append(f"| {s} | " + " | ".join(f"{res['loss'][(d, s)]:.3f}" for d in DOMAINS) + " |")
     lines.append("")
     if cost:
-        lines.append(f"## Per-token cost (one CPU thread, batch 1, KV-cached, context 128; median ms)")
+        lines.append("## Per-token cost (one CPU thread, batch 1, KV-cached, context 128; median ms)")
         lines.append("")
         lines.append(f"| model | fp32 1 token | bf16 1 token | fp32 {args.k + 1} tokens | bf16 {args.k + 1} tokens |")
         lines.append("|---|---|---|---|---|")
