@@ -105,6 +105,25 @@ def test_quick_pipeline_resumes(quick_build):
     assert json.loads((work / "target" / "state.json").read_text())["step"] > 0
 
 
+def test_side_by_side_drafters_start_from_the_base_drafter(quick_build, tmp_path):
+    """--drafters trains only the named drafters, and refuses to start before the base drafter exists
+    (side-by-side runs must not each train it)."""
+    import shutil
+
+    out, work = quick_build
+    work2 = tmp_path / "work"
+    shutil.copytree(work, work2)
+    for name in ("base", "de", "general"):
+        shutil.rmtree(work2 / "drafters" / name)
+    argv = ["--quick", "--out", str(tmp_path / "out"), "--work", str(work2), "--no-matrix"]
+    with pytest.raises(SystemExit):
+        build_main([*argv, "--drafters", "de"])
+    assert build_main([*argv, "--drafters", "base"]) == 0
+    assert (work2 / "drafters" / "base" / "state.json").exists() and not (work2 / "drafters" / "de").exists()
+    assert build_main([*argv, "--drafters", "de"]) == 0
+    assert (work2 / "drafters" / "de" / "state.json").exists() and not (work2 / "drafters" / "general").exists()
+
+
 def test_matrix_cli(quick_build, tmp_path):
     out, work = quick_build
     dest = tmp_path / "m.md"

@@ -182,16 +182,16 @@ def build_main(argv: list[str]) -> int:
     ap.add_argument("--no-matrix", action="store_true", help="skip the acceptance matrix at the end")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for training (default %(default)s)")
     ap.add_argument(
-        "--drafters", default="", help="comma-separated: train only these drafters and stop (run builds with different lists side by side, then once without)"
+        "--drafters", default="", help=f"comma-separated: train only these drafters and stop ({BASE_DRAFTER}, the one all start from, first; then builds with different lists side by side, then one without)"
     )
     ap.add_argument(
         "--overwrite-demo", action="store_true", help="with --quick: let the tiny models replace the bundled ones in models/demo"
     )
     args = ap.parse_args(argv)
     only = [n for n in args.drafters.split(",") if n]
-    unknown = sorted(set(only) - set(DRAFTER_NAMES))
+    unknown = sorted(set(only) - {BASE_DRAFTER, *DRAFTER_NAMES})
     if unknown:
-        ap.error(f"--drafters: no drafter named {', '.join(unknown)}; the drafters are {', '.join(DRAFTER_NAMES)}")
+        ap.error(f"--drafters: no drafter named {', '.join(unknown)}; the drafters are {BASE_DRAFTER}, {', '.join(DRAFTER_NAMES)}")
     bundled = Path(__file__).resolve().parents[2] / "models" / "demo"
     if args.quick and Path(args.out).resolve() == bundled and not args.overwrite_demo:
         # The bundled models are what the README's examples and the benchmarks describe; tiny
@@ -352,8 +352,9 @@ def build_main(argv: list[str]) -> int:
 
     mix = [caches[d] for d in corpus_mod.DOMAINS]
     base_done = (work / "drafters" / BASE_DRAFTER / "state.json").exists()
-    if only and not base_done:
-        ap.error(f"--drafters: train the base drafter first (a run without --drafters, or with --stop-after teacher then --drafters {BASE_DRAFTER})")
+    if only and not base_done and BASE_DRAFTER not in only:
+        # every drafter starts from the base one: side-by-side runs must not each train it
+        ap.error(f"--drafters: the base drafter is not trained yet: run --drafters {BASE_DRAFTER} first")
     base_state = train_drafter(BASE_DRAFTER, mix, maps["general"], 10 + DRAFTER_NAMES.index("general"), plan.drafter_minutes, plan.drafter_lr, None)
     dstates = {}
     for j, name in enumerate(DRAFTER_NAMES):
