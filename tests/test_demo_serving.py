@@ -51,10 +51,14 @@ def test_greedy_with_routing_and_fusion_equals_target(demo_cluster, domain):
         stub = generation_pb2_grpc.GenerationStub(channel)
         texts = prompts(domain, 3)
         futures = [stub.Generate.future(greedy_request(p, MAX_TOKENS, 4), timeout=300) for p in texts]
+        accepted = 0
         for prompt, future in zip(texts, futures):
             reply = future.result()
             assert list(reply.token_ids) == target_greedy(target, prompt, MAX_TOKENS)
-            assert reply.speculation.accepted_tokens > 0
+            accepted += reply.speculation.accepted_tokens
+    # drafts were used: per domain, not per request, since one request may spend all its rounds on a
+    # continuation no drafter predicts (the target repeating a markup line) while routing explores
+    assert accepted > 0
 
 
 def test_specialists_scoring_the_prompt_find_its_domain(demo_cluster):
