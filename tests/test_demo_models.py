@@ -105,7 +105,7 @@ def test_quick_pipeline_resumes(quick_build):
     assert json.loads((work / "target" / "state.json").read_text())["step"] > 0
 
 
-def test_side_by_side_drafters_start_from_the_base_drafter(quick_build, tmp_path):
+def test_side_by_side_drafters_start_from_the_base_drafter(quick_build, tmp_path, capsys):
     """--drafters trains only the named drafters, and refuses to start before the base drafter exists
     (side-by-side runs must not each train it)."""
     import shutil
@@ -118,6 +118,7 @@ def test_side_by_side_drafters_start_from_the_base_drafter(quick_build, tmp_path
     argv = ["--quick", "--out", str(tmp_path / "out"), "--work", str(work2), "--no-matrix"]
     with pytest.raises(SystemExit):
         build_main([*argv, "--drafters", "de"])
+    assert "the base drafter is not trained yet" in capsys.readouterr().err
     assert build_main([*argv, "--drafters", "base"]) == 0
     assert (work2 / "drafters" / "base" / "state.json").exists() and not (work2 / "drafters" / "de").exists()
     assert build_main([*argv, "--drafters", "de"]) == 0

@@ -364,7 +364,7 @@ def build_main(argv: list[str]) -> int:
         state = train_drafter(
             name, src, maps[name], 10 + j, plan.specialise_minutes, plan.drafter_lr / 2, work / "drafters" / BASE_DRAFTER / "final.pt"
         )
-        dstates[name] = {**state, "base": base_state}
+        dstates[name] = state
     if stop("drafters") or only:
         return 0
 
@@ -395,7 +395,7 @@ def build_main(argv: list[str]) -> int:
     for name in DRAFTER_NAMES:
         model = T.new_model(plan.drafter, tok, seed=0)
         model.load_state_dict(torch.load(work / "drafters" / name / "final.pt", map_location="cpu"))
-        st, base = dstates[name], dstates[name]["base"]
+        st, base = dstates[name], base_state
         data = srcs[name] if name != "general" else "all seven domains, mixed uniformly"
         T.export_model(
             model,
