@@ -7,6 +7,10 @@ last call (a longer catch-up, such as a new prompt, is prefilled first, so
 that it does not pad every other session); step j feeds draft j - 1. Every
 step is one batched forward pass over the sessions still drafting.
 
+Draft models of one shape stacked into one (`specfleet.engine.stack`) draft in
+one pass per step together: requests routed to different specialists, or fused
+from several, cost one pass a step rather than one per model.
+
 Sessions of one call that share a lockstep group (one request's cooperating
 draft models) draft in lockstep: at each step each proposes its token, and
 all of them continue from the lead proposal (`specfleet.fusion.lead`), so the
@@ -27,10 +31,12 @@ races agree.
 from __future__ import annotations
 
 import contextlib
+import threading
 import zlib
 from dataclasses import dataclass, field
 
 from specfleet.engine import LoadedModel, SessionStore, UnknownSession, next_token_logits, prefill, shaping
+from specfleet.engine.stack import Stack, stack_models
 from specfleet.fusion import lead
 from specfleet.sampling import STREAM_DRAFT, SamplingParams
 
@@ -63,7 +69,7 @@ class DraftResult:
 
 
 class DraftModel:
-    """One draft model with its own sessions."""
+    """One draft model with its own sessions; `stack` and `member` when it drafts in a stack's passes."""
 
     def __init__(self, loaded: LoadedModel, store: SessionStore, proposal_top_k: int):
         self.loaded = loaded
@@ -71,21 +77,44 @@ class DraftModel:
         self.proposal_top_k = proposal_top_k
         # Different draft models of one request draw independently.
         self.stream = STREAM_DRAFT + zlib.crc32(loaded.name.encode())
+        self.stack: Stack | None = None
+        self.member = 0
 
-    def propose(self, drafting: list[Drafting], step: int) -> None:
-        """One batched forward pass: each session's next token, its proposal and its confidence.
 
-        Each session feeds what its cache lacks (at least its last token); its logits are
-        read at the last position it fed."""
-        logits = next_token_logits(self.loaded, [d.session for d in drafting])
-        tokens, proposals, confidences = shaping.propose(
-            self.loaded, logits, [d.item.sampling for d in drafting], [d.committed + step for d in drafting], self.stream,
-            self.proposal_top_k,
-        )
-        for d, token, proposal, confidence in zip(drafting, tokens, proposals, confidences):
-            d.result.token_ids.append(token)
-            d.result.proposals.append(proposal)
-            d.result.confidences.append(confidence)
+def stack_draft_models(models: dict[str, DraftModel]) -> list[Stack]:
+    """Stack the service's same-shape draft models (before any session exists); returns the stacks.
+
+    The members of a stack share one KV pool, so they share one lock too: a release on one
+    member never races a batch taking a slot of that pool through another."""
+    by_loaded = {id(m.loaded): m for m in models.values()}
+    stacks = stack_models([m.loaded for m in models.values()])
+    for stack in stacks:
+        lock = threading.RLock()
+        for member, loaded in enumerate(stack.members):
+            model = by_loaded[id(loaded)]
+            model.stack, model.member, model.store.lock = stack, member, lock
+    return stacks
+
+
+def propose(drafting: list[Drafting], step: int) -> None:
+    """One batched forward pass: each session's next token, its proposal and its confidence.
+
+    Every session's model is the same one, or a member of the same stack. Each session feeds
+    what its cache lacks (at least its last token); its logits are read at the last position it fed."""
+    first = drafting[0].model
+    sessions = [d.session for d in drafting]
+    if first.stack is None:
+        logits, global_ids = next_token_logits(first.loaded, sessions), first.loaded.global_ids
+    else:
+        logits, global_ids = first.stack.next_token_logits(sessions, [d.model.member for d in drafting])
+    tokens, proposals, confidences = shaping.propose(
+        global_ids, logits, [d.item.sampling for d in drafting], [d.committed + step for d in drafting],
+        [d.model.stream for d in drafting], first.proposal_top_k,
+    )
+    for d, token, proposal, confidence in zip(drafting, tokens, proposals, confidences):
+        d.result.token_ids.append(token)
+        d.result.proposals.append(proposal)
+        d.result.confidences.append(confidence)
 
 
 @dataclass
@@ -135,10 +164,11 @@ def _draft_batch(models: dict[str, DraftModel], tagged: list[tuple[str, DraftIte
 
     step, active = 0, drafting
     while active:
-        for model in models.values():
-            mine = [d for d in active if d.model is model]
-            if mine:
-                model.propose(mine, step)
+        passes: dict[int, list[Drafting]] = {}
+        for d in active:
+            passes.setdefault(id(d.model.stack or d.model), []).append(d)
+        for mine in passes.values():
+            propose(mine, step)
         # What each session continues from: its own token, or its lockstep group's lead token.
         groups: dict[str, list[Drafting]] = {}
         for d in active:

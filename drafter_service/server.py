@@ -17,7 +17,7 @@ from specfleet.engine import SessionStore, configure_torch, load_model
 from specfleet.sampling import SamplingParams
 from specfleet.serving import BatchQueue, serve, setup_logging
 from specfleet.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
-from drafter_service.drafter import DraftItem, DraftModel, draft_batch
+from drafter_service.drafter import DraftItem, DraftModel, draft_batch, stack_draft_models
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +167,9 @@ def load_core(svc: config_mod.DrafterServiceConfig, threads: int | None = None) 
     fingerprints = {m.loaded.fingerprint for m in models.values()}
     if len(fingerprints) > 1:
         raise IncompatibleModels(f"drafter service {svc.name}: its draft models use different tokenizers; they cannot serve one target")
+    if svc.stack_models:
+        for stack in stack_draft_models(models):
+            log.info("drafter service %s: %s draft in one pass a step (same shape, stacked)", svc.name, ", ".join(m.name for m in stack.members))
     telemetry = PassTelemetry("drafter", lambda: [m.store for m in models.values()], {"drafter_service": svc.name})
     batcher = BatchQueue(
         f"drafter-{svc.name}", telemetry.timed(lambda tagged: draft_batch(models, tagged)), svc.max_batch_size, svc.max_wait_ms / 1e3

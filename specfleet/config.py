@@ -160,6 +160,9 @@ class DrafterServiceConfig:
     max_call_tokens: int = 32768
     # Entries kept in a sampled proposal's sparse distribution.
     proposal_top_k: int = 16
+    # Draft models of one shape draft in one forward pass a step (specfleet/engine/stack.py);
+    # false: one pass per model.
+    stack_models: bool = True
     # Cores this service may run on when `specfleet serve` starts it on this machine (CPU
     # affinity; empty: any). Keeps a busy drafter off the verifier's core; under --ray use `ray`.
     cpus: list[int] = field(default_factory=list)

@@ -1,12 +1,15 @@
-"""The drafter's batched proposals on a real model: the all-greedy fast path equals the general one,
-and a session's later calls draft what a fresh session would from the whole context."""
+"""The drafter's batched proposals on real models: the all-greedy fast path equals the general one,
+a session's later calls draft what a fresh session would from the whole context, and draft
+models stacked into one pass draft exactly what each drafts alone."""
 
 from __future__ import annotations
 
 import pytest
 
-from drafter_service.drafter import STEP_CATCH_UP, DraftItem, DraftModel, draft_batch
+from drafter_service.drafter import STEP_CATCH_UP, DraftItem, DraftModel, draft_batch, stack_draft_models
+from specfleet.config import DEMO_MODELS
 from specfleet.engine import SessionStore, load_model
+from specfleet.engine.stack import same_shape
 from specfleet.sampling import SamplingParams
 
 CONTEXTS = [[5, 17, 42, 9, 33], [7, 7, 7], [101, 3, 250, 8, 19, 44, 2], [60]]
@@ -52,3 +55,88 @@ def test_later_calls_catch_up_and_draft_as_a_fresh_session_would(drafter_path):
     for a, b in zip(later, fresh):
         assert a.token_ids == b.token_ids and len(a.token_ids) == 4
         assert a.confidences == pytest.approx(b.confidences, abs=1e-5)
+
+
+def stacked_and_alone(paths: dict[str, object], items: list[tuple[str, DraftItem]], calls: int = 3):
+    """Draft `items` for `calls` rounds (each later round commits two of the previous drafts and
+    drafts again) with the models stacked and with each model in its own passes; both results."""
+
+    def load():
+        return {name: DraftModel(load_model(name, path, use_token_map=True), SessionStore(1 << 30, 100), 8) for name, path in paths.items()}
+
+    stacked, alone = load(), load()
+    stacks = stack_draft_models(stacked)
+    runs = []
+    for models in (stacked, alone):
+        rounds, lengths = [], {}
+        for call in range(calls):
+            tagged = []
+            for name, item in items:
+                key = (name, item.session_id)
+                if call == 0:
+                    tagged.append((name, item))
+                    lengths[key] = item.prefix_length + len(item.new_token_ids)
+                else:
+                    kept = rounds[-1][len(tagged)].token_ids[:2]
+                    tagged.append((name, DraftItem(item.session_id, lengths[key], kept, item.num_draft_tokens, item.sampling,
+                                                   lockstep_group=item.lockstep_group)))
+                    lengths[key] += len(kept)
+            rounds.append(draft_batch(models, tagged))
+        runs.append(rounds)
+    return stacks, runs[0], runs[1]
+
+
+def assert_same_drafts(stacked_rounds, alone_rounds):
+    for stacked, alone in zip(stacked_rounds, alone_rounds):
+        for a, b in zip(stacked, alone):
+            assert a.token_ids == b.token_ids and a.token_ids
+            assert [ids for ids, _ in a.proposals] == [ids for ids, _ in b.proposals]
+            for (_, pa), (_, pb) in zip(a.proposals, b.proposals):
+                assert pa == pytest.approx(pb, abs=1e-5)
+            assert a.confidences == pytest.approx(b.confidences, abs=1e-5)
+
+
+def test_stacked_models_draft_what_each_drafts_alone(random_family):
+    """The random family's two same-shape drafters stack (the one-layer drafter stays alone); one call
+    mixes all three models, greedy, sampled and drafter-invariant sessions, fresh prompts, catch-ups
+    and a lockstep group, and every draft, proposal and confidence is what the model drafts alone."""
+    paths = {name: random_family[name] for name in ("drafter-copy", "drafter-noisy", "drafter-random")}
+    greedy, sampled = SamplingParams(), SamplingParams(temperature=0.8, top_k=20, seed=7)
+    raced = SamplingParams(temperature=1.0, seed=3, drafter_invariant=True)
+    long_prompt = list(range(40, 40 + 3 * STEP_CATCH_UP))
+    items = [
+        ("drafter-copy", DraftItem("a", 0, CONTEXTS[0], 4, greedy)),
+        ("drafter-noisy", DraftItem("a", 0, CONTEXTS[0], 4, greedy)),
+        ("drafter-noisy", DraftItem("b", 0, long_prompt, 3, sampled)),
+        ("drafter-copy", DraftItem("c", 0, CONTEXTS[2], 4, raced)),
+        ("drafter-random", DraftItem("c", 0, CONTEXTS[2], 4, sampled)),
+        ("drafter-copy", DraftItem("d", 0, CONTEXTS[1], 4, greedy, lockstep_group="d")),
+        ("drafter-noisy", DraftItem("d", 0, CONTEXTS[1], 4, greedy, lockstep_group="d")),
+    ]
+    stacks, stacked, alone = stacked_and_alone(paths, items)
+    assert [[m.name for m in s.members] for s in stacks] == [["drafter-copy", "drafter-noisy"]]
+    assert_same_drafts(stacked, alone)
+
+
+def test_the_demo_drafters_stack_with_their_own_token_maps():
+    """The bundled family's eight drafters form one stack; each keeps its own 2,048-id token map, so
+    a row's proposals are its own model's vocabulary ids."""
+    names = ["general", "en", "de", "fr", "es", "it", "code", "structured"]
+    paths = {name: DEMO_MODELS / "drafters" / name for name in names}
+    sampled = SamplingParams(temperature=1.0, seed=11)
+    prompt = [200 + 37 * i % 9000 for i in range(30)]
+    items = [(name, DraftItem(f"r{i % 3}", 0, prompt[i:], 4, sampled if i % 2 else SamplingParams())) for i, name in enumerate(names)]
+    stacks, stacked, alone = stacked_and_alone(paths, items)
+    assert len(stacks) == 1 and len(stacks[0].members) == len(names)
+    assert_same_drafts(stacked, alone)
+    maps = {m.name: set(m.token_map.tolist()) for m in stacks[0].members}
+    for (name, _), result in zip(items, stacked[0]):
+        assert set(result.token_ids) <= maps[name]
+        assert all(set(ids) <= maps[name] for ids, _ in result.proposals)
+
+
+def test_models_of_different_shapes_do_not_stack(random_family):
+    copy = load_model("a", random_family["drafter-copy"])
+    assert same_shape(copy, load_model("b", random_family["drafter-noisy"]))
+    assert not same_shape(copy, load_model("c", random_family["drafter-random"]))
+    assert not same_shape(copy, load_model("d", random_family["drafter-noisy"], use_token_map=False, attention="per-session"))

@@ -7,6 +7,7 @@ ids, probabilities or proposals; they create no tensors of their own.
     llama.py     the forward pass of every served family, plain tensor code
     kv.py        the KV pool, sessions and the LRU budget (`KVPool`, `Session`, `SessionStore`)
     runner.py    batched passes over sessions: `forward_batch`, `prefill`, `tree_pass`, `next_token_logits`
+    stack.py     same-shape models in one pass (a drafter service's specialists drafting together)
     shaping.py   logits to what is sent: target tokens, shaped p and its noise, draft proposals
 """
 

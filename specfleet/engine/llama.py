@@ -23,9 +23,15 @@ ragged lengths and patterns. `attend` [n_b, n_b] says which new tokens see
 which (causal for a chain, ancestors for a tree); every new token sees the
 whole cached prefix.
 
+Several models of one shape run in one pass when stacked (`stack.py`): every
+weight then has a leading [G] dimension, the pass's rows are sorted by model
+(`Runs`), and each linear layer runs once per model on that model's rows (a
+slice, nothing gathered); embeddings, norms, RoPE and attention run once for
+all rows. A row's result is its own model's: no operation mixes rows.
+
 Shapes: B sessions, N new tokens per session (padded), E hidden size, H query
 heads, KV key/value heads, D head dim, V vocabulary, T cached + new positions,
-P positions of a pool slot.
+P positions of a pool slot, G stacked models.
 """
 
 from __future__ import annotations
@@ -194,6 +200,28 @@ def from_hf(hf_model) -> LlamaModel:
     )
 
 
+@dataclass
+class Runs:
+    """Which stacked model each row of a pass is: rows [start, end) of run (g, start, end) are model g's."""
+
+    runs: list[tuple[int, int, int]]  # (model, first row, end), in row order, covering every row
+    members: torch.Tensor  # [B] long on the model's device: each row's model
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, runs: Runs | None) -> torch.Tensor:
+    if runs is None:
+        return F.linear(x, weight, bias)
+    return torch.cat([F.linear(x[lo:hi], weight[g], None if bias is None else bias[g]) for g, lo, hi in runs.runs])
+
+
+def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float, runs: Runs | None) -> torch.Tensor:
+    """RMSNorm over the last dimension; stacked, each row scales by its own model's weight."""
+    if runs is None:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    scale = weight[runs.members].view(x.shape[0], *[1] * (x.dim() - 2), x.shape[-1])
+    return F.rms_norm(x, (x.shape[-1],), None, eps) * scale
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
@@ -212,8 +240,11 @@ def forward(
     attends: list[torch.Tensor | None],  # per session [n_b, n_b] bool, or None when n_b == 1
     logits: bool = True,
     plan: _BatchPlan | None = None,
+    runs: Runs | None = None,
 ) -> torch.Tensor | None:
     """Logits [B, N, V] (row b valid for its first n_b positions), or None with logits=False.
+
+    With `runs`, `model` is a stack (`stack.py`) and row b runs model `runs.members[b]`.
 
     With `plan` (a CUDA graph's static one, `graphs.py`), attention is batched as it says and
     slots, lengths and patterns are not read.
@@ -225,7 +256,7 @@ def forward(
     H, KV, D = model.heads, model.kv_heads, model.head_dim
     device = model.device
     input_ids, positions = input_ids.to(device), positions.to(device)
-    x = model.embed[input_ids]  # [B, N, E]
+    x = model.embed[input_ids] if runs is None else model.embed[runs.members[:, None], input_ids]  # [B, N, E]
     cos = model.cos[positions].to(model.dtype).unsqueeze(1)  # [B, 1, N, D]
     sin = model.sin[positions].to(model.dtype).unsqueeze(1)
     batched = plan is not None or (batch > 1 and runs_batched(model, slots))
@@ -234,13 +265,13 @@ def forward(
     elif plan is None:
         plan = _batch_plan(model, slots, kv_lens, new_lens, attends, width)
     for i, layer in enumerate(model.layers):
-        h = F.rms_norm(x, (x.shape[-1],), layer.input_norm, model.eps)
-        qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # [B, N, (H + 2 KV) D]
+        h = _norm(x, layer.input_norm, model.eps, runs)
+        qkv = _linear(h, layer.qkv, layer.qkv_bias, runs)  # [B, N, (H + 2 KV) D]
         q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
         q, k = q.view(batch, width, H, D), k.view(batch, width, KV, D)
         if layer.q_norm is not None:
-            q = F.rms_norm(q, (D,), layer.q_norm, model.eps)
-            k = F.rms_norm(k, (D,), layer.k_norm, model.eps)
+            q = _norm(q, layer.q_norm, model.eps, runs)
+            k = _norm(k, layer.k_norm, model.eps, runs)
         q = _rotate(q.transpose(1, 2), cos, sin)  # [B, H, N, D]
         k = _rotate(k.transpose(1, 2), cos, sin)  # [B, KV, N, D]
         v = v.view(batch, width, KV, D).transpose(1, 2)
@@ -262,13 +293,13 @@ def forward(
                 out = F.scaled_dot_product_attention(q[b : b + 1, :, :n], keys, values, attn_mask=masks[b], enable_gqa=KV != H)
                 outs.append(out if n == width else F.pad(out, (0, 0, 0, width - n)))
             attn = torch.cat(outs)  # [B, H, N, D]
-        x = x + F.linear(attn.transpose(1, 2).reshape(batch, width, H * D), layer.out, layer.out_bias)
-        h = F.rms_norm(x, (x.shape[-1],), layer.mlp_norm, model.eps)
-        gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-        x = x + F.linear(F.silu(gate) * up, layer.down)
+        x = x + _linear(attn.transpose(1, 2).reshape(batch, width, H * D), layer.out, layer.out_bias, runs)
+        h = _norm(x, layer.mlp_norm, model.eps, runs)
+        gate, up = _linear(h, layer.gate_up, None, runs).chunk(2, dim=-1)
+        x = x + _linear(F.silu(gate) * up, layer.down, None, runs)
     if not logits:
         return None
-    return F.linear(F.rms_norm(x, (x.shape[-1],), model.norm, model.eps), model.lm_head)
+    return _linear(_norm(x, model.norm, model.eps, runs), model.lm_head, None, runs)
 
 
 def runs_batched(model: LlamaModel, slots: list[int]) -> bool:

@@ -31,13 +31,16 @@ class ForwardItem:
     attend: torch.Tensor | None = None  # [n, n] bool: new token i may attend to new token j; None = causal
 
 
-def forward_batch(loaded: LoadedModel, items: list[ForwardItem], logits: bool = True, host: bool = True) -> torch.Tensor | None:
+def forward_batch(
+    loaded: LoadedModel, items: list[ForwardItem], logits: bool = True, host: bool = True, runs: llama.Runs | None = None
+) -> torch.Tensor | None:
     """One forward pass over many sessions: logits [B, N, V] float32 (row b valid for its first n_b positions).
 
     V is the vocabulary, or the token map's ids in its order when the model has one
     (`LoadedModel.global_ids` turns positions into vocabulary ids). With `host` the logits
     come back on the CPU, where the verifier and the drafter shape and sample them today;
-    `host=False` leaves them on the model's device.
+    `host=False` leaves them on the model's device. `runs`: `loaded` is a stack of models
+    (`stack.py`) and the items are sorted by model as `runs` says.
 
     Each session's new KV is written just past its cached prefix and is not yet
     part of it: the caller keeps what it wants with `Session.commit`.
@@ -57,7 +60,7 @@ def forward_batch(loaded: LoadedModel, items: list[ForwardItem], logits: bool = 
             attends.append(it.attend if it.attend is not None else torch.ones(n, n, dtype=torch.bool, device=model.device).tril())
     slots, kv_lens = [it.session.slot for it in items], [it.session.kv_len for it in items]
     out = None
-    if loaded.graphs is not None:
+    if loaded.graphs is not None and runs is None:
         out = loaded.graphs.run(ids_rows, pos_rows, slots, kv_lens, new_lens, attends, logits)
     if out is None:
         out = llama.forward(
@@ -70,6 +73,7 @@ def forward_batch(loaded: LoadedModel, items: list[ForwardItem], logits: bool = 
             new_lens,
             attends,
             logits=logits,
+            runs=runs,
         )
     if out is None:
         return None
@@ -170,15 +174,16 @@ def tree_pass(loaded: LoadedModel, trees: list[tuple[Session, list[int], list[in
     return TreePass(forward_batch(loaded, items, host=False), depths)
 
 
-def next_token_logits(loaded: LoadedModel, sessions: list[Session]) -> torch.Tensor:
-    """[B, V] logits after each session's last token, on the model's device, in one pass.
+def next_token_logits(loaded: LoadedModel, sessions: list[Session], runs: llama.Runs | None = None) -> torch.Tensor:
+    """[B, V] logits after each session's last token, on the model's device, in one pass
+    (of a stack of models with `runs`: `forward_batch`).
 
     Each session feeds what its cache lacks (at least its last token), and its cache then
     holds all its tokens. V is the token map's ids when the model has one (`global_ids`).
     """
     items = [ForwardItem(s, s.token_ids[s.kv_len :], list(range(s.kv_len, len(s.token_ids)))) for s in sessions]
     fed = [len(item.input_ids) for item in items]
-    logits = forward_batch(loaded, items, host=False)
+    logits = forward_batch(loaded, items, host=False, runs=runs)
     for session, n in zip(sessions, fed):
         session.commit(list(range(n)))
     device = logits.device

@@ -12,9 +12,10 @@ Shapes: B sessions, W rows per session (the root and the tree's nodes), V vocabu
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
-from specfleet.engine.loading import LoadedModel
 from specfleet.sampling import (
     STREAM_VERIFY,
     SamplingParams,
@@ -73,9 +74,14 @@ def verify_noise(params: list[SamplingParams], positions: list[int], width: int,
 
 
 def propose(
-    loaded: LoadedModel, logits: torch.Tensor, params: list[SamplingParams], positions: list[int], stream: int, proposal_top_k: int
+    global_ids: Callable[[torch.Tensor], torch.Tensor], logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
+    streams: list[int], proposal_top_k: int,
 ) -> tuple[list[int], list[tuple[list[int], list[float]]], list[float]]:
     """Draft tokens from logits [B, V']: (token ids, proposals as (ids, probs), confidences), one per session.
+
+    `global_ids` turns positions along each row of the logits ([B] or [B, K] tensors, every
+    row) into vocabulary ids (a token map's, `LoadedModel.global_ids`, or each stacked model's,
+    `stack.Stack`); `streams[b]` is row b's draft model's stream of random draws.
 
     Greedy sessions: the argmax and its point mass. Sampled ones: drawn from the shaped
     distribution truncated to its `proposal_top_k` most likely tokens and renormalised, which
@@ -87,31 +93,31 @@ def propose(
     if all(p.greedy for p in params):
         local_tokens = logits.argmax(dim=1)
         confidences = logits.softmax(dim=1).gather(1, local_tokens.unsqueeze(1)).squeeze(1)
-        tokens = loaded.global_ids(local_tokens).tolist()
+        tokens = global_ids(local_tokens).tolist()
         return tokens, [([t], [1.0]) for t in tokens], confidences.tolist()
     device = logits.device
     probs = shape(params, logits.unsqueeze(1)).squeeze(1)  # [B, V']
     ids, q = truncate(probs, proposal_top_k)
     # The draws use CPU generators (the same numbers on any device): K entries a session.
     ids_host, q_host = ids.cpu(), q.cpu()
+    vocab_ids = global_ids(ids_host)  # [B, K]
     local_tokens = torch.empty(len(params), dtype=torch.long)
     raced = [b for b, p in enumerate(params) if p.raced]
     drawn = [b for b, p in enumerate(params) if not p.raced]
     if drawn:
-        gens = [generator_for(params[b].seed, positions[b], stream) for b in drawn]
+        gens = [generator_for(params[b].seed, positions[b], streams[b]) for b in drawn]
         local_tokens[drawn] = sample_sparse(ids_host[drawn], q_host[drawn], gens)
     if raced:
         keys = race_keys([params[b].seed for b in raced], [positions[b] for b in raced])
-        winners = race(q_host[raced], race_noise(keys, loaded.global_ids(ids_host[raced])))
+        winners = race(q_host[raced], race_noise(keys, vocab_ids[raced]))
         local_tokens[raced] = ids_host[raced].gather(1, winners.unsqueeze(1)).squeeze(1)
     local_tokens = local_tokens.to(device)
     greedy = torch.tensor([p.greedy for p in params], device=device).unsqueeze(1)
     confidences = torch.where(greedy, logits.softmax(dim=1), probs).gather(1, local_tokens.unsqueeze(1)).squeeze(1)
-    # Positions along the logits are vocabulary ids unless the model has a token map.
-    tokens = loaded.global_ids(local_tokens).tolist()
+    tokens = global_ids(local_tokens).tolist()
     proposals = [
         ([t for t, p in zip(row_ids, row_q) if p > 0], [p for p in row_q if p > 0])
-        for row_ids, row_q in zip(loaded.global_ids(ids).tolist(), q.tolist())
+        for row_ids, row_q in zip(vocab_ids.tolist(), q.tolist())
     ]
     return tokens, proposals, confidences.tolist()
 
