@@ -1,0 +1,73 @@
+"""CPU time of one drafter call (k = 4 draft steps) on the bundled drafters, each model in its own
+passes against the models stacked into one pass (`specfleet/engine/stack.py`).
+
+    .venv/bin/python scripts/stacked_drafting.py [--calls 60]
+
+Four requests of 120-token prompts, each call committing one token and drafting four, as a
+router's rounds do: all on the general drafter; one specialist each; each fused from a
+specialist and the general drafter (lockstep); each fused from two specialists (eight models).
+Both layouts run the same calls, interleaved call by call; every draft must be identical.
+Measures `time.thread_time()` (torch on one thread), so other load on the machine inflates it
+little. Prints a table of median ms per call.
+"""
+
+import argparse
+import random
+import statistics
+import time
+
+from drafter_service.drafter import DraftItem, DraftModel, draft_batch, stack_draft_models
+from specfleet.config import DEMO_MODELS
+from specfleet.engine import SessionStore, configure_torch, load_model
+from specfleet.sampling import SamplingParams
+
+NAMES = ["general", "en", "de", "fr", "es", "it", "code", "structured"]
+CASES = {
+    "4 requests, general drafter": [("general", r, "") for r in range(4)],
+    "4 requests, 4 specialists": [(NAMES[1 + r], r, "") for r in range(4)],
+    "4 requests fused: specialist + general": [(NAMES[1 + r], r, f"g{r}") for r in range(4)] + [("general", r, f"g{r}") for r in range(4)],
+    "4 requests fused: 2 specialists each (8 models)": [(NAMES[1 + 2 * r], r, f"g{r}") for r in range(3)] + [("structured", 3, "g3")]
+    + [(NAMES[2 + 2 * r], r, f"g{r}") for r in range(3)] + [("general", 3, "g3")],
+}
+
+
+def load(stacked: bool) -> dict[str, DraftModel]:
+    models = {n: DraftModel(load_model(n, DEMO_MODELS / "drafters" / n, use_token_map=True), SessionStore(1 << 30, 1000), 16) for n in NAMES}
+    if stacked:
+        stack_draft_models(models)
+    return models
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=60)
+    args = parser.parse_args()
+    configure_torch(1)
+    layouts = {"per model": load(False), "stacked": load(True)}
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 12000) for _ in range(120)] for _ in range(4)]
+    greedy = SamplingParams()
+    print(f"| call | per model (ms) | stacked (ms) | ratio |\n|---|---|---|---|")
+    for label, assign in CASES.items():
+        times = {name: [] for name in layouts}
+        drafts = {name: [] for name in layouts}
+        lengths = {(name, m, r): 0 for name in layouts for m, r, _ in assign}
+        for call in range(args.calls):
+            for name, models in layouts.items():
+                tagged = []
+                for m, r, group in assign:
+                    key = (name, m, r)
+                    new = list(prompts[r]) if call == 0 else [prompts[r][call % len(prompts[r])]]
+                    tagged.append((m, DraftItem(f"{m}-{r}", lengths[key], new, 4, greedy, lockstep_group=group)))
+                    lengths[key] += len(new)
+                started = time.thread_time()
+                results = draft_batch(models, tagged)
+                times[name].append(time.thread_time() - started)
+                drafts[name].append([r.token_ids for r in results])
+        assert drafts["per model"] == drafts["stacked"], f"{label}: stacked drafts differ"
+        per_model, stacked = (statistics.median(times[n][5:]) * 1e3 for n in layouts)
+        print(f"| {label} | {per_model:.2f} | {stacked:.2f} | {stacked / per_model:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
