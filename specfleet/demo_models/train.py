@@ -262,11 +262,14 @@ def load_teacher_cache(d: Path) -> dict[str, np.ndarray]:
     return {"ids": ids.astype(np.int64), "v": np.concatenate(vs), "i": np.concatenate(is_).astype(np.int64)}
 
 
-def distill_batch_fn(caches: list[dict[str, np.ndarray]]):
+def distill_batch_fn(caches: list[dict[str, np.ndarray]], weights: list[float] | None = None):
+    """Batches of teacher-labelled windows; each row from a cache drawn uniformly, or with ``weights``."""
+    p = None if weights is None else np.asarray(weights, dtype=np.float64) / sum(weights)
+
     def fn(batch: int, rng: np.random.Generator):
         rows = []
         for _ in range(batch):
-            c = caches[int(rng.integers(0, len(caches)))]
+            c = caches[int(rng.integers(0, len(caches)))] if p is None else caches[int(rng.choice(len(caches), p=p))]
             rows.append((c, int(rng.integers(0, len(c["ids"])))))
         ids = np.stack([c["ids"][j] for c, j in rows])
         v = np.stack([c["v"][j] for c, j in rows]).astype(np.float32)
