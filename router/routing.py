@@ -300,12 +300,18 @@ class RoutingConfig:
     # Pseudo-counts: the prior for a drafter in its own speciality and elsewhere.
     prior_specialist: tuple[float, float] = (4.0, 1.0)
     prior_other: tuple[float, float] = (1.0, 1.0)
-    # Weight of this request's own evidence against the domain's.
-    request_weight: float = 2.0
-    # The domain's shared evidence counts as at most this many draft tokens: it is a prior for
-    # each request, strong enough to route well at once, weak enough that a request whose
-    # acceptance drops can overturn it within a few rounds.
-    shared_evidence_cap: float = 32.0
+    # The domain's shared evidence counts as at most shared_evidence_cap draft tokens (hits and
+    # misses), a prior for each request; each of the request's own tokens counts request_weight
+    # times. Their ratio sets how fast a request whose acceptance drops overturns the domain's
+    # choice: 16 of its own tokens weigh as much as all of the domain's evidence. Their scale sets
+    # how narrow the posteriors get, hence how much the router keeps exploring: the bundled
+    # family's specialists beat its general drafter by 0.06-0.17 per-token acceptance, which
+    # posteriors of 32 tokens (about 0.08 wide) do not separate, so the router would keep trying
+    # the wrong drafter in up to a third of the rounds; at 256 it settles on the specialist within
+    # a few dozen requests per domain, and still explores a little, so it notices drift.
+    # scripts/routing_convergence.py and docs/BENCHMARKS.md have the numbers.
+    request_weight: float = 16.0
+    shared_evidence_cap: float = 256.0
     # Take a request's declared domain over the classifier's guess.
     use_domain_hint: bool = True
     # likelihood: the expertise policy asks the specialists to score each new prompt
