@@ -4,6 +4,8 @@ models stacked into one pass draft exactly what each drafts alone."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from drafter_service.drafter import STEP_CATCH_UP, DraftItem, DraftModel, draft_batch, stack_draft_models
@@ -11,6 +13,10 @@ from specfleet.config import DEMO_MODELS
 from specfleet.engine import SessionStore, load_model
 from specfleet.engine.stack import same_shape
 from specfleet.sampling import SamplingParams
+
+# SPECFLEET_TEST_DEVICE=cuda runs the stacking tests on a GPU (scripts/device-check sets it).
+DEVICE = os.environ.get("SPECFLEET_TEST_DEVICE", "cpu")
+TOLERANCE = 1e-5 if DEVICE == "cpu" else 1e-4
 
 CONTEXTS = [[5, 17, 42, 9, 33], [7, 7, 7], [101, 3, 250, 8, 19, 44, 2], [60]]
 
@@ -62,7 +68,10 @@ def stacked_and_alone(paths: dict[str, object], items: list[tuple[str, DraftItem
     drafts again) with the models stacked and with each model in its own passes; both results."""
 
     def load():
-        return {name: DraftModel(load_model(name, path, use_token_map=True), SessionStore(1 << 30, 100), 8) for name, path in paths.items()}
+        return {
+            name: DraftModel(load_model(name, path, use_token_map=True, device=DEVICE), SessionStore(1 << 30, 100), 8)
+            for name, path in paths.items()
+        }
 
     stacked, alone = load(), load()
     stacks = stack_draft_models(stacked)
@@ -92,8 +101,8 @@ def assert_same_drafts(stacked_rounds, alone_rounds):
             assert a.token_ids == b.token_ids and a.token_ids
             assert [ids for ids, _ in a.proposals] == [ids for ids, _ in b.proposals]
             for (_, pa), (_, pb) in zip(a.proposals, b.proposals):
-                assert pa == pytest.approx(pb, abs=1e-5)
-            assert a.confidences == pytest.approx(b.confidences, abs=1e-5)
+                assert pa == pytest.approx(pb, abs=TOLERANCE)
+            assert a.confidences == pytest.approx(b.confidences, abs=TOLERANCE)
 
 
 def test_stacked_models_draft_what_each_drafts_alone(random_family):
