@@ -149,3 +149,12 @@ def test_models_of_different_shapes_do_not_stack(random_family):
     assert same_shape(copy, load_model("b", random_family["drafter-noisy"]))
     assert not same_shape(copy, load_model("c", random_family["drafter-random"]))
     assert not same_shape(copy, load_model("d", random_family["drafter-noisy"], use_token_map=False, attention="per-session"))
+
+
+def test_stacking_keeps_tied_embeddings_one_tensor(random_family):
+    """Without token maps the random family's output layer is its embedding: stacked, it stays one tensor."""
+    models = {n: DraftModel(load_model(n, random_family[n]), SessionStore(1 << 30, 10), 8) for n in ("drafter-copy", "drafter-noisy")}
+    [stack] = stack_draft_models(models)
+    assert stack.model.lm_head is stack.model.embed
+    for m in models.values():
+        assert m.loaded.model.lm_head.data_ptr() == m.loaded.model.embed.data_ptr()

@@ -119,8 +119,13 @@ def _stack(members: list[LoadedModel]) -> Stack:
         Layer(**{n: stacked([getattr(m.model.layers[i], n) for m in members]) for n in _LAYER_TENSORS})
         for i in range(first.num_layers)
     ]
+    # Tied embeddings (the output layer is the embedding's storage) stay one tensor.
+    tied = all(m.model.lm_head.data_ptr() == m.model.embed.data_ptr() and m.model.lm_head.shape == m.model.embed.shape for m in members)
+    tensors = {n: stacked([getattr(m.model, n) for m in members]) for n in _MODEL_TENSORS if not (tied and n == "lm_head")}
+    if tied:
+        tensors["lm_head"] = tensors["embed"]
     model = LlamaModel(
-        **{n: stacked([getattr(m.model, n) for m in members]) for n in _MODEL_TENSORS},
+        **tensors,
         layers=layers, cos=first.cos, sin=first.sin, heads=first.heads, kv_heads=first.kv_heads,
         head_dim=first.head_dim, eps=first.eps, attention=first.attention,
     )
