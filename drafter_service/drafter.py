@@ -35,7 +35,7 @@ import threading
 import zlib
 from dataclasses import dataclass, field
 
-from specfleet.engine import LoadedModel, SessionStore, UnknownSession, next_token_logits, prefill, shaping
+from specfleet.engine import LoadedModel, Session, SessionStore, UnknownSession, next_token_logits, prefill, shaping
 from specfleet.engine.stack import Stack, stack_models
 from specfleet.fusion import lead
 from specfleet.sampling import STREAM_DRAFT, SamplingParams
@@ -96,6 +96,24 @@ def stack_draft_models(models: dict[str, DraftModel]) -> list[Stack]:
     return stacks
 
 
+def _prefill(entries: list[tuple[DraftModel, Session]], score: bool = False) -> list[tuple[float, int]]:
+    """`prefill` (keep_last=1) of sessions of many models, in one call per model or stack; results in input order."""
+    results: list[tuple[float, int]] = [(0.0, 0)] * len(entries)
+    calls: dict[int, list[int]] = {}
+    for i, (model, _) in enumerate(entries):
+        calls.setdefault(id(model.stack or model), []).append(i)
+    for indices in calls.values():
+        first = entries[indices[0]][0]
+        sessions = [entries[i][1] for i in indices]
+        if first.stack is None:
+            done = prefill(first.loaded, sessions, score=score)
+        else:
+            done = first.stack.prefill(sessions, [entries[i][0].member for i in indices], score=score)
+        for i, result in zip(indices, done):
+            results[i] = result
+    return results
+
+
 def propose(drafting: list[Drafting], step: int) -> None:
     """One batched forward pass: each session's next token, its proposal and its confidence.
 
@@ -152,15 +170,11 @@ def _draft_batch(models: dict[str, DraftModel], tagged: list[tuple[str, DraftIte
         if item.num_draft_tokens > 0:
             drafting.append(Drafting(model, item, session, result, committed=len(session.token_ids)))
 
-    for model in models.values():
-        mine = [(result, session) for m, result, session in scored if m is model]
-        for (result, _), (total, count) in zip(mine, prefill(model.loaded, [session for _, session in mine], score=True)):
-            result.context_log_prob, result.context_tokens = total / max(1, count), count
-    for model in models.values():
-        mine = [d.session for d in drafting if d.model is model]
-        for session in mine:
-            session.crop_kv(len(session.token_ids) - 1)  # the last token's logits draft the first token
-        prefill(model.loaded, [s for s in mine if len(s.token_ids) - s.kv_len > STEP_CATCH_UP], keep_last=1)
+    for (_, result, _), (total, count) in zip(scored, _prefill([(m, s) for m, _, s in scored], score=True)):
+        result.context_log_prob, result.context_tokens = total / max(1, count), count
+    for d in drafting:
+        d.session.crop_kv(len(d.session.token_ids) - 1)  # the last token's logits draft the first token
+    _prefill([(d.model, d.session) for d in drafting if len(d.session.token_ids) - d.session.kv_len > STEP_CATCH_UP])
 
     step, active = 0, drafting
     while active:

@@ -103,6 +103,8 @@ def assert_same_drafts(stacked_rounds, alone_rounds):
             for (_, pa), (_, pb) in zip(a.proposals, b.proposals):
                 assert pa == pytest.approx(pb, abs=TOLERANCE)
             assert a.confidences == pytest.approx(b.confidences, abs=TOLERANCE)
+            assert a.context_tokens == b.context_tokens
+            assert a.context_log_prob == pytest.approx(b.context_log_prob, abs=TOLERANCE)
 
 
 def test_stacked_models_draft_what_each_drafts_alone(random_family):
@@ -116,7 +118,8 @@ def test_stacked_models_draft_what_each_drafts_alone(random_family):
     items = [
         ("drafter-copy", DraftItem("a", 0, CONTEXTS[0], 4, greedy)),
         ("drafter-noisy", DraftItem("a", 0, CONTEXTS[0], 4, greedy)),
-        ("drafter-noisy", DraftItem("b", 0, long_prompt, 3, sampled)),
+        ("drafter-noisy", DraftItem("b", 0, long_prompt, 3, sampled, score_context=True)),
+        ("drafter-copy", DraftItem("b", 0, long_prompt, 2, greedy, score_context=True)),
         ("drafter-copy", DraftItem("c", 0, CONTEXTS[2], 4, raced)),
         ("drafter-random", DraftItem("c", 0, CONTEXTS[2], 4, sampled)),
         ("drafter-copy", DraftItem("d", 0, CONTEXTS[1], 4, greedy, lockstep_group="d")),
@@ -134,7 +137,10 @@ def test_the_demo_drafters_stack_with_their_own_token_maps():
     paths = {name: DEMO_MODELS / "drafters" / name for name in names}
     sampled = SamplingParams(temperature=1.0, seed=11)
     prompt = [200 + 37 * i % 9000 for i in range(30)]
-    items = [(name, DraftItem(f"r{i % 3}", 0, prompt[i:], 4, sampled if i % 2 else SamplingParams())) for i, name in enumerate(names)]
+    items = [
+        (name, DraftItem(f"r{i % 3}", 0, prompt[i:], 4, sampled if i % 2 else SamplingParams(), score_context=i < 5))
+        for i, name in enumerate(names)
+    ]
     stacks, stacked, alone = stacked_and_alone(paths, items)
     assert len(stacks) == 1 and len(stacks[0].members) == len(names)
     assert_same_drafts(stacked, alone)

@@ -207,6 +207,17 @@ class Runs:
     runs: list[tuple[int, int, int]]  # (model, first row, end), in row order, covering every row
     members: torch.Tensor  # [B] long on the model's device: each row's model
 
+    @staticmethod
+    def of(members: list[int], device: torch.device) -> "Runs":
+        """The runs of rows whose models are `members`, in row order (equal models adjacent)."""
+        runs: list[tuple[int, int, int]] = []
+        for row, g in enumerate(members):
+            if runs and runs[-1][0] == g:
+                runs[-1] = (g, runs[-1][1], row + 1)
+            else:
+                runs.append((g, row, row + 1))
+        return Runs(runs, torch.tensor(members, dtype=torch.long, device=device))
+
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, runs: Runs | None) -> torch.Tensor:
     if runs is None:

@@ -84,7 +84,9 @@ def forward_batch(
 _PREFILL_ROWS = 2048
 
 
-def prefill(loaded: LoadedModel, sessions: list[Session], keep_last: int = 1, score: bool = False) -> list[tuple[float, int]]:
+def prefill(
+    loaded: LoadedModel, sessions: list[Session], keep_last: int = 1, score: bool = False, members: list[int] | None = None
+) -> list[tuple[float, int]]:
     """Bring each session's cache up to all but its last `keep_last` tokens.
 
     Sessions are prefilled together in passes of similar lengths (padding at most
@@ -93,6 +95,7 @@ def prefill(loaded: LoadedModel, sessions: list[Session], keep_last: int = 1, sc
     length. With `score`, also returns per session (sum of log-probabilities,
     count) of each prefilled token's successor given what precedes it: how well
     the model knows this text. Without it, the pass skips the vocabulary projection.
+    With `members`, `loaded` is a stack of models (`stack.py`) and session b is model members[b]'s.
     """
     scores = [(0.0, 0)] * len(sessions)
     todo = []  # (index, session, first position to prefill, end)
@@ -115,12 +118,17 @@ def prefill(loaded: LoadedModel, sessions: list[Session], keep_last: int = 1, sc
             passes.append([t])
             rows = n
     for group in passes:
+        runs = None
+        if members is not None:
+            group.sort(key=lambda t: members[t[0]])
+            runs = llama.Runs.of([members[t[0]] for t in group], loaded.model.device)
         items = [ForwardItem(session, session.token_ids[start:end], list(range(start, end))) for _, session, start, end in group]
-        logits = forward_batch(loaded, items, logits=score)
+        logits = forward_batch(loaded, items, logits=score, runs=runs)
         for b, (i, session, start, end) in enumerate(group):
             session.commit(list(range(end - start)))
             if score:
-                scores[i] = _score(loaded, logits[b, : end - start], session.token_ids[start + 1 : end + 1])
+                scorer = loaded if members is None else loaded.members[members[i]]
+                scores[i] = _score(scorer, logits[b, : end - start], session.token_ids[start + 1 : end + 1])
     return scores
 
 

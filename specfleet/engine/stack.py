@@ -11,9 +11,10 @@ and embeddings, norms, RoPE, attention and sampling run once for all of them.
 
 A row's logits come from its own model's weights and its own cache (no operation
 mixes rows), so each proposal is still drawn from, and carries, its model's own
-distribution. The members keep working alone (prefill, scoring): their weights
-become views of the stack, and they share the stack's KV pool, where every
-member's sessions take their slots.
+distribution. Prefills (new prompts, long catch-ups, prompt scoring) of several
+members share passes the same way (`Stack.prefill`). The members still work alone
+too: their weights become views of the stack, and they share the stack's KV pool,
+where every member's sessions take their slots.
 
 Shapes: G stacked models, B sessions of a pass, V' the token maps' length.
 """
@@ -54,16 +55,9 @@ class Stack:
             alone = self.members[members[0]]
             return runner.next_token_logits(alone, sessions), alone.global_ids
         order = sorted(range(len(sessions)), key=members.__getitem__)
-        ordered = [members[b] for b in order]
-        runs: list[tuple[int, int, int]] = []
-        for row, g in enumerate(ordered):
-            if runs and runs[-1][0] == g:
-                runs[-1] = (g, runs[-1][1], row + 1)
-            else:
-                runs.append((g, row, row + 1))
         device = self.model.device
-        rows = Runs(runs, torch.tensor(ordered, dtype=torch.long, device=device))
-        logits = runner.next_token_logits(self, [sessions[b] for b in order], rows)
+        runs = Runs.of([members[b] for b in order], device)
+        logits = runner.next_token_logits(self, [sessions[b] for b in order], runs)
         back = torch.empty(len(order), dtype=torch.long)
         back[order] = torch.arange(len(order))
         logits = logits[back.to(device)]
@@ -75,6 +69,11 @@ class Stack:
             return self.token_maps[row_members.view(-1, *[1] * (local.dim() - 1)), local.cpu()]
 
         return logits, global_ids
+
+
+    def prefill(self, sessions: list[Session], members: list[int], keep_last: int = 1, score: bool = False) -> list[tuple[float, int]]:
+        """`runner.prefill` of sessions of several members (session b is model members[b]'s), in shared passes."""
+        return runner.prefill(self, sessions, keep_last, score, members=members)
 
 
 def same_shape(a: LoadedModel, b: LoadedModel) -> bool:
