@@ -70,7 +70,6 @@ class Stack:
 
         return logits, global_ids
 
-
     def prefill(self, sessions: list[Session], members: list[int], keep_last: int = 1, score: bool = False) -> list[tuple[float, int]]:
         """`runner.prefill` of sessions of several members (session b is model members[b]'s), in shared passes."""
         return runner.prefill(self, sessions, keep_last, score, members=members)
