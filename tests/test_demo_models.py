@@ -182,38 +182,40 @@ def test_bundled_tokenizer_roundtrips_every_domain():
         assert (DEMO / sub / "tokenizer.json").read_text() == ref, sub
 
 
-def test_specialist_token_maps_take_in_a_share_of_the_mix():
-    """--map-mix: a specialist's map is chosen by its own domain's frequencies plus a share of the
-    mix's, so ids every domain uses (commands, English quoted in other languages) get in; 0 gives
-    the own-domain map, and the general map is the mix's either way."""
+def test_language_specialists_token_maps_take_in_a_share_of_english():
+    """--companion-share: a language specialist's map is chosen by its own language's frequencies
+    plus a share of English's, so the English its documentation quotes gets in; 0 gives the
+    own-domain map, domains without a companion (code) keep theirs, and the general map is the
+    mix's either way."""
     import numpy as np
 
     from specfleet.demo_models.build import token_maps
 
     rng = np.random.default_rng(0)
-    # "a" uses ids 0-49 heavily; "b" and "c" share ids 50-59, which "a" never uses
+    # "de" uses ids 0-49 heavily; "en" and "code" share ids 50-59, which "de" never uses
     streams = {
-        "a": rng.integers(0, 50, 5000),
-        "b": np.concatenate([rng.integers(50, 60, 4000), rng.integers(60, 100, 1000)]),
-        "c": np.concatenate([rng.integers(50, 60, 4000), rng.integers(100, 140, 1000)]),
+        "de": rng.integers(0, 50, 5000),
+        "en": np.concatenate([rng.integers(50, 60, 4000), rng.integers(60, 100, 1000)]),
+        "code": np.concatenate([rng.integers(50, 60, 1000), rng.integers(100, 140, 4000)]),
     }
     own = token_maps(streams, 55, 0.0)
     blended = token_maps(streams, 55, 0.5)
-    assert own["general"] == blended["general"] and len(blended["a"]) == 55
-    assert not set(range(50, 60)) <= set(own["a"])  # "a" alone ranks the shared ids last
-    assert set(range(50, 60)) <= set(blended["a"])
-    assert len(set(range(50)) & set(blended["a"])) >= 40  # and keeps most of its own
+    assert own["general"] == blended["general"] and len(blended["de"]) == 55
+    assert not set(range(50, 60)) <= set(own["de"])  # "de" alone ranks the English ids last
+    assert set(range(50, 60)) <= set(blended["de"])
+    assert len(set(range(50)) & set(blended["de"])) >= 40  # and keeps most of its own
+    assert own["code"] == blended["code"] and own["en"] == blended["en"]
 
 
 def test_export_writes_the_map_each_drafter_was_trained_with(quick_build, tmp_path):
-    """A rebuild with another --map-mix reuses trained drafters and must export the maps they were
+    """A rebuild with another --companion-share reuses trained drafters and must export the maps they were
     trained with (kept in the work dir), not maps recomputed with the new setting."""
     import shutil
 
     out, work = quick_build
     work2 = tmp_path / "work"
     shutil.copytree(work, work2)
-    assert build_main(["--quick", "--out", str(tmp_path / "out"), "--work", str(work2), "--no-matrix", "--map-mix", "0.9"]) == 0
+    assert build_main(["--quick", "--out", str(tmp_path / "out"), "--work", str(work2), "--no-matrix", "--companion-share", "0.9"]) == 0
     for name in ("de", "general"):
         trained = json.loads((work / "drafters" / name / "token_map.json").read_text())
         assert json.loads((tmp_path / "out" / "drafters" / name / "token_map.json").read_text()) == trained

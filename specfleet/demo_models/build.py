@@ -21,6 +21,11 @@ from .corpus import DOMAINS
 DRAFTER_NAMES = DOMAINS + ("general",)
 # the drafter every one of them starts from (work dir only, not exported)
 BASE_DRAFTER = "base"
+# The text each language specialist also learns a share of: documentation in every language
+# quotes commands, package names and untranslated English (a third of the Italian Developer's
+# Reference is English), which a drafter that knows only its language can neither propose
+# from its token map nor predict.
+COMPANIONS = {lang: "en" for lang in ("de", "fr", "es", "it")}
 STAGES = ("corpus", "tokenizer", "target", "teacher", "drafters", "export", "matrix")
 
 
@@ -41,11 +46,9 @@ class Plan:
     drafter_batch: int
     drafter_lr: float
     specialise_minutes: float  # every drafter's second phase, from the base drafter
-    # share of the whole mix in every specialist's specialise-phase batch rows (0: its own domain only)
-    specialist_mix: float
-    # weight of the whole mix in the token frequencies a specialist's token map is chosen by
-    # (0: the most frequent ids of its own domain only)
-    map_mix: float
+    # share of a specialist's companion domain (COMPANIONS) in its specialise-phase batch rows
+    # and in the token frequencies its token map is chosen by (0: its own domain only)
+    companion_share: float
     token_map: int  # ids each drafter's output layer scores (token_map.json), in training and serving
 
 
@@ -69,8 +72,7 @@ def make_plan(args) -> Plan:
             drafter_batch=8,
             drafter_lr=3e-3,
             specialise_minutes=args.specialise_minutes or 0.1,
-            specialist_mix=args.specialist_mix,
-            map_mix=args.map_mix,
+            companion_share=args.companion_share,
             token_map=256,
         )
     return Plan(
@@ -98,9 +100,8 @@ def make_plan(args) -> Plan:
         drafter_minutes=args.drafter_minutes or 4.0,
         drafter_batch=8,
         drafter_lr=3e-3,
-        specialise_minutes=args.specialise_minutes or 2.0,
-        specialist_mix=args.specialist_mix,
-        map_mix=args.map_mix,
+        specialise_minutes=args.specialise_minutes or 4.0,
+        companion_share=args.companion_share,
         token_map=2048,
     )
 
@@ -155,29 +156,31 @@ def _data_sources(corpus: Path, quick: bool) -> tuple[dict, dict]:
     return srcs, data_desc
 
 
-def token_maps(streams: dict, size: int, mix_share: float = 0.0) -> dict[str, list[int]]:
+def token_maps(streams: dict, size: int, companion_share: float = 0.0) -> dict[str, list[int]]:
     """Each drafter's token map: the ``size`` ids its output layer scores.
 
     The general drafter's map is the ``size`` most frequent ids of the mix, every domain
     weighted equally, so its ids are shared out between the languages, code and structured
-    text. A specialist's is the ``size`` most frequent ids of the text it is trained on:
-    its own domain with weight ``1 - mix_share`` plus the mix with weight ``mix_share``.
-    Real documents of a language quote commands, paths, code and untranslated English; a
-    map of the domain's own ids alone cannot even propose those tokens (the Italian
-    drafter's map held 77% of the target's greedy tokens in the English paragraphs of the
-    Italian Developer's Reference, the general map 98%; ``map_mix`` 0.25 raised it to 87%
-    while the domain's own held-out text lost 0.2 points of coverage).
+    text. A specialist's is the ``size`` most frequent ids of the text it is trained on: its
+    own domain with weight ``1 - companion_share`` plus its companion domain (COMPANIONS)
+    with weight ``companion_share``. A map of the domain's own ids alone cannot even propose
+    the English quoted in other languages' documentation: the Italian drafter's own map held
+    77% of the target's greedy tokens in the English paragraphs of the Italian Developer's
+    Reference, the general map 98%.
     """
     import numpy as np
 
     vocab = max(int(s.max()) for s in streams.values()) + 1
     freqs = {d: np.bincount(s, minlength=vocab) / len(s) for d, s in streams.items()}
-    mix = sum(freqs.values()) / len(freqs)
 
     def top(counts) -> list[int]:
         return sorted(int(i) for i in np.argsort(-counts, kind="stable")[:size])
 
-    maps = {d: top((1.0 - mix_share) * f + mix_share * mix) for d, f in freqs.items()}
+    def specialist(d: str):
+        c = COMPANIONS.get(d)
+        return freqs[d] if c is None or c not in freqs else (1.0 - companion_share) * freqs[d] + companion_share * freqs[c]
+
+    maps = {d: top(specialist(d)) for d in freqs}
     maps["general"] = top(sum(freqs.values()))
     return maps
 
@@ -194,18 +197,11 @@ def build_main(argv: list[str]) -> int:
     ap.add_argument("--drafter-steps", type=int, default=0)
     ap.add_argument("--specialise-minutes", type=float, default=0, help="training-time budget per drafter after the base drafter")
     ap.add_argument(
-        "--specialist-mix",
+        "--companion-share",
         type=float,
-        default=0.0,
-        help="share of each specialist's specialise-phase batch rows drawn from the mix of all domains (default %(default)s: its own domain only; "
-        "0.25 cost the Spanish drafter 0.016 of acceptance on Spanish text)",
-    )
-    ap.add_argument(
-        "--map-mix",
-        type=float,
-        default=0.0,
-        help="weight of the mix of all domains in the token frequencies each specialist's token map is chosen by (default %(default)s: its own "
-        "domain's most frequent ids, as models/demo was built; 0.25 raised the Italian drafter's margin on the Debian manuals from +0.015 to +0.030)",
+        default=0.25,
+        help="share of English in the de, fr, es and it specialists' training rows and token-map frequencies (default %(default)s; "
+        "0 trains each on its own language only, which cost the Italian drafter 0.03-0.06 of acceptance on the Debian manuals)",
     )
     ap.add_argument("--teacher-seqs", type=int, default=0, help="target-labelled windows per domain")
     ap.add_argument("--stop-after", choices=STAGES, default=None)
@@ -275,9 +271,9 @@ def build_main(argv: list[str]) -> int:
     }
     T.save_json(work / "tokens" / "bytes_per_token.json", bpt)
     log("bytes per token (train): " + ", ".join(f"{d} {v}" for d, v in bpt.items()))
-    if not (0.0 <= plan.specialist_mix < 1.0 and 0.0 <= plan.map_mix < 1.0):
-        ap.error("--specialist-mix and --map-mix must be in [0, 1)")
-    maps = token_maps(streams, plan.token_map, plan.map_mix)
+    if not 0.0 <= plan.companion_share < 1.0:
+        ap.error(f"--companion-share must be in [0, 1), not {plan.companion_share}")
+    maps = token_maps(streams, plan.token_map, plan.companion_share)
     if stop("tokenizer"):
         return 0
 
@@ -350,10 +346,10 @@ def build_main(argv: list[str]) -> int:
     #       and the general drafter continues from it on the mix. Specialists trained from
     #       scratch on one domain's 450k tokens overfit it and lose to the general drafter on
     #       other documents of their own language (docs/BENCHMARKS.md, demo family v2).
-    #       Optionally a share (plan.specialist_mix, default none) of each specialist's batch
-    #       rows still comes from the mix. Each drafter's work dir keeps the token map it was
-    #       trained with (token_map.json), and export writes that one: a build with another
-    #       --map-mix must not pair drafters trained earlier with a different map.
+    #       A share (plan.companion_share) of a language specialist's batch rows comes from
+    #       English (COMPANIONS). Each drafter's work dir keeps the token map it was trained
+    #       with (token_map.json), and export writes that one: a build with another
+    #       --companion-share must not pair drafters trained earlier with a different map.
     def train_drafter(
         name: str, src: list, tmap, seed: int, minutes: float, lr: float, init: Path | None, weights: list[float] | None = None
     ) -> dict:
@@ -387,8 +383,8 @@ def build_main(argv: list[str]) -> int:
         torch.save(model.state_dict(), ddir / "final.pt")
         state["threads"] = args.threads
         if init is not None:  # a second-phase drafter: what it was specialised with
-            state["map_mix"] = plan.map_mix if name != "general" else 0.0
-            state["specialist_mix"] = plan.specialist_mix if name != "general" else 0.0
+            state["companion"] = COMPANIONS.get(name)
+            state["companion_share"] = plan.companion_share if name in COMPANIONS else 0.0
         T.save_json(sf, state)
         return state
 
@@ -405,8 +401,8 @@ def build_main(argv: list[str]) -> int:
         if name == "general":
             src, weights = mix, None
         else:
-            s = plan.specialist_mix
-            src, weights = ([caches[name]], None) if s == 0 else ([caches[name]] + mix, [1.0 - s] + [s / len(mix)] * len(mix))
+            c, s = COMPANIONS.get(name), plan.companion_share
+            src, weights = ([caches[name]], None) if c is None or s == 0 else ([caches[name], caches[c]], [1.0 - s, s])
         state = train_drafter(
             name, src, maps[name], 10 + j, plan.specialise_minutes, plan.drafter_lr / 2, work / "drafters" / BASE_DRAFTER / "final.pt", weights
         )
@@ -443,8 +439,9 @@ def build_main(argv: list[str]) -> int:
         model.load_state_dict(torch.load(work / "drafters" / name / "final.pt", map_location="cpu"))
         st, base = dstates[name], base_state
         data = srcs[name] if name != "general" else "all seven domains, mixed uniformly"
-        share, map_share = st.get("specialist_mix", 0.0), st.get("map_mix", 0.0)
-        own = "its own domain" + (f" ({1 - share:.0%} of the batch rows; {share:.0%} from the mix of all seven)" if share else "")
+        companion, share = st.get("companion"), st.get("companion_share", 0.0)
+        mixed = f"; {share:.0%} from {companion}" if companion and share else ""
+        own = "its own domain" + (f" ({1 - share:.0%} of the batch rows{mixed})" if mixed else "")
         T.export_model(
             model,
             tok,
@@ -467,7 +464,7 @@ def build_main(argv: list[str]) -> int:
                     + (
                         "the training mix, every domain weighted equally"
                         if name == "general"
-                        else "its domain's training text" + (f" weighted {1 - map_share:.2f} plus the mix weighted {map_share:.2f}" if map_share else "")
+                        else "its domain's training text" + (f" weighted {1 - share:.2f} plus {companion}'s weighted {share:.2f}" if mixed else "")
                     )
                     + "; the drafter is trained and served scoring only these (the output layer is most of a step's cost)",
                 },
