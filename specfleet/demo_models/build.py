@@ -200,8 +200,9 @@ def build_main(argv: list[str]) -> int:
         "--companion-share",
         type=float,
         default=0.25,
-        help="share of English in the de, fr, es and it specialists' training rows and token-map frequencies (default %(default)s; "
-        "0 trains each on its own language only, which cost the Italian drafter 0.03-0.06 of acceptance on the Debian manuals)",
+        help="share of English in the de, fr, es and it specialists' batch rows and token-map frequencies (default %(default)s; "
+        "0: each its own language only, which left the Italian drafter about 0.03 less ahead of the general drafter on the Debian "
+        "manuals: docs/BENCHMARKS.md, 'When specialisation pays')",
     )
     ap.add_argument("--teacher-seqs", type=int, default=0, help="target-labelled windows per domain")
     ap.add_argument("--stop-after", choices=STAGES, default=None)
