@@ -82,7 +82,13 @@ class Drafting:
 
         async def draft_fused():
             # The cooperating drafters of a request share a service and draft in lockstep there, every position in one call.
-            calls = [(s, d, s.tokens, s.num_draft_tokens, s.spec.session_id) for s in fused for d in s.round_drafters]
+            # The first drafter in routing order drafts every position; the others the first fusion_depth.
+            depth = self.round.router.config.fusion_depth
+            calls = [
+                (s, d, s.tokens, s.num_draft_tokens if i == 0 or depth == 0 else min(depth, s.num_draft_tokens), s.spec.session_id)
+                for s in fused
+                for i, d in enumerate(s.round_drafters)
+            ]
             replies: dict[str, dict[str, drafter_pb2.DraftedSession]] = collections.defaultdict(dict)
             for state, drafter, drafted in await self._calls(calls):
                 replies[state.spec.session_id][drafter] = drafted
@@ -90,9 +96,9 @@ class Drafting:
                 tree, mine = trees[state.spec.session_id], replies[state.spec.session_id]
                 for position in range(state.num_draft_tokens):
                     tree.fuse_position(state.round_drafters, mine, position)
-                # Each drafter's session continued from the lead tokens, the main branch.
-                for drafter in mine:
-                    state.drafter_mirrors[drafter].held = state.tokens + [tree.tokens[i] for i in tree.main]
+                # Each drafter's session continued from the lead tokens, the main branch, for as many positions as it drafted.
+                for drafter, drafted in mine.items():
+                    state.drafter_mirrors[drafter].held = state.tokens + [tree.tokens[i] for i in tree.main[: len(drafted.token_ids)]]
 
         await asyncio.gather(draft_chains(), draft_fused())
         return {sid: tree for sid, tree in trees.items() if tree.tokens}

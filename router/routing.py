@@ -297,6 +297,8 @@ class RoutingConfig:
     # mean acceptance of the best drafter below which it asks for help.
     fusion_width: int = 1
     fusion_below: float = 0.75
+    # Positions at which the cooperating drafters after the first propose (0: every position).
+    fusion_depth: int = 0
     # Pseudo-counts: the prior for a drafter in its own speciality and elsewhere.
     prior_specialist: tuple[float, float] = (4.0, 1.0)
     prior_other: tuple[float, float] = (1.0, 1.0)

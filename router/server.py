@@ -363,6 +363,7 @@ def build_drafter_router(cfg: config_mod.Config, served: list[str]) -> DrafterRo
         default_drafter=rcfg.default_drafter,
         fusion_width=rcfg.fusion_width,
         fusion_below=rcfg.fusion_below,
+        fusion_depth=rcfg.fusion_depth,
         use_domain_hint=rcfg.use_domain_hint,
         domain_prior=rcfg.domain_prior,
     )

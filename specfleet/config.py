@@ -204,6 +204,10 @@ class RouterConfig:
     # expected acceptance is below fusion_below.
     fusion_width: int = 1
     fusion_below: float = 0.75
+    # Draft positions at which the cooperating drafters after the first propose siblings (0: all
+    # k). A sibling at position j counts only when the main branch's first j tokens were accepted,
+    # so late siblings add little, while each costs a drafting step and a verified row.
+    fusion_depth: int = 0
     # Shared routing state: redis://host:port/db, or empty for in-process state.
     redis_url: str = ""
     # Weight left on old routing evidence after each update (follows drifting traffic).
@@ -446,6 +450,8 @@ def validate(config: Config) -> None:
         raise ConfigError(f"router.domain_prior: must be likelihood or exemplars, got {r.domain_prior!r}")
     if r.fusion_width < 1:
         raise ConfigError("router.fusion_width: must be at least 1")
+    if r.fusion_depth < 0:
+        raise ConfigError(f"router.fusion_depth: 0 (every position) or at least 1, got {r.fusion_depth}")
     if r.pipeline_depth < 0:
         raise ConfigError(f"router.pipeline_depth: 0 (the router chooses) or at least 1, got {r.pipeline_depth}")
     if not 0 < r.expertise_decay <= 1:

@@ -48,6 +48,27 @@ def test_fused_greedy_output_equals_target(fused_cluster, random_family):
     assert set(used) == set(DRAFTERS)
 
 
+def test_fusion_depth_limits_siblings_and_stays_lossless(random_family, tmp_path):
+    """fusion_depth 1: the drafters after the first propose at the first position only, so a round's
+    tree holds at most k + 2 nodes (three drafters), and the next rounds' sessions, which held fewer
+    lead tokens, still sync: output is the target's."""
+    config = multi_drafter_config(random_family, fusion_width=3, fusion_below=1.01, fusion_depth=1, adaptive_speculation=False)
+    cluster = Cluster(config, tmp_path, "depth").start()
+    path = str(random_family["target"])
+    try:
+        with cluster.channel() as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            futures = {p: stub.Generate.future(greedy_request(p, MAX_TOKENS, 4), timeout=300) for p in PROMPTS[:6]}
+            for prompt, future in futures.items():
+                reply = future.result()
+                assert list(reply.token_ids) == target_greedy(path, prompt, MAX_TOKENS), prompt
+                spec = reply.speculation
+                assert 4 * (spec.rounds - 1) < spec.draft_tokens <= (4 + 2) * spec.rounds, prompt
+                assert {d.drafter for d in spec.drafters} == set(DRAFTERS)
+    finally:
+        cluster.stop()
+
+
 def test_lockstep_drafters_continue_from_the_lead_proposal(fused_cluster, random_family):
     """One call, one lockstep group: each drafter's proposal at position j is what it drafts alone
     after the context plus the lead tokens of positions < j."""

@@ -66,6 +66,7 @@ BAD = [
     ("unknown policy", with_("router.routing_policy", "fastest"), "router.routing_policy: must be one of"),
     ("unknown prior", with_("router.domain_prior", "vibes"), "router.domain_prior"),
     ("fusion width zero", with_("router.fusion_width", 0), "router.fusion_width"),
+    ("fusion depth negative", with_("router.fusion_depth", -1), "router.fusion_depth"),
     ("pipeline depth negative", with_("router.pipeline_depth", -1), "router.pipeline_depth: 0 (the router chooses) or at least 1"),
     ("decay zero", with_("router.expertise_decay", 0.0), "router.expertise_decay: must be in (0, 1]"),
     ("decay above one", with_("router.expertise_decay", 1.5), "router.expertise_decay"),
