@@ -80,6 +80,11 @@ class DraftModel:
         self.stack: Stack | None = None
         self.member = 0
 
+    @property
+    def passes_with(self) -> object:
+        """What this model's sessions share forward passes with: its stack, or itself alone."""
+        return self.stack or self
+
 
 def stack_draft_models(models: dict[str, DraftModel]) -> list[Stack]:
     """Stack the service's same-shape draft models (before any session exists); returns the stacks.
@@ -101,7 +106,7 @@ def _prefill(entries: list[tuple[DraftModel, Session]], score: bool = False) -> 
     results: list[tuple[float, int]] = [(0.0, 0)] * len(entries)
     calls: dict[int, list[int]] = {}
     for i, (model, _) in enumerate(entries):
-        calls.setdefault(id(model.stack or model), []).append(i)
+        calls.setdefault(id(model.passes_with), []).append(i)
     for indices in calls.values():
         first = entries[indices[0]][0]
         sessions = [entries[i][1] for i in indices]
@@ -180,7 +185,7 @@ def _draft_batch(models: dict[str, DraftModel], tagged: list[tuple[str, DraftIte
     while active:
         passes: dict[int, list[Drafting]] = {}
         for d in active:
-            passes.setdefault(id(d.model.stack or d.model), []).append(d)
+            passes.setdefault(id(d.model.passes_with), []).append(d)
         for mine in passes.values():
             propose(mine, step)
         # What each session continues from: its own token, or its lockstep group's lead token.

@@ -50,9 +50,14 @@ def test_fused_greedy_output_equals_target(fused_cluster, random_family):
 
 def test_fusion_depth_limits_siblings_and_stays_lossless(random_family, tmp_path):
     """fusion_depth 1: the drafters after the first propose at the first position only, so a round's
-    tree holds at most k + 2 nodes (three drafters), and the next rounds' sessions, which held fewer
-    lead tokens, still sync: output is the target's."""
-    config = multi_drafter_config(random_family, fusion_width=3, fusion_below=1.01, fusion_depth=1, adaptive_speculation=False)
+    tree holds at most k + 2 nodes (three drafters); output is the target's, and the router knows
+    that those drafters' sessions hold fewer lead tokens, so no later round finds one lost."""
+    from tests.conftest import free_port
+    from tests.operations import metrics
+
+    config = multi_drafter_config(
+        random_family, fusion_width=3, fusion_below=1.01, fusion_depth=1, adaptive_speculation=False, metrics_port=free_port()
+    )
     cluster = Cluster(config, tmp_path, "depth").start()
     path = str(random_family["target"])
     try:
@@ -65,6 +70,7 @@ def test_fusion_depth_limits_siblings_and_stays_lossless(random_family, tmp_path
                 spec = reply.speculation
                 assert 4 * (spec.rounds - 1) < spec.draft_tokens <= (4 + 2) * spec.rounds, prompt
                 assert {d.drafter for d in spec.drafters} == set(DRAFTERS)
+        assert metrics(config["router"]["metrics_port"])["specfleet:session_misses_total"] == 0
     finally:
         cluster.stop()
 
