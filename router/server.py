@@ -12,7 +12,6 @@ import time
 
 import grpc
 
-from router import openai_api
 from router.request import Chunk, InvalidRequest, Limits, RequestSpec, RequestState, parse_request, prompt_chars_bound
 from router.routing import (
     DomainClassifier, DrafterProfile, DrafterRouter, ExpertiseStore, RedisAuthError, RedisExpertiseStore, RoutingConfig, redacted,
@@ -482,6 +481,8 @@ async def run(
         )
     finally:
         if http is not None:
+            from router import openai_api
+
             await openai_api.stop(*http[1:])
         if metrics_server is not None:
             metrics_server.close()
@@ -493,6 +494,17 @@ async def run(
 async def start_http(cfg: config_mod.Config, host: str, servicer: GenerationServicer, api_key: str, sec: security.Security):
     """The OpenAI-compatible API on router.http_port (HTTPS when security.tls is set), as (app, server, task),
     or None when it is off."""
+    if cfg.router.http_port == 0:
+        return None
+    try:
+        # The HTTP API's packages are optional: a router that does not serve it starts without them.
+        from router import openai_api
+    except ImportError as err:
+        if cfg.router.http_port is None:
+            log.warning("HTTP API off: it needs %s (pip install fastapi uvicorn pydantic); router.http_port: 0 turns it off", err.name)
+            return None
+        raise StartupError(f"router.http_port: the HTTP API needs {err.name}, which is not installed (pip install fastapi uvicorn pydantic), "
+                           "or set router.http_port to 0") from None
     sock = listen(host, cfg.router.http_port, config_mod.DEFAULT_HTTP_PORT, "HTTP API", "router.http_port")
     if sock is None:
         return None

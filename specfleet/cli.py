@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import importlib.util
 import os
 import pathlib
 import shlex
@@ -158,7 +159,7 @@ def cmd_serve(argv: list[str]) -> int:
         signal.signal(signal.SIGHUP, reload_config)
         print(f"specfleet is ready: router listening on {router_address} (Ctrl-C stops everything)", flush=True)
         print(f"  try: {_this_command()} generate --server {router_address}{_tls_flags(cfg)} 'def fibonacci(n):'", flush=True)
-        if cfg.router.http_port != 0:
+        if cfg.router.http_port != 0 and (cfg.router.http_port or importlib.util.find_spec("uvicorn")):
             port = cfg.router.http_port or config_mod.DEFAULT_HTTP_PORT
             unless = "" if cfg.router.http_port else " (unless that port was taken: see the router's log; router.http_port sets it)"
             print(f"  OpenAI-compatible API: http://{cfg.router.host}:{port}/v1{unless}", flush=True)
