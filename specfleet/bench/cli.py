@@ -27,6 +27,7 @@ Systems (--systems, comma separated; LABEL=SYSTEM gives a second copy its own na
   specfleet-off    specfleet serve, every request with speculation.disabled=true
   specfleet        specfleet serve, one drafter (--drafter)
   specfleet-multi  specfleet serve hosting every drafter of the family
+  specfleet-fleet  specfleet serve, one drafter service per drafter, each on a core of its own (--drafter-cpus)
   vllm-target      vLLM CPU OpenAI-compatible server, target alone
   vllm-draft       vLLM, speculative_config {"method": "draft_model", "model": DRAFTER, "num_speculative_tokens": k}
   vllm-ngram       vLLM, speculative_config {"method": "ngram", "num_speculative_tokens": k, ...}
@@ -135,6 +136,7 @@ def add_run_options(p: argparse.ArgumentParser, preset: str) -> None:
     g.add_argument("--attach", action="append", default=[], metavar="LABEL=HOST:PORT[:off]",
                    help="also measure an already running specfleet router (not started, stopped or pinned by the harness); ':off' disables speculation")
     g.add_argument("--models", default="auto", help="auto (demo models when built, else random), demo, random, or a directory with target/ and drafters/<name>/")
+    g.add_argument("--drafters", help="the family's drafters that specfleet-multi and specfleet-fleet host, comma separated (default all)")
     g.add_argument("--drafter", help="drafter for the single-drafter systems (default: general, or drafter-noisy for random)")
     g.add_argument("--baseline", default="hf-target", help="label the speed-up column is relative to (default hf-target)")
     g.add_argument("--k", type=int, default=4, help="draft tokens per round for every speculative system (default 4)")
@@ -142,6 +144,8 @@ def add_run_options(p: argparse.ArgumentParser, preset: str) -> None:
                    help="transformers num_assistant_tokens_schedule (constant: exactly k per round, like the others)")
     g.add_argument("--threads", type=int, default=1, help="torch/OMP threads of every system (default 1)")
     g.add_argument("--cpus", help="pin every system to these cores (taskset list, e.g. 1 or 0-1; default unpinned)")
+    g.add_argument("--drafter-cpus", help="cores of specfleet's drafter services (taskset list): specfleet-fleet puts each service on "
+                   "one of them in turn, the other specfleet systems their one service on all of them (default: where serve puts them)")
     g.add_argument("--vllm-venv", default=str(REPO / ".cache" / "vllm-venv"), help="where vLLM is installed (specfleet bench vllm-setup)")
     g.add_argument("--install-vllm", action="store_true", help="run vllm-setup first when a vLLM system is asked for and vLLM is missing")
     g.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
@@ -370,6 +374,13 @@ async def run_benchmark(args, command: str) -> dict:
 
     cache = REPO / ".cache"
     family = runner.resolve_family(args.models, args.drafter, cache)
+    if args.drafters:
+        unknown = sorted(set(_csv(args.drafters)) - set(family.drafters))
+        if unknown:
+            raise ValueError(f"--drafters: {unknown} are not drafters of the {family.name} family ({sorted(family.drafters)})")
+        family.drafters = {name: family.drafters[name] for name in _csv(args.drafters)}
+        if family.drafter not in family.drafters:
+            family.drafter = next(iter(family.drafters))
     out_dir = pathlib.Path(args.out) if args.out else REPO / "bench-results" / f"{args.command}-{time.strftime('%Y%m%d-%H%M%S')}"
     args.out = str(out_dir)
     settings = Settings(
@@ -377,6 +388,7 @@ async def run_benchmark(args, command: str) -> dict:
         assist_schedule=args.assist_schedule, startup_timeout_s=args.startup_timeout, log_dir=out_dir / "logs",
         vllm_python=pathlib.Path(args.vllm_venv) / "bin" / "python", send_domain=args.send_domain,
         vllm_args=[a for item in args.vllm_arg for a in shlex.split(item)], temperature=args.temperature,
+        drafter_cpus=_cpus(args.drafter_cpus),
     )
     source, rows = workload.resolve_source(args.workload)
     requests = workload.make_requests(rows, args.requests, args.prompt_tokens, args.max_tokens, args.seed)
@@ -414,7 +426,7 @@ async def run_benchmark(args, command: str) -> dict:
             "drafters": {k: str(v) for k, v in family.drafters.items()},
             "workload": args.workload, "workload_source": source, "requests": len(requests),
             "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "ignore_eos": settings.ignore_eos,
-            "seed": args.seed, "temperature": settings.temperature, "device": settings.device, "warmup": len(warmup), "threads": settings.threads, "cpus": settings.cpus, "k": settings.k,
+            "seed": args.seed, "temperature": settings.temperature, "device": settings.device, "warmup": len(warmup), "threads": settings.threads, "cpus": settings.cpus, "drafter_cpus": settings.drafter_cpus, "k": settings.k,
             "load_points": [p.label for p in points], "assist_schedule": settings.assist_schedule, "send_domain": settings.send_domain,
         },
         "baseline": args.baseline,
@@ -426,7 +438,7 @@ async def run_benchmark(args, command: str) -> dict:
     }
     if family.name == "random":
         results["notes"].append("Random models: these numbers exercise the harness and say nothing about speed-ups.")
-    if settings.cpus is None:
+    if settings.cpus is None and settings.drafter_cpus is None:
         results["notes"].append("Systems were not pinned (--cpus); other load on the machine affects every number.")
     ctx = progress if progress is not None else contextlib.nullcontext()
     with ctx:

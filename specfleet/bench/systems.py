@@ -8,7 +8,9 @@ are measured the same way:
   hf-assisted   transformers assisted generation (`assistant_model=` the drafter)
   specfleet-off `specfleet serve` with every request sent `speculation.disabled=true`
   specfleet     `specfleet serve` with one drafter (the chosen one)
-  specfleet-multi  `specfleet serve` hosting every drafter of the family
+  specfleet-multi  `specfleet serve` hosting every drafter of the family in one drafter service
+  specfleet-fleet  `specfleet serve` with one drafter service per drafter of the family, each on a core of its own
+                   (--drafter-cpus), as a fleet of drafter nodes runs
   vllm-target   vLLM CPU OpenAI-compatible server, target alone
   vllm-draft    vLLM with the drafter as draft model (method draft_model)
   vllm-ngram    vLLM with n-gram (prompt lookup) speculation
@@ -100,6 +102,9 @@ class Settings:
     vllm_python: pathlib.Path | None = None
     vllm_max_model_len: int = 2048
     send_domain: bool = False
+    # Cores of the drafter services: specfleet-fleet pins its i-th service to the i-th core (in turn), the
+    # other specfleet systems their one service to all of them; None leaves them where `serve` puts them.
+    drafter_cpus: list[int] | None = None
     vllm_args: list[str] = field(default_factory=list)
 
 
@@ -318,6 +323,7 @@ class Specfleet(System):
                     "threads": s.threads,
                     "dtype": s.dtype,
                     "models": [self._draft_model(n) for n in self.drafter_names],
+                    **({"cpus": s.drafter_cpus} if s.drafter_cpus else {}),
                 }
             ],
             "router": {
@@ -500,6 +506,22 @@ class SpecfleetMulti(Specfleet):
         super().__init__(family, settings, label, drafters=drafters or sorted(family.drafters), overrides=overrides)
 
 
+class SpecfleetFleet(SpecfleetMulti):
+    name = "specfleet-fleet"
+    description = "specfleet serve with one drafter service per drafter, each on a core of its own"
+
+    def config(self) -> dict:
+        cfg = super().config()
+        shared = {k: v for k, v in cfg["drafters"][0].items() if k not in ("name", "address", "models", "cpus")}
+        cores = self.settings.drafter_cpus
+        cfg["drafters"] = [
+            {**shared, "name": f"drafter-{model['name']}", "address": f"127.0.0.1:{free_port()}", "models": [model],
+             **({"cpus": [cores[i % len(cores)]]} if cores else {})}
+            for i, model in enumerate(cfg["drafters"][0]["models"])
+        ]
+        return cfg
+
+
 class SpecfleetAttached(Specfleet):
     """A specfleet router that is already running (a multi-node deployment, or a test's cluster).
 
@@ -538,7 +560,7 @@ class SpecfleetAttached(Specfleet):
 
 
 SYSTEMS: dict[str, type[System]] = {
-    cls.name: cls for cls in (HFTarget, HFAssisted, SpecfleetOff, Specfleet, SpecfleetMulti, Corrupt)
+    cls.name: cls for cls in (HFTarget, HFAssisted, SpecfleetOff, Specfleet, SpecfleetMulti, SpecfleetFleet, Corrupt)
 }
 
 
