@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import time
 from dataclasses import dataclass
@@ -50,6 +51,16 @@ class Plan:
     # and in the token frequencies its token map is chosen by (0: its own domain only)
     companion_share: float
     token_map: int  # ids each drafter's output layer scores (token_map.json), in training and serving
+
+
+def link_shared_tokenizer(out: Path) -> None:
+    """Every model of the family has the same tokenizer.json: each model's becomes a link to tokenizer/'s, so
+    the family travels once (a GPU machine takes 64 MiB of working tree; tests/test_device_check.py)."""
+    shared = out / "tokenizer" / "tokenizer.json"
+    for path in sorted(out.glob("*/tokenizer.json")) + sorted(out.glob("drafters/*/tokenizer.json")):
+        if path != shared and not path.is_symlink() and path.read_bytes() == shared.read_bytes():
+            path.unlink()
+            path.symlink_to(os.path.relpath(shared, path.parent))
 
 
 def make_plan(args) -> Plan:
@@ -482,6 +493,7 @@ def build_main(argv: list[str]) -> int:
             tmap = legacy[name]
         (out / "drafters" / name / "token_map.json").write_text(json.dumps(tmap) + "\n")
     write_exemplars(corpus, out / "drafters")
+    link_shared_tokenizer(out)
     log(f"exported models to {out} ({sum(f.stat().st_size for f in out.rglob('*') if f.is_file()) / 1e6:.1f} MB)")
     if stop("export"):
         return 0
