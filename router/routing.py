@@ -311,7 +311,7 @@ class RoutingConfig:
     # posteriors of 32 tokens (about 0.08 wide) do not separate, so the router would keep trying
     # the wrong drafter in up to a third of the rounds; at 256 it settles on the specialist within
     # a few dozen requests per domain, and still explores a little, so it notices drift.
-    # scripts/routing_convergence.py and docs/BENCHMARKS.md have the numbers.
+    # scripts/routing_convergence.py and docs/benchmarks/routing-convergence.md have the numbers.
     request_weight: float = 16.0
     shared_evidence_cap: float = 256.0
     # Take a request's declared domain over the classifier's guess.

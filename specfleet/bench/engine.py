@@ -360,7 +360,7 @@ def print_table(results: dict) -> None:
 
 
 def markdown(results: dict) -> str:
-    """The table as Markdown (docs/BENCHMARKS.md, the device check's report)."""
+    """The table as Markdown (docs/benchmarks/gpu.md, the device check's report)."""
     lines = [
         f"{results['model']} ({results['parameters'] / 1e9:.2f}B parameters), {results['dtype']}, {results['device_name']}; "
         f"floor at {results['bandwidth_gbs']:.0f} GB/s and {results['peak_tflops']:.1f} TFLOP/s ({results['hardware_source']}); "

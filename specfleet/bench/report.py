@@ -1,4 +1,4 @@
-"""Results out: JSON, a Markdown table, PNG plots, and marked blocks of docs/BENCHMARKS.md."""
+"""Results out: JSON, a Markdown table, PNG plots, and marked blocks of docs/benchmarks/NAME.md."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import shutil
 import subprocess
 
 REPO = pathlib.Path(__file__).resolve().parent.parent.parent
-DOCS = REPO / "docs" / "BENCHMARKS.md"
+DOCS_DIR = REPO / "docs" / "benchmarks"  # one file per block; docs/BENCHMARKS.md summarises them
 
 
 def machine_info() -> dict:
@@ -291,34 +291,36 @@ def plots(results: dict, out_dir: pathlib.Path) -> dict[str, pathlib.Path]:
     return made
 
 
-# --- docs/BENCHMARKS.md ------------------------------------------------------------------------------------------
+# --- docs/benchmarks/NAME.md -------------------------------------------------------------------------------------
 
-_HEADER = """# Benchmarks
+_HEADER = """# {block}
 
-Every number here is a ratio measured in one run of `specfleet bench` against what a user would
-otherwise pick, on the same models, prompts, lengths, threads and cores. The blocks between
-`<!-- bench:begin NAME -->` and `<!-- bench:end NAME -->` are rewritten by
-`specfleet bench ... --update-docs NAME`; everything outside them is kept as written.
+Measured by `specfleet bench`. The block between `<!-- bench:begin {block} -->` and
+`<!-- bench:end {block} -->` is rewritten by `specfleet bench ... --update-docs {block}`;
+everything outside it is kept as written. docs/BENCHMARKS.md links here from its summary.
 """
 
 
-def update_docs(block: str, body: str, plots: dict[str, pathlib.Path] | None = None, docs: pathlib.Path = DOCS) -> pathlib.Path:
-    """Replace (or append) the marked block NAME in docs/BENCHMARKS.md; plots are copied to docs/bench/NAME/."""
+def update_docs(block: str, body: str, plots: dict[str, pathlib.Path] | None = None,
+                docs: pathlib.Path | None = None) -> pathlib.Path:
+    """Replace (or append) the marked block NAME in docs (default docs/benchmarks/NAME.md, created if absent);
+    plots are copied to plots/NAME/ beside that file."""
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", block):
         raise ValueError(f"docs block name {block!r}: use letters, digits, '.', '_' or '-'")
+    docs = DOCS_DIR / f"{block}.md" if docs is None else docs
     links = {}
     if plots:
-        pdir = docs.parent / "bench" / block
+        pdir = docs.parent / "plots" / block
         pdir.mkdir(parents=True, exist_ok=True)
         for stale in pdir.glob("*.png"):
             stale.unlink()
         for name, path in plots.items():
             shutil.copy(path, pdir / pathlib.Path(path).name)
-            links[name] = f"bench/{block}/{pathlib.Path(path).name}"
+            links[name] = f"plots/{block}/{pathlib.Path(path).name}"
     if links:
         body = body.rstrip() + "\n\n" + "\n".join(f"![{n}]({p})" for n, p in links.items()) + "\n"
     begin, end = f"<!-- bench:begin {block} -->", f"<!-- bench:end {block} -->"
-    text = docs.read_text() if docs.exists() else _HEADER
+    text = docs.read_text() if docs.exists() else _HEADER.format(block=block)
     new_block = f"{begin}\n{body.rstrip()}\n{end}"
     pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
     if pattern.search(text):

@@ -93,7 +93,7 @@ def make_plan(args) -> Plan:
         # six layers, not more: on two CPU threads in 48 minutes it sees the training text about
         # three times and writes each language (held-out loss 2.4-5.0); a 10-layer target
         # trained 17 minutes saw half of it, continued every language alike, and no specialist
-        # beat the general drafter (docs/BENCHMARKS.md, "When specialisation pays")
+        # beat the general drafter (docs/benchmarks/drafter-recipes.md)
         target=ModelSpec(layers=6, hidden=256, intermediate=768, heads=4),
         # one layer and a 2,048-id output layer: the drafter must cost <= 1/6 of the target per
         # token, and at this size the domains compete for its capacity
@@ -213,7 +213,7 @@ def build_main(argv: list[str]) -> int:
         default=0.25,
         help="share of English in the de, fr, es and it specialists' batch rows and token-map frequencies (default %(default)s; "
         "0: each its own language only, which left the Italian drafter about 0.03 less ahead of the general drafter on the Debian "
-        "manuals: docs/BENCHMARKS.md, 'When specialisation pays')",
+        "manuals: docs/benchmarks/drafter-recipes.md)",
     )
     ap.add_argument("--teacher-seqs", type=int, default=0, help="target-labelled windows per domain")
     ap.add_argument("--stop-after", choices=STAGES, default=None)
@@ -357,7 +357,7 @@ def build_main(argv: list[str]) -> int:
     #    b. each specialist continues from the base on its own domain with its own token map,
     #       and the general drafter continues from it on the mix. Specialists trained from
     #       scratch on one domain's 450k tokens overfit it and lose to the general drafter on
-    #       other documents of their own language (docs/BENCHMARKS.md, demo family v2).
+    #       other documents of their own language (docs/benchmarks/drafter-recipes.md).
     #       A share (plan.companion_share) of a language specialist's batch rows comes from
     #       English (COMPANIONS). Each drafter's work dir keeps the token map it was trained
     #       with (token_map.json), and export writes that one: a build with another

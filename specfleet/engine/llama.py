@@ -45,7 +45,7 @@ import torch.nn.functional as F
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # auto: batched on a GPU; on a CPU batched when a pass's slots are adjacent, else per session (on a
 #   CPU batched attention over scattered slots reads idle rows or copies, which costs more than the
-#   per-session calls it saves: docs/BENCHMARKS.md, "the KV pool, per-session against batched").
+#   per-session calls it saves: docs/benchmarks/engine-forward-pass.md).
 # per-session: one attention call per session and layer over its own slot, nothing padded or copied.
 # batched: one call per layer for all sessions, over their slots of the KV pool (a view of a range of
 #   slots, or the slots gathered) with an additive mask (padding, ragged lengths, tree patterns).
