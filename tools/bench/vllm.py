@@ -24,8 +24,8 @@ import subprocess
 import sys
 import time
 
-from specfleet.bench.systems import REPO, SYSTEMS, Output, System, free_port, taskset_prefix
-from specfleet.bench.workload import Request
+from tools.bench.systems import REPO, SYSTEMS, Output, System, free_port, taskset_prefix
+from tools.bench.workload import Request
 
 VLLM_VERSION = "0.32.0"
 PANDAS_VERSION = "3.1.1"

@@ -38,7 +38,7 @@ import time
 import zlib
 from dataclasses import dataclass, field
 
-from specfleet.bench.workload import Request
+from tools.bench.workload import Request
 
 REPO = pathlib.Path(__file__).resolve().parent.parent.parent
 
@@ -353,7 +353,7 @@ class Specfleet(System):
     def _draft_model(self, name: str) -> dict:
         """A draft model's config entry; demo drafters named after a domain declare it as their speciality."""
         from specfleet import config as config_mod
-        from specfleet.bench.workload import DOMAINS
+        from tools.bench.workload import DOMAINS
 
         path = self.family.drafters[name]
         entry = {"name": name, "path": str(path)}
@@ -544,4 +544,4 @@ SYSTEMS: dict[str, type[System]] = {
 
 # vLLM's systems add themselves to SYSTEMS when bench/vllm.py runs. It imports this module, so it is
 # imported last and used by name only after both have run, whichever of the two is imported first.
-from specfleet.bench import vllm as _vllm  # noqa: E402,F401
+from tools.bench import vllm as _vllm  # noqa: E402,F401

@@ -10,8 +10,8 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from specfleet.bench.systems import SYSTEMS, Family, HFTarget, Output, Settings, System
-from specfleet.bench.workload import Request, poisson_arrivals
+from tools.bench.systems import SYSTEMS, Family, HFTarget, Output, Settings, System
+from tools.bench.workload import Request, poisson_arrivals
 
 REPO = pathlib.Path(__file__).resolve().parent.parent.parent
 
