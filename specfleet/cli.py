@@ -124,9 +124,9 @@ def cmd_serve(argv: list[str]) -> int:
             supervisor.start(name, command, cpus)
         procs = [(c.name, c.proc) for c in supervisor.children]
         router_address = f"{cfg.router.host}:{cfg.router.port}"
-        from specfleet.serving import wait_until_serving
+        from specfleet.serving import wait_started, wait_until_serving
 
-        ready = asyncio.run(_wait_ready(router_address, procs, args.startup_timeout, functools.partial(wait_until_serving, security=sec)))
+        ready = asyncio.run(wait_started(router_address, procs, args.startup_timeout, functools.partial(wait_until_serving, security=sec)))
         if not ready:
             return stop_all(1)
 
@@ -213,23 +213,6 @@ def _child_setup(cpus: list[int], parent: int):
                 os._exit(1)
 
     return setup
-
-
-async def _wait_ready(address, procs, timeout_s, wait_until_serving) -> bool:
-    task = asyncio.create_task(wait_until_serving(address, timeout_s))
-    while not task.done():
-        for name, proc in procs:
-            if proc.poll() is not None:
-                task.cancel()
-                print(f"specfleet serve: {name} exited with code {proc.returncode} during start-up", file=sys.stderr)
-                return False
-        await asyncio.sleep(0.2)
-    try:
-        task.result()
-    except TimeoutError as err:
-        print(f"specfleet serve: {err}", file=sys.stderr)
-        return False
-    return True
 
 
 def cmd_generate(argv: list[str]) -> int:
