@@ -189,7 +189,7 @@ other_metric 3
 @pytest.mark.parametrize("first", ["tools.bench.vllm", "tools.bench.systems"])
 def test_bench_modules_import_in_either_order(first):
     """`specfleet bench vllm-setup` imports bench/vllm.py before bench/systems.py; either order gives every system."""
-    code = f"import {first}; from tools.bench.systems import SYSTEMS; print(' '.join(sorted(SYSTEMS)))"
+    code = f"import {first}; from tools.bench.catalog import SYSTEMS; print(' '.join(sorted(SYSTEMS)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert {"vllm-target", "vllm-draft", "vllm-ngram", "specfleet"} <= set(out.stdout.split())

@@ -314,7 +314,8 @@ def run_command(args, argv: list[str]) -> tuple[dict, int]:
 
 def build_systems(args, family, settings):
     from tools.bench.runner import parse_system
-    from tools.bench.systems import SYSTEMS, Specfleet, SpecfleetAttached, parse_overrides
+    from tools.bench.catalog import SYSTEMS
+    from tools.bench.systems import Specfleet, SpecfleetAttached, parse_overrides
 
     specs = [parse_system(s) for s in _csv(args.systems) if s != "specfleet-attached"]
     for v in args.variant:

@@ -541,7 +541,3 @@ SYSTEMS: dict[str, type[System]] = {
     cls.name: cls for cls in (HFTarget, HFAssisted, SpecfleetOff, Specfleet, SpecfleetMulti, Corrupt)
 }
 
-
-# vLLM's systems add themselves to SYSTEMS when bench/vllm.py runs. It imports this module, so it is
-# imported last and used by name only after both have run, whichever of the two is imported first.
-from tools.bench import vllm as _vllm  # noqa: E402,F401

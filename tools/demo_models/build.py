@@ -14,11 +14,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .corpus import DOMAINS
+from .corpus import DOMAINS, DRAFTER_NAMES
 
-# one specialist per domain, named after it (its directory name is its speciality), and
-# the general drafter over the mix
-DRAFTER_NAMES = DOMAINS + ("general",)
 # the drafter every one of them starts from (work dir only, not exported)
 BASE_DRAFTER = "base"
 # The text each language specialist also learns a share of: documentation in every language

@@ -54,6 +54,9 @@ from typing import Callable, Iterable, Iterator
 
 LANGUAGES = ("en", "de", "fr", "es", "it")
 DOMAINS = LANGUAGES + ("code", "structured")
+# one specialist per domain, named after it (its directory name is its speciality), and
+# the general drafter over the mix
+DRAFTER_NAMES = DOMAINS + ("general",)
 SPLITS = ("train", "heldout", "unseen")
 
 DEB_PACKAGES = [
