@@ -68,3 +68,25 @@ def test_the_checker_finds_unlayered_modules_cycles_and_private_names(tmp_path):
         "router/b.py:7: router.b uses specfleet.core._helper, a private name of another package",
         "tools/t.py:1: tools.t uses specfleet._hidden, a private name of another package",
     ]
+
+
+def test_the_runtime_imports_without_the_tools_or_their_packages():
+    """Every runtime module imports with neither tools/ nor the packages only tools use (plots, HTTP client)."""
+    code = textwrap.dedent(
+        """
+        import importlib, sys
+        from tools.check_imports import find_modules
+        runtime = [m for m in find_modules() if not m.startswith("tools") and not m.endswith("__main__")]
+        for name in ("tools", "tools.check_imports"):
+            del sys.modules[name]
+        for blocked in ("tools", "matplotlib", "requests"):
+            sys.modules[blocked] = None  # importing it raises ImportError
+        for name in runtime:
+            importlib.import_module(name)
+        print(len(runtime))
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert int(out.stdout.split()[-1]) > 40
