@@ -39,7 +39,8 @@ def cmd_serve(argv: list[str]) -> int:
     )
     parser.add_argument(
         "--ray", nargs="?", const="", metavar="ADDRESS",
-        help="run the verifier and drafters as Ray actors in the cluster at ADDRESS (HOST:6379 from a Ray node, ray://HOST:10001 through Ray Client from elsewhere; no ADDRESS: start a local Ray); the router uses them over Ray",
+        help="run the verifier and drafters as Ray actors in the cluster at ADDRESS (HOST:6379 from a Ray node, ray://HOST:10001 "
+        "through Ray Client from elsewhere; no ADDRESS: start a local Ray); the router uses them over Ray",
     )
     parser.add_argument("--namespace", default="specfleet", help="Ray namespace of the actors (with --ray)")
     parser.add_argument("--detached", action="store_true", help="with --ray: the actors outlive this command (reused when it runs again)")

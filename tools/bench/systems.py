@@ -25,7 +25,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
-import json
 import os
 import pathlib
 import shlex

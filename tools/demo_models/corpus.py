@@ -42,7 +42,6 @@ import gzip
 import hashlib
 import html
 import json
-import os
 import random
 import re
 import shutil
