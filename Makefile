@@ -18,7 +18,7 @@ test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 proto: $(STAMP)
-	$(PY) -m specfleet.protogen
+	$(PY) -m tools.protogen
 
 clean:
 	rm -rf .venv .pytest_cache .cache/random-models

@@ -17,9 +17,9 @@ log = logging.getLogger(__name__)
 
 class DrafterActor:
     def __init__(self, config_yaml: str, service: str):
-        from specfleet import ray_cluster
+        from specfleet import ray_actors
 
-        ray_cluster.prepare_actor_process()  # before the model stack is imported
+        ray_actors.prepare_actor_process()  # before the model stack is imported
         import yaml
 
         from drafter_service.server import load_core
@@ -30,7 +30,7 @@ class DrafterActor:
         cfg = config_mod.parse(yaml.safe_load(config_yaml), "config from specfleet serve --ray")
         self.service = service
         self.core = load_core(cfg.drafter_service(service))
-        log.info("drafter actor %s ready: %s", service, ray_cluster.where())
+        log.info("drafter actor %s ready: %s", service, ray_actors.where())
 
     async def draft(self, data: bytes) -> bytes:
         from specfleet.v1 import drafter_pb2
@@ -47,6 +47,6 @@ class DrafterActor:
         return self.core.info().SerializeToString()
 
     async def where(self) -> dict:
-        from specfleet import ray_cluster
+        from specfleet import ray_actors
 
-        return ray_cluster.where()
+        return ray_actors.where()

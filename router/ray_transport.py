@@ -141,12 +141,12 @@ async def connect(cfg, address: str, namespace: str, timeout_s: float):
     address: a GCS address from a Ray node, or `ray://HOST:PORT` (Ray Client) from anywhere.
     Returns ([RayVerifier per replica], {drafter service name: RayDrafter}) for `router.server.build`.
     """
-    from specfleet import ray_cluster
+    from specfleet import ray_actors
 
-    gcs = ray_cluster.connect(address, namespace, log_to_driver=False, logging_level=logging.WARNING)
-    handles = await asyncio.to_thread(ray_cluster.lookup_actors, cfg, namespace, timeout_s)
-    placements = await ray_cluster.wait_ready(handles, timeout_s, cfg)
-    log.info("Ray cluster %s, namespace %r; actors:\n%s", gcs, namespace, ray_cluster.format_placement(placements))
-    verifiers = [RayVerifier(name, handles[name]) for name in ray_cluster.verifier_actor_names(cfg)]
-    drafters = {svc.name: RayDrafter(svc.name, handles[ray_cluster.drafter_actor_name(svc.name)]) for svc in cfg.drafters}
+    gcs = ray_actors.connect(address, namespace, log_to_driver=False, logging_level=logging.WARNING)
+    handles = await asyncio.to_thread(ray_actors.lookup_actors, cfg, namespace, timeout_s)
+    placements = await ray_actors.wait_ready(handles, timeout_s, cfg)
+    log.info("Ray cluster %s, namespace %r; actors:\n%s", gcs, namespace, ray_actors.format_placement(placements))
+    verifiers = [RayVerifier(name, handles[name]) for name in ray_actors.verifier_actor_names(cfg)]
+    drafters = {svc.name: RayDrafter(svc.name, handles[ray_actors.drafter_actor_name(svc.name)]) for svc in cfg.drafters}
     return verifiers, drafters

@@ -24,7 +24,7 @@ from router.drafters import DrafterService
 from router.verifiers import VerifierPool
 from specfleet import config as config_mod
 from specfleet import limits, metrics, placement, security
-from specfleet.metrics import RouterTelemetry
+from router.telemetry import RouterTelemetry
 from specfleet.engine import load_tokenizer, tokenizer_fingerprint
 from specfleet.ports import listen
 from specfleet.serving import ROUTER_DRAIN_S, serve, setup_logging, wait_until_serving

@@ -2,7 +2,7 @@
 
 The demo build trains on Debian manpages, the Debian Reference, fortunes and the aptitude
 manual; it never reads the Debian FAQ, the New Maintainers' Guide or the Developer's
-Reference (``specfleet.demo_models.corpus``). This script downloads those (``apt-get
+Reference (``tools.demo_models.corpus``). This script downloads those (``apt-get
 download``, into ``--work``), takes ``--prompts`` windows of each language's text and
 measures, as ``specfleet models matrix`` does, how often each drafter's greedy token
 equals the target's along the target's own greedy continuation. It is an evaluation
@@ -30,7 +30,7 @@ PACKAGES = {
 
 
 def language_texts(pkgs: Path, packages: list[str]) -> list[str]:
-    from specfleet.demo_models.corpus import _html_docs
+    from tools.demo_models.corpus import _html_docs
 
     texts = []
     for name in packages:
@@ -51,8 +51,8 @@ def main() -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from specfleet.demo_models.acceptance import DRAFTERS, _cont_logits, _greedy_continue, _load, _prompts, _token_map, drafter_logits
-    from specfleet.demo_models.corpus import fetch_debs
+    from tools.demo_models.acceptance import DRAFTERS, _cont_logits, _greedy_continue, _load, _prompts, _token_map, drafter_logits
+    from tools.demo_models.corpus import fetch_debs
 
     torch.set_num_threads(1)
     models = Path(args.models)

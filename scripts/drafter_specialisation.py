@@ -27,11 +27,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specfleet.demo_models import train as T  # noqa: E402
-from specfleet.demo_models.acceptance import _cont_logits, _greedy_continue, _prompts  # noqa: E402
-from specfleet.demo_models.build import make_plan  # noqa: E402
-from specfleet.demo_models.corpus import DOMAINS, load_split  # noqa: E402
-from specfleet.demo_models.tokenizer import load_tokenizer  # noqa: E402
+from tools.demo_models import train as T  # noqa: E402
+from tools.demo_models.acceptance import _cont_logits, _greedy_continue, _prompts  # noqa: E402
+from tools.demo_models.build import make_plan  # noqa: E402
+from tools.demo_models.corpus import DOMAINS, load_split  # noqa: E402
+from tools.demo_models.tokenizer import load_tokenizer  # noqa: E402
 
 
 def eval_sets(work: Path, tok, plan, prompts: int) -> dict:

@@ -16,7 +16,7 @@ import argparse
 
 import torch
 
-from specfleet.bench.workload import DOMAINS, resolve_source
+from tools.bench.workload import DOMAINS, resolve_source
 from specfleet.config import DEMO_MODELS
 from specfleet.engine import ForwardItem, Session, forward_batch, load_model
 from specfleet.sampling import SamplingParams, probs_from_logits, race, race_keys, race_noise, truncate

@@ -28,15 +28,6 @@ import tempfile
 import time
 
 
-def _service_main(module: str):
-    def run(argv: list[str]) -> int:
-        import importlib
-
-        return importlib.import_module(f"{module}.server").main(argv)
-
-    return run
-
-
 def cmd_serve(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="specfleet serve", description="Start the verifier, the drafters and the router on this machine.")
     parser.add_argument("--config", help="deployment YAML (default: bundled demo models, else small random models)")
@@ -48,7 +39,8 @@ def cmd_serve(argv: list[str]) -> int:
     )
     parser.add_argument(
         "--ray", nargs="?", const="", metavar="ADDRESS",
-        help="run the verifier and drafters as Ray actors in the cluster at ADDRESS (HOST:6379 from a Ray node, ray://HOST:10001 through Ray Client from elsewhere; no ADDRESS: start a local Ray); the router uses them over Ray",
+        help="run the verifier and drafters as Ray actors in the cluster at ADDRESS (HOST:6379 from a Ray node, ray://HOST:10001 "
+        "through Ray Client from elsewhere; no ADDRESS: start a local Ray); the router uses them over Ray",
     )
     parser.add_argument("--namespace", default="specfleet", help="Ray namespace of the actors (with --ray)")
     parser.add_argument("--detached", action="store_true", help="with --ray: the actors outlive this command (reused when it runs again)")
@@ -133,9 +125,9 @@ def cmd_serve(argv: list[str]) -> int:
             supervisor.start(name, command, cpus)
         procs = [(c.name, c.proc) for c in supervisor.children]
         router_address = f"{cfg.router.host}:{cfg.router.port}"
-        from specfleet.serving import wait_until_serving
+        from specfleet.serving import wait_started, wait_until_serving
 
-        ready = asyncio.run(_wait_ready(router_address, procs, args.startup_timeout, functools.partial(wait_until_serving, security=sec)))
+        ready = asyncio.run(wait_started(router_address, procs, args.startup_timeout, functools.partial(wait_until_serving, security=sec)))
         if not ready:
             return stop_all(1)
 
@@ -222,23 +214,6 @@ def _child_setup(cpus: list[int], parent: int):
                 os._exit(1)
 
     return setup
-
-
-async def _wait_ready(address, procs, timeout_s, wait_until_serving) -> bool:
-    task = asyncio.create_task(wait_until_serving(address, timeout_s))
-    while not task.done():
-        for name, proc in procs:
-            if proc.poll() is not None:
-                task.cancel()
-                print(f"specfleet serve: {name} exited with code {proc.returncode} during start-up", file=sys.stderr)
-                return False
-        await asyncio.sleep(0.2)
-    try:
-        task.result()
-    except TimeoutError as err:
-        print(f"specfleet serve: {err}", file=sys.stderr)
-        return False
-    return True
 
 
 def cmd_generate(argv: list[str]) -> int:
@@ -338,32 +313,44 @@ def _timing(elapsed_s: float, first_token_s: float | None, tokens: int, stats) -
     )
 
 
-def cmd_models(argv: list[str]) -> int:
-    # Everything after the action is the action's own (its --help included), so it is not parsed here.
-    if argv and argv[0] in ("build", "matrix"):
-        from specfleet import demo_models
+# The services' and the tools' subcommands, by "module:function". They are imported only when one
+# runs, from these strings: the launcher sits above the services and below the tools
+# (docs/ARCHITECTURE.md, "Layers"), so it names them here and never imports them at the top.
+SERVICE_COMMANDS = {
+    "verifier": "verifier_service.server:main",
+    "drafter": "drafter_service.server:main",
+    "router": "router.server:main",
+}
+# tools/ is not part of the runtime: an install without it (the image) refuses these with a reason.
+TOOL_COMMANDS = {
+    "models": "tools.demo_models.cli:main",
+    "bench": "tools.bench.cli:main",
+}
 
-        return demo_models.build_main(argv[1:]) if argv[0] == "build" else demo_models.matrix_main(argv[1:])
-    parser = argparse.ArgumentParser(prog="specfleet models", description="Build the bundled demo models or measure them.")
-    parser.add_argument("action", choices=["build", "matrix"], help="`specfleet models ACTION --help` for its options")
-    parser.parse_args(argv)  # prints the help, or the error naming the unknown action
-    return 2
 
+def entry_point(name: str, path: str):
+    """The subcommand `name`, run by the function at `path` ("module:function"), imported when it runs."""
 
-def cmd_bench(argv: list[str]) -> int:
-    from specfleet import bench
+    def run(argv: list[str]) -> int:
+        import importlib
 
-    return bench.main(argv)
+        module, _, function = path.partition(":")
+        try:
+            loaded = importlib.import_module(module)
+        except ModuleNotFoundError as err:
+            if name not in TOOL_COMMANDS or not f"{module}.".startswith(f"{err.name}."):  # a missing dependency is not a missing tool
+                raise
+            print(f"specfleet {name}: the tools are not installed here ({module}: tools/ of a source checkout)", file=sys.stderr)
+            return 2
+        return getattr(loaded, function)(argv)
+
+    return run
 
 
 COMMANDS = {
     "serve": cmd_serve,
     "generate": cmd_generate,
-    "verifier": _service_main("verifier_service"),
-    "drafter": _service_main("drafter_service"),
-    "router": _service_main("router"),
-    "models": cmd_models,
-    "bench": cmd_bench,
+    **{name: entry_point(name, path) for name, path in {**SERVICE_COMMANDS, **TOOL_COMMANDS}.items()},
 }
 
 

@@ -20,6 +20,9 @@ Names follow vLLM's where the meaning is the same (prefix `specfleet:` for
 
 Each service has its own registry, so a test (or a process hosting several
 services) never mixes their samples.
+
+The router's metrics are its own (`router/telemetry.py`, `RouterTelemetry`); this module has
+the verifier's and drafters' (`PassTelemetry`) and the /metrics endpoint every service serves.
 """
 
 from __future__ import annotations
@@ -33,8 +36,7 @@ import ssl
 import time
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Gauge, Histogram, disable_created_metrics, generate_latest
 
 log = logging.getLogger(__name__)
 
@@ -203,141 +205,3 @@ class PassTelemetry:
                 batch_size.observe(len(items))
 
         return run
-
-
-class RouterTelemetry:
-    """The router's request, token and speculation metrics; the scheduler reports to it."""
-
-    def __init__(self, scheduler):
-        self.scheduler = scheduler
-        r = self.registry = CollectorRegistry()
-        Gauge("specfleet:num_requests_running", "Requests being generated.", registry=r).set_function(lambda: scheduler.running)
-        Gauge("specfleet:num_requests_waiting", "Requests queued for admission.", registry=r).set_function(lambda: scheduler.waiting)
-        lanes = Gauge("specfleet:pipeline_lane_requests", "Requests in each pipeline lane.", ["lane"], registry=r)
-        for i in range(len(scheduler._lanes)):
-            lanes.labels(lane=str(i)).set_function(lambda i=i: len(scheduler._lanes[i]))
-        self.ttft = Histogram("specfleet:time_to_first_token_seconds", "Time from admission to the first output token.", buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram(
-            "specfleet:inter_token_latency_seconds", "Time between output tokens (a round's tokens share its interval).", buckets=ITL_BUCKETS, registry=r
-        )
-        self.e2e = Histogram("specfleet:e2e_request_latency_seconds", "Time from admission to the last token.", buckets=E2E_BUCKETS, registry=r)
-        self.success = Counter("specfleet:request_success", "Requests finished, by reason (eos, length, stop).", ["finished_reason"], registry=r)
-        self.failed = Counter("specfleet:request_failure", "Requests that ended with an error, by gRPC status.", ["code"], registry=r)
-        self.cancelled = Counter("specfleet:request_cancelled", "Requests whose client went away before the end.", registry=r)
-        self.prompt_tokens = Counter("specfleet:prompt_tokens", "Prompt tokens of finished requests.", registry=r)
-        self.generation_tokens = Counter("specfleet:generation_tokens", "Output tokens streamed.", registry=r)
-        self.drafts = Counter("specfleet:spec_decode_num_drafts", "Draft trees verified (one per request and drafting round).", registry=r)
-        self.draft_tokens = Counter("specfleet:spec_decode_num_draft_tokens", "Draft tokens verified.", registry=r)
-        self.accepted = Counter("specfleet:spec_decode_num_accepted_tokens", "Draft tokens the target accepted.", registry=r)
-        self.accepted_per_pos = Counter(
-            "specfleet:spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by their depth in the draft (0: first).", ["position"], registry=r
-        )
-        self.routing = Counter(
-            "specfleet:routing_decisions", "Drafting rounds led by each drafter, per request domain.", ["drafter", "domain"], registry=r
-        )
-        self.fusion_width = Histogram(
-            "specfleet:fusion_width", "Drafters cooperating on one request's drafting round.", buckets=(1, 2, 3, 4, 6, 8), registry=r
-        )
-        self.draft_call = Histogram(
-            "specfleet:draft_call_seconds", "Wall time of one Draft call, as the router sees it.", ["drafter_service"], buckets=PASS_BUCKETS, registry=r
-        )
-        self.verify_call = Histogram("specfleet:verify_call_seconds", "Wall time of one Verify call, as the router sees it.", buckets=PASS_BUCKETS, registry=r)
-        up = Gauge("specfleet:verifier_replica_up", "1 while the router sends rounds to this verifier replica, 0 while it skips it.", ["replica"], registry=r)
-        for name in scheduler.verifiers.replicas:
-            up.labels(replica=name).set_function(lambda name=name: float(scheduler.verifiers.breaker.allow(name)))
-        self.replica_sessions = Counter(
-            "specfleet:verifier_replica_sessions", "Request rounds each verifier replica verified.", ["replica"], registry=r
-        )
-        r.register(_RoundState(scheduler))
-        self._last_token_at: dict[int, float] = {}  # id(state) -> when its last tokens went out
-
-    def published(self, state, chunk) -> None:
-        """A chunk went to the client (Scheduler._publish)."""
-        now = time.monotonic()
-        n = len(chunk.token_ids)
-        if n:
-            self.generation_tokens.inc(n)
-            last = self._last_token_at.get(id(state))
-            if last is None:
-                self.ttft.observe(now - state.admitted_at)
-            else:
-                for _ in range(n):
-                    self.itl.observe((now - last) / n)
-            self._last_token_at[id(state)] = now
-        if chunk.final:
-            self._last_token_at.pop(id(state), None)
-            self.e2e.observe(now - state.admitted_at)
-            self.success.labels(finished_reason=state.finish_reason).inc()
-            self.prompt_tokens.inc(len(state.spec.prompt_ids))
-
-    def cancelled_request(self, state) -> None:
-        """Its client went away before the end (Scheduler._publish drops it)."""
-        self._last_token_at.pop(id(state), None)
-        self.cancelled.inc()
-
-    def failed_with(self, state, code) -> None:
-        self._last_token_at.pop(id(state), None)
-        self.failed.labels(code=getattr(code, "name", str(code))).inc()
-
-    def verified(self, state, tree, accepted_nodes: list[int]) -> None:
-        """One request's draft tree came back from verification (router/verifying.py, Verifying._learn)."""
-        if not tree.tokens:
-            return
-        self.drafts.inc()
-        self.draft_tokens.inc(len(tree.tokens))
-        self.accepted.inc(len(accepted_nodes))
-        for position in range(len(accepted_nodes)):
-            self.accepted_per_pos.labels(position=str(position)).inc()
-        if state.round_drafters:
-            domain = (state.routing.domain if state.routing else "") or "-"
-            self.routing.labels(drafter=state.round_drafters[0], domain=domain).inc()
-            self.fusion_width.observe(len(state.round_drafters))
-
-
-class _RoundState:
-    """What the router's scheduler counts and learns, read at scrape time: drafts and acceptance per drafter
-    and domain, rounds, failures, verifier time, verifier replica moves, learned expertise, the cost model."""
-
-    def __init__(self, scheduler):
-        self.scheduler = scheduler
-
-    def collect(self):
-        shared = self.scheduler.round
-        m = shared.metrics
-        yield CounterMetricFamily(
-            "specfleet:verifier_replica_moves", "Requests moved off a failed verifier replica to a live one.", value=self.scheduler.verifiers.moves
-        )
-        yield CounterMetricFamily("specfleet:rounds", "Draft-and-verify rounds, one per lane and pass.", value=m.rounds)
-        yield CounterMetricFamily("specfleet:drafter_errors", "Failed Draft calls (their requests decoded that round without drafts).", value=m.drafter_errors)
-        yield CounterMetricFamily("specfleet:session_misses", "Sessions a verifier or drafter had lost and was sent again whole.", value=m.session_misses)
-        yield CounterMetricFamily(
-            "specfleet:verify_busy_seconds", "Verifier compute time reported for this router's Verify calls.", value=m.verify_busy_ms / 1e3
-        )
-        proposed = CounterMetricFamily("specfleet:drafter_draft_tokens", "Tokens each drafter proposed, per request domain.", labels=["drafter", "domain"])
-        accepted = CounterMetricFamily(
-            "specfleet:drafter_accepted_tokens", "Proposals of each drafter that matched the target's tokens, per domain.", labels=["drafter", "domain"]
-        )
-        for (domain, drafter), counts in sorted(m.by_domain.items()):
-            proposed.add_metric([drafter, domain or "-"], counts.draft_tokens)
-            accepted.add_metric([drafter, domain or "-"], counts.accepted_tokens)
-        yield proposed
-        yield accepted
-        expertise = GaugeMetricFamily(
-            "specfleet:expertise_acceptance", "Learned per-token acceptance (posterior mean without prior) per drafter and domain.",
-            labels=["drafter", "domain"],
-        )
-        for (domain, drafter), e in sorted(shared.router.store.snapshot().items()):
-            if e.accepted + e.rejected > 0:
-                expertise.add_metric([drafter, domain or "-"], e.accepted / (e.accepted + e.rejected))
-        yield expertise
-        cost = shared.controller.cost
-        model = GaugeMetricFamily("specfleet:cost_model_ms", "The fitted cost model adaptive speculation plans with.", labels=["term"])
-        for term, ms in [
-            ("verify_base", cost.verify_scale * cost.verify_base),
-            ("verify_per_session", cost.verify_scale * cost.verify_per_session),
-            ("verify_per_token", cost.verify_scale * cost.verify_per_token),
-            ("draft_base", cost.draft_base),
-            ("draft_per_token", cost.draft_per_token),
-        ]:
-            model.add_metric([term], ms)
-        yield model

@@ -286,6 +286,25 @@ async def wait_until_serving(address: str, timeout_s: float, service: str = "", 
     raise TimeoutError(f"{address} did not become healthy within {timeout_s:.0f}s (last: {last_error})")
 
 
+async def wait_started(address: str, procs, timeout_s: float, wait=wait_until_serving) -> bool:
+    """Wait until the server at `address` serves (`wait(address, timeout_s)`: `wait_until_serving` with its TLS, say), or one of the
+    started processes (`procs`: [(name, subprocess.Popen)]) exits; False, with the reason printed, if it does not serve."""
+    task = asyncio.create_task(wait(address, timeout_s))
+    while not task.done():
+        for name, proc in procs:
+            if proc.poll() is not None:
+                task.cancel()
+                print(f"specfleet serve: {name} exited with code {proc.returncode} during start-up", file=sys.stderr)
+                return False
+        await asyncio.sleep(0.2)
+    try:
+        task.result()
+    except TimeoutError as err:
+        print(f"specfleet serve: {err}", file=sys.stderr)
+        return False
+    return True
+
+
 # --- dynamic batching -------------------------------------------------------------------------------------------
 
 

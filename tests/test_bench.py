@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from specfleet.bench import main as bench_main
-from specfleet.bench import report, runner, workload
+from tools.bench import main as bench_main
+from tools.bench import report, runner, workload
 from tests.conftest import REPO
 
 
@@ -158,7 +158,7 @@ def test_missing_vllm_is_reported_not_fatal(random_family, tmp_path, capsys):
 
 
 def test_vllm_spec_decode_counters_are_parsed():
-    from specfleet.bench.vllm import parse_metrics
+    from tools.bench.vllm import parse_metrics
 
     text = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
 # TYPE vllm:spec_decode_num_drafts_total counter
@@ -184,7 +184,7 @@ vllm:num_requests_running{engine="0",model_name="target"} 0.0
 
 
 def test_router_counters_are_parsed():
-    from specfleet.bench.systems import parse_prometheus
+    from tools.bench.systems import parse_prometheus
 
     text = """# TYPE specfleet:rounds_total counter
 specfleet:rounds_total 120
@@ -201,10 +201,10 @@ other_metric 3
     }
 
 
-@pytest.mark.parametrize("first", ["specfleet.bench.vllm", "specfleet.bench.systems"])
+@pytest.mark.parametrize("first", ["tools.bench.vllm", "tools.bench.systems"])
 def test_bench_modules_import_in_either_order(first):
     """`specfleet bench vllm-setup` imports bench/vllm.py before bench/systems.py; either order gives every system."""
-    code = f"import {first}; from specfleet.bench.systems import SYSTEMS; print(' '.join(sorted(SYSTEMS)))"
+    code = f"import {first}; from tools.bench.catalog import SYSTEMS; print(' '.join(sorted(SYSTEMS)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert {"vllm-target", "vllm-draft", "vllm-ngram", "specfleet"} <= set(out.stdout.split())

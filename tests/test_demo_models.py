@@ -1,4 +1,4 @@
-"""Demo-model pipeline (specfleet.demo_models) and the bundled models in models/demo."""
+"""Demo-model pipeline (tools.demo_models) and the bundled models in models/demo."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from specfleet.demo_models import build_main, matrix_main  # noqa: E402
-from specfleet.demo_models.corpus import DOMAINS, load_split  # noqa: E402
+from tools.demo_models import build_main, matrix_main  # noqa: E402
+from tools.demo_models.corpus import DOMAINS, load_split  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -189,7 +189,7 @@ def test_language_specialists_token_maps_take_in_a_share_of_english():
     mix's either way."""
     import numpy as np
 
-    from specfleet.demo_models.build import token_maps
+    from tools.demo_models.build import token_maps
 
     rng = np.random.default_rng(0)
     # "de" uses ids 0-49 heavily; "en" and "code" share ids 50-59, which "de" never uses

@@ -6,13 +6,13 @@ import json
 
 import pytest
 
-from specfleet.bench.workload import DOMAINS
+from tools.bench.workload import DOMAINS
 from specfleet.config import DEMO_MODELS
 from specfleet.v1 import generation_pb2_grpc
 from tests.conftest import Cluster, free_port
 from tests.helpers import greedy_request, target_greedy
 
-WORKLOADS = DEMO_MODELS.parent.parent / "specfleet" / "bench" / "workloads"
+WORKLOADS = DEMO_MODELS.parent.parent / "tools" / "bench" / "workloads"
 MAX_TOKENS = 32
 
 

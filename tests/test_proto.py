@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pathlib
 
-from specfleet.protogen import REPO, generate
+from tools.protogen import REPO, generate
 
 
 def test_generated_stubs_are_up_to_date(tmp_path: pathlib.Path):

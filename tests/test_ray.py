@@ -85,30 +85,30 @@ def test_placement_config_refuses_bad_values(bad, message):
 
 
 def test_actor_options_follow_the_config():
-    from specfleet import ray_cluster
+    from specfleet import ray_actors
 
     cfg = config_mod.parse(_base(num_cpus=0, resources={"big_gpu": 1}, label_selector={"gpu": "h100"}, max_restarts=2, memory_mb=64))
-    opts = ray_cluster.actor_options(cfg.verifier.ray, "verifier", "ns", detached=True)
+    opts = ray_actors.actor_options(cfg.verifier.ray, "verifier", "ns", detached=True)
     assert opts["resources"] == {"big_gpu": 1.0} and opts["label_selector"] == {"gpu": "h100"}
     assert opts["max_restarts"] == 2 and opts["num_cpus"] == 0 and opts["memory"] == 64 * 2**20
     assert opts["lifetime"] == "detached" and opts["name"] == "verifier" and opts["namespace"] == "ns"
-    assert "lifetime" not in ray_cluster.actor_options(None, "x", "ns", detached=False)
+    assert "lifetime" not in ray_actors.actor_options(None, "x", "ns", detached=False)
 
 
 def test_one_verifier_actor_per_replica():
     """Under Ray the verifier's addresses only count its actors; each has the verifier's placement, and a local
     one-node Ray declares the custom resources of all of them."""
-    from specfleet import ray_cluster
+    from specfleet import ray_actors, ray_cluster
 
     config = _base(resources={"big_gpu": 0.5})
     config["verifier"]["replicas"] = ["127.0.0.1:50063", "127.0.0.1:50064"]
     cfg = config_mod.parse(config)
-    assert ray_cluster.verifier_actor_names(cfg) == ["verifier", "verifier-1", "verifier-2"]
-    placements = ray_cluster.actor_placements(cfg)
+    assert ray_actors.verifier_actor_names(cfg) == ["verifier", "verifier-1", "verifier-2"]
+    placements = ray_actors.actor_placements(cfg)
     assert list(placements) == ["verifier", "verifier-1", "verifier-2", "drafter-d"]
     assert all(placements[n].resources == {"big_gpu": 0.5} for n in ("verifier", "verifier-1", "verifier-2"))
     assert ray_cluster._local_resources(cfg) == {"big_gpu": 1.5, "small_gpu": 0.5}
-    assert ray_cluster.verifier_actor_names(config_mod.parse(_base())) == ["verifier"]
+    assert ray_actors.verifier_actor_names(config_mod.parse(_base())) == ["verifier"]
 
 
 def test_grpc_services_still_refuse_bad_requests_as_invalid_argument(cluster):

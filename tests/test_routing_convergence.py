@@ -36,7 +36,7 @@ from specfleet.v1 import generation_pb2_grpc
 from tests.conftest import Cluster, free_port
 from tests.helpers import greedy_request, target_greedy
 
-WORKLOADS = DEMO_MODELS.parent.parent / "specfleet" / "bench" / "workloads"
+WORKLOADS = DEMO_MODELS.parent.parent / "tools" / "bench" / "workloads"
 DOMAINS = ("de", "code", "it")
 REQUESTS = 60  # per domain
 LATE = 12  # the last requests per domain, whose rounds are scored

@@ -16,9 +16,9 @@ log = logging.getLogger(__name__)
 
 class VerifierActor:
     def __init__(self, config_yaml: str):
-        from specfleet import ray_cluster
+        from specfleet import ray_actors
 
-        ray_cluster.prepare_actor_process()  # before the model stack is imported
+        ray_actors.prepare_actor_process()  # before the model stack is imported
         import yaml
 
         from specfleet import config as config_mod
@@ -28,7 +28,7 @@ class VerifierActor:
         setup_logging("verifier")
         cfg = config_mod.parse(yaml.safe_load(config_yaml), "config from specfleet serve --ray")
         self.core = load_core(cfg.verifier)
-        log.info("verifier actor ready: %s", ray_cluster.where())
+        log.info("verifier actor ready: %s", ray_actors.where())
 
     async def verify(self, data: bytes) -> bytes:
         from specfleet.v1 import verifier_pb2
@@ -45,6 +45,6 @@ class VerifierActor:
         return self.core.info().SerializeToString()
 
     async def where(self) -> dict:
-        from specfleet import ray_cluster
+        from specfleet import ray_actors
 
-        return ray_cluster.where()
+        return ray_actors.where()

@@ -24,8 +24,8 @@ import subprocess
 import sys
 import time
 
-from specfleet.bench.systems import REPO, SYSTEMS, Output, System, free_port, taskset_prefix
-from specfleet.bench.workload import Request
+from tools.bench.systems import REPO, Output, System, free_port, taskset_prefix
+from tools.bench.workload import Request
 
 VLLM_VERSION = "0.32.0"
 PANDAS_VERSION = "3.1.1"
@@ -235,5 +235,4 @@ class VLLMNgram(VLLMTarget):
         return {"method": "ngram", "num_speculative_tokens": self.settings.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
 
-for _system in (VLLMTarget, VLLMDraft, VLLMNgram):
-    SYSTEMS[_system.name] = _system
+VLLM_SYSTEMS: dict[str, type[System]] = {cls.name: cls for cls in (VLLMTarget, VLLMDraft, VLLMNgram)}

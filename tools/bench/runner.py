@@ -10,8 +10,9 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from specfleet.bench.systems import SYSTEMS, Family, HFTarget, Output, Settings, System
-from specfleet.bench.workload import Request, poisson_arrivals
+from tools.bench.catalog import SYSTEMS
+from tools.bench.systems import Family, HFTarget, Output, Settings, System
+from tools.bench.workload import Request, poisson_arrivals
 
 REPO = pathlib.Path(__file__).resolve().parent.parent.parent
 
@@ -302,7 +303,7 @@ class SystemSpec:
 
 
 def parse_system(text: str) -> SystemSpec:
-    """NAME or LABEL=NAME (e.g. 'k8=specfleet'); systems are listed in systems.SYSTEMS."""
+    """NAME or LABEL=NAME (e.g. 'k8=specfleet'); systems are listed in catalog.SYSTEMS."""
     label, _, name = text.partition("=") if "=" in text else (text, "", text)
     name = name.strip()
     if name == "specfleet-attached":

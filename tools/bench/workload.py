@@ -8,7 +8,7 @@ Only `text` is required; `domain` defaults to "mixed", `max_tokens` and
 `prompt_tokens` to the command line's values, and `arrival_s` (seconds after
 the start of the load point) is used only by `--rates file` (replay of a
 recorded open-loop schedule). The committed prompt files in
-`specfleet/bench/workloads/` (one per domain, plus `mixed`) are windows of
+`tools/bench/workloads/` (one per domain, plus `mixed`) are windows of
 the demo corpora's held-out split; `specfleet bench workload build`
 regenerates them. `--save-workload FILE` writes the exact requests of a run
 (after lengths, seeds and arrivals are resolved) so that it can be replayed
@@ -27,7 +27,7 @@ import random
 from dataclasses import asdict, dataclass, field
 
 WORKLOAD_DIR = pathlib.Path(__file__).resolve().parent / "workloads"
-# the demo family's domains (specfleet.demo_models.corpus.DOMAINS)
+# the demo family's domains (tools.demo_models.corpus.DOMAINS)
 DOMAINS = ("en", "de", "fr", "es", "it", "code", "structured")
 BUILTIN_NAMES = (*DOMAINS, "mixed")
 
@@ -92,7 +92,7 @@ def resolve_source(name_or_path: str) -> tuple[str, list[dict]]:
         raise ValueError(f"workload {name_or_path!r}: neither a file nor one of {', '.join(BUILTIN_NAMES)}")
     committed = WORKLOAD_DIR / f"{name_or_path}.jsonl"
     if committed.exists():
-        return f"specfleet/bench/workloads/{committed.name}", read_jsonl(committed)
+        return f"tools/bench/workloads/{committed.name}", read_jsonl(committed)
     rows = [
         {"id": f"builtin-{i:02d}", "domain": d, "text": t}
         for i, (d, t) in enumerate(FALLBACK_PROMPTS)
@@ -176,7 +176,7 @@ def _windows(texts: list[str], n: int, chars: int, rng: random.Random) -> list[s
 
 
 def build_workload_files(corpus: pathlib.Path, out: pathlib.Path, per_domain: int, chars: int, seed: int) -> dict[str, int]:
-    from specfleet.demo_models.corpus import load_split
+    from tools.demo_models.corpus import load_split
 
     out.mkdir(parents=True, exist_ok=True)
     mixed, counts = [], {}

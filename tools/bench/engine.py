@@ -261,7 +261,7 @@ def _time_row(loaded, hf, b: int, n: int, args, device, dtype) -> dict:
         row["max_abs_logit_diff"] = max(float((o - theirs_out).abs().max()) for o in ours_out.values())
     for session in sessions:
         session.evict_kv()  # its slot goes back to the pool for the next row
-    del sessions, items, kv, out, ours_out
+    sessions = items = kv = out = ours_out = None  # let them go (the closures above hold some of them)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row

@@ -54,7 +54,7 @@ Metrics (per system and load point; JSON has all of them)
   batching waits); for vLLM its spec-decode counters from /metrics.
 
 Workloads (--workload)
-  en, de, fr, es, it, code, structured, mixed: committed prompt files (specfleet/bench/workloads/, windows
+  en, de, fr, es, it, code, structured, mixed: committed prompt files (tools/bench/workloads/, windows
   of the demo corpora's held-out split; a built-in list when absent) or any JSONL file of
   {"text", "domain", "max_tokens", "prompt_tokens", "arrival_s"} lines. --prompt-tokens and
   --max-tokens set lengths, --seed the order and arrivals, --save-workload FILE records a run's
@@ -89,7 +89,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import json
 import os
 import pathlib
@@ -199,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     wp = sub.add_parser("workload", help="build the committed prompt files, or show/save a workload")
     wp.add_argument("action", choices=["build", "show"])
     wp.add_argument("--corpus", default=str(REPO / ".cache" / "demo_models" / "corpus"), help="demo corpora (for build)")
-    wp.add_argument("--out", default=str(REPO / "specfleet" / "bench" / "workloads"), help="where build writes")
+    wp.add_argument("--out", default=str(REPO / "tools" / "bench" / "workloads"), help="where build writes")
     wp.add_argument("--per-domain", type=int, default=24)
     wp.add_argument("--chars", type=int, default=1200, help="characters per prompt window")
     wp.add_argument("--workload", default="mixed", help="for show")
@@ -215,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "engine":
-        from specfleet.bench import engine
+        from tools.bench import engine
 
         return engine.main(argv[1:])
     parser = build_parser()
@@ -228,11 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "workload":
         return cmd_workload(args)
     if args.command == "vllm-setup":
-        from specfleet.bench import vllm
+        from tools.bench import vllm
 
         return vllm.setup(pathlib.Path(args.venv))
     if args.command == "docs":
-        from specfleet.bench import report
+        from tools.bench import report
 
         path = pathlib.Path(args.results)
         results = json.loads(path.read_text())
@@ -248,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_workload(args) -> int:
-    from specfleet.bench import workload
+    from tools.bench import workload
 
     if args.action == "build":
         corpus = pathlib.Path(args.corpus)
@@ -291,7 +290,7 @@ def run_command(args, argv: list[str]) -> tuple[dict, int]:
     hf_logging.disable_progress_bar()
     command = "specfleet bench " + shlex.join(argv)
     results = asyncio.run(run_benchmark(args, command))
-    from specfleet.bench import report
+    from tools.bench import report
 
     out = pathlib.Path(args.out) if args.out else REPO / "bench-results" / f"{args.command}-{time.strftime('%Y%m%d-%H%M%S')}"
     paths = report.write_results(results, out)
@@ -318,8 +317,9 @@ def run_command(args, argv: list[str]) -> tuple[dict, int]:
 
 
 def build_systems(args, family, settings):
-    from specfleet.bench.runner import parse_system
-    from specfleet.bench.systems import SYSTEMS, Specfleet, SpecfleetAttached, parse_overrides
+    from tools.bench.runner import parse_system
+    from tools.bench.catalog import SYSTEMS
+    from tools.bench.systems import Specfleet, SpecfleetAttached, parse_overrides
 
     specs = [parse_system(s) for s in _csv(args.systems) if s != "specfleet-attached"]
     for v in args.variant:
@@ -355,7 +355,7 @@ def build_systems(args, family, settings):
 
 
 def load_points(args) -> list:
-    from specfleet.bench.runner import LoadPoint
+    from tools.bench.runner import LoadPoint
 
     points = [LoadPoint("closed", int(c)) for c in _csv(args.concurrency)]
     for r in _csv(args.rates):
@@ -368,9 +368,9 @@ def load_points(args) -> list:
 
 
 async def run_benchmark(args, command: str) -> dict:
-    from specfleet.bench import report, runner, workload
-    from specfleet.bench.systems import Settings
-    from specfleet.bench.vllm import VLLMUnavailable
+    from tools.bench import report, runner, workload
+    from tools.bench.systems import Settings
+    from tools.bench.vllm import VLLMUnavailable
     from specfleet.engine import load_tokenizer
 
     cache = REPO / ".cache"
@@ -404,7 +404,7 @@ async def run_benchmark(args, command: str) -> dict:
         workload.save(requests, args.save_workload)
     systems = build_systems(args, family, settings)
     if args.install_vllm and any(s.name.startswith("vllm-") for s in systems):
-        from specfleet.bench import vllm
+        from tools.bench import vllm
 
         try:
             vllm.check(pathlib.Path(args.vllm_venv))

@@ -27,7 +27,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
-import json
 import os
 import pathlib
 import shlex
@@ -40,7 +39,7 @@ import time
 import zlib
 from dataclasses import dataclass, field
 
-from specfleet.bench.workload import Request
+from tools.bench.workload import Request
 
 REPO = pathlib.Path(__file__).resolve().parent.parent.parent
 
@@ -359,7 +358,7 @@ class Specfleet(System):
     def _draft_model(self, name: str) -> dict:
         """A draft model's config entry; demo drafters named after a domain declare it as their speciality."""
         from specfleet import config as config_mod
-        from specfleet.bench.workload import DOMAINS
+        from tools.bench.workload import DOMAINS
 
         path = self.family.drafters[name]
         entry = {"name": name, "path": str(path)}
@@ -563,7 +562,3 @@ SYSTEMS: dict[str, type[System]] = {
     cls.name: cls for cls in (HFTarget, HFAssisted, SpecfleetOff, Specfleet, SpecfleetMulti, SpecfleetFleet, Corrupt)
 }
 
-
-# vLLM's systems add themselves to SYSTEMS when bench/vllm.py runs. It imports this module, so it is
-# imported last and used by name only after both have run, whichever of the two is imported first.
-from specfleet.bench import vllm as _vllm  # noqa: E402,F401

@@ -42,7 +42,6 @@ import gzip
 import hashlib
 import html
 import json
-import os
 import random
 import re
 import shutil
@@ -54,6 +53,9 @@ from typing import Callable, Iterable, Iterator
 
 LANGUAGES = ("en", "de", "fr", "es", "it")
 DOMAINS = LANGUAGES + ("code", "structured")
+# one specialist per domain, named after it (its directory name is its speciality), and
+# the general drafter over the mix
+DRAFTER_NAMES = DOMAINS + ("general",)
 SPLITS = ("train", "heldout", "unseen")
 
 DEB_PACKAGES = [

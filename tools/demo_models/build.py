@@ -15,11 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .corpus import DOMAINS
+from .corpus import DRAFTER_NAMES
 
-# one specialist per domain, named after it (its directory name is its speciality), and
-# the general drafter over the mix
-DRAFTER_NAMES = DOMAINS + ("general",)
 # the drafter every one of them starts from (work dir only, not exported)
 BASE_DRAFTER = "base"
 # The text each language specialist also learns a share of: documentation in every language
@@ -220,7 +217,9 @@ def build_main(argv: list[str]) -> int:
     ap.add_argument("--no-matrix", action="store_true", help="skip the acceptance matrix at the end")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for training (default %(default)s)")
     ap.add_argument(
-        "--drafters", default="", help=f"comma-separated: train only these drafters and stop ({BASE_DRAFTER}, the one all start from, first; then builds with different lists side by side, then one without)"
+        "--drafters", default="",
+        help=f"comma-separated: train only these drafters and stop ({BASE_DRAFTER}, the one all start from, first; "
+        "then builds with different lists side by side, then one without)",
     )
     ap.add_argument(
         "--overwrite-demo", action="store_true", help="with --quick: let the tiny models replace the bundled ones in models/demo"

@@ -2,6 +2,6 @@
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specfleet.bench.cli import main as _main
+    from tools.bench.cli import main as _main
 
     return _main(argv)

@@ -26,7 +26,7 @@ import statistics
 import time
 from pathlib import Path
 
-from .build import DRAFTER_NAMES as DRAFTERS  # noqa: E402
+from .corpus import DRAFTER_NAMES as DRAFTERS
 
 
 def _load(path: Path, dtype):

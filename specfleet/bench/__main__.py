@@ -1,5 +1,0 @@
-import sys
-
-from specfleet.bench import main
-
-sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from tools.bench import main
+
+sys.exit(main())
