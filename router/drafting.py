@@ -1,15 +1,16 @@
 """Planning and drafting, steps 1 and 2 of a round (router/scheduler.py has the whole round).
 
 Plan: the drafter router picks each request's drafters (one, or several that
-cooperate) and the speculation controller its draft length (num_draft_tokens;
-0 means plain decoding this round). Draft: a request with one drafter gets a
-chain from one call; cooperating drafters (hosted by one service) draft in
-lockstep inside that service, in the same call: at each position each proposes
-a token, the most confident proposal (`specfleet.fusion.lead`) continues the
-main branch and is fed back to all of them, the others become side branches.
-Either way the result is a token tree whose every node carries the
-distribution it was drawn from. All sessions of one drafter service go in one
-call (split to the service's per-call limits); all services are called
+cooperate) and the speculation controller its draft length k (0 means plain
+decoding this round); `plan` returns both as a `RoundPlan` (router/rounds.py),
+which drafting and verification take as an argument. Draft: a request with one
+drafter gets a chain from one call; cooperating drafters (hosted by one service)
+draft in lockstep inside that service, in the same call: at each position each
+proposes a token, the most confident proposal (`specfleet.fusion.lead`)
+continues the main branch and is fed back to all of them, the others become
+side branches. Either way the result is a token tree whose every node carries
+the distribution it was drawn from. All sessions of one drafter service go in
+one call (split to the service's per-call limits); all services are called
 concurrently. A drafter that fails, or lost a session, costs only that round's
 drafts: the request decodes plainly, and the service's breaker skips it until
 a probe answers.
@@ -22,14 +23,15 @@ import collections
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
+from router import messages
 from router.breaker import Breaker
 from router.request import RequestState, SessionMirror
-from router.rounds import PREFILL_TOKENS_PER_S, Round, sampling_proto
+from router.rounds import PREFILL_TOKENS_PER_S, RequestPlan, RoundContext, RoundPlan
 from router.transport import DrafterTransport, TransportError
 from router.trees import DraftTree
 from specfleet import limits
-from specfleet.v1 import common_pb2, drafter_pb2
 
 log = logging.getLogger(__name__)
 
@@ -40,90 +42,120 @@ DRAFT_DEADLINE_FACTOR = 10.0
 DRAFT_DEADLINE_FLOOR_S = 1.0
 
 
+@dataclass
+class DraftCall:
+    """One drafter's session of one request in a Draft call, as drafting asks for it."""
+
+    state: RequestState
+    drafter: str
+    tokens: list[int]  # what the drafter's session holds before it drafts (its mirror decides what travels)
+    k: int  # positions to draft
+    group: str = ""  # the lockstep group (the request's session id) when the request's drafters cooperate
+    score: bool = False  # also score the context it prefills (before a request's first round)
+
+
+@dataclass
+class _Outgoing:
+    """A call placed on a replica, with the session it sends there (only what the replica lacks)."""
+
+    call: DraftCall
+    session: messages.DraftSession
+
+
+@dataclass
+class DraftResult:
+    """A call whose session drafted."""
+
+    call: DraftCall
+    drafted: messages.DraftedSession
+
+
+def _depths(members: int, k: int, fusion_depth: int) -> list[int]:
+    """Draft positions per drafter: the first in routing order drafts all k; the others the first fusion_depth (0: all)."""
+    return [k if i == 0 or fusion_depth == 0 else min(fusion_depth, k) for i in range(members)]
+
+
 class Drafting:
-    def __init__(self, round_: Round, in_background: Callable):
-        self.round = round_
+    def __init__(self, context: RoundContext, in_background: Callable):
+        self.context = context
         self.breaker = Breaker()
         self._in_background = in_background  # runs a coroutine beside the lanes (the scheduler's)
 
-    def plan(self, batch: list[RequestState], overlap: bool) -> None:
-        """Set each request's round_drafters and num_draft_tokens for this round.
+    def plan(self, batch: list[RequestState], overlap: bool) -> RoundPlan:
+        """Who drafts for each request this round, and how many positions.
 
         overlap: another lane's verification runs while this one drafts."""
-        router, bounds, acceptance, rounds = self.round.router, [], [], []
+        router, services = self.context.router, self.context.drafters
+        chosen, bounds, acceptance = [], [], []
         for state in batch:
-            max_draft_tokens = max(0, min(state.spec.max_draft_tokens, state.remaining() - 1))
-            chosen = router.choose(state.routing) if max_draft_tokens > 0 else []
+            bound = max(0, min(state.spec.max_draft_tokens, state.remaining() - 1))
+            drafters = router.choose(state.routing) if bound > 0 else []
             # Cooperating drafters draft in lockstep inside one service: keep those hosted with the lead.
-            state.round_drafters = [d for d in chosen if self.round.drafters[d] is self.round.drafters[chosen[0]]]
-            if not state.round_drafters:
-                max_draft_tokens = 0
-            bounds.append(max_draft_tokens)
-            if state.round_drafters:
-                a, r = router.posterior(state.routing, state.round_drafters[0])
+            drafters = [d for d in drafters if services[d] is services[drafters[0]]]
+            chosen.append(drafters)
+            bounds.append(bound if drafters else 0)
+            if drafters:
+                a, r = router.posterior(state.routing, drafters[0])
                 acceptance.append(a / (a + r))
             else:
                 acceptance.append(0.0)
-            rounds.append(state.rounds)
-        for state, k in zip(batch, self.round.controller.plan(acceptance, bounds, rounds, overlap)):
-            state.num_draft_tokens = k
-
-    async def draft(self, batch: list[RequestState]) -> dict[str, DraftTree]:
-        """Draft trees for every request that drafts this round, keyed by session id."""
-        trees = {s.spec.session_id: DraftTree() for s in batch if s.num_draft_tokens > 0}
-        chains = [s for s in batch if s.num_draft_tokens > 0 and len(s.round_drafters) == 1]
-        fused = [s for s in batch if s.num_draft_tokens > 0 and len(s.round_drafters) > 1]
-
-        async def draft_chains():
-            # Every chain in one call per service, num_draft_tokens tokens each.
-            calls = [(s, s.round_drafters[0], s.tokens, s.num_draft_tokens, "") for s in chains]
-            for state, drafter, drafted in await self._calls(calls):
-                trees[state.spec.session_id].add_chain(drafter, drafted)
-
-        async def draft_fused():
-            # The cooperating drafters of a request share a service and draft in lockstep there, every position in one call.
-            # The first drafter in routing order drafts every position; the others the first fusion_depth.
-            depth = self.round.router.config.fusion_depth
-            calls = [
-                (s, d, s.tokens, s.num_draft_tokens if i == 0 or depth == 0 else min(depth, s.num_draft_tokens), s.spec.session_id)
-                for s in fused
-                for i, d in enumerate(s.round_drafters)
+        ks = self.context.controller.plan(acceptance, bounds, [s.rounds for s in batch], overlap)
+        fusion_depth = self.context.router.config.fusion_depth
+        return RoundPlan(
+            [
+                RequestPlan(state, drafters, _depths(len(drafters), k, fusion_depth)) if k > 0 else RequestPlan(state)
+                for state, drafters, k in zip(batch, chosen, ks)
             ]
-            replies: dict[str, dict[str, drafter_pb2.DraftedSession]] = collections.defaultdict(dict)
-            for state, drafter, drafted in await self._calls(calls):
-                replies[state.spec.session_id][drafter] = drafted
-            for state in fused:
-                tree, mine = trees[state.spec.session_id], replies[state.spec.session_id]
-                for position in range(state.num_draft_tokens):
-                    tree.fuse_position(state.round_drafters, mine, position)
-                # Each drafter's session continued from the lead tokens, the main branch, for as many positions as it drafted.
-                for drafter, drafted in mine.items():
-                    state.drafter_mirrors[drafter].held = state.tokens + [tree.tokens[i] for i in tree.main[: len(drafted.token_ids)]]
+        )
 
-        await asyncio.gather(draft_chains(), draft_fused())
+    async def draft(self, plan: RoundPlan) -> dict[str, DraftTree]:
+        """Draft trees for every request that drafts this round, keyed by session id."""
+        drafting = plan.drafting()
+        calls = [
+            DraftCall(r.state, drafter, r.state.tokens, depth, group=r.state.spec.session_id if r.fused else "")
+            for r in drafting
+            for drafter, depth in zip(r.drafters, r.depths)
+        ]
+        replies: dict[str, dict[str, messages.DraftedSession]] = collections.defaultdict(dict)
+        for result in await self._calls(calls):
+            replies[result.call.state.spec.session_id][result.call.drafter] = result.drafted
+        trees = {r.state.spec.session_id: self._tree(r, replies[r.state.spec.session_id]) for r in drafting}
         return {sid: tree for sid, tree in trees.items() if tree.tokens}
+
+    def _tree(self, request: RequestPlan, replies: dict[str, messages.DraftedSession]) -> DraftTree:
+        """A request's tree from its drafters' replies: a chain, or the lockstep positions fused."""
+        tree = DraftTree()
+        if not request.fused:
+            for drafter, drafted in replies.items():
+                tree.add_chain(drafter, drafted)
+            return tree
+        for position in range(request.k):
+            tree.fuse_position(request.drafters, replies, position)
+        # Each drafter's session continued from the lead tokens, the main branch, for as many positions as it drafted.
+        state = request.state
+        for drafter, drafted in replies.items():
+            state.drafter_mirrors[drafter].held = state.tokens + [tree.tokens[i] for i in tree.main[: len(drafted.token_ids)]]
+        return tree
 
     async def score_prompts(self, batch: list[RequestState]) -> None:
         """Before a request's first round: every specialist prefills and scores its prompt; the best one sets its domain."""
-        router = self.round.router
-        calls = [(s, d, s.tokens, 0, "") for s in batch for d in router.scorers()]
+        router = self.context.router
+        calls = [DraftCall(s, d, s.tokens, 0, score=True) for s in batch for d in router.scorers()]
         scores: dict[str, dict[str, float]] = collections.defaultdict(dict)
-        for state, drafter, drafted in await self._calls(calls, score=True):
-            if drafted.context_tokens > 0:
-                scores[state.spec.session_id][drafter] = drafted.context_log_prob
+        for result in await self._calls(calls):
+            if result.drafted.context_tokens > 0:
+                scores[result.call.state.spec.session_id][result.call.drafter] = result.drafted.context_log_prob
         for state in batch:
             router.assign_domain(state.routing, scores[state.spec.session_id])
 
-    async def _calls(self, calls, score: bool = False) -> list[tuple[RequestState, str, drafter_pb2.DraftedSession]]:
-        """calls: (request, drafter, tokens the drafter should hold, num_draft_tokens, lockstep group).
-        Returns the successful replies.
-
-        score: also have each drafter score the context it prefills (DraftSession.score_context)."""
-        drafters = self.round.drafters
-        by_service: dict[str, list] = collections.defaultdict(list)
+    async def _calls(self, calls: list[DraftCall]) -> list[DraftResult]:
+        """Each call to the replica of its drafter's service that drafts for the request, one Draft call per
+        replica (split to the service's per-call limits), all concurrently. Returns the sessions that drafted."""
+        drafters = self.context.drafters
+        by_replica: dict[str, list[_Outgoing]] = collections.defaultdict(list)
         transports: dict[str, DrafterTransport] = {}
-        for state, drafter, tokens, k, group in calls:
-            service = drafters[drafter]
+        for call in calls:
+            state, service = call.state, drafters[call.drafter]
             transport, moved = service.pick(state.spec.session_id, self.breaker.allow)
             if moved:
                 # The new replica holds none of this request's sessions of this service: send everything.
@@ -131,84 +163,84 @@ class Drafting:
                     if drafters.get(model) is service:
                         mirror.reset()
             transports[transport.name] = transport
-            mirror = state.drafter_mirrors.setdefault(drafter, SessionMirror())
-            prefix, new = mirror.diff(tokens)
-            session = drafter_pb2.DraftSession(
-                sync=common_pb2.SessionSync(session_id=state.spec.session_id, prefix_length=prefix, new_token_ids=new),
-                model=drafter,
-                num_draft_tokens=k,
-                sampling=sampling_proto(state),
-                stop_below_confidence=self.round.controller.stop_below,
-                score_context=score,
-                lockstep_group=group,
+            prefix, new = state.drafter_mirrors.setdefault(call.drafter, SessionMirror()).diff(call.tokens)
+            session = messages.DraftSession(
+                sync=messages.SessionSync(state.spec.session_id, prefix, new),
+                model=call.drafter,
+                num_draft_tokens=call.k,
+                sampling=state.spec.sampling,
+                stop_below_confidence=self.context.controller.stop_below,
+                score_context=call.score,
+                lockstep_group=call.group,
             )
-            by_service[transport.name].append((state, drafter, tokens, session))
+            by_replica[transport.name].append(_Outgoing(call, session))
 
-        def units(entries):
+        def units(outgoing: list[_Outgoing]) -> list[list[_Outgoing]]:
             # A lockstep group's sessions draft together: they travel in one call.
             grouped: dict = collections.defaultdict(list)
-            for entry in entries:
-                grouped[entry[3].lockstep_group or id(entry)].append(entry)
+            for entry in outgoing:
+                grouped[entry.call.group or id(entry)].append(entry)
             return list(grouped.values())
 
-        def call_limits(entries) -> limits.CallLimits:
-            service = drafters[entries[0][1]].name  # every replica of a service has its limits
-            return self.round.config.draft_limits.get(service, limits.CallLimits())
+        def call_limits(outgoing: list[_Outgoing]) -> limits.CallLimits:
+            service = drafters[outgoing[0].call.drafter].name  # every replica of a service has its limits
+            return self.context.config.draft_limits.get(service, limits.CallLimits())
 
         parts = [
             (name, part)
-            for name, entries in by_service.items()
-            for part in limits.split(units(entries), lambda entry: limits.draft_tokens(entry[3]), call_limits(entries))
+            for name, outgoing in by_replica.items()
+            for part in limits.split(units(outgoing), lambda entry: limits.draft_tokens(entry.session), call_limits(outgoing))
         ]
-        results = await asyncio.gather(*(self._call(transports[name], entries, score) for name, entries in parts))
+        results = await asyncio.gather(*(self._call(transports[name], part) for name, part in parts))
         return [r for part in results for r in part]
 
-    async def _call(self, transport: DrafterTransport, entries, score: bool) -> list:
+    async def _call(self, transport: DrafterTransport, part: list[_Outgoing]) -> list[DraftResult]:
         if not self.breaker.allow(transport.name):
             if self.breaker.probe_due(transport.name):
                 self._in_background(self._probe(transport))
             return []  # these requests decode plainly this round
-        metrics, cost = self.round.metrics, self.round.controller.cost
+        metrics, cost = self.context.metrics, self.context.controller.cost
+        sessions = [entry.session for entry in part]
         started = time.perf_counter()
         try:
-            reply = await transport.draft(drafter_pb2.DraftRequest(sessions=[e[3] for e in entries]), self._timeout_s(entries))
+            reply = await transport.draft(sessions, self._timeout_s(sessions))
         except TransportError as err:
             # Losing a drafter costs speed, never correctness: these requests decode plainly this round.
             metrics.drafter_errors += 1
             log.warning("drafter service %s failed (%s); decoding without its drafts this round", transport.name, err)
             self.breaker.failed(transport.name)
-            for state, drafter, _, _ in entries:
-                state.drafter_mirrors[drafter].reset()
+            for entry in part:
+                entry.call.state.drafter_mirrors[entry.call.drafter].reset()
             return []
         wall = (time.perf_counter() - started) * 1e3
-        if self.round.telemetry is not None:
-            self.round.telemetry.draft_call.labels(drafter_service=transport.name).observe(wall / 1e3)
-        cost.observe_draft(max((e[3].num_draft_tokens for e in entries), default=0), reply.compute_ms)
+        if self.context.telemetry is not None:
+            self.context.telemetry.draft_call.labels(drafter_service=transport.name).observe(wall / 1e3)
+        cost.observe_draft(max((s.num_draft_tokens for s in sessions), default=0), reply.compute_ms)
         cost.observe_calls(draft_overhead_ms=wall - reply.compute_ms)
         out = []
-        for (state, drafter, tokens, session), drafted in zip(entries, reply.sessions):
-            state.timing_ms["draft_wall"] += wall
-            state.timing_ms["draft_compute"] += reply.compute_ms
-            mirror = state.drafter_mirrors[drafter]
-            if drafted.status != common_pb2.SESSION_OK:
+        for entry, drafted in zip(part, reply.sessions):
+            call = entry.call
+            call.state.timing_ms["draft_wall"] += wall
+            call.state.timing_ms["draft_compute"] += reply.compute_ms
+            mirror = call.state.drafter_mirrors[call.drafter]
+            if not drafted.known:
                 metrics.session_misses += 1
                 mirror.reset()
                 continue
-            # A lockstep session continues from the lead tokens; the caller records them.
-            mirror.held = tokens + ([] if session.lockstep_group else list(drafted.token_ids))
-            out.append((state, drafter, drafted))
+            # A lockstep session continues from the lead tokens; `_tree` records them.
+            mirror.held = call.tokens + ([] if call.group else drafted.token_ids)
+            out.append(DraftResult(call, drafted))
         return out
 
-    def _timeout_s(self, entries) -> float:
+    def _timeout_s(self, sessions: list[messages.DraftSession]) -> float:
         """A draft call's deadline: a multiple of what the cost model expects it to take, so that a hung
         drafter holds a round (and every request in it) for a moment, not for rpc_timeout_s. What a call
         prefills (a new prompt, a context to score or catch up) is not modelled: its new tokens add a
         second per PREFILL_TOKENS_PER_S."""
-        sessions = [e[3] for e in entries]
-        expected_ms = self.round.controller.cost.draft_ms(max(s.num_draft_tokens for s in sessions))
+        expected_ms = self.context.controller.cost.draft_ms(max(s.num_draft_tokens for s in sessions))
         deadline = max(DRAFT_DEADLINE_FLOOR_S, DRAFT_DEADLINE_FACTOR * expected_ms / 1e3)
         deadline += sum(len(s.sync.new_token_ids) for s in sessions) / PREFILL_TOKENS_PER_S
-        return min(self.round.config.rpc_timeout_s, deadline)
+        return min(self.context.config.rpc_timeout_s, deadline)
 
     async def _probe(self, transport: DrafterTransport) -> None:
         """Ask an open breaker's service for its info: an answer closes the breaker."""

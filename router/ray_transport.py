@@ -2,7 +2,8 @@
 
 `RayDrafter` and `RayVerifier` call the actor methods of
 `drafter_service.actor.DrafterActor` and `verifier_service.actor.VerifierActor`
-with serialized proto messages and await the ObjectRefs. Failures become
+with serialized proto messages (built from the router's records as gRPC's are,
+`router.transport.draft_request` ...) and await the ObjectRefs. Failures become
 `RayTransportError`, a `router.transport.TransportError` with the status code a
 gRPC service would have answered, so the scheduler treats a Ray actor exactly
 like a gRPC service:
@@ -26,7 +27,8 @@ import logging
 
 import grpc
 
-from router.transport import TransportError
+from router import messages
+from router.transport import TransportError, draft_request, draft_response, verify_request, verify_response
 from specfleet.v1 import common_pb2, drafter_pb2, verifier_pb2
 
 log = logging.getLogger(__name__)
@@ -98,9 +100,9 @@ class RayDrafter:
         self.address = f"ray actor drafter-{name}"
         self._actor = handle
 
-    async def draft(self, request: drafter_pb2.DraftRequest, timeout_s: float) -> drafter_pb2.DraftResponse:
-        data = await call(self._actor.draft, request.SerializeToString(), timeout_s, f"drafter {self.name}: Draft")
-        return drafter_pb2.DraftResponse.FromString(data)
+    async def draft(self, sessions: list[messages.DraftSession], timeout_s: float) -> messages.DraftResponse:
+        data = await call(self._actor.draft, draft_request(sessions).SerializeToString(), timeout_s, f"drafter {self.name}: Draft")
+        return draft_response(drafter_pb2.DraftResponse.FromString(data))
 
     async def release(self, session_ids: list[str]) -> None:
         await call(self._actor.release, common_pb2.ReleaseRequest(session_ids=session_ids).SerializeToString(), 10.0, f"drafter {self.name}: ReleaseSessions")
@@ -121,9 +123,9 @@ class RayVerifier:
         self.address = f"ray actor {name}"
         self._actor = handle
 
-    async def verify(self, request: verifier_pb2.VerifyRequest, timeout_s: float) -> verifier_pb2.VerifyResponse:
-        data = await call(self._actor.verify, request.SerializeToString(), timeout_s, f"{self.name}: Verify")
-        return verifier_pb2.VerifyResponse.FromString(data)
+    async def verify(self, sessions: list[messages.VerifySession], timeout_s: float) -> messages.VerifyResponse:
+        data = await call(self._actor.verify, verify_request(sessions).SerializeToString(), timeout_s, f"{self.name}: Verify")
+        return verify_response(verifier_pb2.VerifyResponse.FromString(data))
 
     async def release(self, session_ids: list[str]) -> None:
         await call(self._actor.release, common_pb2.ReleaseRequest(session_ids=session_ids).SerializeToString(), 10.0, f"{self.name}: ReleaseSessions")

@@ -182,7 +182,6 @@ class RequestState:
     max_context: int
     deadline: float | None  # time.monotonic() by which the client wants an answer
     tokens: list[int] = field(default_factory=list)  # prompt followed by output
-    drafter: str = ""
     verifier_mirror: SessionMirror = field(default_factory=SessionMirror)
     # Every verifier replica that was sent this request's sessions (released on all of them at the end:
     # a replica that only stalled still holds them).
@@ -195,8 +194,6 @@ class RequestState:
     cancelled: bool = False
     published_final: bool = False
     routing: object = None  # router.routing.RequestRouting
-    round_drafters: list[str] = field(default_factory=list)  # this round's plan: who drafts, and how many tokens
-    num_draft_tokens: int = 0
     rounds: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0

@@ -1,9 +1,13 @@
-"""What the stages of a round share: the scheduler's settings, its counters, and the live parts.
+"""A round's plan, and the context its stages share.
 
-A round runs in three stages, each in its own module: admission and lanes
-(`scheduler.py`), planning and drafting (`drafting.py`), verification, commit
-and learning (`verifying.py`). They share one `Round` object, so that a config
-reload swaps the drafters and the routing policy in one place for all of them.
+A round of one lane (router/scheduler.py) is: plan (`Drafting.plan` returns a
+`RoundPlan`), draft (`Drafting.draft(plan)` returns each request's `DraftTree`),
+verify, commit and learn (`Verifying.verify(plan, trees)`). The plan is data handed
+from stage to stage; what lasts beyond the round stays in `RequestState`.
+
+The stages share one `RoundContext`: the scheduler's settings, the drafter services,
+the routing policy, the speculation controller and the router's counters, so that a
+config reload swaps the drafters and the policies in one place for all of them.
 """
 
 from __future__ import annotations
@@ -16,7 +20,6 @@ from router.request import DrafterCounts, RequestState
 from router.routing import DrafterRouter
 from router.speculation import SpeculationController
 from specfleet import limits
-from specfleet.v1 import common_pb2
 
 # A call's deadline grows by a second per this many new tokens it sends (prefilled there): a prefill
 # rate no drafter or verifier falls below, so a call that catches a long context up is not cut short.
@@ -49,7 +52,7 @@ class RouterMetrics:
 
 
 @dataclass
-class Round:
+class RoundContext:
     config: SchedulerConfig
     drafters: dict[str, DrafterService]  # draft model name -> the service hosting it
     router: DrafterRouter
@@ -58,8 +61,30 @@ class Round:
     telemetry: object | None = None  # specfleet.metrics.RouterTelemetry, when the router exports metrics
 
 
-def sampling_proto(state: RequestState) -> common_pb2.SamplingParams:
-    s = state.spec.sampling
-    return common_pb2.SamplingParams(
-        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed, drafter_invariant=s.drafter_invariant
-    )
+@dataclass
+class RequestPlan:
+    """One request's part of a round: who drafts for it, and how many positions each drafts.
+
+    One drafter drafts a chain of k tokens. Cooperating drafters (one service) draft in
+    lockstep: the first in routing order all k positions, the others their depth, the
+    first positions only (router.fusion_depth). No drafters: plain decoding this round."""
+
+    state: RequestState
+    drafters: list[str] = field(default_factory=list)  # routing order; the first leads
+    depths: list[int] = field(default_factory=list)  # draft positions per drafter, the first's is k
+
+    @property
+    def k(self) -> int:
+        return self.depths[0] if self.depths else 0
+
+    @property
+    def fused(self) -> bool:
+        return len(self.drafters) > 1
+
+
+@dataclass
+class RoundPlan:
+    requests: list[RequestPlan]  # every request of the round, drafting or not, in the lane's order
+
+    def drafting(self) -> list[RequestPlan]:
+        return [r for r in self.requests if r.k > 0]

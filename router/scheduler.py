@@ -7,10 +7,11 @@ should wait. New requests join the least loaded lane between its rounds,
 earliest deadline first, up to `max_running`; past `max_queued` waiting ones
 a new request is refused (Overloaded).
 
-A round of one group (the stages share one `rounds.Round`):
-1. Plan and 2. draft (router/drafting.py): who drafts for each request and
-   how many tokens, then a token tree per request whose every node carries
-   the distribution it was drawn from.
+A round of one group (`_round`; the stages share one `rounds.RoundContext`):
+1. Plan (router/drafting.py): who drafts for each request and how many
+   tokens, returned as a `rounds.RoundPlan` that the next stages take.
+2. Draft (router/drafting.py): a token tree per drafting request, whose every
+   node carries the distribution it was drawn from.
 3. Verify and 4. commit and learn (router/verifying.py): one call per
    verifier replica carries every request's tree; the accepted tokens plus
    the target's next token are committed, and the routing and cost models
@@ -35,7 +36,7 @@ import grpc
 from router.drafters import DrafterService
 from router.drafting import Drafting
 from router.request import RequestState
-from router.rounds import Round, SchedulerConfig
+from router.rounds import RoundContext, SchedulerConfig
 from router.routing import DrafterRouter
 from router.speculation import SpeculationController
 from router.verifiers import VerifierPool
@@ -57,10 +58,10 @@ class Scheduler:
         router: DrafterRouter,
         controller: SpeculationController,
     ):
-        self.round = Round(config, drafters, router, controller)
+        self.context = RoundContext(config, drafters, router, controller)
         self.verifiers = verifiers
-        self.drafting = Drafting(self.round, self._in_background)
-        self.verifying = Verifying(self.round, verifiers)
+        self.drafting = Drafting(self.context, self._in_background)
+        self.verifying = Verifying(self.context, verifiers)
         self._background: set[asyncio.Task] = set()
         self._waiting: list[RequestState] = []
         self._lanes: list[list[RequestState]] = [[] for _ in range(max(1, config.pipeline_depth))]
@@ -69,14 +70,19 @@ class Scheduler:
 
     # --- the public side -----------------------------------------------------------------------------------
 
+    @property
+    def round(self) -> RoundContext:
+        """`context` by its old name, which router/server.py and specfleet/metrics.py still read."""
+        return self.context
+
     def submit(self, state: RequestState, prompt_text: str, domain_hint: str = "") -> None:
         # Requests whose clients gave up while queued hold no place in the queue.
         self._waiting = [s for s in self._waiting if not s.cancelled]
-        if len(self._waiting) >= self.round.config.max_queued:
+        if len(self._waiting) >= self.context.config.max_queued:
             raise Overloaded(
                 f"{self.running} requests running and {len(self._waiting)} queued (router.max_queued); retry later"
             )
-        state.routing = self.round.router.start(prompt_text, domain_hint)
+        state.routing = self.context.router.start(prompt_text, domain_hint)
         self._waiting.append(state)
         self._wake.set()
 
@@ -118,7 +124,7 @@ class Scheduler:
             self._waiting.remove(state)
             self._publish(state)  # ended before it ran: nothing was sent to a server, nothing to release
         self._waiting.sort(key=lambda s: (s.deadline if s.deadline is not None else float("inf"), s.admitted_at))
-        while self._waiting and self.running < self.round.config.max_running:
+        while self._waiting and self.running < self.context.config.max_running:
             if len(lane) > min(len(other) for other in self._lanes):
                 break
             lane.append(self._waiting.pop(0))
@@ -149,7 +155,7 @@ class Scheduler:
         while True:
             await asyncio.sleep(0.25)
             try:
-                await asyncio.to_thread(self.round.router.store.sync)
+                await asyncio.to_thread(self.context.router.store.sync)
             except Exception:
                 log.exception("routing state sync failed")
 
@@ -172,15 +178,15 @@ class Scheduler:
         if unscored:
             await self.drafting.score_prompts(unscored)
         # Drafting hides behind verification only while another lane has requests to verify.
-        self.drafting.plan(batch, overlap=sum(1 for lane in self._lanes if lane) > 1)
-        trees = await self.drafting.draft(batch)
-        await self.verifying.verify(batch, trees)
-        self.round.metrics.rounds += 1
+        plan = self.drafting.plan(batch, overlap=sum(1 for lane in self._lanes if lane) > 1)
+        trees = await self.drafting.draft(plan)
+        await self.verifying.verify(plan, trees)
+        self.context.metrics.rounds += 1
 
     def _publish(self, state: RequestState) -> None:
         if state.published_final:
             return
-        metrics, telemetry = self.round.metrics, self.round.telemetry
+        metrics, telemetry = self.context.metrics, self.context.telemetry
         if state.cancelled and state.error is None:
             metrics.requests_cancelled += 1  # nobody is listening
             state.published_final = True
@@ -206,7 +212,7 @@ class Scheduler:
     async def _release(self, finished: list[RequestState]) -> None:
         ids = [s.spec.session_id for s in finished]
         used = {d for s in finished for d in s.drafter_mirrors}
-        drafters = self.round.drafters
+        drafters = self.context.drafters
         services = {drafters[d].name: drafters[d] for d in used if d in drafters}
         for state in finished:
             self.verifiers.unplaced(state)

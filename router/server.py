@@ -12,6 +12,7 @@ import time
 
 import grpc
 
+from router import messages
 from router.request import Chunk, InvalidRequest, Limits, RequestSpec, RequestState, parse_request, prompt_chars_bound
 from router.routing import (
     DomainClassifier, DrafterProfile, DrafterRouter, ExpertiseStore, RedisAuthError, RedisExpertiseStore, RoutingConfig, redacted,
@@ -19,16 +20,17 @@ from router.routing import (
 from router.rounds import SchedulerConfig
 from router.scheduler import Overloaded, Scheduler
 from router.speculation import CostModel, SpeculationController
-from router.transport import GrpcDrafter, GrpcVerifier
+from router.transport import GrpcDrafter, GrpcVerifier, point_mass
 from router.drafters import DrafterService
 from router.verifiers import VerifierPool
 from specfleet import config as config_mod
 from specfleet import limits, metrics, placement, security
 from router.telemetry import RouterTelemetry
+from specfleet.sampling import SamplingParams
 from specfleet.engine import load_tokenizer, tokenizer_fingerprint
 from specfleet.ports import listen
 from specfleet.serving import ROUTER_DRAIN_S, serve, setup_logging, wait_until_serving
-from specfleet.v1 import common_pb2, drafter_pb2, generation_pb2, generation_pb2_grpc, verifier_pb2
+from specfleet.v1 import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -382,27 +384,27 @@ async def profile_costs(
     1, 4 and 16 sessions a pass (fewer where the verifier's per-call limits say so), the
     fastest of two tries each (`CostModel.fit_verify`).
     """
-    sampling = common_pb2.SamplingParams(temperature=0.0, top_p=1.0)
+    sampling = SamplingParams(temperature=0.0, top_p=1.0)
     context = max(1, min(64, max_context // 4))
     most = max(1, min(verify_limits.sessions, verify_limits.tokens // (context + 4)))
     timed: dict[tuple[int, int], float] = {}
     for n in sorted({min(n, most) for n in (1, 4, 16)}):
         ids = [f"profile-{n}-{i}" for i in range(n)]
 
-        def request(depth: int, first: bool) -> verifier_pb2.VerifyRequest:
+        def request(depth: int, first: bool) -> list[messages.VerifySession]:
             """The first call sends the contexts; later ones roll back to them and verify `depth` tokens."""
 
-            def sync(sid: str) -> common_pb2.SessionSync:
+            def sync(sid: str) -> messages.SessionSync:
                 if first:
-                    return common_pb2.SessionSync(session_id=sid, new_token_ids=[token] * context)
-                return common_pb2.SessionSync(session_id=sid, prefix_length=context)
+                    return messages.SessionSync(session_id=sid, new_token_ids=[token] * context)
+                return messages.SessionSync(session_id=sid, prefix_length=context)
 
-            tree = verifier_pb2.TokenTree(
+            tree = messages.TokenTree(
                 token_ids=[token] * depth,
                 parents=list(range(-1, depth - 1)),
-                proposals=[common_pb2.SparseDistribution(token_ids=[token], probs=[1.0])] * depth,
+                proposals=[point_mass(token)] * depth,
             )
-            return verifier_pb2.VerifyRequest(sessions=[verifier_pb2.VerifySession(sync=sync(sid), tree=tree, sampling=sampling) for sid in ids])
+            return [messages.VerifySession(sync=sync(sid), tree=tree, sampling=sampling) for sid in ids]
 
         await verifier.verify(request(0, first=True), 60)  # prefills the contexts
         for _ in range(2):
@@ -415,14 +417,10 @@ async def profile_costs(
     for name, service in drafters.items():
         transport = service.replicas[0]
         for depth in (1, 4):  # two depths separate a call's fixed part from its per-token part
-            request = drafter_pb2.DraftRequest(
-                sessions=[
-                    drafter_pb2.DraftSession(
-                        sync=common_pb2.SessionSync(session_id="profile", new_token_ids=[token]), model=name, num_draft_tokens=depth, sampling=sampling
-                    )
-                ]
+            session = messages.DraftSession(
+                sync=messages.SessionSync(session_id="profile", new_token_ids=[token]), model=name, num_draft_tokens=depth, sampling=sampling
             )
-            reply = await transport.draft(request, 60)
+            reply = await transport.draft([session], 60)
             cost.observe_draft(depth, reply.compute_ms)
             await transport.release(["profile"])
     log.info(

@@ -87,8 +87,9 @@ class RouterTelemetry:
         self._last_token_at.pop(id(state), None)
         self.failed.labels(code=getattr(code, "name", str(code))).inc()
 
-    def verified(self, state, tree, accepted_nodes: list[int]) -> None:
-        """One request's draft tree came back from verification (router/verifying.py, Verifying._learn)."""
+    def verified(self, state, drafters: list[str], tree, accepted_nodes: list[int]) -> None:
+        """One request's draft tree came back from verification (router/verifying.py, Verifying._learn);
+        drafters: who drafted it this round, in routing order."""
         if not tree.tokens:
             return
         self.drafts.inc()
@@ -96,10 +97,10 @@ class RouterTelemetry:
         self.accepted.inc(len(accepted_nodes))
         for position in range(len(accepted_nodes)):
             self.accepted_per_pos.labels(position=str(position)).inc()
-        if state.round_drafters:
+        if drafters:
             domain = (state.routing.domain if state.routing else "") or "-"
-            self.routing.labels(drafter=state.round_drafters[0], domain=domain).inc()
-            self.fusion_width.observe(len(state.round_drafters))
+            self.routing.labels(drafter=drafters[0], domain=domain).inc()
+            self.fusion_width.observe(len(drafters))
 
 
 class _RoundState:

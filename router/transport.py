@@ -1,17 +1,23 @@
 """How the router reaches drafters and the verifier.
 
-The scheduler talks to these two small interfaces only, in the messages of
-proto/specfleet/v1, so the transport underneath can change (gRPC, Ray actors,
-in-process calls) without touching scheduling. Every transport raises
-`TransportError` when a call fails.
+The scheduler talks to these two small interfaces only, in the plain records of
+router/messages.py, so the transport underneath can change (gRPC, Ray actors,
+in-process calls) without touching scheduling. This module is where those
+records become proto/specfleet/v1 messages and replies become records again
+(`draft_request`, `draft_response`, `verify_request`, `verify_response`, shared
+with router/ray_transport.py). Every transport raises `TransportError` when a
+call fails.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Protocol
 
 import grpc
 
+from router import messages
+from specfleet.sampling import SamplingParams
 from specfleet.security import Security
 from specfleet.serving import CHANNEL_OPTIONS
 from specfleet.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
@@ -34,15 +40,96 @@ def _wrap(err: grpc.aio.AioRpcError) -> TransportError:
 class DrafterTransport(Protocol):
     name: str
 
-    async def draft(self, request: drafter_pb2.DraftRequest, timeout_s: float) -> drafter_pb2.DraftResponse: ...
+    async def draft(self, sessions: list[messages.DraftSession], timeout_s: float) -> messages.DraftResponse: ...
     async def release(self, session_ids: list[str]) -> None: ...
     async def info(self, timeout_s: float) -> drafter_pb2.DrafterInfo: ...
 
 
 class VerifierTransport(Protocol):
-    async def verify(self, request: verifier_pb2.VerifyRequest, timeout_s: float) -> verifier_pb2.VerifyResponse: ...
+    async def verify(self, sessions: list[messages.VerifySession], timeout_s: float) -> messages.VerifyResponse: ...
     async def release(self, session_ids: list[str]) -> None: ...
     async def info(self, timeout_s: float) -> common_pb2.ModelInfo: ...
+
+
+# --- records to messages and back ------------------------------------------------------------------------------
+
+# A request's sampling parameters do not change while it lives: each gets its message once, on its
+# first call, kept as long as the request's parameters are (a weak key: the entry goes with them).
+_sampling_messages: weakref.WeakKeyDictionary[SamplingParams, common_pb2.SamplingParams] = weakref.WeakKeyDictionary()
+
+
+def sampling_message(params: SamplingParams) -> common_pb2.SamplingParams:
+    message = _sampling_messages.get(params)
+    if message is None:
+        message = _sampling_messages[params] = common_pb2.SamplingParams(
+            temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=params.seed,
+            drafter_invariant=params.drafter_invariant,
+        )
+    return message
+
+
+def point_mass(token: int) -> common_pb2.SparseDistribution:
+    """A proposal, in the form a drafter's reply carries one, that puts all its mass on `token`."""
+    return common_pb2.SparseDistribution(token_ids=[token], probs=[1.0])
+
+
+def _sync(sync: messages.SessionSync) -> common_pb2.SessionSync:
+    return common_pb2.SessionSync(session_id=sync.session_id, prefix_length=sync.prefix_length, new_token_ids=sync.new_token_ids)
+
+
+def draft_request(sessions: list[messages.DraftSession]) -> drafter_pb2.DraftRequest:
+    return drafter_pb2.DraftRequest(
+        sessions=[
+            drafter_pb2.DraftSession(
+                sync=_sync(s.sync), model=s.model, num_draft_tokens=s.num_draft_tokens, sampling=sampling_message(s.sampling),
+                stop_below_confidence=s.stop_below_confidence, score_context=s.score_context, lockstep_group=s.lockstep_group,
+            )
+            for s in sessions
+        ]
+    )
+
+
+def draft_response(reply: drafter_pb2.DraftResponse) -> messages.DraftResponse:
+    return messages.DraftResponse(
+        sessions=[
+            messages.DraftedSession(
+                known=s.status == common_pb2.SESSION_OK, token_ids=list(s.token_ids), proposals=list(s.proposals),
+                confidences=list(s.confidences), context_log_prob=s.context_log_prob, context_tokens=s.context_tokens,
+            )
+            for s in reply.sessions
+        ],
+        compute_ms=reply.compute_ms,
+    )
+
+
+def verify_request(sessions: list[messages.VerifySession]) -> verifier_pb2.VerifyRequest:
+    return verifier_pb2.VerifyRequest(
+        sessions=[
+            verifier_pb2.VerifySession(
+                sync=_sync(s.sync),
+                tree=verifier_pb2.TokenTree(token_ids=s.tree.token_ids, parents=s.tree.parents, proposals=s.tree.proposals),
+                sampling=sampling_message(s.sampling), logprobs=s.logprobs, top_logprobs=s.top_logprobs,
+            )
+            for s in sessions
+        ]
+    )
+
+
+def verify_response(reply: verifier_pb2.VerifyResponse) -> messages.VerifyResponse:
+    return messages.VerifyResponse(
+        sessions=[
+            messages.VerifiedSession(
+                known=s.status == common_pb2.SESSION_OK, accepted_nodes=list(s.accepted_nodes), token_ids=list(s.token_ids),
+                logprobs=list(s.logprobs), top_token_ids=list(s.top_token_ids), top_logprobs=list(s.top_logprobs),
+            )
+            for s in reply.sessions
+        ],
+        compute_ms=reply.compute_ms,
+        batch_size=reply.batch_size,
+    )
+
+
+# --- gRPC ----------------------------------------------------------------------------------------------------------
 
 
 class _GrpcPeer:
@@ -76,13 +163,13 @@ class GrpcDrafter(_GrpcPeer):
         super().__init__(address, drafter_pb2_grpc.DrafterStub, security)
         self.name = name
 
-    async def draft(self, request, timeout_s):
-        return await self._call("Draft", request, timeout_s)
+    async def draft(self, sessions, timeout_s):
+        return draft_response(await self._call("Draft", draft_request(sessions), timeout_s))
 
 
 class GrpcVerifier(_GrpcPeer):
     def __init__(self, address: str, security: Security | None = None):
         super().__init__(address, verifier_pb2_grpc.VerifierStub, security)
 
-    async def verify(self, request, timeout_s):
-        return await self._call("Verify", request, timeout_s)
+    async def verify(self, sessions, timeout_s):
+        return verify_response(await self._call("Verify", verify_request(sessions), timeout_s))

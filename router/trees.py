@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from router.messages import DraftedSession, TokenTree
 from specfleet.fusion import lead
-from specfleet.v1 import common_pb2, drafter_pb2, verifier_pb2
 
 
 @dataclass
@@ -22,7 +22,7 @@ class DraftTree:
 
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
-    proposals: list[common_pb2.SparseDistribution] = field(default_factory=list)
+    proposals: list = field(default_factory=list)  # as the drafters' replies carried them (router/messages.py)
     owners: list[list[str]] = field(default_factory=list)  # drafters that proposed each node
     # Per drafter, its proposal at each position of the main branch (scored after verification).
     proposed: dict[str, list[int]] = field(default_factory=dict)
@@ -35,7 +35,7 @@ class DraftTree:
         self.owners.append([owner])
         return len(self.tokens) - 1
 
-    def add_chain(self, drafter: str, drafted: drafter_pb2.DraftedSession) -> None:
+    def add_chain(self, drafter: str, drafted: DraftedSession) -> None:
         """One drafter's chain: the main branch."""
         parent = -1
         for token, proposal in zip(drafted.token_ids, drafted.proposals):
@@ -43,7 +43,7 @@ class DraftTree:
             self.main.append(parent)
         self.proposed[drafter] = list(drafted.token_ids)
 
-    def fuse_position(self, members_in_routing_order: list[str], replies: dict[str, drafter_pb2.DraftedSession], position: int) -> None:
+    def fuse_position(self, members_in_routing_order: list[str], replies: dict[str, DraftedSession], position: int) -> None:
         """Add one position's lockstep proposals: siblings in routing order, the lead's node continues the main branch."""
         members = [(d, replies[d]) for d in members_in_routing_order if d in replies and len(replies[d].token_ids) > position]
         if not members:
@@ -63,8 +63,9 @@ class DraftTree:
                 member_nodes.append(self.add(token, parent, proposal, drafter))
         self.main.append(member_nodes[leader])
 
-    def to_proto(self) -> verifier_pb2.TokenTree:
-        return verifier_pb2.TokenTree(token_ids=self.tokens, parents=self.parents, proposals=self.proposals)
+    def token_tree(self) -> TokenTree:
+        """What a Verify call carries of the tree."""
+        return TokenTree(token_ids=self.tokens, parents=self.parents, proposals=self.proposals)
 
     def outcomes(self, accepted_nodes: list[int], emitted: list[int]) -> dict[str, tuple[int, int]]:
         """Per drafter, (hits, missed): how many of its main-branch proposals the target emitted in a row,
@@ -86,5 +87,5 @@ class DraftTree:
         return outcomes
 
 
-def _point_mass(proposal: common_pb2.SparseDistribution) -> bool:
+def _point_mass(proposal) -> bool:
     return len(proposal.token_ids) == 1

@@ -1,5 +1,6 @@
 """Verification, commit and learning, steps 3 and 4 of a round (router/scheduler.py has the whole round).
 
+`verify` takes the round's plan (router/rounds.py) and the trees drafted for it.
 Every request's tree goes to the verifier replica holding its sessions, one
 call per replica (split to the verifier's per-call limits); the verifier merges
 concurrent calls into one forward pass. The accepted tokens plus the target's
@@ -16,16 +17,18 @@ import asyncio
 import collections
 import logging
 import time
+from dataclasses import dataclass
 
 import grpc
 
-from router.request import DrafterCounts, RequestState
-from router.rounds import PREFILL_TOKENS_PER_S, Round, sampling_proto
+from router import messages
+from router.request import DrafterCounts
+from router.rounds import PREFILL_TOKENS_PER_S, RequestPlan, RoundContext, RoundPlan
 from router.transport import TransportError
 from router.trees import DraftTree
 from router.verifiers import VerifierPool
 from specfleet import limits
-from specfleet.v1 import common_pb2, generation_pb2, verifier_pb2
+from specfleet.v1 import generation_pb2
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +38,16 @@ VERIFY_DEADLINE_FACTOR = 20.0
 VERIFY_DEADLINE_FLOOR_S = 10.0
 
 
-def token_logprobs(verified: verifier_pb2.VerifiedSession) -> list[generation_pb2.TokenLogprobs]:
+@dataclass
+class VerifyCall:
+    """One request's session in a Verify call: its tree, if it drafted, and what travels."""
+
+    request: RequestPlan
+    tree: DraftTree | None
+    session: messages.VerifySession
+
+
+def token_logprobs(verified: messages.VerifiedSession) -> list[generation_pb2.TokenLogprobs]:
     """The verifier's flat log-probabilities of a round's tokens, one TokenLogprobs per token."""
     n = len(verified.token_ids)
     top = len(verified.top_token_ids) // n if n else 0
@@ -53,21 +65,21 @@ def token_logprobs(verified: verifier_pb2.VerifiedSession) -> list[generation_pb
 
 
 class Verifying:
-    def __init__(self, round_: Round, verifiers: VerifierPool):
-        self.round = round_
+    def __init__(self, context: RoundContext, verifiers: VerifierPool):
+        self.context = context
         self.verifiers = verifiers
 
-    async def verify(self, batch: list[RequestState], trees: dict[str, DraftTree]) -> None:
-        """Every request's tree to the replica holding its sessions, one call per replica, concurrently."""
-        by_replica: dict[str, list[RequestState]] = collections.defaultdict(list)
+    async def verify(self, plan: RoundPlan, trees: dict[str, DraftTree]) -> None:
+        """Every request's tree (trees: by session id) to the replica holding its sessions, one call per replica, concurrently."""
+        by_replica: dict[str, list[RequestPlan]] = collections.defaultdict(list)
         waiting = []
-        for state in batch:
-            replica = self.verifiers.place(state)
-            (by_replica[replica] if replica is not None else waiting).append(state)
-        await asyncio.gather(*(self._on(replica, states, trees) for replica, states in by_replica.items()))
-        for state in waiting:
-            if self.verifiers.waited_too_long(state):
-                state.error = (
+        for request in plan.requests:
+            replica = self.verifiers.place(request.state)
+            (by_replica[replica] if replica is not None else waiting).append(request)
+        await asyncio.gather(*(self._on(replica, requests, trees) for replica, requests in by_replica.items()))
+        for request in waiting:
+            if self.verifiers.waited_too_long(request.state):
+                request.state.error = (
                     grpc.StatusCode.UNAVAILABLE,
                     f"no verifier replica has answered for {self.verifiers.wait_s:.0f}s (router.verifier_wait_s); retry",
                 )
@@ -75,51 +87,54 @@ class Verifying:
             # No replica is live: wait for the next probe instead of spinning through empty rounds.
             await asyncio.sleep(min(0.5, max(0.05, self.verifiers.next_probe_in())))
 
-    def _timeout_s(self, sessions: list[verifier_pb2.VerifySession]) -> float:
+    def _timeout_s(self, sessions: list[messages.VerifySession]) -> float:
         """A verify call's deadline: a multiple of the modelled pass plus what it prefills, so that a hung
         replica's requests move on in seconds, not after rpc_timeout_s."""
         tokens = sum(1 + len(s.tree.token_ids) for s in sessions)
-        expected_s = self.round.controller.cost.verify_ms(len(sessions), tokens) / 1e3
+        expected_s = self.context.controller.cost.verify_ms(len(sessions), tokens) / 1e3
         deadline = max(VERIFY_DEADLINE_FLOOR_S, VERIFY_DEADLINE_FACTOR * expected_s)
         deadline += sum(len(s.sync.new_token_ids) for s in sessions) / PREFILL_TOKENS_PER_S
-        return min(self.round.config.rpc_timeout_s, deadline)
+        return min(self.context.config.rpc_timeout_s, deadline)
 
-    async def _on(self, replica: str, batch: list[RequestState], trees: dict[str, DraftTree]) -> None:
+    async def _on(self, replica: str, requests: list[RequestPlan], trees: dict[str, DraftTree]) -> None:
         """The replica's requests in calls within the verifier's per-call limits, concurrently."""
-        entries = []
-        for state in batch:
+        units = []
+        for request in requests:
+            state = request.state
             prefix, new = state.verifier_mirror.diff(state.tokens)
             tree = trees.get(state.spec.session_id)
-            session = verifier_pb2.VerifySession(
-                sync=common_pb2.SessionSync(session_id=state.spec.session_id, prefix_length=prefix, new_token_ids=new),
-                tree=tree.to_proto() if tree else verifier_pb2.TokenTree(),
-                sampling=sampling_proto(state),
+            session = messages.VerifySession(
+                sync=messages.SessionSync(state.spec.session_id, prefix, new),
+                tree=tree.token_tree() if tree else messages.TokenTree(),
+                sampling=state.spec.sampling,
                 logprobs=state.spec.logprobs,
                 top_logprobs=state.spec.top_logprobs,
             )
-            entries.append([(state, session)])
-        calls = limits.split(entries, lambda entry: limits.verify_tokens(entry[1]), self.round.config.verify_limits)
-        await asyncio.gather(*(self._call(replica, [e[0] for e in call], [e[1] for e in call], trees) for call in calls))
+            units.append([VerifyCall(request, tree, session)])
+        parts = limits.split(units, lambda call: limits.verify_tokens(call.session), self.context.config.verify_limits)
+        await asyncio.gather(*(self._call(replica, part) for part in parts))
 
-    async def _call(self, replica: str, batch: list[RequestState], sessions: list, trees: dict[str, DraftTree]) -> None:
-        metrics, cost, telemetry = self.round.metrics, self.round.controller.cost, self.round.telemetry
+    async def _call(self, replica: str, part: list[VerifyCall]) -> None:
+        metrics, cost, telemetry = self.context.metrics, self.context.controller.cost, self.context.telemetry
+        states = [call.request.state for call in part]
+        sessions = [call.session for call in part]
         started = time.perf_counter()
         try:
-            reply = await self.verifiers.replicas[replica].verify(verifier_pb2.VerifyRequest(sessions=sessions), self._timeout_s(sessions))
+            reply = await self.verifiers.replicas[replica].verify(sessions, self._timeout_s(sessions))
         except TransportError as err:
             if err.invalid_argument:
                 log.error("verifier replica %s refused the round (%s)", replica, err)
-                for state in batch:
+                for state in states:
                     state.verifier_mirror.reset()
                     state.error = (grpc.StatusCode.INTERNAL, f"the verifier refused the round: {err}")
             else:
                 # Nothing was committed: the requests verify again next round, on a live replica.
-                self.verifiers.failed(replica, batch, err)
+                self.verifiers.failed(replica, states, err)
             return
-        self.verifiers.succeeded(batch)
+        self.verifiers.succeeded(states)
         wall = (time.perf_counter() - started) * 1e3
         if telemetry is not None:
-            telemetry.replica_sessions.labels(replica=replica).inc(len(batch))
+            telemetry.replica_sessions.labels(replica=replica).inc(len(part))
             telemetry.verify_call.observe(wall / 1e3)
         # A merged batch reports its whole compute time to every caller: count this call's share
         # as busy time, and scale this call's sessions and tokens up to the pass for the cost model.
@@ -128,28 +143,28 @@ class Verifying:
         share = reply.batch_size / max(1, len(sessions))
         cost.observe_verify(round(len(sessions) * share), round(fed * share), reply.compute_ms)
         cost.observe_calls(verify_overhead_ms=wall - reply.compute_ms)
-        for state, verified in zip(batch, reply.sessions):
+        for call, verified in zip(part, reply.sessions):
+            state = call.request.state
             state.timing_ms["verify_wall"] += wall
             state.timing_ms["verify_compute"] += reply.compute_ms
-            if verified.status != common_pb2.SESSION_OK:
+            if not verified.known:
                 # Lost by the verifier: send everything next round. No tokens were committed.
                 metrics.session_misses += 1
                 state.verifier_mirror.reset()
                 continue
-            tree = trees.get(state.spec.session_id)
             state.rounds += 1
-            if tree is not None:
-                self._learn(state, tree, list(verified.accepted_nodes), list(verified.token_ids))
-            state.commit(list(verified.token_ids), token_logprobs(verified) if state.spec.logprobs else None)
+            if call.tree is not None:
+                self._learn(call.request, call.tree, verified.accepted_nodes, verified.token_ids)
+            state.commit(verified.token_ids, token_logprobs(verified) if state.spec.logprobs else None)
             state.verifier_mirror.held = list(state.tokens)
 
-    def _learn(self, state: RequestState, tree: DraftTree, accepted_nodes: list[int], emitted: list[int]) -> None:
+    def _learn(self, request: RequestPlan, tree: DraftTree, accepted_nodes: list[int], emitted: list[int]) -> None:
         """Count drafted and accepted tokens, and score each drafter's proposals against what was emitted."""
-        metrics = self.round.metrics
+        metrics, state = self.context.metrics, request.state
         state.draft_tokens += len(tree.tokens)
         state.accepted_tokens += len(accepted_nodes)
-        if self.round.telemetry is not None:
-            self.round.telemetry.verified(state, tree, accepted_nodes)
+        if self.context.telemetry is not None:
+            self.context.telemetry.verified(state, request.drafters, tree, accepted_nodes)
         accepted_owners = collections.Counter(d for node in accepted_nodes for d in tree.owners[node])
         outcomes = tree.outcomes(accepted_nodes, emitted)
         for drafter, (hits, _) in outcomes.items():
@@ -161,4 +176,4 @@ class Verifying:
             by_domain.rounds += 1
             by_domain.draft_tokens += len(tree.proposed[drafter])
             by_domain.accepted_tokens += hits
-        self.round.router.observe(state.routing, outcomes)
+        self.context.router.observe(state.routing, outcomes)

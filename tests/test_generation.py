@@ -198,7 +198,7 @@ def test_router_ends_a_request_at_its_deadline_and_releases_its_sessions(cluster
             state.deadline = time.monotonic()
             while not isinstance(updates[-1], tuple) and not updates[-1].final:
                 updates.append(await asyncio.wait_for(state.updates.get(), 300))
-            return updates, scheduler.round.metrics, spec.session_id
+            return updates, scheduler.context.metrics, spec.session_id
         finally:
             await scheduler.stop()
             for transport in transports:

@@ -389,26 +389,24 @@ def test_killed_drafter_actor_costs_only_speed(ray_serve, random_family):
         time.sleep(0.5)
     body = (
         "import asyncio\n"
-        "from router import ray_transport\n"
-        "from specfleet.v1 import common_pb2, drafter_pb2\n"
-        "session = drafter_pb2.DraftSession(sync=common_pb2.SessionSync(session_id='probe', new_token_ids=[1, 2, 3]),"
-        " model='drafter-noisy', num_draft_tokens=3, sampling=common_pb2.SamplingParams(top_p=1.0))\n"
-        "reply = asyncio.run(ray_transport.RayDrafter('small', ray.get_actor('drafter-small')).draft(drafter_pb2.DraftRequest(sessions=[session]), 60))\n"
-        "result = [reply.sessions[0].status, len(reply.sessions[0].token_ids)]\n"
+        "from router import messages, ray_transport\n"
+        "from specfleet.sampling import SamplingParams\n"
+        "session = messages.DraftSession(sync=messages.SessionSync(session_id='probe', new_token_ids=[1, 2, 3]),"
+        " model='drafter-noisy', num_draft_tokens=3, sampling=SamplingParams(top_p=1.0))\n"
+        "reply = asyncio.run(ray_transport.RayDrafter('small', ray.get_actor('drafter-small')).draft([session], 60))\n"
+        "result = [reply.sessions[0].known, len(reply.sessions[0].token_ids)]\n"
     )
-    from specfleet.v1 import common_pb2
-
-    assert ray_query(ray_serve, body) == [common_pb2.SESSION_OK, 3]
+    assert ray_query(ray_serve, body) == [True, 3]
 
 
 def test_refused_request_maps_to_invalid_argument(ray_serve):
     """A request the actor refuses reaches the scheduler as the gRPC service's INVALID_ARGUMENT would."""
     body = (
         "import asyncio\n"
-        "from router import ray_transport\n"
+        "from router import messages, ray_transport\n"
         "from router.transport import TransportError\n"
-        "from specfleet.v1 import common_pb2, verifier_pb2\n"
-        "bad = verifier_pb2.VerifyRequest(sessions=[verifier_pb2.VerifySession(sync=common_pb2.SessionSync(session_id=''))])\n"
+        "from specfleet.sampling import SamplingParams\n"
+        "bad = [messages.VerifySession(sync=messages.SessionSync(session_id=''), tree=messages.TokenTree(), sampling=SamplingParams())]\n"
         "async def go():\n"
         "    try:\n"
         "        await ray_transport.RayVerifier('verifier', ray.get_actor('verifier')).verify(bad, 60)\n"
