@@ -7,28 +7,28 @@ tests/test_lossless.py starts a cluster from a mutated copy as its negative cont
 
 How `find` is matched, so that reformatting the code (ruff format, black) does not
 break a mutant. In a file that is not Python, or when `find` does not tokenize, a
-match is a literal occurrence of `find`. In a `.py` file a match is also a run of
+match is a literal occurrence of `find`. In a `.py` file it may also be a run of
 Python tokens (the `tokenize` module) equal to the tokens of `find`, where:
   - whitespace, line breaks inside brackets, indentation and backslash continuations
     do not count; a line's end (NEWLINE, or `;`) does, except at find's two ends;
-  - a string is compared by its value ('x' == "x", implicit concatenations joined:
-    "a" "b" == "ab"), an f-string by its prefix and body, a number by its value;
+  - a string is compared by its value ('x' == "x"; "a" "b" == "ab"), an f-string by
+    its prefix and body, a number by its value;
   - a comma just before a closing bracket is optional, on either side;
-  - parentheses that hold a whole sub-expression may be added by the file (an
-    opening one that ends its line, as a formatter wraps a long expression) or
-    left out by it (redundant ones in find);
-  - comments in `find` must be in the file, words alike (`#x` == `# x`); comments of
-    the file that `find` leaves out are skipped (and vanish with the replaced span);
-  - the last token of `find` may stop short of the file's token (a fragment ending
-    in the middle of a name, a comment or a string: `print(f"  try: {cmd()}`), and
-    tokenizing stops quietly at an unclosed bracket (`if not ok(`).
-A literal occurrence and the token match over the same text count once; `find`
-must occur exactly once by these rules. A literal occurrence is replaced literally,
-so an unformatted file mutates exactly as `str.replace` would. Otherwise the text
-from the first matched token to the last is replaced; when `find` starts with
-indentation and the match starts its line, `replace` is re-indented line by line by
-the difference between the two indentations, and find's leading indentation and
-trailing whitespace (`"    if unknown:\n"`) frame `replace` the same way.
+  - parentheses may be added by the file around part of the match (an opening one
+    that ends its line, as a formatter wraps a long expression) or left out of it
+    (redundant ones in find);
+  - comments in `find` must be in the file, words alike (`#x` == `# x`); the file's
+    other comments are skipped (and vanish with the replaced span);
+  - find's last token may stop inside the file's one (a fragment ending inside a
+    name, a comment or a string: `print(f"  try: {cmd()}`, compared literally), and
+    an unclosed bracket ends find's tokens quietly (`if not ok(`).
+A literal occurrence and the token match over the same text count once; `find` must
+occur exactly once. A literal occurrence is replaced literally (so an unformatted
+file mutates exactly as by `str.replace`), except that one of an indented `find` must
+start its line. Otherwise the text from the first matched token to the last is
+replaced; when `find` starts with indentation and the match starts its line,
+`replace`'s lines move by the difference between the two indentations, and find's
+leading indentation and trailing whitespace (`"    if unknown:\n"`) frame `replace`.
 """
 
 from __future__ import annotations
@@ -60,7 +60,6 @@ class MutantError(ValueError):
 
 # ---- Matching `find` by Python tokens (the rules are in the module docstring) ----
 
-_IGNORED = {tokenize.NL, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
 _CLOSERS = {")", "]", "}"}
 _STRING_PREFIXES = {"r", "u", "f", "b", "rb", "br", "fr", "rf"}
 
@@ -81,7 +80,7 @@ class _Needle(NamedTuple):
 
 
 class Match(NamedTuple):
-    start: int
+    start: int  # offsets into the file's text
     end: int
     literal: bool  # a literal occurrence of find (replaced as str.replace would)
 
@@ -138,14 +137,11 @@ def _raw_tokens(text: str, fragment: bool):
 @functools.lru_cache(maxsize=512)
 def _tokens(text: str, fragment: bool) -> tuple[_Tok, ...] | None:
     """text's significant tokens (see the module docstring), or None when it does not tokenize."""
-    raw = _raw_tokens(text, fragment)
-    if raw is None:
+    if (raw := _raw_tokens(text, fragment)) is None:
         return None
     infos, unfinished, offset = raw
     toks: list[_Tok] = []
-    for tok in infos:
-        if tok.type in _IGNORED:
-            continue
+    for tok in (t for t in infos if t.type not in (tokenize.NL, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER)):
         start, end, key = offset(*tok.start), offset(*tok.end), _key(tok)
         if key == "\n" and (not toks or toks[-1].key == "\n"):
             continue  # a line's end counts once, and not before the first token
@@ -164,10 +160,8 @@ def _tokens(text: str, fragment: bool) -> tuple[_Tok, ...] | None:
 def _joined(first: _Tok, key: tuple, end: int, text: str) -> _Tok:
     """A string literal and the next one (implicit concatenation) as one token."""
     parts = first.key[1] if first.key[0] == "joined" else (first.key,)
-    if key[0] == "value" and parts[-1][0] == "value" and parts[-1][1] == key[1]:
-        parts = (*parts[:-1], ("value", key[1], parts[-1][2] + key[2]))
-    else:
-        parts = (*parts, key)
+    same = key[0] == "value" and parts[-1][:2] == key[:2]  # two str (or two bytes) literals: one value
+    parts = (*parts[:-1], ("value", key[1], parts[-1][2] + key[2])) if same else (*parts, key)
     key = parts[0] if len(parts) == 1 else ("joined", parts)
     return first._replace(key=key, raw=text[first.start : end], end=end)
 
@@ -255,6 +249,8 @@ def find_matches(text: str, find: str, python: bool = True) -> list[Match]:
     hay, needle = (_tokens(text, False), _needle(find)) if python else (None, None)
     if hay is None or needle is None:
         return literal
+    if find[:1] in (" ", "\t"):  # indented lines found inside deeper ones are a token match, to re-indent
+        literal = [m for m in literal if text[m.start - 1 : m.start] not in (" ", "\t")]
     first = needle.tokens[0]
     if len(needle.tokens) > 1 or needle.tail:
         starts = _positions(text).get(first.key, [])
