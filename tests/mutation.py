@@ -5,9 +5,8 @@ a `find` that occurs exactly once in it, its `replace`ment, and the pytest argum
 (`tests`) that must fail with it applied. `scripts/mutants` runs them all;
 tests/test_lossless.py starts a cluster from a mutated copy as its negative control.
 
-How `find` is matched, so that reformatting the code (ruff format, black) does not
-break a mutant. In a file that is not Python, or when `find` does not tokenize, a
-match is a literal occurrence of `find`. In a `.py` file it may also be a run of
+How `find` is matched, so that reformatting (ruff format, black) does not break a
+mutant: a match is a literal occurrence of `find` or, in a `.py` file, a run of
 Python tokens (the `tokenize` module) equal to the tokens of `find`, where:
   - whitespace, line breaks inside brackets, indentation and backslash continuations
     do not count; a line's end (NEWLINE, or `;`) does, except at find's two ends;
@@ -19,9 +18,10 @@ Python tokens (the `tokenize` module) equal to the tokens of `find`, where:
     (redundant ones in find);
   - comments in `find` must be in the file, words alike (`#x` == `# x`); the file's
     other comments are skipped (and vanish with the replaced span);
-  - find's last token may stop inside the file's one (a fragment ending inside a
-    name, a comment or a string: `print(f"  try: {cmd()}`, compared literally), and
-    an unclosed bracket ends find's tokens quietly (`if not ok(`).
+  - find's last token may stop inside the file's one (a fragment ending inside a name,
+    a comment or a string: `print(f"  try: {cmd()}`, compared literally); an unclosed
+    bracket ends find's tokens quietly (`if not ok(`); text inside a string matches
+    literally only.
 A literal occurrence and the token match over the same text count once; `find` must
 occur exactly once. A literal occurrence is replaced literally (so an unformatted
 file mutates exactly as by `str.replace`), except that one of an indented `find` must
@@ -62,6 +62,7 @@ class MutantError(ValueError):
 
 _CLOSERS = {")", "]", "}"}
 _STRING_PREFIXES = {"r", "u", "f", "b", "rb", "br", "fr", "rf"}
+_FSTRING = (getattr(tokenize, "FSTRING_START", -1), getattr(tokenize, "FSTRING_END", -1))  # Python 3.12+
 
 
 class _Tok(NamedTuple):
@@ -75,8 +76,8 @@ class _Tok(NamedTuple):
 
 class _Needle(NamedTuple):
     tokens: tuple[_Tok, ...]
-    lead: str  # find's text before its first token (indentation)
-    tail: str  # find's text after its last token
+    lead: str  # find's text before its first token (indentation), and after its last one
+    tail: str
 
 
 class Match(NamedTuple):
@@ -88,8 +89,7 @@ class Match(NamedTuple):
 def _key(tok: tokenize.TokenInfo) -> object:
     if tok.type in (tokenize.STRING, tokenize.NUMBER):
         try:
-            value = ast.literal_eval(tok.string)
-            return ("value", type(value).__name__, value)
+            return ("value", type(value := ast.literal_eval(tok.string)).__name__, value)
         except (ValueError, SyntaxError):  # an f-string: its prefix and body, either quote
             prefix = tok.string[: len(tok.string) - len(tok.string.lstrip("rRbBuUfF"))]
             quote = 3 if tok.string[len(prefix) :].startswith(('"""', "\'\'\'")) else 1
@@ -105,33 +105,44 @@ def _raw_tokens(text: str, fragment: bool):
     """text's tokens, the offset where a fragment's unfinished last token starts (or None),
     and a function from a token's (row, column) to its offset; None when text does not
     tokenize. A fragment gets a header of one line per indentation it uses, so that it may
-    dedent to a level it never opened."""
+    dedent to a level it never opened. An f-string is one token, as on Python 3.11."""
     lines = io.StringIO(text).readlines()  # split as tokenize splits them
     widths = sorted({len(ln) - len(ln.lstrip(" ")) for ln in lines if ln.strip()} | {0}) if fragment else []
     header = "".join(" " * w + "_\n" for w in widths)
     starts = [0, *itertools.accumulate(map(len, lines))]
     offset = lambda row, col: starts[row - 1 - len(widths)] + col  # noqa: E731
-    tokens, unfinished = [], None
+    tokens, opened = [], []  # opened: the f-strings not closed yet (their pieces, on Python 3.12+)
     try:
         for tok in tokenize.generate_tokens(io.StringIO(header + text).readline):
             if tok.start[0] <= len(widths) or (tok.type == tokenize.ERRORTOKEN and tok.string.isspace()):
                 continue
-            if tok.type == tokenize.ERRORTOKEN:  # a stray quote: a string find leaves unfinished
-                if not fragment:
-                    return None
-                unfinished = offset(*tok.start)
-                if tokens and tokens[-1].string.lower() in _STRING_PREFIXES and offset(*tokens[-1].end) == unfinished:
-                    unfinished = offset(*tokens.pop().start)
-                break
-            tokens.append(tok)
-    except tokenize.TokenError as err:  # at the end: an unclosed bracket or triple-quoted string
+            if tok.type == tokenize.ERRORTOKEN:  # Python 3.11: the quote of a string left unfinished
+                raise tokenize.TokenError("unterminated string", tok.start)
+            if tok.type == _FSTRING[0]:
+                opened.append(tok)
+            elif tok.type == _FSTRING[1]:
+                first = opened.pop()
+                if not opened:  # the outermost f-string ends: one STRING token
+                    string = text[offset(*first.start) : offset(*tok.end)]
+                    tokens.append(tokenize.TokenInfo(tokenize.STRING, string, first.start, tok.end, ""))
+            elif not opened:
+                tokens.append(tok)
+    except tokenize.TokenError as err:  # at the end: an unclosed bracket or string
         if not fragment:
             return None
-        if "string" in err.args[0]:
-            unfinished = offset(*err.args[1])
+        return tokens, (_unfinished(text, tokens, offset) if "string" in err.args[0] else None), offset
     except SyntaxError:  # IndentationError, or a character Python does not know
         return None
-    return tokens, unfinished, offset
+    return tokens, None, offset
+
+
+def _unfinished(text: str, tokens: list[tokenize.TokenInfo], offset) -> int:
+    """Where a fragment's unterminated string starts: after the last complete token (or at its prefix)."""
+    last = tokens[-1] if tokens else None
+    if last and last.type == tokenize.NAME and last.string.lower() in _STRING_PREFIXES and text[offset(*last.end) :][:1] in "\"'":
+        return offset(*tokens.pop().start)
+    at = offset(*last.end) if last else 0
+    return len(text) - len(text[at:].lstrip())
 
 
 @functools.lru_cache(maxsize=512)
@@ -207,14 +218,12 @@ def _match_at(hay: tuple[_Tok, ...], i: int, needle: _Needle) -> Match | None:
     skip_hay: set[int] = set()  # closing brackets of parentheses only the file has
     skip_needle: set[int] = set()  # closing brackets of parentheses only find has
     while j <= last:
-        f = toks[j]
+        f, t = toks[j], (hay[k] if k < len(hay) else None)
         if j in skip_needle:
             j += 1
-            continue
-        if k >= len(hay):
+        elif t is None:
             return None
-        t = hay[k]
-        if k in skip_hay:
+        elif k in skip_hay:
             k += 1
         elif f.key is not None and f.key == t.key:
             j, k, end = j + 1, k + 1, t.end
@@ -267,16 +276,14 @@ def replace_match(text: str, match: Match, find: str, replace: str) -> str:
     if match.literal:
         return text[:start] + replace + text[end:]
     needle = _needle(find)
-    cut = needle.lead.rfind("\n") + 1
-    head, indent = needle.lead[:cut], needle.lead[cut:]
-    if head and replace.startswith(head):
-        replace = replace[len(head) :]
+    cut = needle.lead.rfind("\n") + 1  # find's lead: line ends (rare), then indentation
+    indent, replace = needle.lead[cut:], replace.removeprefix(needle.lead[:cut])
     line_start = text.rfind("\n", 0, start) + 1
     if indent and not text[line_start:start].strip():  # a block of lines: re-indent them all
         replace = _reindent(replace, indent, text[line_start:start])
         start = line_start
-    elif replace.startswith(indent):
-        replace = replace[len(indent) :]
+    else:
+        replace = replace.removeprefix(indent)
     if needle.tail and replace.endswith(needle.tail):
         replace = replace[: len(replace) - len(needle.tail)]
     elif "\n" in needle.tail and not text[end : (text + "\n").index("\n", end)].strip():
@@ -360,10 +367,7 @@ def load_mutants(root: pathlib.Path = REPO, area: str | None = None) -> dict[str
                 raise MutantError(f"{where}[{i}]: the name {entry['name']} is already used in {mutants[entry['name']].area}")
             if entry["find"] == entry["replace"]:
                 raise MutantError(f"{where}[{i}] ({entry['name']}): replace equals find, so nothing changes")
-            mutants[entry["name"]] = Mutant(
-                name=entry["name"], why=entry["why"], file=entry["file"], find=entry["find"],
-                replace=entry["replace"], tests=tuple(tests), area=where,
-            )
+            mutants[entry["name"]] = Mutant(**{k: entry[k] for k in FIELDS[:-1]}, tests=tuple(tests), area=where)
     return mutants
 
 

@@ -111,10 +111,20 @@ def _python_mutants() -> list[Mutant]:
 
 
 def _tokens_at(text: str):
-    """text's tokens with their start and end offsets."""
+    """text's tokens with their start and end offsets; an f-string is one STRING token (Python 3.12+ splits it)."""
     starts = [0, *itertools.accumulate(map(len, io.StringIO(text).readlines()))]
+    fstring = (getattr(tokenize, "FSTRING_START", -1), getattr(tokenize, "FSTRING_END", -1))
+    opened = []
     for tok in tokenize.generate_tokens(io.StringIO(text).readline):
-        yield tok, starts[tok.start[0] - 1] + tok.start[1], starts[tok.end[0] - 1] + tok.end[1]
+        start, end = starts[tok.start[0] - 1] + tok.start[1], starts[tok.end[0] - 1] + tok.end[1]
+        if tok.type == fstring[0]:
+            opened.append((tok, start))
+        elif tok.type == fstring[1]:
+            first, first_start = opened.pop()
+            if not opened:
+                yield tokenize.TokenInfo(tokenize.STRING, text[first_start:end], first.start, tok.end, ""), first_start, end
+        elif not opened:
+            yield tok, start, end
 
 
 def _edited(text: str, edits: list[tuple[int, int, str]]) -> str:
