@@ -145,7 +145,7 @@ def _unfinished(text: str, tokens: list[tokenize.TokenInfo], offset) -> int:
     return len(text) - len(text[at:].lstrip())
 
 
-@functools.lru_cache(maxsize=512)
+@functools.lru_cache(maxsize=192)  # every mutant's find and the files they change
 def _tokens(text: str, fragment: bool) -> tuple[_Tok, ...] | None:
     """text's significant tokens (see the module docstring), or None when it does not tokenize."""
     if (raw := _raw_tokens(text, fragment)) is None:
