@@ -28,6 +28,9 @@ def test_every_mutant_applies_exactly_once():
     assert "accept-every-draft" in mutants  # tests/test_lossless.py's negative control
     stale = {m.name: f"{m.file}: {m.occurrences()} occurrences" for m in mutants.values() if m.occurrences() != 1}
     assert not stale, stale
+    # In the files as they are, each find occurs literally and is replaced exactly as str.replace would.
+    texts = {m.file: (REPO / m.file).read_text() for m in mutants.values()}
+    assert [m.name for m in mutants.values() if m.mutate(texts[m.file]) != texts[m.file].replace(m.find, m.replace)] == []
 
 
 def test_every_python_mutant_parses_and_changes_the_code():
