@@ -1,0 +1,90 @@
+"""A round's data: the router's call records become the contract's messages at the transport, field for field."""
+
+from __future__ import annotations
+
+import gc
+
+from router import messages, transport
+from router.drafting import _depths
+from router.rounds import RequestPlan, RoundPlan
+from specfleet.sampling import SamplingParams
+from specfleet.v1 import common_pb2, drafter_pb2, verifier_pb2
+
+
+def _every_field_set(message) -> list[str]:
+    """The fields of `message` (recursively) left at their defaults: a record field the transport does not carry."""
+    unset = []
+    for field in message.DESCRIPTOR.fields:
+        value = getattr(message, field.name)
+        if field.message_type is not None and not field.is_repeated:
+            unset += [f"{field.name}.{name}" for name in _every_field_set(value)] if message.HasField(field.name) else [field.name]
+        elif not value:
+            unset.append(field.name)
+    return unset
+
+
+SAMPLING = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=123, drafter_invariant=True)
+
+
+def test_draft_and_verify_records_carry_every_field_of_the_contract():
+    draft = messages.DraftSession(
+        sync=messages.SessionSync("s", 3, [1, 2]), model="m", num_draft_tokens=4, sampling=SAMPLING,
+        stop_below_confidence=0.25, score_context=True, lockstep_group="g",
+    )
+    (sent,) = transport.draft_request([draft]).sessions
+    assert not _every_field_set(sent), _every_field_set(sent)
+    assert (sent.sync.session_id, sent.sync.prefix_length, list(sent.sync.new_token_ids)) == ("s", 3, [1, 2])
+    assert (sent.model, sent.num_draft_tokens, sent.score_context, sent.lockstep_group) == ("m", 4, True, "g")
+    assert abs(sent.stop_below_confidence - 0.25) < 1e-7
+    got = SamplingParams.from_proto(sent.sampling)
+    assert (round(got.temperature, 6), round(got.top_p, 6), got.top_k, got.seed, got.drafter_invariant) == (0.7, 0.9, 5, 123, True)
+
+    proposal = transport.point_mass(7)
+    tree = messages.TokenTree(token_ids=[7, 8], parents=[-1, 0], proposals=[proposal, proposal])
+    verify = messages.VerifySession(sync=messages.SessionSync("s", 1, [9]), tree=tree, sampling=SAMPLING, logprobs=True, top_logprobs=2)
+    (sent,) = transport.verify_request([verify]).sessions
+    assert not _every_field_set(sent), _every_field_set(sent)
+    assert (list(sent.tree.token_ids), list(sent.tree.parents), list(sent.tree.proposals)) == ([7, 8], [-1, 0], [proposal, proposal])
+    assert (sent.logprobs, sent.top_logprobs) == (True, 2)
+
+
+def test_replies_become_records():
+    drafted = drafter_pb2.DraftedSession(
+        session_id="s", status=common_pb2.SESSION_OK, token_ids=[4, 5], proposals=[transport.point_mass(4), transport.point_mass(5)],
+        confidences=[0.5, 0.25], context_log_prob=-1.5, context_tokens=3,
+    )
+    lost = drafter_pb2.DraftedSession(session_id="t", status=common_pb2.SESSION_UNKNOWN)
+    reply = transport.draft_response(drafter_pb2.DraftResponse(sessions=[drafted, lost], compute_ms=2.0))
+    assert reply.compute_ms == 2.0 and [s.known for s in reply.sessions] == [True, False]
+    first = reply.sessions[0]
+    assert (first.token_ids, first.confidences, first.context_log_prob, first.context_tokens) == ([4, 5], [0.5, 0.25], -1.5, 3)
+    assert [list(p.token_ids) for p in first.proposals] == [[4], [5]]
+
+    verified = verifier_pb2.VerifiedSession(
+        session_id="s", status=common_pb2.SESSION_OK, accepted_nodes=[0], token_ids=[4, 6], logprobs=[-0.5, -1.0],
+        top_token_ids=[4, 6], top_logprobs=[-0.5, -1.0],
+    )
+    reply = transport.verify_response(verifier_pb2.VerifyResponse(sessions=[verified], compute_ms=3.0, batch_size=5))
+    (got,) = reply.sessions
+    assert (reply.compute_ms, reply.batch_size, got.known, got.accepted_nodes, got.token_ids) == (3.0, 5, True, [0], [4, 6])
+    assert (got.logprobs, got.top_token_ids, got.top_logprobs) == ([-0.5, -1.0], [4, 6], [-0.5, -1.0])
+
+
+def test_a_requests_sampling_message_is_built_once_and_goes_with_it():
+    params = SamplingParams(temperature=1.0, seed=99)
+    first = transport.sampling_message(params)
+    assert transport.sampling_message(params) is first  # every later round reuses it
+    held = len(transport._sampling_messages)
+    del params, first
+    gc.collect()
+    assert len(transport._sampling_messages) == held - 1
+
+
+def test_the_plan_gives_each_drafter_its_depth():
+    assert _depths(1, 4, 2) == [4]
+    assert _depths(3, 4, 2) == [4, 2, 2]  # siblings at the first fusion_depth positions only
+    assert _depths(3, 4, 0) == [4, 4, 4]  # 0: every position
+    assert _depths(2, 1, 2) == [1, 1]
+    plan = RoundPlan([RequestPlan(state=None, drafters=["a", "b"], depths=[4, 2]), RequestPlan(state=None)])
+    assert [(r.k, r.fused) for r in plan.requests] == [(4, True), (0, False)]
+    assert plan.drafting() == plan.requests[:1]
