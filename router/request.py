@@ -1,25 +1,14 @@
-"""A generation request inside the router: its validated parameters, its progress, its output text."""
+"""A generation request inside the router: its validated parameters, its progress, its output text.
+
+router/frontdoor.py validates a client's request into a RequestSpec and follows its RequestState."""
 
 from __future__ import annotations
 
 import asyncio
-import math
-import secrets
 import time
-import uuid
 from dataclasses import dataclass, field
 
 from specfleet.sampling import SamplingParams
-from specfleet.v1 import generation_pb2
-
-MAX_STOP_STRINGS = 16
-MAX_LABEL_CHARS = 128
-MAX_TOP_LOGPROBS = 20
-
-
-class InvalidRequest(ValueError):
-    """A request the router refuses; the message names the field."""
-
 
 @dataclass
 class Limits:
@@ -60,83 +49,6 @@ class RequestSpec:
     top_logprobs: int = 0  # and this many alternatives each
 
 
-def parse_request(req: generation_pb2.GenerateRequest, tokenizer, limits: Limits) -> RequestSpec:
-    for name, value, longest in (("request_id", req.request_id, MAX_LABEL_CHARS), ("domain", req.domain, MAX_LABEL_CHARS)):
-        # Labels end up in logs and metrics: no control characters (a newline would forge a log line).
-        if len(value) > longest or not value.isprintable():
-            raise InvalidRequest(f"{name}: at most {longest} printable characters, got {len(value)} characters")
-    if req.prompt and req.prompt_token_ids:
-        raise InvalidRequest("prompt: set either prompt or prompt_token_ids, not both")
-    if req.prompt_token_ids:
-        prompt_ids = list(req.prompt_token_ids)
-        bad = [t for t in prompt_ids if not 0 <= t < limits.vocab_size]
-        if bad:
-            raise InvalidRequest(f"prompt_token_ids: ids outside the vocabulary [0, {limits.vocab_size}): {bad[:5]}")
-    else:
-        if not req.prompt:
-            raise InvalidRequest("prompt: must not be empty (or set prompt_token_ids)")
-        if len(req.prompt) > limits.max_prompt_chars:
-            raise InvalidRequest(
-                f"prompt: {len(req.prompt)} characters cannot fit the model's context of {limits.max_context} tokens; shorten it"
-            )
-        prompt_ids = tokenizer.encode(req.prompt, add_special_tokens=False)
-        if not prompt_ids:
-            raise InvalidRequest("prompt: encodes to no tokens")
-    if len(prompt_ids) >= limits.max_context:
-        raise InvalidRequest(
-            f"prompt: {len(prompt_ids)} tokens leaves no room in the model's context of {limits.max_context} tokens; shorten it"
-        )
-
-    max_tokens = req.max_tokens if req.HasField("max_tokens") else limits.default_max_tokens
-    if not 1 <= max_tokens <= limits.max_tokens_limit:
-        raise InvalidRequest(f"max_tokens: must be between 1 and {limits.max_tokens_limit}, got {max_tokens}")
-    room = limits.max_context - len(prompt_ids)
-    if max_tokens > room:
-        if req.HasField("max_tokens"):
-            # Generation would stop at the context's end with less than was asked: say so now.
-            raise InvalidRequest(
-                f"max_tokens: {max_tokens} new tokens after a prompt of {len(prompt_ids)} exceed the model's context of "
-                f"{limits.max_context} tokens; ask for at most {room}"
-            )
-        max_tokens = room  # the server's default, not the client's request: fit it to the context
-    if not math.isfinite(req.temperature) or req.temperature < 0:
-        raise InvalidRequest(f"temperature: must be >= 0 (0 is greedy), got {req.temperature}")
-    top_p = req.top_p if req.HasField("top_p") else 1.0
-    if not (0 < top_p <= 1):
-        raise InvalidRequest(f"top_p: must be in (0, 1], got {top_p}")
-    if req.top_k < 0:
-        raise InvalidRequest(f"top_k: must be >= 0 (0 disables it), got {req.top_k}")
-    if len(req.stop) > MAX_STOP_STRINGS or any(not s for s in req.stop):
-        raise InvalidRequest(f"stop: at most {MAX_STOP_STRINGS} non-empty strings")
-    spec_opts = req.speculation
-    if not 0 <= spec_opts.max_draft_tokens <= limits.max_draft_tokens:
-        raise InvalidRequest(f"speculation.max_draft_tokens: must be between 0 and {limits.max_draft_tokens}, got {spec_opts.max_draft_tokens}")
-    if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
-        raise InvalidRequest(f"top_logprobs: must be between 0 and {MAX_TOP_LOGPROBS}, got {req.top_logprobs}")
-    if req.top_logprobs and not req.logprobs:
-        raise InvalidRequest("top_logprobs: needs logprobs set")
-    max_draft_tokens = 0 if spec_opts.disabled else (spec_opts.max_draft_tokens or limits.num_draft_tokens)
-
-    # A client's seed must fix the output whatever is drafted, batched or learned: such a request
-    # samples by the seeded exponential race (verification.py, obligation 6). Without one,
-    # rejection sampling accepts more drafts.
-    seeded = req.HasField("seed")
-    seed = req.seed if seeded else secrets.randbits(63)
-    return RequestSpec(
-        request_id=req.request_id or uuid.uuid4().hex,
-        session_id=secrets.token_hex(16),
-        prompt_ids=prompt_ids,
-        max_tokens=max_tokens,
-        sampling=SamplingParams(temperature=req.temperature, top_p=top_p, top_k=req.top_k, seed=seed, drafter_invariant=seeded),
-        stop=list(req.stop),
-        stop_at_eos=req.stop_at_eos if req.HasField("stop_at_eos") else True,
-        max_draft_tokens=max_draft_tokens,
-        domain=req.domain,
-        logprobs=req.logprobs,
-        top_logprobs=req.top_logprobs,
-    )
-
-
 class SessionMirror:
     """What one server holds of a session, so that only the difference travels."""
 
@@ -171,7 +83,7 @@ class Chunk:
     text: str
     token_ids: list[int]
     final: bool = False
-    logprobs: list = field(default_factory=list)  # generation_pb2.TokenLogprobs per token id, when asked
+    logprobs: list = field(default_factory=list)  # the verifier's log-probabilities per token id, when asked (router/verifying.py)
 
 
 @dataclass
@@ -199,7 +111,7 @@ class RequestState:
     accepted_tokens: int = 0
     per_drafter: dict[str, DrafterCounts] = field(default_factory=dict)
     timing_ms: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("draft_wall", "draft_compute", "verify_wall", "verify_compute"), 0.0))
-    logprobs: list = field(default_factory=list)  # generation_pb2.TokenLogprobs per output token, when asked
+    logprobs: list = field(default_factory=list)  # the verifier's log-probabilities per output token, when asked
     text: str = ""  # output text so far (stop strings removed)
     sent_text: int = 0  # characters of text already streamed
     sent_tokens: int = 0
@@ -275,23 +187,3 @@ class RequestState:
         self.sent_text += len(new_text)
         self.sent_tokens += len(new_ids)
         return Chunk(text=new_text, token_ids=new_ids, final=self.finished, logprobs=logprobs)
-
-    def stats(self) -> generation_pb2.SpeculationStats:
-        drafters = [
-            generation_pb2.DrafterStats(drafter=name, rounds=c.rounds, draft_tokens=c.draft_tokens, accepted_tokens=c.accepted_tokens)
-            for name, c in sorted(self.per_drafter.items())
-        ]
-        return generation_pb2.SpeculationStats(
-            rounds=self.rounds,
-            draft_tokens=self.draft_tokens,
-            accepted_tokens=self.accepted_tokens,
-            drafters=drafters,
-            domain=self.routing.domain if self.routing else "",
-            draft_wall_ms=self.timing_ms["draft_wall"],
-            draft_compute_ms=self.timing_ms["draft_compute"],
-            verify_wall_ms=self.timing_ms["verify_wall"],
-            verify_compute_ms=self.timing_ms["verify_compute"],
-        )
-
-    def usage(self) -> generation_pb2.Usage:
-        return generation_pb2.Usage(prompt_tokens=len(self.spec.prompt_ids), completion_tokens=len(self.output_ids))

@@ -1,24 +1,25 @@
-"""The router's gRPC service: specfleet.v1.Generation, the public entry point."""
+"""The router process: start-up (connect, check, build the scheduler and the front door), the public gRPC service
+(router/grpc_api.py) and the optional HTTP API (router/openai_api.py) over it, reload, shutdown."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import logging
 import os
 import pathlib
-import time
 
 import grpc
 
 from router import messages
-from router.request import Chunk, InvalidRequest, Limits, RequestSpec, RequestState, parse_request, prompt_chars_bound
+from router.frontdoor import FrontDoor
+from router.grpc_api import GenerationServicer
+from router.request import Limits, prompt_chars_bound
 from router.routing import (
     DomainClassifier, DrafterProfile, DrafterRouter, ExpertiseStore, RedisAuthError, RedisExpertiseStore, RoutingConfig, redacted,
 )
 from router.rounds import SchedulerConfig
-from router.scheduler import Overloaded, Scheduler
+from router.scheduler import Scheduler
 from router.speculation import CostModel, SpeculationController
 from router.transport import GrpcDrafter, GrpcVerifier, point_mass
 from router.drafters import DrafterService
@@ -39,98 +40,8 @@ class StartupError(RuntimeError):
     pass
 
 
-class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, scheduler: Scheduler, tokenizer, limits: Limits, eos_token_id: int):
-        self.scheduler = scheduler
-        self.tokenizer = tokenizer
-        self.limits = limits
-        self.eos_token_id = eos_token_id
-        self._tokenizing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
-
-    def _parse(self, request: generation_pb2.GenerateRequest) -> tuple[RequestSpec, str]:
-        """The validated request and its prompt text (the routing classifier reads it)."""
-        spec = parse_request(request, self.tokenizer, self.limits)
-        return spec, request.prompt or self.tokenizer.decode(spec.prompt_ids)
-
-    async def admit(self, request: generation_pb2.GenerateRequest, deadline: float | None, via: str = "HTTP") -> RequestState:
-        """Validate `request` and queue it; raises InvalidRequest or Overloaded.
-
-        The entry of both APIs (the gRPC methods and router/openai_api.py): the same parsing,
-        limits and scheduler, without a network hop. Tokenizing a long prompt takes a while, so
-        it never runs on the event loop, which serves every other client (one worker: the
-        tokenizer is shared). Set `cancelled` on the returned state when its client goes away.
-        """
-        spec, prompt_text = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._parse, request)
-        state = RequestState(
-            spec=spec, tokenizer=self.tokenizer, eos_token_id=self.eos_token_id, max_context=self.limits.max_context, deadline=deadline
-        )
-        self.scheduler.submit(state, prompt_text, spec.domain)
-        log.info(
-            "request %s (session %s, %s): %d prompt tokens, max_tokens %d, temperature %g, domain %s, max_draft_tokens %d",
-            spec.request_id, spec.session_id, via, len(spec.prompt_ids), spec.max_tokens, spec.sampling.temperature,
-            state.routing.domain or "-", spec.max_draft_tokens,
-        )
-        return state
-
-    async def _start(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> RequestState:
-        remaining = context.time_remaining()
-        try:
-            state = await self.admit(request, time.monotonic() + remaining if remaining is not None else None, via="gRPC")
-        except InvalidRequest as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        except Overloaded as err:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
-
-        def on_done(_):
-            if not state.finished:
-                log.info("request %s: its client cancelled it or its deadline passed; stopping it", state.spec.request_id)
-            state.cancelled = True
-
-        context.add_done_callback(on_done)
-        return state
-
-    async def _updates(self, state: RequestState, context):
-        while True:
-            update = await state.updates.get()
-            if isinstance(update, tuple):  # (status code, message)
-                await context.abort(*update)
-            yield update
-            if update.final:
-                log.info(
-                    "request %s finished (%s): %d tokens in %d rounds, %d/%d drafts accepted, %.0f ms",
-                    state.spec.request_id, state.finish_reason, len(state.output_ids), state.rounds,
-                    state.accepted_tokens, state.draft_tokens, (time.monotonic() - state.admitted_at) * 1e3,
-                )
-                return
-
-    async def Generate(self, request, context):
-        state = await self._start(request, context)
-        async for _ in self._updates(state, context):
-            pass
-        return generation_pb2.GenerateResponse(
-            request_id=state.spec.request_id,
-            text=state.text,
-            token_ids=state.output_ids,
-            finish_reason=state.finish_reason,
-            usage=state.usage(),
-            speculation=state.stats(),
-            logprobs=state.logprobs,
-        )
-
-    async def GenerateStream(self, request, context):
-        state = await self._start(request, context)
-        async for chunk in self._updates(state, context):
-            chunk: Chunk
-            msg = generation_pb2.GenerateChunk(request_id=state.spec.request_id, text=chunk.text, token_ids=chunk.token_ids, logprobs=chunk.logprobs)
-            if chunk.final:
-                msg.finish_reason = state.finish_reason
-                msg.usage.CopyFrom(state.usage())
-                msg.speculation.CopyFrom(state.stats())
-            yield msg
-
-
-async def build(cfg: config_mod.Config, transports: tuple | None = None) -> tuple[GenerationServicer, Scheduler, list]:
-    """Connect to the verifier and drafters, check that they fit together, and build the scheduler.
+async def build(cfg: config_mod.Config, transports: tuple | None = None) -> tuple[FrontDoor, Scheduler, list]:
+    """Connect to the verifier and drafters, check that they fit together, and build the scheduler and the front door.
 
     transports: ([verifier replicas], {drafter service name: drafter}) already connected and ready,
     e.g. Ray actors (`router.ray_transport.connect`); default: gRPC to the configured addresses.
@@ -186,9 +97,8 @@ async def build(cfg: config_mod.Config, transports: tuple | None = None) -> tupl
     depth = pipeline_depth(rcfg.pipeline_depth, target, drafters)
     scheduler = Scheduler(scheduler_config(rcfg, depth, verify_limits, draft_limits), verifier, drafters, drafter_router, controller)
     limits = request_limits(rcfg, target, prompt_chars_bound(tokenizer, target.max_context))
-    servicer = GenerationServicer(scheduler, tokenizer, limits, target.eos_token_id)
-    servicer.target = target
-    return servicer, scheduler, [*replicas, *(t for service in services.values() for t in service.replicas)]
+    front_door = FrontDoor(scheduler, tokenizer, limits, target.eos_token_id, target)
+    return front_door, scheduler, [*replicas, *(t for service in services.values() for t in service.replicas)]
 
 
 # What the router.* keys become, each mapped in one place for the start-up and for a reload.
@@ -313,7 +223,7 @@ def call_limits(cfg: config_mod.Config, target, drafter_contexts: dict[str, int]
     return verify, draft
 
 
-async def reload(servicer: GenerationServicer, scheduler: Scheduler, config_path: str, over_grpc: bool) -> None:
+async def reload(front_door: FrontDoor, scheduler: Scheduler, config_path: str, over_grpc: bool) -> None:
     """Apply a changed config file without a restart (SIGHUP).
 
     Drafter services (gRPC only; Ray actors are placed by `serve --ray`), routing,
@@ -333,17 +243,17 @@ async def reload(servicer: GenerationServicer, scheduler: Scheduler, config_path
             services[svc.name] = old if same else grpc_drafter_service(svc, sec)
             for address in svc.addresses():
                 await wait_until_serving(address, 30.0, security=sec)
-        drafters = await collect_drafters(cfg, services, servicer.target)
+        drafters = await collect_drafters(cfg, services, front_door.target)
     new_router = build_drafter_router(cfg, sorted(drafters))
     new_router.store = scheduler.round.router.store
     shared = scheduler.round
-    draft_limits = call_limits(cfg, servicer.target, await drafter_contexts(cfg, services))[1] if over_grpc else shared.config.draft_limits
+    draft_limits = call_limits(cfg, front_door.target, await drafter_contexts(cfg, services))[1] if over_grpc else shared.config.draft_limits
     # Each object is replaced whole, never edited field by field: whoever reads one sees the old
     # settings or the new, not a mix. The lanes (pipeline_depth) and the verifier stay.
     shared.config = scheduler_config(rcfg, shared.config.pipeline_depth, shared.config.verify_limits, draft_limits)
     shared.drafters, shared.router = drafters, new_router
     shared.controller = speculation_controller(rcfg, shared.controller.cost)  # the learned costs stay
-    servicer.limits = request_limits(rcfg, servicer.target, servicer.limits.max_prompt_chars)
+    front_door.limits = request_limits(rcfg, front_door.target, front_door.limits.max_prompt_chars)
     log.info("reloaded %s: drafters %s, routing policy %s", config_path, sorted(drafters), rcfg.routing_policy)
 
 
@@ -449,31 +359,24 @@ async def run(
         from router import ray_transport
 
         given = await ray_transport.connect(cfg, ray_address, ray_namespace, cfg.router.startup_timeout_s)
-    servicer, scheduler, transports = await build(cfg, given)
+    front_door, scheduler, transports = await build(cfg, given)
     scheduler.start()
     metrics_server = None
     metrics_sock = listen(host, cfg.router.metrics_port, config_mod.DEFAULT_METRICS_PORTS["router"], "router metrics", "router.metrics_port")
     if metrics_sock is not None:
         scheduler.round.telemetry = RouterTelemetry(scheduler)
         metrics_server = await metrics.serve(metrics_sock, scheduler.round.telemetry.registry, **sec.metrics_options())
-    http = await start_http(cfg, host, servicer, api_key, sec)
+    http = await start_http(cfg, host, front_door, api_key, sec)
 
-    async def drain() -> None:
-        """Take no new HTTP requests, and wait until every request in flight, HTTP or gRPC, has finished."""
-        if http is not None:
-            http[0].state.draining = True
-        while scheduler.running or scheduler.waiting:
-            await asyncio.sleep(0.05)
-
-    on_reload = (lambda: reload(servicer, scheduler, config_path, over_grpc=given is None)) if config_path else None
+    on_reload = (lambda: reload(front_door, scheduler, config_path, over_grpc=given is None)) if config_path else None
 
     def register(server):
-        generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+        generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(front_door), server)
         return [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name]
 
     try:
         await serve(
-            "router", host, port, register, grace_s=ROUTER_DRAIN_S, on_reload=on_reload, on_drain=drain,
+            "router", host, port, register, grace_s=ROUTER_DRAIN_S, on_reload=on_reload, on_drain=front_door.drain,
             healthy=lambda: bool(scheduler.verifiers.live()), max_request_bytes=cfg.router.max_request_bytes,
             credentials=sec.server_credentials(public=True), interceptors=sec.server_interceptors(public=True, api_key=api_key),
         )
@@ -489,7 +392,7 @@ async def run(
             await transport.close()
 
 
-async def start_http(cfg: config_mod.Config, host: str, servicer: GenerationServicer, api_key: str, sec: security.Security):
+async def start_http(cfg: config_mod.Config, host: str, front_door: FrontDoor, api_key: str, sec: security.Security):
     """The OpenAI-compatible API on router.http_port (HTTPS when security.tls is set), as (app, server, task),
     or None when it is off."""
     if cfg.router.http_port == 0:
@@ -507,7 +410,7 @@ async def start_http(cfg: config_mod.Config, host: str, servicer: GenerationServ
     if sock is None:
         return None
     model_name = cfg.router.served_model_name or pathlib.Path(cfg.verifier.model).name
-    app = openai_api.create_app(servicer, model_name, api_key)
+    app = openai_api.create_app(front_door, model_name, api_key)
     started = await openai_api.start(app, sock, **sec.uvicorn_tls())
     address = sock.getsockname()
     log.info(

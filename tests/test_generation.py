@@ -175,40 +175,41 @@ def test_router_ends_a_request_at_its_deadline_and_releases_its_sessions(cluster
     import asyncio
     import time
 
-    from router.request import RequestState, parse_request
+    from router.api import ErrorKind, GenerationError, GenerationParams, SpeculationOptions
     from router.server import build
     from specfleet import config as config_mod
     from tests.operations import wait_released
 
     cfg = config_mod.load(cluster.config_path)
     cfg.router.pin_cost_model = True  # no start-up profiling: it would only cost time here
-    request = greedy_request(PROMPTS[6], 1000, 2, request_id="router-deadline", stop_at_eos=False)
+    params = GenerationParams(
+        prompt=PROMPTS[6], max_tokens=1000, speculation=SpeculationOptions(max_draft_tokens=2), request_id="router-deadline", stop_at_eos=False
+    )
 
     async def generate():
-        servicer, scheduler, transports = await build(cfg)
+        front_door, scheduler, transports = await build(cfg)
         scheduler.start()
         try:
-            spec = parse_request(request, servicer.tokenizer, servicer.limits)
-            state = RequestState(
-                spec=spec, tokenizer=servicer.tokenizer, eos_token_id=servicer.eos_token_id, max_context=servicer.limits.max_context, deadline=None
-            )
-            scheduler.submit(state, request.prompt)
-            updates = [await asyncio.wait_for(state.updates.get(), 120)]
+            generation = await front_door.submit(params)
+            events = generation.events()
+            tokens = list((await asyncio.wait_for(anext(events), 120)).token_ids)
             # Mid-generation (one round streamed, hundreds to go), the deadline passes.
-            state.deadline = time.monotonic()
-            while not isinstance(updates[-1], tuple) and not updates[-1].final:
-                updates.append(await asyncio.wait_for(state.updates.get(), 300))
-            return updates, scheduler.context.metrics, spec.session_id
+            generation.state.deadline = time.monotonic()
+            try:
+                async for event in events:
+                    tokens += event.token_ids
+                end = event
+            except GenerationError as err:
+                end = err
+            return tokens, end, scheduler.context.metrics, generation.state.spec.session_id
         finally:
             await scheduler.stop()
             for transport in transports:
                 await transport.close()
 
-    updates, metrics, session_id = asyncio.run(generate())
-    end = updates[-1]
-    tokens = [t for chunk in updates[:-1] for t in chunk.token_ids]
-    assert isinstance(end, tuple), f"the request ran to its end ({end.final and len(tokens) + len(end.token_ids)} tokens) past its deadline"
-    assert end[0] == grpc.StatusCode.DEADLINE_EXCEEDED and "deadline" in end[1]
+    tokens, end, metrics, session_id = asyncio.run(generate())
+    assert isinstance(end, GenerationError), f"the request ran to its end ({len(tokens)} tokens) past its deadline"
+    assert end.kind == ErrorKind.DEADLINE_EXCEEDED and "deadline" in end.message
     assert _prefix_of(tokens, reference[PROMPTS[6]])
     assert (metrics.requests_failed, metrics.requests_finished) == (1, 0)
     held = wait_released(cluster, session_id)

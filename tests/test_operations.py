@@ -138,7 +138,7 @@ def test_a_cancelled_request_stops_and_counts_as_cancelled(ops, stub):
         with pytest.raises(grpc.RpcError) as err:
             list(stream)
         deadline = time.monotonic() + 60
-        while "request ops-cancel: its client cancelled it" not in ops.log_path.read_text():
+        while "request ops-cancel cancelled: its gRPC client cancelled it" not in ops.log_path.read_text():
             assert time.monotonic() < deadline, "the router never noticed the cancellation"
             time.sleep(0.1)
     assert err.value.code() == grpc.StatusCode.CANCELLED

@@ -1,0 +1,300 @@
+"""The OpenAI API's side of router/openai_api.py: request bodies to router.api.GenerationParams, results to its JSON.
+
+A request body is checked here only for what the OpenAI API adds (its field
+names, chat messages, the fields specfleet does not implement); the rest is
+router.frontdoor's validation, the same as for gRPC. A field specfleet cannot
+honour is refused with a 400 naming it, never ignored: a client that asks for
+`frequency_penalty` and gets something else would be misled.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from router.api import ErrorKind, GenerationError, GenerationParams, SpeculationOptions, SpeculationStats, TokenLogprobs, Usage
+
+# Choices per request at most: each is a request of its own to the scheduler.
+MAX_N = 16
+
+# The router's finish reasons in OpenAI's words: the end-of-sequence token is a natural stop.
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+
+# What a refused or failed request's kind is over HTTP: its status, and its error's `code`.
+HTTP_STATUS = {
+    ErrorKind.INVALID_ARGUMENT: 400,
+    ErrorKind.OVERLOADED: 429,
+    ErrorKind.SHUTTING_DOWN: 503,
+    ErrorKind.UNAVAILABLE: 503,
+    ErrorKind.DEADLINE_EXCEEDED: 504,
+}
+HTTP_CODE = {ErrorKind.INVALID_ARGUMENT: None, ErrorKind.OVERLOADED: "queue_full"}
+
+# A GenerationParams field in the OpenAI request's words (an error's `param`).
+PARAMS = {"prompt_token_ids": "prompt", "speculation.max_draft_tokens": "speculation"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    @classmethod
+    def of(cls, err: GenerationError) -> ApiError:
+        """A GenerationError in HTTP's words."""
+        code = HTTP_CODE.get(err.kind, err.kind.value)
+        return cls(HTTP_STATUS.get(err.kind, 500), err.message, param=PARAMS.get(err.field, err.field), code=code)
+
+    def body(self) -> dict:
+        kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
+        return {"error": {"message": self.message, "type": kind.get(self.status, "server_error"), "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class Speculation(BaseModel):
+    """specfleet's own options (router.api.SpeculationOptions)."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_draft_tokens: int = Field(0, ge=0)
+    disabled: bool = False
+
+
+class Sampling(BaseModel):
+    """Fields shared by both endpoints. Unknown fields are kept so that they can be refused by name."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str
+    max_tokens: int | None = None
+    temperature: float = 1.0  # OpenAI's default
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Fields OpenAI defines that specfleet implements only at their neutral value.
+    n: int = 1
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict | None = None
+    # vLLM's extra sampling fields, and specfleet's.
+    repetition_penalty: float = 1.0  # only its neutral value (`vllm bench serve` sends it)
+    top_k: int = 0
+    ignore_eos: bool = False
+    # Name logprobs' tokens "token_id:<id>" (vLLM's option): exact where a token's text is not.
+    return_tokens_as_token_ids: bool = False
+    speculation: Speculation | None = None
+    domain: str = ""
+    request_id: str = ""
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    # The chosen tokens' log-probabilities and this many alternatives each (OpenAI allows 0 to 5).
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatRequest(Sampling):
+    messages: list[dict] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+def unsupported(field: str, why: str = "not supported by specfleet") -> ApiError:
+    return ApiError(400, f"{field}: {why}", param=field, code="unsupported_field")
+
+
+def refuse_unsupported(body: Sampling) -> None:
+    """A 400 naming the first field specfleet cannot honour."""
+    unknown = sorted(body.model_extra or {})
+    if unknown:
+        raise unsupported(unknown[0])
+    if not 1 <= body.n <= MAX_N:
+        raise ApiError(400, f"n: must be between 1 and {MAX_N}, got {body.n}", param="n")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if getattr(body, name) != 0:
+            raise unsupported(name, "only 0 is supported (penalties would change the target's distribution)")
+    if body.repetition_penalty != 1:
+        raise unsupported("repetition_penalty", "only 1 is supported (a penalty would change the target's distribution)")
+    if body.logit_bias:
+        raise unsupported("logit_bias")
+    if isinstance(body, CompletionRequest):
+        if body.echo:
+            raise unsupported("echo")
+        if body.best_of not in (None, 1):
+            raise unsupported("best_of", "only 1 is supported")
+        if body.suffix:
+            raise unsupported("suffix")
+    if body.seed is not None and not 0 <= body.seed < 2**63:
+        raise ApiError(400, f"seed: must be between 0 and 2**63 - 1, got {body.seed}", param="seed")
+    if body.stream_options is not None and not body.stream:
+        raise ApiError(400, "stream_options: only allowed with stream: true", param="stream_options")
+
+
+def completion_prompts(body: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completions request: one string or token id list each."""
+    prompts = body.prompt
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if not prompts:
+        raise ApiError(400, "prompt: must not be empty", param="prompt")
+    return prompts
+
+
+def chat_max_tokens(body: ChatRequest) -> int | None:
+    if body.max_tokens is not None and body.max_completion_tokens is not None:
+        raise ApiError(400, "max_completion_tokens: set it or max_tokens, not both", param="max_completion_tokens")
+    return body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+
+
+def params_of(body: Sampling, max_tokens: int | None, prompt: str | list[int], index: int, choice: int) -> GenerationParams:
+    """The router's request for choice `choice` (of n) of one prompt; `index` is its place among all choices."""
+    params = GenerationParams(
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        # Choice c of n samples with seed + c: each choice differs, and the seed alone still fixes all n.
+        seed=None if body.seed is None else body.seed + choice,
+        stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+        stop_at_eos=not body.ignore_eos,
+        domain=body.domain,
+        request_id=f"{body.request_id}-{index}" if body.request_id else "",
+    )
+    if isinstance(prompt, str):
+        params.prompt = prompt
+    else:
+        params.prompt_token_ids = list(prompt)
+    if isinstance(body, CompletionRequest) and body.logprobs is not None:
+        params.logprobs, params.top_logprobs = True, body.logprobs
+    if isinstance(body, ChatRequest):
+        params.logprobs, params.top_logprobs = body.logprobs, body.top_logprobs or 0
+    if body.speculation is not None:
+        params.speculation = SpeculationOptions(disabled=body.speculation.disabled, max_draft_tokens=body.speculation.max_draft_tokens)
+    return params
+
+
+def render_chat(tokenizer, messages: list[dict]) -> str:
+    """The prompt text of `messages` by the tokenizer's chat template (text content only)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ApiError(
+            400,
+            "messages: this model's tokenizer has no chat template, so chat messages cannot be turned into a prompt; "
+            "use /v1/completions, or add a chat_template to the tokenizer_config.json of the target",
+            param="messages",
+            code="no_chat_template",
+        )
+    plain = []
+    for i, message in enumerate(messages):
+        role, content = message.get("role"), message.get("content")
+        if role not in ("system", "user", "assistant", "developer"):
+            raise ApiError(400, f"messages[{i}].role: must be system, developer, user or assistant, got {role!r}", param="messages")
+        if isinstance(content, list):  # content parts: only text ones
+            if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
+                raise ApiError(400, f"messages[{i}].content: only text parts are supported", param="messages")
+            content = "".join(p.get("text", "") for p in content)
+        if not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}].content: must be a string or a list of text parts", param="messages")
+        extra = sorted(set(message) - {"role", "content", "name"})
+        if extra:
+            raise ApiError(400, f"messages[{i}].{extra[0]}: not supported by specfleet", param="messages")
+        plain.append({"role": role, "content": content})
+    try:
+        return tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
+    except Exception as err:  # the template's own checks (e.g. roles must alternate) are the client's to fix
+        raise ApiError(400, f"messages: the model's chat template refused them: {err}", param="messages") from None
+
+
+# --- results as OpenAI's JSON ---------------------------------------------------------------------------------------
+
+
+def usage_json(usages: list[Usage]) -> dict:
+    prompt = sum(u.prompt_tokens for u in usages)
+    completion = sum(u.completion_tokens for u in usages)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _shortest_float32(x: float) -> float:
+    """x at float32 precision, in the fewest digits that keep it (as protobuf's JSON form of a float field)."""
+    try:
+        single = struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
+    if not math.isfinite(single):
+        return single
+    for digits in range(6, 10):
+        short = float(f"{single:.{digits}g}")
+        if struct.unpack("f", struct.pack("f", short))[0] == single:
+            return short
+    return single
+
+
+def speculation_json(stats: SpeculationStats) -> dict:
+    """The statistics as the gRPC API's SpeculationStats in protobuf's JSON form: fields at their zero value left out."""
+    drafters = [
+        {k: v for k, v in (("drafter", d.drafter), ("rounds", d.rounds), ("draft_tokens", d.draft_tokens), ("accepted_tokens", d.accepted_tokens)) if v}
+        for d in stats.drafters
+    ]
+    fields = {
+        "rounds": stats.rounds,
+        "draft_tokens": stats.draft_tokens,
+        "accepted_tokens": stats.accepted_tokens,
+        "drafters": drafters,
+        "draft_wall_ms": _shortest_float32(stats.draft_wall_ms),
+        "draft_compute_ms": _shortest_float32(stats.draft_compute_ms),
+        "verify_wall_ms": _shortest_float32(stats.verify_wall_ms),
+        "verify_compute_ms": _shortest_float32(stats.verify_compute_ms),
+        "domain": stats.domain,
+    }
+    return {k: v for k, v in fields.items() if v}
+
+
+def token_text(tokenizer, as_ids: bool):
+    """A token id's name in logprobs: its text, or "token_id:<id>" (return_tokens_as_token_ids)."""
+    return (lambda token_id: f"token_id:{token_id}") if as_ids else (lambda token_id: tokenizer.decode([token_id]))
+
+
+def completion_logprobs(name, logprobs: list[TokenLogprobs], offset: int) -> dict:
+    """The completions API's logprobs object for these tokens; `name` gives a token's text; text_offset counts from `offset`."""
+    tokens = [name(lp.token_id) for lp in logprobs]
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        # The chosen token and its alternatives, as vLLM and OpenAI list them.
+        "top_logprobs": [{name(t.token_id): t.logprob for t in [*lp.top, lp]} for lp in logprobs],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(name, logprobs: list[TokenLogprobs]) -> dict:
+    """The chat API's logprobs object for these tokens; `name` gives a token's text."""
+
+    def entry(token_id: int, logprob: float) -> dict:
+        token = name(token_id)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t.token_id, t.logprob) for t in lp.top]} for lp in logprobs]}
+
+
+def sse(data: dict | str) -> str:
+    """One server-sent event."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
