@@ -70,11 +70,6 @@ class Scheduler:
 
     # --- the public side -----------------------------------------------------------------------------------
 
-    @property
-    def round(self) -> RoundContext:
-        """`context` by its old name, which router/server.py and specfleet/metrics.py still read."""
-        return self.context
-
     def submit(self, state: RequestState, prompt_text: str, domain_hint: str = "") -> None:
         # Requests whose clients gave up while queued hold no place in the queue.
         self._waiting = [s for s in self._waiting if not s.cancelled]

@@ -9,8 +9,6 @@ import logging
 import os
 import pathlib
 
-import grpc
-
 from router import messages
 from router.frontdoor import FrontDoor
 from router.grpc_api import GenerationServicer
@@ -232,10 +230,10 @@ async def reload(front_door: FrontDoor, scheduler: Scheduler, config_path: str, 
     """
     cfg = config_mod.load(config_path)
     rcfg = cfg.router
-    drafters = scheduler.round.drafters
+    drafters = scheduler.context.drafters
     if over_grpc:
         sec = security.load(cfg.security)
-        existing = {service.name: service for service in scheduler.round.drafters.values()}
+        existing = {service.name: service for service in scheduler.context.drafters.values()}
         services = {}
         for svc in cfg.drafters:
             old = existing.get(svc.name)
@@ -245,8 +243,8 @@ async def reload(front_door: FrontDoor, scheduler: Scheduler, config_path: str, 
                 await wait_until_serving(address, 30.0, security=sec)
         drafters = await collect_drafters(cfg, services, front_door.target)
     new_router = build_drafter_router(cfg, sorted(drafters))
-    new_router.store = scheduler.round.router.store
-    shared = scheduler.round
+    new_router.store = scheduler.context.router.store
+    shared = scheduler.context
     draft_limits = call_limits(cfg, front_door.target, await drafter_contexts(cfg, services))[1] if over_grpc else shared.config.draft_limits
     # Each object is replaced whole, never edited field by field: whoever reads one sees the old
     # settings or the new, not a mix. The lanes (pipeline_depth) and the verifier stay.
@@ -364,8 +362,8 @@ async def run(
     metrics_server = None
     metrics_sock = listen(host, cfg.router.metrics_port, config_mod.DEFAULT_METRICS_PORTS["router"], "router metrics", "router.metrics_port")
     if metrics_sock is not None:
-        scheduler.round.telemetry = RouterTelemetry(scheduler)
-        metrics_server = await metrics.serve(metrics_sock, scheduler.round.telemetry.registry, **sec.metrics_options())
+        scheduler.context.telemetry = RouterTelemetry(scheduler)
+        metrics_server = await metrics.serve(metrics_sock, scheduler.context.telemetry.registry, **sec.metrics_options())
     http = await start_http(cfg, host, front_door, api_key, sec)
 
     on_reload = (lambda: reload(front_door, scheduler, config_path, over_grpc=given is None)) if config_path else None

@@ -111,7 +111,7 @@ class _RoundState:
         self.scheduler = scheduler
 
     def collect(self):
-        shared = self.scheduler.round
+        shared = self.scheduler.context
         m = shared.metrics
         yield CounterMetricFamily(
             "specfleet:verifier_replica_moves", "Requests moved off a failed verifier replica to a live one.", value=self.scheduler.verifiers.moves

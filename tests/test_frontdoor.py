@@ -187,7 +187,7 @@ def test_complete_returns_the_whole_output_as_streaming_would(door, random_famil
 
 
 def test_a_consumer_that_stops_reading_cancels_its_request(door):
-    metrics = door.front_door.scheduler.round.metrics
+    metrics = door.front_door.scheduler.context.metrics
     cancelled = metrics.requests_cancelled
 
     async def leave_early():
@@ -234,7 +234,7 @@ def test_interleave_raises_the_first_failure_and_cancels_the_others(door):
 
 
 def test_submit_all_is_all_or_nothing(door):
-    metrics = door.front_door.scheduler.round.metrics
+    metrics = door.front_door.scheduler.context.metrics
     cancelled = metrics.requests_cancelled
 
     async def scenario():
@@ -250,13 +250,13 @@ def test_submit_all_is_all_or_nothing(door):
 
 def test_a_full_queue_refuses_with_overloaded(door):
     scheduler = door.front_door.scheduler
-    config = scheduler.round.config
-    scheduler.round.config = dataclasses.replace(config, max_queued=0)
+    config = scheduler.context.config
+    scheduler.context.config = dataclasses.replace(config, max_queued=0)
     try:
         with pytest.raises(GenerationError) as err:
             door.run(door.front_door.submit(GenerationParams(prompt="hi", max_tokens=2)))
     finally:
-        scheduler.round.config = config
+        scheduler.context.config = config
     assert err.value.kind is ErrorKind.OVERLOADED and "router.max_queued" in err.value.message
 
 
