@@ -20,7 +20,7 @@ drafter leads three in a row when the de drafter drops to 0.5, or the general dr
 
     .venv/bin/python scripts/routing_convergence.py --requests 8,16,32,64 --adaptation
     .venv/bin/python scripts/routing_convergence.py --requests 8,16,32,64 --set shared_evidence_cap=32 --set request_weight=2
-    # the protocol of tests/test_routing_convergence.py: three domains, their specialists and general
+    # the protocol of tests/e2e/test_routing_convergence.py: three domains, their specialists and general
     .venv/bin/python scripts/routing_convergence.py --domains de,code,it --drafters general,de,code,it \\
         --requests 60 --max-tokens 32 --late 12 --bar 0.5 --seeds 100
 """

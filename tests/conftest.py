@@ -1,156 +1,27 @@
-"""Fixtures that start real specfleet services: real processes, real gRPC over loopback, real models."""
+"""Fixtures that start real specfleet services (tests/harness.py), and the `e2e` marker on every test under
+tests/e2e/ (`pytest -m e2e` runs them, `pytest -m "not e2e"` the rest)."""
 
 from __future__ import annotations
 
-import collections
-import os
 import pathlib
-import secrets
-import signal
-import socket
-import subprocess
-import sys
-import time
 
-import grpc
 import pytest
-import yaml
 
 from specfleet.random_models import ensure_random_family
-from specfleet.serving import CHANNEL_OPTIONS
+from tests.harness import Cluster, cluster_config
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-
-# The verifier and drafters refuse calls without the internal token (specfleet/security.py). Every
-# cluster and process a test starts inherits this one, so tests may call them directly.
-INTERNAL_TOKEN = os.environ.setdefault("SPECFLEET_INTERNAL_TOKEN", secrets.token_hex(16))
+E2E = pathlib.Path(__file__).resolve().parent / "e2e"
 
 
-class _CallDetails(
-    collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")),
-    grpc.ClientCallDetails,
-):
-    pass
-
-
-class WithToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor, grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
-    """Adds `authorization: Bearer token` to every call of a channel."""
-
-    def __init__(self, token: str):
-        self.token = token
-
-    def _details(self, d):
-        metadata = [*(d.metadata or ()), ("authorization", f"Bearer {self.token}")]
-        return _CallDetails(d.method, d.timeout, metadata, d.credentials, d.wait_for_ready, d.compression)
-
-    def intercept_unary_unary(self, continuation, details, request):
-        return continuation(self._details(details), request)
-
-    def intercept_unary_stream(self, continuation, details, request):
-        return continuation(self._details(details), request)
-
-    def intercept_stream_unary(self, continuation, details, requests):
-        return continuation(self._details(details), requests)
-
-    def intercept_stream_stream(self, continuation, details, requests):
-        return continuation(self._details(details), requests)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if E2E in pathlib.Path(str(item.fspath)).resolve().parents:
+            item.add_marker(pytest.mark.e2e)
 
 
 @pytest.fixture(scope="session")
 def random_family(tmp_path_factory) -> dict[str, pathlib.Path]:
     return ensure_random_family(tmp_path_factory.mktemp("random-models"))
-
-
-class Cluster:
-    """`specfleet serve` with a given config, as a user would run it.
-
-    cwd: the tree whose code runs (its packages shadow the installed ones), e.g. a mutated
-    copy from tests/mutation.py; the repository by default."""
-
-    def __init__(self, config: dict, workdir: pathlib.Path, name: str, cwd: pathlib.Path = REPO, env: dict | None = None):
-        self.config = config
-        # env: variables added to the test's own; None removes one.
-        merged = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.env = {k: v for k, v in merged.items() if v is not None}
-        self.cwd = pathlib.Path(cwd)
-        self.config_path = workdir / f"{name}.yaml"
-        self.config_path.write_text(yaml.safe_dump(config))
-        self.router = f"127.0.0.1:{config['router']['port']}"
-        self.verifier = config["verifier"]["address"]
-        self.drafter = config["drafters"][0]["address"] if config.get("drafters") else None
-        self.log_path = workdir / f"{name}.log"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, timeout_s: float = 180.0, sigint_ignored: bool = False) -> "Cluster":
-        """sigint_ignored: start as a shell's background job would, with SIGINT ignored."""
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "specfleet.cli", "serve", "--config", str(self.config_path)],
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            text=True,
-            cwd=self.cwd,
-            env=self.env,
-            preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None,
-        )
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if "specfleet is ready" in line:
-                return self
-            if not line and self.proc.poll() is not None:
-                break
-        self.stop()
-        raise RuntimeError(f"cluster did not start; log:\n{self.log_path.read_text()[-4000:]}")
-
-    def channel(self, address: str | None = None) -> grpc.Channel:
-        """A channel carrying the router's API key when it has one, else the internal token (which the router ignores)."""
-        address = address or self.router
-        channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-        if address == self.router and self.env.get("SPECFLEET_API_KEY"):
-            return grpc.intercept_channel(channel, WithToken(self.env["SPECFLEET_API_KEY"]))
-        return grpc.intercept_channel(channel, WithToken(self.env.get("SPECFLEET_INTERNAL_TOKEN", INTERNAL_TOKEN)))
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        if hasattr(self, "_log"):
-            self._log.close()
-
-
-def cluster_config(family, drafter: str = "drafter-noisy", **overrides) -> dict:
-    # The HTTP API and metrics endpoints are off unless a test asks for them (with a free port): their
-    # defaults (8000, 9460-) are a user's, and test clusters running side by side would race for them.
-    config = {
-        "verifier": {"model": str(family["target"]), "address": f"127.0.0.1:{free_port()}", "metrics_port": 0},
-        "drafters": [
-            {
-                "name": "drafters",
-                "address": f"127.0.0.1:{free_port()}",
-                "models": [{"name": drafter, "path": str(family[drafter])}],
-                "metrics_port": 0,
-            }
-        ],
-        # Two lanes, as on a fleet of several machines: the router would choose one on this machine's two
-        # cores (router.pipeline_depth 0), and the tests cover the pipelined path.
-        "router": {"port": free_port(), "default_drafter": drafter, "http_port": 0, "metrics_port": 0, "pipeline_depth": 2},
-    }
-    for section, values in overrides.items():
-        if section == "drafter_service":
-            config["drafters"][0].update(values)
-        else:
-            config[section].update(values)
-    return config
 
 
 @pytest.fixture(scope="session")
@@ -159,3 +30,4 @@ def cluster(random_family, tmp_path_factory):
     c = Cluster(cluster_config(random_family), tmp_path_factory.mktemp("cluster"), "default").start()
     yield c
     c.stop()
+

@@ -3,7 +3,7 @@
 Each `tests/mutants/<area>.yaml` lists mutants: a name, why it is wrong, a `file`,
 a `find` that occurs exactly once in it, its `replace`ment, and the pytest arguments
 (`tests`) that must fail with it applied. `scripts/mutants` runs them all;
-tests/test_lossless.py starts a cluster from a mutated copy as its negative control.
+tests/e2e/test_lossless.py starts a cluster from a mutated copy as its negative control.
 
 How `find` is matched, so that reformatting (ruff format, black) does not break a
 mutant: a match is a literal occurrence of `find` or, in a `.py` file, a run of

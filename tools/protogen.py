@@ -1,7 +1,7 @@
 """Regenerate the gRPC stubs in specfleet/v1 from proto/specfleet/v1 (`make proto`).
 
 The stubs are committed so that an installed specfleet imports them without
-grpcio-tools; tests/test_proto.py fails when they are stale.
+grpcio-tools; tests/specfleet/test_proto.py fails when they are stale.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ Leviathan et al. / Chen et al. speculative sampling):
 When cur has no children left to try, r is either p_cur itself (a leaf: the
 bonus token) or the residual after its rejected children (the correction).
 
-Proof obligations, each checked by tests/test_verification.py:
+Proof obligations, each checked by tests/verifier_service/test_verification.py:
  1. Lossless: for every context, the first emitted token is distributed
     exactly as p_root, for any q_i and any number of siblings, provided each
     sibling's token was drawn from its q_i independently of the other

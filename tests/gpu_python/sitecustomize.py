@@ -1,4 +1,4 @@
-"""The GPU machine's Python, simulated: packages it lacks cannot be imported (tests/test_device_check.py).
+"""The GPU machine's Python, simulated: packages it lacks cannot be imported (tests/e2e/test_device_check.py).
 
 On PYTHONPATH, this file runs at every interpreter's start-up, in child processes too. It hides the packages from
 the path finder itself, so they look as absent as on that machine: `import fastapi` raises ModuleNotFoundError and

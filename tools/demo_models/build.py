@@ -52,7 +52,7 @@ class Plan:
 
 def link_shared_tokenizer(out: Path) -> None:
     """Every model of the family has the same tokenizer.json: each model's becomes a link to tokenizer/'s, so
-    the family travels once (a GPU machine takes 64 MiB of working tree; tests/test_device_check.py)."""
+    the family travels once (a GPU machine takes 64 MiB of working tree; tests/e2e/test_device_check.py)."""
     shared = out / "tokenizer" / "tokenizer.json"
     for path in sorted(out.glob("*/tokenizer.json")) + sorted(out.glob("drafters/*/tokenizer.json")):
         if path != shared and not path.is_symlink() and path.read_bytes() == shared.read_bytes():

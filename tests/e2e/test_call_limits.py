@@ -1,0 +1,79 @@
+"""Per-call limits of the verifier and drafters: a call over them is refused before any forward pass,
+and the router splits its own calls so that none is."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from specfleet import limits
+from specfleet.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, generation_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from tests.harness import Cluster, cluster_config
+from tests.helpers import PROMPTS, greedy_request, target_greedy
+
+
+def test_split_packs_units_in_order_within_the_limits():
+    size = lambda entry: entry  # noqa: E731  (an entry is its token count)
+    calls = limits.split([[3], [3], [2, 2], [5], [1]], size, limits.CallLimits(sessions=3, tokens=7))
+    assert calls == [[3, 3], [2, 2], [5, 1]]
+    # A unit alone over the limits still gets a call (the server's refusal says why).
+    assert limits.split([[9], [1]], size, limits.CallLimits(sessions=3, tokens=7)) == [[9], [1]]
+
+
+def verify_session(sid: str, context: int) -> verifier_pb2.VerifySession:
+    return verifier_pb2.VerifySession(
+        sync=common_pb2.SessionSync(session_id=sid, new_token_ids=[5] * context),
+        sampling=common_pb2.SamplingParams(temperature=0.0, top_p=1.0),
+    )
+
+
+@pytest.mark.parametrize("sessions,context,limit", [(257, 4, "verifier.max_call_sessions"), (100, 400, "verifier.max_call_tokens")])
+def test_a_verify_call_over_the_limits_is_refused_before_any_pass(cluster, sessions, context, limit):
+    """The defaults: 256 sessions and 32,768 context tokens a call. Refused sessions are never created
+    (a pass would have left them in the verifier's store)."""
+    ids = [f"over-{limit}-{i}" for i in range(sessions)]
+    with cluster.channel(cluster.verifier) as channel:
+        stub = verifier_pb2_grpc.VerifierStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Verify(verifier_pb2.VerifyRequest(sessions=[verify_session(sid, context) for sid in ids]), timeout=60)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert limit in err.value.details()
+        held = set(stub.GetStats(common_pb2.InfoRequest(), timeout=30).session_ids)
+        assert not held & set(ids)
+        # Still serving.
+        reply = stub.Verify(verifier_pb2.VerifyRequest(sessions=[verify_session("under-limits", 4)]), timeout=30)
+        assert reply.sessions[0].status == common_pb2.SESSION_OK
+
+
+def test_a_draft_call_over_the_limits_is_refused_before_any_pass(cluster):
+    model = cluster.config["drafters"][0]["models"][0]["name"]
+    ids = [f"over-draft-{i}" for i in range(257)]
+    sessions = [
+        drafter_pb2.DraftSession(sync=common_pb2.SessionSync(session_id=sid, new_token_ids=[5, 6]), model=model, num_draft_tokens=2)
+        for sid in ids
+    ]
+    with cluster.channel(cluster.drafter) as channel:
+        stub = drafter_pb2_grpc.DrafterStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Draft(drafter_pb2.DraftRequest(sessions=sessions), timeout=60)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "drafters[drafters].max_call_sessions" in err.value.details()
+        assert not set(stub.GetStats(common_pb2.InfoRequest(), timeout=30).session_ids) & set(ids)
+
+
+def test_the_router_splits_its_calls_to_fit_small_limits(random_family, tmp_path):
+    """Two sessions and one context's worth of tokens per call: eight concurrent requests still get the
+    target's output, in more, smaller calls."""
+    small = {"max_call_sessions": 2, "max_call_tokens": 1024}  # the random models' context
+    config = cluster_config(random_family, verifier=small, drafter_service=small)
+    cluster = Cluster(config, tmp_path, "small-calls").start()
+    try:
+        with cluster.channel() as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            prompts = PROMPTS[:8]
+            futures = {p: stub.Generate.future(greedy_request(p, 24, 3), timeout=300) for p in prompts}
+            for prompt, future in futures.items():
+                assert list(future.result().token_ids) == target_greedy(str(random_family["target"]), prompt, 24), prompt
+    finally:
+        cluster.stop()
+    assert "RESOURCE_EXHAUSTED" not in cluster.log_path.read_text()

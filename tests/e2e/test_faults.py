@@ -1,0 +1,143 @@
+"""Faults in one process cost speed, not requests: real processes, real signals."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+from router.breaker import Breaker
+from router.drafters import DrafterService
+from specfleet.v1 import generation_pb2_grpc
+from tests.harness import Cluster, cluster_config, free_port
+from tests.helpers import PROMPTS, greedy_request, target_greedy
+from tests.operations import service_pid
+
+
+def test_breaker_skips_a_failing_service_and_probes_it_with_growing_backoff():
+    now = [0.0]
+    breaker = Breaker(clock=lambda: now[0])
+    assert breaker.allow("a")
+    breaker.failed("a")
+    breaker.failed("a")  # another lane's call, sent before the breaker opened: the same outage
+    assert not breaker.allow("a") and breaker.allow("b") and breaker.open == ["a"]
+    assert not breaker.probe_due("a")
+    now[0] = 0.6
+    assert breaker.probe_due("a") and not breaker.probe_due("a")  # one probe at a time
+    assert not breaker.allow("a")  # rounds skip it until a probe succeeds
+    breaker.failed("a")  # the probe failed: twice the backoff
+    now[0] = 1.5
+    assert not breaker.probe_due("a")
+    now[0] = 1.7
+    assert breaker.probe_due("a")
+    breaker.succeeded("a")
+    assert breaker.allow("a") and breaker.open == []
+    breaker.failed("a")
+    now[0] = 2.3
+    assert breaker.probe_due("a")  # back to the first backoff after a success
+
+
+class _Replica:
+    def __init__(self, name: str):
+        self.name = self.address = name
+
+
+def test_drafter_replicas_keep_a_request_and_move_it_off_a_skipped_one():
+    service = DrafterService("beta", [_Replica("beta"), _Replica("beta[1]")])
+    up = {"beta": True, "beta[1]": True}
+    live = up.__getitem__
+    first, moved = service.pick("r1", live)
+    second, _ = service.pick("r2", live)
+    assert {first.name, second.name} == {"beta", "beta[1]"} and not moved  # spread over the replicas
+    assert service.pick("r1", live) == (first, False)  # and kept there (its KV is there)
+    up[first.name] = False
+    other, moved = service.pick("r1", live)
+    assert other.name != first.name and moved  # off a skipped replica, told it moved (resend everything)
+    assert service.pick("r1", live) == (other, False)
+    up[other.name] = False
+    assert service.pick("r1", live) == (other, False)  # none live: stays, and the caller skips it
+    service.unplaced("r1")
+    service.unplaced("r2")
+    up.update({"beta": True, "beta[1]": True})
+    assert service.pick("r3", live)[0].name == "beta"  # the least loaded again
+
+
+def test_a_stopped_drafter_does_not_stall_requests_drafted_by_others(random_family, tmp_path):
+    """SIGSTOP one of two drafter services while eight streams are mid-generation: rounds go on without it
+    (its calls get a short deadline, then the breaker skips it), so the streams keep receiving tokens
+    while it is stopped, and every output is the target's. Without the deadline every round that routes
+    a request to it waits rpc_timeout_s."""
+    config = cluster_config(random_family)
+    config["drafters"] = [
+        {"name": "alpha", "address": f"127.0.0.1:{free_port()}", "models": [{"name": "drafter-noisy", "path": str(random_family["drafter-noisy"])}], "metrics_port": 0},
+        {"name": "beta", "address": f"127.0.0.1:{free_port()}", "models": [{"name": "drafter-copy", "path": str(random_family["drafter-copy"])}], "metrics_port": 0},
+    ]
+    # Every round draws each request's drafter at random, so most rounds have requests on both services.
+    config["router"].update(
+        {"routing_policy": "random", "default_drafter": "drafter-noisy", "adaptive_speculation": False, "rpc_timeout_s": 300}
+    )
+    cluster = Cluster(config, tmp_path, "stopped-drafter").start()
+    prompts, max_tokens = PROMPTS[:8], 900
+    tokens: dict[str, list[int]] = {p: [] for p in prompts}
+    chunks = threading.Semaphore(0)
+    started = threading.Barrier(len(prompts) + 1)
+
+    def client(prompt: str) -> None:
+        request = greedy_request(prompt, max_tokens, 2, stop_at_eos=False)
+        with cluster.channel() as channel:
+            for i, chunk in enumerate(generation_pb2_grpc.GenerationStub(channel).GenerateStream(request, timeout=900)):
+                tokens[prompt] += chunk.token_ids
+                chunks.release()
+                if i == 0:
+                    started.wait(timeout=300)
+
+    threads = [threading.Thread(target=client, args=(p,)) for p in prompts]
+    try:
+        for t in threads:
+            t.start()
+        started.wait(timeout=300)  # every stream is mid-generation, with hundreds of tokens to go
+        beta = service_pid(cluster, "drafter", also="--name beta")
+        os.kill(beta, signal.SIGSTOP)
+        try:
+            while chunks.acquire(blocking=False):  # count only what arrives from now on
+                pass
+            # A few rounds may complete without touching beta; fifty chunks need rounds that route around it.
+            progressed = all(chunks.acquire(timeout=60) for _ in range(50))
+        finally:
+            os.kill(beta, signal.SIGCONT)
+        for t in threads:
+            t.join(timeout=900)
+    finally:
+        cluster.stop()
+    assert progressed, "the streams stalled while one drafter service was stopped"
+    for prompt in prompts:
+        assert tokens[prompt] == target_greedy(str(random_family["target"]), prompt, max_tokens), prompt
+    assert "drafter service beta: skipped" in cluster.log_path.read_text()
+
+
+def test_pipelining_needs_a_drafter_that_can_run_beside_the_verifier():
+    from router.server import pipeline_depth
+    from specfleet import placement
+    from specfleet.v1 import common_pb2
+
+    def info(host="h", device="cpu", cpus=(0,), threads=1):
+        return common_pb2.ModelInfo(host=host, device=device, cpus=list(cpus), threads=threads)
+
+    one_core = info(cpus=[1])
+    assert not placement.can_overlap(one_core, info(cpus=[1]))  # `taskset -c 1 specfleet serve`
+    assert placement.can_overlap(info(cpus=[0, 1]), info(cpus=[0, 1]))  # two cores for two threads
+    assert not placement.can_overlap(info(cpus=[0, 1]), info(cpus=[0, 1]), info(cpus=[0, 1]))  # and the router's
+    assert placement.can_overlap(info(cpus=[0, 1]), info(cpus=[0, 1]), info(host="other"))
+    assert placement.can_overlap(info(cpus=[0, 1]), info(cpus=[0, 1]), info(cpus=[2]))  # the router on a core of its own
+    assert not placement.can_overlap(info(cpus=[0, 1], threads=2), info(cpus=[0, 1]))
+    assert placement.can_overlap(one_core, info(host="other", cpus=[1]))
+    assert placement.can_overlap(info(device="cuda:0"), info())
+    assert not placement.can_overlap(info(device="cuda:0"), info(device="cuda:0"))
+    service = DrafterService("d", [_Replica("d")])
+    service.placement = info(cpus=[1])
+    router = info(cpus=[1])
+    assert pipeline_depth(0, one_core, {"general": service}, router) == 1
+    assert pipeline_depth(2, one_core, {"general": service}, router) == 2  # a configured depth stands
+    service.placement = info(host="other")
+    assert pipeline_depth(0, one_core, {"general": service}, router) == 2
+    assert pipeline_depth(0, one_core, {}, router) == 2

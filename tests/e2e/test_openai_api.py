@@ -1,0 +1,433 @@
+"""The OpenAI-compatible HTTP API, driven by the official `openai` client against a running `specfleet serve`."""
+
+from __future__ import annotations
+
+import json
+import os
+import http.client
+import re
+import shlex
+import shutil
+import subprocess
+import time
+import urllib.request
+
+import urllib.error
+import openai
+import pytest
+
+from router.openai_api import ApiError, render_chat
+from specfleet.engine import load_tokenizer
+from specfleet.v1 import generation_pb2_grpc
+from tests.harness import Cluster, cluster_config, free_port
+from tests.helpers import greedy_request, target_greedy, target_logprobs
+
+API_KEY = "test-key-123"
+TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+PROMPTS = ["def fibonacci(n):", "The quick brown fox", "name: specfleet\nversion:"]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def target_with_template(random_family, tmp_path_factory):
+    """The random target with a chat template in its tokenizer (the template is not in the tokenizer's fingerprint)."""
+    path = tmp_path_factory.mktemp("templated") / "target"
+    shutil.copytree(random_family["target"], path)
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = TEMPLATE
+    config_file.write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def api(random_family, target_with_template, tmp_path_factory):
+    config = cluster_config(random_family, router={"http_port": free_port(), "metrics_port": free_port(), "served_model_name": "random-target"})
+    config["verifier"]["model"] = str(target_with_template)
+    config["verifier"]["metrics_port"] = free_port()
+    # `specfleet serve` reads it (as `--api-key`); the gRPC API needs it too (cluster.channel() sends it).
+    cluster = Cluster(config, tmp_path_factory.mktemp("openai"), "openai", env={"SPECFLEET_API_KEY": API_KEY}).start()
+    cluster.base_url = f"http://127.0.0.1:{config['router']['http_port']}"
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def client(api):
+    with openai.OpenAI(base_url=api.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def tokenizer(target_with_template):
+    return load_tokenizer(str(target_with_template))
+
+
+def greedy(**extra):
+    """Greedy with drafting on: the output must still be the target's own."""
+    return {"temperature": 0, "max_tokens": MAX_TOKENS, "extra_body": {"speculation": {"max_draft_tokens": 4}, **extra}}
+
+
+def test_completions_greedy_equal_grpc_and_target_alone(api, client, tokenizer, target_with_template):
+    with api.channel() as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        for prompt in PROMPTS:
+            expected_ids = target_greedy(str(target_with_template), prompt, MAX_TOKENS)
+            expected = tokenizer.decode(expected_ids, skip_special_tokens=True)
+            grpc_reply = stub.Generate(greedy_request(prompt, MAX_TOKENS, 4), timeout=120)
+            reply = client.completions.create(model="random-target", prompt=prompt, **greedy())
+            assert reply.choices[0].text == grpc_reply.text == expected, prompt
+            assert reply.usage.completion_tokens == len(expected_ids)
+            assert reply.usage.prompt_tokens == len(tokenizer.encode(prompt, add_special_tokens=False))
+            assert reply.choices[0].finish_reason == ("stop" if tokenizer.eos_token_id in expected_ids else "length")
+            assert reply.model_extra["speculation"][0]["rounds"] >= 1
+
+
+def test_completions_take_token_ids_and_several_prompts(client, tokenizer, target_with_template):
+    expected = [tokenizer.decode(target_greedy(str(target_with_template), p, MAX_TOKENS), skip_special_tokens=True) for p in PROMPTS[:2]]
+    ids = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS[:2]]
+    for prompt in (PROMPTS[:2], ids, ids[0]):
+        reply = client.completions.create(model="random-target", prompt=prompt, **greedy())
+        texts = [c.text for c in sorted(reply.choices, key=lambda c: c.index)]
+        assert texts == (expected[:1] if prompt is ids[0] else expected)
+
+
+def test_completions_stream_with_usage(client, tokenizer, target_with_template):
+    prompt = PROMPTS[0]
+    expected_ids = target_greedy(str(target_with_template), prompt, MAX_TOKENS)
+    # As `vllm bench serve` asks: with vLLM's neutral repetition_penalty.
+    chunks = list(client.completions.create(
+        model="random-target", prompt=prompt, stream=True, stream_options={"include_usage": True}, **greedy(repetition_penalty=1.0)
+    ))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == tokenizer.decode(expected_ids, skip_special_tokens=True)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finishes) == 1 and chunks[-2].choices[0].finish_reason == finishes[0]
+    # The usage chunk comes last, with no choices.
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected_ids)
+
+
+def test_chat_renders_the_template_unary_and_streaming(client, tokenizer, target_with_template):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def fibonacci(n):"}]
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert prompt.startswith("<system>Be brief.\n")
+    expected = tokenizer.decode(target_greedy(str(target_with_template), prompt, MAX_TOKENS), skip_special_tokens=True)
+    args = greedy()
+    args["max_completion_tokens"] = args.pop("max_tokens")
+    reply = client.chat.completions.create(model="random-target", messages=messages, **args)
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].message.content == expected
+    assert reply.usage.prompt_tokens == len(tokenizer.encode(prompt, add_special_tokens=False))
+    chunks = list(client.chat.completions.create(model="random-target", messages=messages, stream=True, **args))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_n_choices_greedy_are_the_target_s_and_seeded_ones_differ_and_repeat(client, tokenizer, target_with_template):
+    ids = [target_greedy(str(target_with_template), p, MAX_TOKENS) for p in PROMPTS[:2]]
+    expected = [tokenizer.decode(i, skip_special_tokens=True) for i in ids]
+    reply = client.completions.create(model="random-target", prompt=PROMPTS[:2], n=3, **greedy())
+    # Choice i * n + c is prompt i's c-th.
+    assert [c.index for c in reply.choices] == list(range(6))
+    assert [c.text for c in reply.choices] == [expected[0]] * 3 + [expected[1]] * 3
+    assert reply.usage.completion_tokens == 3 * (len(ids[0]) + len(ids[1]))
+    assert len(reply.model_extra["speculation"]) == 6
+    # Sampled with a seed: each choice its own sample, and the seed fixes all of them.
+    sampled = {"model": "random-target", "messages": [{"role": "user", "content": "hi"}], "n": 3, "seed": 11, "temperature": 1.0, "max_tokens": 16}
+    first = [c.message.content for c in client.chat.completions.create(**sampled).choices]
+    again = [c.message.content for c in client.chat.completions.create(**sampled, stream=False).choices]
+    streamed = ["", "", ""]
+    for chunk in client.chat.completions.create(**sampled, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert first == again == streamed
+    assert len(set(first)) == 3
+
+
+def test_a_model_without_a_chat_template_is_refused_with_the_reason(random_family):
+    plain = load_tokenizer(str(random_family["target"]))
+    with pytest.raises(ApiError) as err:
+        render_chat(plain, [{"role": "user", "content": "hi"}])
+    assert err.value.status == 400 and err.value.param == "messages" and "no chat template" in err.value.message
+
+
+def test_messages_the_chat_template_refuses_get_its_reason(random_family):
+    strict = load_tokenizer(str(random_family["target"]))
+    strict.chat_template = "{{ raise_exception('Conversation roles must alternate user/assistant') }}"
+    with pytest.raises(ApiError) as err:
+        render_chat(strict, [{"role": "user", "content": "hi"}, {"role": "user", "content": "again"}])
+    assert err.value.status == 400 and "roles must alternate" in err.value.message
+
+
+REFUSED = [
+    ("completions", {"n": 0}, "n"),
+    ("chat", {"n": 17}, "n"),
+    ("completions", {"logprobs": 6}, "logprobs"),
+    ("completions", {"extra_body": {"top_logprobs": 2}}, "top_logprobs"),
+    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    # OpenAI's rule: alternatives only with logprobs.
+    ("chat", {"top_logprobs": 2}, "top_logprobs"),
+    ("completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
+    ("chat", {"presence_penalty": 1.0}, "presence_penalty"),
+    ("completions", {"logit_bias": {"5": 10}}, "logit_bias"),
+    ("completions", {"extra_body": {"repetition_penalty": 1.2}}, "repetition_penalty"),
+    ("completions", {"echo": True}, "echo"),
+    ("completions", {"suffix": "end"}, "suffix"),
+    ("completions", {"best_of": 2}, "best_of"),
+    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ("completions", {"extra_body": {"min_p": 0.1}}, "min_p"),
+    ("completions", {"seed": -1}, "seed"),
+    ("completions", {"temperature": -1}, "temperature"),
+    ("completions", {"top_p": 0}, "top_p"),
+    ("completions", {"max_tokens": 0}, "max_tokens"),
+    ("chat", {"max_tokens": 5, "max_completion_tokens": 5}, "max_completion_tokens"),
+    # The random target's context is 1024 tokens: the prompt leaves less room than this.
+    ("completions", {"max_tokens": 1024}, "max_tokens"),
+    ("completions", {"extra_body": {"speculation": {"max_draft_tokens": 1000}}}, "speculation"),
+    ("chat", {"messages": [{"role": "robot", "content": "hi"}]}, "messages"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
+]
+
+
+@pytest.mark.parametrize("endpoint,fields,param", REFUSED, ids=[f"{e}-{p}" for e, _, p in REFUSED])
+def test_unsupported_and_invalid_fields_are_refused_by_name(client, endpoint, fields, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        if endpoint == "chat":
+            client.chat.completions.create(**{"model": "random-target", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **fields})
+        else:
+            client.completions.create(**{"model": "random-target", "prompt": "hi", "max_tokens": 4, **fields})
+    assert err.value.status_code == 400
+    assert err.value.body["param"] == param
+    assert err.value.body["type"] == "invalid_request_error"
+    assert param in err.value.body["message"]
+
+
+def test_max_tokens_beyond_the_context_is_refused_with_the_room_left(client, tokenizer):
+    room = 1024 - len(tokenizer.encode("hi", add_special_tokens=False))
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="random-target", prompt="hi", max_tokens=room + 1)
+    assert f"context of 1024 tokens; ask for at most {room}" in err.value.body["message"]
+
+
+def test_the_ready_message_prints_commands_that_work(api):
+    """The lines after `specfleet is ready`: a generate command to paste, and the API's address."""
+    try_line = api.proc.stdout.readline()
+    assert "try: " in try_line
+    command = shlex.split(try_line.split("try: ", 1)[1]) + ["--max-tokens", "4"]
+    # `specfleet generate` sends $SPECFLEET_API_KEY, as a user who set it for the router has it.
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd="/", env={**os.environ, "SPECFLEET_API_KEY": API_KEY})
+    assert result.returncode == 0, result.stderr
+    api_line = api.proc.stdout.readline()
+    assert f"OpenAI-compatible API: {api.base_url}/v1" in api_line
+
+
+@pytest.mark.parametrize("version", ["v1", "v1alpha"])
+def test_server_reflection_answers_as_v1_and_v1alpha(api, version):
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    with api.channel() as channel:
+        call = channel.stream_stream(
+            f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+        )
+        requests = [
+            reflection_pb2.ServerReflectionRequest(list_services=""),
+            reflection_pb2.ServerReflectionRequest(file_containing_symbol="specfleet.v1.Generation"),
+        ]
+        listed, described = list(call(iter(requests), timeout=30))
+    names = {s.name for s in listed.list_services_response.service}
+    assert {"specfleet.v1.Generation", "grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"} <= names
+    assert described.file_descriptor_response.file_descriptor_proto
+
+
+def test_a_wrong_or_missing_key_is_refused(api, client):
+    with openai.OpenAI(base_url=api.base_url + "/v1", api_key="not-the-key", max_retries=0) as wrong:
+        with pytest.raises(openai.AuthenticationError):
+            wrong.completions.create(model="random-target", prompt="hi", max_tokens=2)
+        with pytest.raises(openai.AuthenticationError):
+            wrong.models.list()
+    with pytest.raises(urllib.error.HTTPError) as err:  # no Authorization header at all
+        urllib.request.urlopen(api.base_url + "/v1/models", timeout=10)
+    assert err.value.code == 401
+    # Health and version are for load balancers and need no key.
+    assert urllib.request.urlopen(api.base_url + "/health", timeout=10).status == 200
+    assert json.loads(urllib.request.urlopen(api.base_url + "/version", timeout=10).read())["version"]
+
+
+def test_models_lists_the_served_name_and_unknown_models_are_404(client):
+    assert [m.id for m in client.models.list()] == ["random-target"]
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+    assert err.value.body["param"] == "model"
+
+
+def _metric(url: str, name: str) -> float:
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    assert match, f"{name} not in {url}"
+    return float(match.group(1))
+
+
+def test_a_client_that_disconnects_mid_stream_leaves_no_session_behind(api, client):
+    metrics = f"http://127.0.0.1:{api.config['router']['metrics_port']}/metrics"
+    verifier_metrics = f"http://127.0.0.1:{api.config['verifier']['metrics_port']}/metrics"
+    request_id = f"disconnect-{time.monotonic_ns()}"
+    tokens_before = _metric(metrics, "specfleet:generation_tokens_total")
+    cancelled_before = _metric(metrics, "specfleet:request_cancelled_total")
+    # Long enough (ignore_eos, no drafting) that it is still generating when the client leaves.
+    stream = client.completions.create(
+        model="random-target", prompt="The quick brown fox", max_tokens=900, temperature=0, stream=True,
+        extra_body={"ignore_eos": True, "request_id": request_id, "speculation": {"disabled": True}},
+    )
+    first = next(iter(stream))
+    assert first.choices[0].finish_reason is None
+    assert _metric(verifier_metrics, "specfleet:sessions") == 1  # this request's, while it runs
+    stream.close()
+    deadline = time.monotonic() + 60
+    while (_metric(metrics, "specfleet:num_requests_running") > 0 or _metric(verifier_metrics, "specfleet:sessions") > 0) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _metric(metrics, "specfleet:num_requests_running") == 0
+    assert _metric(verifier_metrics, "specfleet:sessions") == 0
+    # Cancelled, not run to its end: without drafting each token is one verifier call, so
+    # 900 of them take far longer than the client's leaving.
+    assert _metric(metrics, "specfleet:request_cancelled_total") == cancelled_before + 1
+    assert _metric(metrics, "specfleet:generation_tokens_total") - tokens_before < 900
+    assert f"request {request_id}-0 cancelled" in api.log_path.read_text()
+
+
+def test_a_unary_client_that_hangs_up_cancels_its_request(api):
+    metrics = f"http://127.0.0.1:{api.config['router']['metrics_port']}/metrics"
+    verifier_metrics = f"http://127.0.0.1:{api.config['verifier']['metrics_port']}/metrics"
+    cancelled_before = _metric(metrics, "specfleet:request_cancelled_total")
+    tokens_before = _metric(metrics, "specfleet:generation_tokens_total")
+    body = {
+        "model": "random-target", "prompt": "The quick brown fox", "max_tokens": 900, "temperature": 0,
+        "ignore_eos": True, "speculation": {"disabled": True},
+    }
+    conn = http.client.HTTPConnection("127.0.0.1", api.config["router"]["http_port"], timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+    deadline = time.monotonic() + 60
+    while _metric(metrics, "specfleet:num_requests_running") < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _metric(metrics, "specfleet:num_requests_running") == 1
+    conn.close()  # hang up before the answer
+    while (_metric(metrics, "specfleet:num_requests_running") > 0 or _metric(verifier_metrics, "specfleet:sessions") > 0) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _metric(verifier_metrics, "specfleet:sessions") == 0
+    assert _metric(metrics, "specfleet:request_cancelled_total") == cancelled_before + 1
+    assert _metric(metrics, "specfleet:generation_tokens_total") - tokens_before < 900
+
+
+# float32 on CPU: the verifier's cached, batched tree passes and one plain transformers pass
+# agree to about 1e-5; a wrong row or a shaped (temperature, top-k) distribution is off by far more.
+LOGPROB_TOLERANCE = 1e-3
+
+
+def _ids(tokens: list[str]) -> list[int]:
+    """Token ids from logprobs' token names under return_tokens_as_token_ids."""
+    assert all(t.startswith("token_id:") for t in tokens), tokens
+    return [int(t.split(":", 1)[1]) for t in tokens]
+
+
+def _check_against_target(path, prompt_ids, ids, logprobs, tops: list[dict] | None = None, top: int = 0):
+    """logprobs of ids equal the target's own; tops (token name -> logprob per position) its `top` most likely."""
+    chosen, best_ids, best_values = target_logprobs(path, prompt_ids, ids, top)
+    assert logprobs == pytest.approx(chosen, abs=LOGPROB_TOLERANCE)
+    for position, alternatives in enumerate(tops or []):
+        expected = {f"token_id:{t}": v for t, v in zip(best_ids[position], best_values[position])}
+        expected[f"token_id:{ids[position]}"] = chosen[position]  # the chosen token is listed too
+        assert set(alternatives) == set(expected), position
+        assert [alternatives[k] for k in expected] == pytest.approx(list(expected.values()), abs=LOGPROB_TOLERANCE)
+
+
+SAMPLED = {"temperature": 0.7, "top_p": 0.9, "seed": 5}
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "sampled"])
+def test_completions_logprobs_are_the_target_s_unary_and_streaming(client, tokenizer, target_with_template, sampling):
+    prompt = PROMPTS[0]
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    args = greedy(return_tokens_as_token_ids=True, top_k=8)
+    if sampling == "sampled":
+        args.update(SAMPLED)  # shaped sampling: the logprobs stay the raw distribution's
+    reply = client.completions.create(model="random-target", prompt=prompt, logprobs=3, **args)
+    lp = reply.choices[0].logprobs
+    ids = _ids(lp.tokens)
+    assert len(ids) == reply.usage.completion_tokens and reply.model_extra["speculation"][0]["accepted_tokens"] > 0
+    if sampling == "greedy":
+        assert ids == target_greedy(str(target_with_template), prompt, MAX_TOKENS)
+    assert all(len(alternatives) in (3, 4) for alternatives in lp.top_logprobs)
+    _check_against_target(str(target_with_template), prompt_ids, ids, lp.token_logprobs, lp.top_logprobs, top=3)
+    assert lp.text_offset == [len("token_id:") * i + sum(len(str(t)) for t in ids[:i]) for i in range(len(ids))]
+
+    streamed_tokens, streamed_logprobs = [], []
+    for chunk in client.completions.create(model="random-target", prompt=prompt, logprobs=3, stream=True, **args):
+        if chunk.choices and chunk.choices[0].logprobs:
+            streamed_tokens += chunk.choices[0].logprobs.tokens
+            streamed_logprobs += chunk.choices[0].logprobs.token_logprobs
+    assert streamed_tokens == lp.tokens
+    assert streamed_logprobs == pytest.approx(lp.token_logprobs, abs=LOGPROB_TOLERANCE)
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "sampled"])
+def test_chat_logprobs_are_the_target_s_unary_and_streaming(client, tokenizer, target_with_template, sampling):
+    messages = [{"role": "user", "content": "The quick brown fox"}]
+    prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False)
+    args = greedy(return_tokens_as_token_ids=True)
+    if sampling == "sampled":
+        args.update(SAMPLED)
+    reply = client.chat.completions.create(model="random-target", messages=messages, logprobs=True, top_logprobs=2, **args)
+    content = reply.choices[0].logprobs.content
+    ids = _ids([e.token for e in content])
+    assert len(ids) == reply.usage.completion_tokens
+    assert all(len(e.top_logprobs) == 2 and e.bytes == list(e.token.encode()) for e in content)
+    tops = [{t.token: t.logprob for t in [*e.top_logprobs, e]} for e in content]
+    _check_against_target(str(target_with_template), prompt_ids, ids, [e.logprob for e in content], tops, top=2)
+
+    streamed = []
+    for chunk in client.chat.completions.create(model="random-target", messages=messages, logprobs=True, stream=True, **args):
+        if chunk.choices and chunk.choices[0].logprobs:
+            streamed += chunk.choices[0].logprobs.content
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert all(e.top_logprobs == [] for e in streamed)  # none asked for
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=LOGPROB_TOLERANCE)
+    # Without logprobs, none come back.
+    assert client.chat.completions.create(model="random-target", messages=messages, **greedy()).choices[0].logprobs is None
+
+
+def test_grpc_clients_get_the_same_logprobs(api, tokenizer, target_with_template):
+    prompt = PROMPTS[1]
+    with api.channel() as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        reply = stub.Generate(greedy_request(prompt, MAX_TOKENS, 4, logprobs=True, top_logprobs=2), timeout=120)
+        assert [lp.token_id for lp in reply.logprobs] == list(reply.token_ids)
+        tops = [{f"token_id:{t.token_id}": t.logprob for t in [*lp.top, lp]} for lp in reply.logprobs]
+        _check_against_target(
+            str(target_with_template), tokenizer.encode(prompt, add_special_tokens=False), list(reply.token_ids),
+            [lp.logprob for lp in reply.logprobs], tops, top=2,
+        )
+        chunks = list(stub.GenerateStream(greedy_request(prompt, MAX_TOKENS, 4, logprobs=True), timeout=120))
+        assert [lp.token_id for c in chunks for lp in c.logprobs] == list(reply.token_ids)
+        assert all(not lp.top for c in chunks for lp in c.logprobs)
+        assert not stub.Generate(greedy_request(prompt, MAX_TOKENS, 4), timeout=120).logprobs
+
+
+def test_logprobs_stop_where_the_output_stops(client, tokenizer, target_with_template):
+    """A stop string or the end of sequence cuts the tokens mid-round: their logprobs are cut with them."""
+    expected = tokenizer.decode(target_greedy(str(target_with_template), PROMPTS[0], MAX_TOKENS), skip_special_tokens=True)
+    stop = expected[len(expected) // 2 : len(expected) // 2 + 3]
+    assert stop.strip()
+    for stream in (False, True):
+        reply = client.completions.create(model="random-target", prompt=PROMPTS[0], logprobs=0, stop=[stop], stream=stream, **greedy(return_tokens_as_token_ids=True))
+        chunks = list(reply) if stream else [reply]
+        tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+        assert chunks[-1].choices[0].finish_reason == "stop"
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert stop not in text and expected.startswith(text)
+        # The tokens up to the one that completed the stop string, each with its logprob.
+        assert tokenizer.decode(_ids(tokens), skip_special_tokens=True).startswith(text + stop[:1])
+        assert stop in tokenizer.decode(_ids(tokens), skip_special_tokens=True)
+        assert stop not in tokenizer.decode(_ids(tokens)[:-1], skip_special_tokens=True)

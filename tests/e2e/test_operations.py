@@ -1,0 +1,205 @@
+"""Admission, overload, metrics and reload through a real `specfleet serve`: one running slot, a short queue.
+
+A paused verifier (SIGSTOP) holds the running request mid-round, so that the
+queue fills and drains at moments the test chooses, whatever the machine's speed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import time
+
+import grpc
+import pytest
+import yaml
+
+from specfleet.v1 import generation_pb2_grpc
+from tests.harness import Cluster, free_port
+from tests.helpers import PROMPTS, greedy_request, target_greedy
+from tests.operations import metrics, paused, service_pid, session_of, wait_for_metric
+from tests.e2e.test_collaboration import multi_drafter_config
+
+MAX_QUEUED = 4
+
+
+@pytest.fixture(scope="module")
+def ops(random_family, tmp_path_factory):
+    config = multi_drafter_config(
+        random_family, routing_policy="fixed", default_drafter="drafter-noisy", fusion_width=1,
+        max_running=1, max_queued=MAX_QUEUED, metrics_port=free_port(),
+        rpc_timeout_s=600.0,  # a round waits out the verifier's pause rather than failing
+    )
+    cluster = Cluster(config, tmp_path_factory.mktemp("ops"), "ops").start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(ops):
+    with ops.channel() as channel:
+        yield generation_pb2_grpc.GenerationStub(channel)
+
+
+def _port(cluster) -> int:
+    return cluster.config["router"]["metrics_port"]
+
+
+@contextlib.contextmanager
+def _slot_taken(cluster, stub, request_id: str):
+    """The one running slot is held by a request that cannot finish: the verifier is paused. On exit the
+    verifier resumes; yields the blocking request's future."""
+    with paused(service_pid(cluster, "verifier")):
+        blocker = stub.Generate.future(greedy_request(PROMPTS[0], 8, 2, request_id=request_id), timeout=600)
+        wait_for_metric(_port(cluster), "specfleet:num_requests_running", 1)
+        yield blocker
+
+
+def _queue(cluster, stub, request, timeout_s: float):
+    """Send a request and wait until the router has queued it (so arrival order is this call order)."""
+    waiting = metrics(_port(cluster))["specfleet:num_requests_waiting"]
+    future = stub.Generate.future(request, timeout=timeout_s)
+    wait_for_metric(_port(cluster), "specfleet:num_requests_waiting", waiting + 1)
+    return future
+
+
+def test_admission_is_earliest_deadline_first(ops, stub, random_family):
+    """Queued behind a running request in an order that is neither deadline order nor its reverse, requests
+    run (one at a time: max_running 1) in deadline order; the router log records the order they finish."""
+    reference = target_greedy(str(random_family["target"]), PROMPTS[1], 4)
+    timeouts = [300, 100, 400, 200]
+    with _slot_taken(ops, stub, "edf-blocker") as blocker:
+        queued = {t: _queue(ops, stub, greedy_request(PROMPTS[1], 4, 2, request_id=f"edf-{t}"), t) for t in timeouts}
+    assert blocker.result().finish_reason
+    for future in queued.values():
+        assert list(future.result().token_ids) == reference
+    finished = re.findall(r"request (edf-\d+) finished", ops.log_path.read_text())
+    assert finished == [f"edf-{t}" for t in sorted(timeouts)]
+
+
+def test_past_max_queued_is_resource_exhausted(ops, stub, random_family):
+    """A full queue refuses the next request with RESOURCE_EXHAUSTED naming router.max_queued; the queued
+    ones and the running one finish correctly once the verifier resumes."""
+    reference = target_greedy(str(random_family["target"]), PROMPTS[2], 4)
+    with _slot_taken(ops, stub, "full-blocker") as blocker:
+        queued = [_queue(ops, stub, greedy_request(PROMPTS[2], 4, 2, request_id=f"full-{i}"), 600) for i in range(MAX_QUEUED)]
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Generate(greedy_request(PROMPTS[2], 4, 2, request_id="one-too-many"), timeout=30)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value.details()
+    assert "router.max_queued" in err.value.details()
+    assert blocker.result().finish_reason
+    for future in queued:
+        assert list(future.result().token_ids) == reference
+    assert "request one-too-many finished" not in ops.log_path.read_text()
+
+
+def test_metrics_count_what_the_replies_report(ops, stub):
+    """The router's counters move by exactly what its replies report (nothing else runs meanwhile)."""
+    before = metrics(_port(ops))
+    # As many as the queue holds, so that none is refused whatever the order of arrival and admission.
+    futures = [stub.Generate.future(greedy_request(p, 24, 4), timeout=300) for p in PROMPTS[:MAX_QUEUED]]
+    replies = [f.result() for f in futures]
+    after = metrics(_port(ops))
+
+    def moved(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    def moved_family(family: str) -> float:
+        return sum(v for k, v in after.items() if k.startswith(family + "{")) - sum(v for k, v in before.items() if k.startswith(family + "{"))
+
+    drafted = sum(r.speculation.draft_tokens for r in replies)
+    accepted = sum(r.speculation.accepted_tokens for r in replies)
+    assert 0 < accepted < drafted  # the drafter proposed, and the target both accepted and rejected
+    assert moved("specfleet:spec_decode_num_draft_tokens_total") == drafted
+    assert moved("specfleet:spec_decode_num_accepted_tokens_total") == accepted
+    assert moved_family("specfleet:request_success_total") == len(replies)
+    assert moved_family("specfleet:request_failure_total") == 0
+    assert moved("specfleet:rounds_total") >= max(r.speculation.rounds for r in replies)
+    # Per drafter (one drafter, chains only: its proposals are the request's drafts).
+    assert moved_family("specfleet:drafter_draft_tokens_total") == sum(d.draft_tokens for r in replies for d in r.speculation.drafters)
+    assert moved_family("specfleet:drafter_accepted_tokens_total") == sum(d.accepted_tokens for r in replies for d in r.speculation.drafters)
+
+
+def test_a_cancelled_request_stops_and_counts_as_cancelled(ops, stub):
+    """A client cancels mid-generation while the verifier is paused: once the router has seen the
+    cancellation, the round in flight is the request's last (counted as cancelled, not finished), and both
+    servers drop its sessions."""
+    from tests.operations import wait_released
+
+    before = metrics(_port(ops))
+    request = greedy_request(PROMPTS[4], 1000, 2, request_id="ops-cancel", stop_at_eos=False)
+    stream = stub.GenerateStream(request, timeout=300)
+    next(stream)
+    with paused(service_pid(ops, "verifier")):
+        rounds = metrics(_port(ops))["specfleet:rounds_total"]  # still, but for the round in flight
+        stream.cancel()
+        with pytest.raises(grpc.RpcError) as err:
+            list(stream)
+        deadline = time.monotonic() + 60
+        while "request ops-cancel cancelled: its gRPC client cancelled it" not in ops.log_path.read_text():
+            assert time.monotonic() < deadline, "the router never noticed the cancellation"
+            time.sleep(0.1)
+    assert err.value.code() == grpc.StatusCode.CANCELLED
+    session_id = session_of(ops, request.request_id)
+    held = wait_released(ops, session_id)
+    assert session_id not in held["verifier"] | held["drafter"], held
+    after = metrics(_port(ops))
+    assert after["specfleet:rounds_total"] - rounds <= 1
+    assert after["specfleet:request_cancelled_total"] - before.get("specfleet:request_cancelled_total", 0) == 1
+    finished = lambda sample: sum(v for k, v in sample.items() if k.startswith("specfleet:request_success_total{"))  # noqa: E731
+    assert finished(after) == finished(before)
+
+
+def test_bad_config_on_sighup_is_refused_and_the_old_one_kept(ops, stub):
+    """A config that fails validation, sent by SIGHUP to `specfleet serve` and then straight to the router:
+    each refuses it with a logged error naming the key, keeps the running config, and keeps serving."""
+    original = ops.config_path.read_text()
+    bad = yaml.safe_load(original)
+    bad["router"]["default_drafter"] = "drafter-copy"  # would change routing, were it applied
+    bad["router"]["max_running"] = 0
+
+    def drafters_used() -> set[str]:
+        reply = stub.Generate(greedy_request(PROMPTS[3], 12, 4), timeout=120)
+        assert len(reply.token_ids) == 12
+        return {d.drafter for d in reply.speculation.drafters}
+
+    def wait_for_log(text: str) -> str:
+        deadline = time.monotonic() + 60
+        while text not in (log := ops.log_path.read_text()):
+            assert time.monotonic() < deadline, f"{text!r} never logged"
+            time.sleep(0.2)
+        return log
+
+    assert drafters_used() == {"drafter-noisy"}
+    try:
+        ops.config_path.write_text(yaml.safe_dump(bad))
+        ops.proc.send_signal(signal.SIGHUP)
+        log = wait_for_log("reload refused")
+        refusal = next(line for line in log.splitlines() if "reload refused" in line)
+        assert "router.max_running" in refusal, refusal
+        assert drafters_used() == {"drafter-noisy"}
+
+        # The router guards itself too: its own copy of the config, made bad, then SIGHUP to it alone.
+        router = service_pid(ops, "router")
+        command = open(f"/proc/{router}/cmdline", "rb").read().split(b"\0")
+        router_config = command[command.index(b"--config") + 1].decode()
+        with open(router_config) as f:
+            running = f.read()
+        made_bad = yaml.safe_load(running)
+        made_bad["router"].update(default_drafter="drafter-copy", max_running=0)
+        try:
+            with open(router_config, "w") as f:
+                f.write(yaml.safe_dump(made_bad))
+            os.kill(router, signal.SIGHUP)
+            log = wait_for_log("reload failed")
+            failure = next(line for line in log.splitlines() if "reload failed" in line)
+            assert "router.max_running" in failure, failure
+            assert drafters_used() == {"drafter-noisy"}
+        finally:
+            with open(router_config, "w") as f:
+                f.write(running)
+    finally:
+        ops.config_path.write_text(original)
+    assert "reloaded" not in ops.log_path.read_text()

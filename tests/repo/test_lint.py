@@ -1,0 +1,18 @@
+"""`ruff check` ([tool.ruff] in pyproject.toml) passes on the runtime packages and the tools."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.harness import REPO
+
+CHECKED = ["specfleet", "router", "drafter_service", "verifier_service", "tools"]
+
+
+def test_ruff_check_is_clean():
+    out = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--no-cache", "--output-format", "concise", *CHECKED],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
