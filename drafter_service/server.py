@@ -1,8 +1,10 @@
-"""The drafter's gRPC service: specfleet.v1.Drafter over one or more `DraftModel`s, with dynamic batching."""
+"""The drafter's gRPC service: specfleet.v1.Drafter over one or more `DraftModel`s, with dynamic batching.
+
+`DrafterCore` (the requests in proto messages), its servicer and `SPEC`, what `specfleet.service_shell`
+runs as `specfleet drafter` and as the Ray actor (`drafter_service.actor`)."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 
@@ -10,20 +12,16 @@ import grpc
 
 from specfleet import config as config_mod
 from specfleet import limits as limits_mod
-from specfleet import metrics, placement, security
+from specfleet import placement, service_shell
 from specfleet.metrics import PassTelemetry
-from specfleet.ports import listen
 from specfleet.engine import SessionStore, configure_torch, load_model
 from specfleet.sampling import SamplingParams
-from specfleet.serving import BatchQueue, serve, setup_logging
+from specfleet.service_shell import CoreServicer, InvalidArgument, Section, ServiceSpec
+from specfleet.serving import BatchQueue
 from specfleet.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from drafter_service.drafter import DraftItem, DraftModel, draft_batch, stack_draft_models
 
 log = logging.getLogger(__name__)
-
-
-class InvalidArgument(ValueError):
-    """A request the drafter refuses: INVALID_ARGUMENT over gRPC, raised as is to a Ray caller."""
 
 
 class IncompatibleModels(ValueError):
@@ -133,28 +131,6 @@ class DrafterCore:
         self.batcher.close()
 
 
-class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
-    def __init__(self, core: DrafterCore):
-        self.core = core
-
-    async def Draft(self, request: drafter_pb2.DraftRequest, context: grpc.aio.ServicerContext):
-        try:
-            return await self.core.draft(request)
-        except InvalidArgument as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        except limits_mod.CallTooLarge as err:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
-
-    async def ReleaseSessions(self, request, context):
-        return await self.core.release(request)
-
-    async def GetInfo(self, request, context):
-        return self.core.info()
-
-    async def GetStats(self, request, context):
-        return await self.core.stats()
-
-
 def load_core(svc: config_mod.DrafterServiceConfig, threads: int | None = None) -> DrafterCore:
     """Load a drafter service's draft models and build its batch queue, as the config says."""
     configure_torch(threads or svc.threads)
@@ -177,48 +153,35 @@ def load_core(svc: config_mod.DrafterServiceConfig, threads: int | None = None) 
     return DrafterCore(models, batcher, telemetry, limits_mod.CallLimits(svc.max_call_sessions, svc.max_call_tokens, f"drafters[{svc.name}]"))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specfleet drafter", description="Serve one or more draft models.")
-    parser.add_argument("--config", help="deployment YAML (default: bundled demo models)")
-    parser.add_argument("--name", help="which drafter service of the config to run (default: the first)")
-    parser.add_argument("--host", default="127.0.0.1", help="listen address (default: loopback; 0.0.0.0 needs security.token_file or mutual TLS)")
-    parser.add_argument("--port", type=int, help="port (default: the port of the service's address, or of the replica's with --replica)")
-    parser.add_argument("--replica", type=int, default=0, help="serve as replica N: 0 is the service's address, N the Nth of its replicas")
-    parser.add_argument("--threads", type=int, help="torch threads (default: the service's threads)")
-    args = parser.parse_args(argv)
-    setup_logging("drafter")
-    cfg = config_mod.load(args.config) if args.config else config_mod.default_config(config_mod.REPO / ".cache")
+class DrafterServicer(CoreServicer, drafter_pb2_grpc.DrafterServicer):
+    """specfleet.v1.Drafter over a `DrafterCore`: the shell's RPCs, and Draft."""
+
+    async def Draft(self, request: drafter_pb2.DraftRequest, context: grpc.aio.ServicerContext):
+        return await self.answer(self.core.draft(request), context)
+
+
+def _section(cfg: config_mod.Config, name: str | None) -> Section:
+    """The drafter service named `name` (default: the first)."""
     if not cfg.drafters:
-        raise SystemExit("the config has no drafters section")
-    svc = cfg.drafter_service(args.name) if args.name else cfg.drafters[0]
-    try:
-        sec = security.load(cfg.security)
-        sec.check_binding(f"drafter {svc.name}", args.host, internal=True)
-        core = load_core(svc, threads=args.threads)
-    except IncompatibleModels as err:
-        raise SystemExit(str(err)) from None
-    except (config_mod.ConfigError, security.InsecureBinding) as err:
-        raise SystemExit(f"specfleet drafter: {err}") from None
-    servicer = DrafterServicer(core)
-
-    def register(server):
-        drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
-        return [drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name]
-
-    try:
-        replica_port, metrics_port = config_mod.replica_ports(svc, args.replica, f"drafter {svc.name} --replica")
-    except config_mod.ConfigError as err:
-        raise SystemExit(f"specfleet drafter: {err}") from None
-    port = args.port if args.port is not None else replica_port
+        raise config_mod.ConfigError("the config has no drafters section")
+    svc = cfg.drafter_service(name) if name else cfg.drafters[0]
     default_metrics = config_mod.DEFAULT_METRICS_PORTS["drafter"] + cfg.drafters.index(svc)
-    metrics_sock = listen(args.host, metrics_port, default_metrics, f"drafter {svc.name} metrics", f"drafters[{svc.name}].metrics_port")
+    return Section(svc, f"drafter {svc.name}", f"drafters[{svc.name}]", default_metrics)
 
-    async def run():
-        async with metrics.exported(metrics_sock, core.telemetry.registry, **sec.metrics_options()):
-            await serve(
-                f"drafter {svc.name}", args.host, port, register, on_stop=core.close,
-                credentials=sec.server_credentials(), interceptors=sec.server_interceptors(),
-            )
 
-    asyncio.run(run())
-    return 0
+SPEC = ServiceSpec(
+    command="drafter",
+    description="Serve one or more draft models.",
+    config_key="drafters[NAME]",
+    select=_section,
+    load_core=load_core,
+    servicer=DrafterServicer,
+    add_servicer=drafter_pb2_grpc.add_DrafterServicer_to_server,
+    descriptor=drafter_pb2.DESCRIPTOR.services_by_name["Drafter"],
+    name_help="which drafter service of the config to run (default: the first)",
+    errors=(IncompatibleModels,),
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return service_shell.main(SPEC, argv)

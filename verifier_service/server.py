@@ -1,8 +1,10 @@
-"""The verifier's gRPC service: specfleet.v1.Verifier over `Verifier.verify_batch`, with dynamic batching."""
+"""The verifier's gRPC service: specfleet.v1.Verifier over `Verifier.verify_batch`, with dynamic batching.
+
+`VerifierCore` (the requests in proto messages), its servicer and `SPEC`, what `specfleet.service_shell`
+runs as `specfleet verifier` and as the Ray actor (`verifier_service.actor`)."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 
@@ -10,20 +12,16 @@ import grpc
 
 from specfleet import config as config_mod
 from specfleet import limits as limits_mod
-from specfleet import metrics, placement, security
+from specfleet import placement, service_shell
 from specfleet.metrics import PassTelemetry
-from specfleet.ports import listen
 from specfleet.engine import SessionStore, configure_torch, load_model
 from specfleet.sampling import SamplingParams
-from specfleet.serving import BatchQueue, serve, setup_logging
+from specfleet.service_shell import CoreServicer, InvalidArgument, Section, ServiceSpec
+from specfleet.serving import BatchQueue
 from specfleet.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from verifier_service.verifier import Verifier, VerifyItem, validate_item
 
 log = logging.getLogger(__name__)
-
-
-class InvalidArgument(ValueError):
-    """A request the verifier refuses: INVALID_ARGUMENT over gRPC, raised as is to a Ray caller."""
 
 
 class VerifierCore:
@@ -127,65 +125,29 @@ def load_core(vcfg: config_mod.VerifierConfig, model: str | None = None, threads
     return VerifierCore(verifier, batcher, telemetry, limits_mod.CallLimits(vcfg.max_call_sessions, vcfg.max_call_tokens, "verifier"))
 
 
-class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
-    def __init__(self, core: VerifierCore):
-        self.core = core
+class VerifierServicer(CoreServicer, verifier_pb2_grpc.VerifierServicer):
+    """specfleet.v1.Verifier over a `VerifierCore`: the shell's RPCs, and Verify."""
 
     async def Verify(self, request: verifier_pb2.VerifyRequest, context: grpc.aio.ServicerContext):
-        try:
-            return await self.core.verify(request)
-        except InvalidArgument as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        except limits_mod.CallTooLarge as err:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+        return await self.answer(self.core.verify(request), context)
 
-    async def ReleaseSessions(self, request, context):
-        return await self.core.release(request)
 
-    async def GetInfo(self, request, context):
-        return self.core.info()
+def _section(cfg: config_mod.Config, name: str | None) -> Section:
+    return Section(cfg.verifier, "verifier", "verifier", config_mod.DEFAULT_METRICS_PORTS["verifier"])
 
-    async def GetStats(self, request, context):
-        return await self.core.stats()
+
+SPEC = ServiceSpec(
+    command="verifier",
+    description="Serve the target model for batched verification.",
+    config_key="verifier",
+    select=_section,
+    load_core=load_core,
+    servicer=VerifierServicer,
+    add_servicer=verifier_pb2_grpc.add_VerifierServicer_to_server,
+    descriptor=verifier_pb2.DESCRIPTOR.services_by_name["Verifier"],
+    flags=(("--model", "target model directory (overrides the config)"),),
+)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specfleet verifier", description="Serve the target model for batched verification.")
-    parser.add_argument("--config", help="deployment YAML (default: bundled demo models)")
-    parser.add_argument("--model", help="target model directory (overrides the config)")
-    parser.add_argument("--host", default="127.0.0.1", help="listen address (default: loopback; 0.0.0.0 needs security.token_file or mutual TLS)")
-    parser.add_argument("--port", type=int, help="port (default: the port of verifier.address, or of the replica's address with --replica)")
-    parser.add_argument("--replica", type=int, default=0, help="serve as replica N: 0 is verifier.address, N the Nth of verifier.replicas")
-    parser.add_argument("--threads", type=int, help="torch threads (default: verifier.threads)")
-    args = parser.parse_args(argv)
-    setup_logging("verifier")
-    cfg = config_mod.load(args.config) if args.config else config_mod.default_config(config_mod.REPO / ".cache")
-    vcfg = cfg.verifier
-    try:
-        sec = security.load(cfg.security)
-        sec.check_binding("verifier", args.host, internal=True)
-        core = load_core(vcfg, model=args.model, threads=args.threads)
-    except (config_mod.ConfigError, security.InsecureBinding) as err:
-        raise SystemExit(f"specfleet verifier: {err}") from None
-    servicer = VerifierServicer(core)
-
-    def register(server):
-        verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
-        return [verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name]
-
-    try:
-        replica_port, metrics_port = config_mod.replica_ports(vcfg, args.replica, "verifier --replica")
-    except config_mod.ConfigError as err:
-        raise SystemExit(f"specfleet verifier: {err}") from None
-    port = args.port if args.port is not None else replica_port
-    metrics_sock = listen(args.host, metrics_port, config_mod.DEFAULT_METRICS_PORTS["verifier"], "verifier metrics", "verifier.metrics_port")
-
-    async def run():
-        async with metrics.exported(metrics_sock, core.telemetry.registry, **sec.metrics_options()):
-            await serve(
-                "verifier", args.host, port, register, on_stop=core.close,
-                credentials=sec.server_credentials(), interceptors=sec.server_interceptors(),
-            )
-
-    asyncio.run(run())
-    return 0
+    return service_shell.main(SPEC, argv)
