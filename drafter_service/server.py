@@ -17,7 +17,7 @@ from specfleet.metrics import PassTelemetry
 from specfleet.engine import SessionStore, configure_torch, load_model
 from specfleet.sampling import SamplingParams
 from specfleet.service_shell import CoreServicer, InvalidArgument, Section, ServiceSpec
-from specfleet.serving import BatchQueue
+from specfleet.batching import BatchQueue
 from specfleet.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from drafter_service.drafter import DraftItem, DraftModel, draft_batch, stack_draft_models
 

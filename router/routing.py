@@ -1,6 +1,7 @@
 """Expertise routing: which drafters draft for a request.
 
-Three parts, read top to bottom:
+Three parts, read top to bottom (kept in one file, a little over 400 lines, because each reads the one
+before it):
 
 1. The prior: a new request's domain. Each drafter declares specialities
    (labels) and a few exemplar texts. By default every specialist scores the

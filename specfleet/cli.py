@@ -20,6 +20,7 @@ import functools
 import importlib.util
 import os
 import pathlib
+import secrets
 import shlex
 import shutil
 import signal
@@ -28,7 +29,7 @@ import tempfile
 import time
 
 
-def cmd_serve(argv: list[str]) -> int:
+def _serve_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specfleet serve", description="Start the verifier, the drafters and the router on this machine.")
     parser.add_argument("--config", help="deployment YAML (default: bundled demo models, else small random models)")
     parser.add_argument("--port", type=int, help="router port (default: router.port, 50051)")
@@ -48,11 +49,84 @@ def cmd_serve(argv: list[str]) -> int:
         "--api-key", default=os.environ.get("SPECFLEET_API_KEY", ""),
         help="require `Authorization: Bearer KEY` on the OpenAI-compatible API's /v1/* (default: $SPECFLEET_API_KEY; unset: no key)",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _service_commands(cfg, config_file: pathlib.Path) -> list[tuple[str, list[str], list[int]]]:
+    """Each process `serve` starts, in start order, as (name, command, cores): the verifier replicas, each
+    drafter service's replicas, the router."""
+    py = sys.executable
+    commands = []
+    for replica, address in enumerate(cfg.verifier.addresses()):
+        name = "verifier" if replica == 0 else f"verifier replica {replica}"
+        command = [py, "-m", "verifier_service", "--config", str(config_file), "--host", "127.0.0.1", "--replica", str(replica)]
+        commands.append((name, command, cfg.verifier.cpus))
+    for svc in cfg.drafters:
+        for replica, _ in enumerate(svc.addresses()):
+            name = f"drafter {svc.name}" if replica == 0 else f"drafter {svc.name} replica {replica}"
+            command = [py, "-m", "drafter_service", "--config", str(config_file), "--name", svc.name, "--host", "127.0.0.1", "--replica", str(replica)]
+            commands.append((name, command, svc.cpus))
+    commands.append(("router", [py, "-m", "router", "--config", str(config_file)], cfg.router.cpus))
+    return commands
+
+
+def _print_ready(cfg, router_address: str) -> None:
+    from specfleet import config as config_mod
+
+    print(f"specfleet is ready: router listening on {router_address} (Ctrl-C stops everything)", flush=True)
+    print(f"  try: {_this_command()} generate --server {router_address}{_tls_flags(cfg)} 'def fibonacci(n):'", flush=True)
+    if cfg.router.http_port != 0 and (cfg.router.http_port or importlib.util.find_spec("uvicorn")):
+        port = cfg.router.http_port or config_mod.DEFAULT_HTTP_PORT
+        unless = "" if cfg.router.http_port else " (unless that port was taken: see the router's log; router.http_port sets it)"
+        print(f"  OpenAI-compatible API: http://{cfg.router.host}:{port}/v1{unless}", flush=True)
+
+
+def _reload(config_path: str | None, port: int | None, config_file: pathlib.Path, supervisor) -> None:
+    """SIGHUP: the router re-reads its config; refresh the copy it reads first."""
+    from specfleet import config as config_mod
+
+    if not config_path:
+        print("specfleet serve: SIGHUP ignored: there is no --config file to reload", file=sys.stderr)
+        return
+    try:
+        new = config_mod.load(config_path)
+    except config_mod.ConfigError as err:
+        print(f"specfleet serve: reload refused, keeping the running config: {err}", file=sys.stderr)
+        return
+    if port is not None:
+        new.router.port = port
+    config_file.write_text(new.to_yaml())
+    router = supervisor.pid_of("router")
+    if router is not None:
+        os.kill(router, signal.SIGHUP)
+
+
+def _unusable_cores(commands: list[tuple[str, list[str], list[int]]]) -> str | None:
+    """What is wrong when a process is pinned to cores this machine does not let us use, else None."""
+    usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    for name, _, cpus in commands:
+        if cpus and not set(cpus) <= usable:
+            return f"{name}: cpus {cpus} are not all usable here (usable: {sorted(usable)})"
+    return None
+
+
+def _stop_all(supervisor, code: int) -> int:
+    from specfleet.serving import ROUTER_DRAIN_S
+
+    # A second Ctrl-C or SIGTERM must not cut the orderly stop short and leave services running.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # The router first: its in-flight requests finish, and their rounds need the drafters and the
+    # verifier until the last one. Then the services, once nothing can call them.
+    supervisor.stop("router", drain_s=ROUTER_DRAIN_S + 10)
+    return code
+
+
+def cmd_serve(argv: list[str]) -> int:
+    args = _serve_parser().parse_args(argv)
 
     from specfleet import config as config_mod
     from specfleet import security
-    from specfleet.serving import ROUTER_DRAIN_S
 
     try:
         cfg = config_mod.load(args.config) if args.config else config_mod.default_config(config_mod.REPO / ".cache")
@@ -82,42 +156,19 @@ def cmd_serve(argv: list[str]) -> int:
     if not sec.token:
         # Internal calls carry a shared secret even on loopback (another user of this machine can reach
         # it); with none configured, a fresh one reaches the services through their environment.
-        import secrets
-
         os.environ[security.INTERNAL_TOKEN_ENV] = secrets.token_urlsafe(32)
     # Children read the exact effective config, including defaults chosen here.
     config_file = pathlib.Path(tempfile.mkdtemp(prefix="specfleet-")) / "config.yaml"
     config_file.write_text(cfg.to_yaml())
 
-    py = sys.executable
-    commands = []
-    for replica, address in enumerate(cfg.verifier.addresses()):
-        name = "verifier" if replica == 0 else f"verifier replica {replica}"
-        command = [py, "-m", "verifier_service", "--config", str(config_file), "--host", "127.0.0.1", "--replica", str(replica)]
-        commands.append((name, command, cfg.verifier.cpus))
-    for svc in cfg.drafters:
-        for replica, _ in enumerate(svc.addresses()):
-            name = f"drafter {svc.name}" if replica == 0 else f"drafter {svc.name} replica {replica}"
-            command = [py, "-m", "drafter_service", "--config", str(config_file), "--name", svc.name, "--host", "127.0.0.1", "--replica", str(replica)]
-            commands.append((name, command, svc.cpus))
-    commands.append(("router", [py, "-m", "router", "--config", str(config_file)], cfg.router.cpus))
-    usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
-    for name, _, cpus in commands:
-        if cpus and not set(cpus) <= usable:
-            print(f"specfleet serve: {name}: cpus {cpus} are not all usable here (usable: {sorted(usable)})", file=sys.stderr)
-            return 2
+    commands = _service_commands(cfg, config_file)
+    unusable = _unusable_cores(commands)
+    if unusable:
+        print(f"specfleet serve: {unusable}", file=sys.stderr)
+        return 2
     from specfleet.supervisor import GaveUp, Supervisor
 
     supervisor = Supervisor(lambda cpus: _child_setup(cpus, os.getpid()), max_restarts=max(0, args.max_restarts))
-
-    def stop_all(code: int) -> int:
-        # A second Ctrl-C or SIGTERM must not cut the orderly stop short and leave services running.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        # The router first: its in-flight requests finish, and their rounds need the drafters and the
-        # verifier until the last one. Then the services, once nothing can call them.
-        supervisor.stop("router", drain_s=ROUTER_DRAIN_S + 10)
-        return code
 
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
@@ -129,42 +180,20 @@ def cmd_serve(argv: list[str]) -> int:
 
         ready = asyncio.run(wait_started(router_address, procs, args.startup_timeout, functools.partial(wait_until_serving, security=sec)))
         if not ready:
-            return stop_all(1)
+            return _stop_all(supervisor, 1)
 
-        def reload_config(*_):
-            # The router re-reads its config on SIGHUP; refresh the copy it reads first.
-            if not args.config:
-                print("specfleet serve: SIGHUP ignored: there is no --config file to reload", file=sys.stderr)
-                return
-            try:
-                new = config_mod.load(args.config)
-            except config_mod.ConfigError as err:
-                print(f"specfleet serve: reload refused, keeping the running config: {err}", file=sys.stderr)
-                return
-            if args.port is not None:
-                new.router.port = args.port
-            config_file.write_text(new.to_yaml())
-            router = supervisor.pid_of("router")
-            if router is not None:
-                os.kill(router, signal.SIGHUP)
-
-        signal.signal(signal.SIGHUP, reload_config)
-        print(f"specfleet is ready: router listening on {router_address} (Ctrl-C stops everything)", flush=True)
-        print(f"  try: {_this_command()} generate --server {router_address}{_tls_flags(cfg)} 'def fibonacci(n):'", flush=True)
-        if cfg.router.http_port != 0 and (cfg.router.http_port or importlib.util.find_spec("uvicorn")):
-            port = cfg.router.http_port or config_mod.DEFAULT_HTTP_PORT
-            unless = "" if cfg.router.http_port else " (unless that port was taken: see the router's log; router.http_port sets it)"
-            print(f"  OpenAI-compatible API: http://{cfg.router.host}:{port}/v1{unless}", flush=True)
+        signal.signal(signal.SIGHUP, lambda *_: _reload(args.config, args.port, config_file, supervisor))
+        _print_ready(cfg, router_address)
         while True:
             try:
                 supervisor.tend()
             except GaveUp as err:
                 print(f"specfleet serve: {err}; stopping", file=sys.stderr)
-                return stop_all(1)
+                return _stop_all(supervisor, 1)
             time.sleep(0.25)
     except KeyboardInterrupt:
         print("specfleet serve: stopping", file=sys.stderr)
-        return stop_all(0)
+        return _stop_all(supervisor, 0)
     finally:
         shutil.rmtree(config_file.parent, ignore_errors=True)
 

@@ -1,4 +1,5 @@
-"""What every specfleet gRPC server shares: logging, health, reflection, graceful shutdown, dynamic batching."""
+"""What every specfleet gRPC server shares: logging, health, reflection, graceful shutdown (dynamic batching:
+specfleet/batching.py)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,8 @@ import logging
 import os
 import signal
 import sys
-import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -303,110 +302,3 @@ async def wait_started(address: str, procs, timeout_s: float, wait=wait_until_se
         print(f"specfleet serve: {err}", file=sys.stderr)
         return False
     return True
-
-
-# --- dynamic batching -------------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Pending:
-    items: list
-    future: asyncio.Future
-    loop: asyncio.AbstractEventLoop
-    enqueued: float = field(default_factory=time.monotonic)
-
-
-@dataclass
-class BatchStats:
-    """What the batch function reports back to each caller, with its results."""
-
-    compute_ms: float
-    batch_size: int
-
-
-class BatchQueue:
-    """Merges concurrent calls into one batch for a model thread.
-
-    Callers `await submit(items)` from the event loop. One worker thread owns the
-    model: it takes the first waiting call, then keeps collecting calls for up
-    to max_wait_s or until max_batch_items items, runs `process(all_items)`
-    once, and hands each caller its slice of the results. A call larger than
-    max_batch_items is processed alone, never split. If `process` raises, every
-    caller in that batch gets the exception; the worker keeps serving.
-    """
-
-    def __init__(self, name: str, process: Callable[[list], list], max_batch_items: int, max_wait_s: float):
-        self.name = name
-        self.process = process
-        self.max_batch_items = max_batch_items
-        self.max_wait_s = max_wait_s
-        self._queue: list[_Pending] = []
-        self._cond = threading.Condition()
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name=f"{name}-batcher", daemon=True)
-        self._thread.start()
-
-    async def submit(self, items: list) -> tuple[list, BatchStats]:
-        loop = asyncio.get_running_loop()
-        pending = _Pending(items=items, future=loop.create_future(), loop=loop)
-        with self._cond:
-            if self._closed:
-                raise RuntimeError(f"{self.name} is shutting down")
-            self._queue.append(pending)
-            self._cond.notify()
-        return await pending.future
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-
-    def _take_batch(self) -> list[_Pending] | None:
-        with self._cond:
-            while not self._queue and not self._closed:
-                self._cond.wait()
-            if not self._queue:
-                return None
-            deadline = self._queue[0].enqueued + self.max_wait_s
-            while sum(len(p.items) for p in self._queue) < self.max_batch_items and not self._closed:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                self._cond.wait(remaining)
-            batch, count = [], 0
-            while self._queue and (not batch or count + len(self._queue[0].items) <= self.max_batch_items):
-                pending = self._queue.pop(0)
-                batch.append(pending)
-                count += len(pending.items)
-            return batch
-
-    def _run(self) -> None:
-        while (batch := self._take_batch()) is not None:
-            items = [item for pending in batch for item in pending.items]
-            started = time.perf_counter()
-            try:
-                results = self.process(items)
-                error = None
-            except Exception as exc:  # delivered to every caller of this batch
-                log.exception("%s: batch of %d items failed", self.name, len(items))
-                results, error = None, exc
-            elapsed = time.perf_counter() - started
-            stats = BatchStats(compute_ms=elapsed * 1e3, batch_size=len(items))
-            offset = 0
-            for pending in batch:
-                n = len(pending.items)
-                if error is None:
-                    value = (results[offset : offset + n], stats)
-                    pending.loop.call_soon_threadsafe(_resolve, pending.future, value, None)
-                else:
-                    pending.loop.call_soon_threadsafe(_resolve, pending.future, None, error)
-                offset += n
-
-
-def _resolve(future: asyncio.Future, value, error) -> None:
-    if future.done():  # the caller went away
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(value)

@@ -17,7 +17,7 @@ from specfleet.metrics import PassTelemetry
 from specfleet.engine import SessionStore, configure_torch, load_model
 from specfleet.sampling import SamplingParams
 from specfleet.service_shell import CoreServicer, InvalidArgument, Section, ServiceSpec
-from specfleet.serving import BatchQueue
+from specfleet.batching import BatchQueue
 from specfleet.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from verifier_service.verifier import Verifier, VerifyItem, validate_item
 

@@ -3,7 +3,8 @@
 Families: Llama (1, 2, 3.x with its `llama3` RoPE scaling), Mistral, Qwen2/2.5
 (QKV bias) and Qwen3 (an RMSNorm on each head's queries and keys). They differ
 only in those few places, so one forward serves them all; anything else is
-refused at load naming the family (`check_supported`).
+refused at load naming the family (`check_supported`). The whole pass stays in this one file, a
+little over 400 lines, so that it reads top to bottom as gpt-fast's model.py does.
 
 Why not call the Hugging Face module: for the small models a drafter runs (and
 on CPU even for the target) its per-call overhead (cache objects, mask
