@@ -83,8 +83,10 @@ def test_device_check_quick_runs_every_step_on_the_gpu_machines_python(tmp_path)
 
 
 def test_a_step_that_runs_out_ends_its_whole_process_tree(tmp_path):
-    """The bench starts `specfleet serve` in a session of its own: a step that runs out must end it too."""
+    """The bench starts `specfleet serve` in a session of its own: a step that runs out must end it too, and
+    nothing that ran before the step (here: a sleeper of this test's own)."""
     check = device_check()
+    bystander = subprocess.Popen(["sleep", "300"])
     pid_file = tmp_path / "grandchild.pid"
     spawn = (f"import subprocess, time, pathlib; p = subprocess.Popen(['sleep', '300'], start_new_session=True); "
              f"pathlib.Path({str(pid_file)!r}).write_text(str(p.pid)); time.sleep(300)")
@@ -99,8 +101,11 @@ def test_a_step_that_runs_out_ends_its_whole_process_tree(tmp_path):
         assert entry["status"].startswith("timed out") and time.monotonic() - started < 30
         grandchild = int(pid_file.read_text())
         assert not check.alive(grandchild), "the detached grandchild outlived its step"
+        assert bystander.poll() is None, "the step's end took a process that was running before it"
     finally:
         runner.close()
+        bystander.kill()
+        bystander.wait()
     report = json.loads((tmp_path / "out" / "device-check.json").read_text())
     assert report["steps"][0]["name"] == "sleeper" and report["steps"][0]["status"].startswith("timed out")
 
