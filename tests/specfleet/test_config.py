@@ -88,7 +88,7 @@ def test_bad_config_is_refused_naming_the_key(data, names):
 def test_the_good_config_parses():
     """The base of every bad config above is itself accepted, so each refusal is for the one change."""
     config = config_mod.parse(good())
-    assert [s.name for s in config.drafters] == ["a", "b"] and config.router.default_drafter == "general"
+    assert [s.name for s in config.drafters] == ["a", "b"] and config.router.routing.default_drafter == "general"
 
 
 def test_config_file_problems_name_the_file(tmp_path):
