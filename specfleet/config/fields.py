@@ -4,7 +4,7 @@
 
 `build` reads a YAML mapping into a dataclass by its type hints (scalars, nested sections,
 lists of them, optional ones), refusing unknown keys and values of the wrong type; `check_fields`
-runs every field's check on a built object. Both name the key path in their errors
+runs every field's check on a built object (a config made in code). Both name the key path in their errors
 (`drafters[1].max_call_tokens: must be at least 1, got 0`). A section marked `flat` (`section(...,
 flat=True)`) keeps its keys at its parent's level in YAML (`router.fusion_width`, not
 `router.routing.fusion_width`), and is accepted nested under its name too.
@@ -102,6 +102,7 @@ def build(cls, data, path: str):
             flat.setdefault(key, {}).update(value)
         else:
             kwargs[key] = _value(hints[key], value, f"{path}.{key}", f.metadata.get("expect", ""))
+            _check(f, kwargs[key], f"{path}.{key}")  # here, to name the key as the file spells it
     for name, values in flat.items():
         nested = name in data
         kwargs[name] = build(hints[name], values, f"{path}.{name}" if nested else path)
@@ -149,17 +150,21 @@ def check_fields(obj, path: str) -> None:
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         where = path if is_flat(f) else f"{path}.{f.name}"
-        check = f.metadata.get("check")
-        if check is not None and value is not None:
-            message = check(value)
-            if message:
-                raise ConfigError(f"{where}{message}" if message.startswith(".") else f"{where}: {message}")
+        _check(f, value, where)
         if dataclasses.is_dataclass(value):
             check_fields(value, where)
         elif isinstance(value, list):
             for i, item in enumerate(value):
                 if dataclasses.is_dataclass(item):
                     check_fields(item, f"{where}[{i}]")
+
+
+def _check(f: dataclasses.Field, value, where: str) -> None:
+    check = f.metadata.get("check")
+    if check is not None and value is not None:
+        message = check(value)
+        if message:
+            raise ConfigError(f"{where}{message}" if message.startswith(".") else f"{where}: {message}")
 
 
 def flat_dict(obj) -> dict:

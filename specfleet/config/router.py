@@ -22,9 +22,9 @@ DOMAIN_PRIORS = ("likelihood", "exemplars")
 class RequestLimitsConfig:
     """What a request may ask for (router/request.py `Limits`, checked by the front door)."""
 
-    default_max_tokens: int = knob(64, "tokens generated when the request does not say")
+    default_max_tokens: int = knob(64, "tokens generated when the request does not say (1 to max_tokens_limit)")
     max_tokens_limit: int = knob(2048, "the most tokens a request may ask for")
-    num_draft_tokens: int = knob(4, "draft tokens per round when the request does not say")
+    num_draft_tokens: int = knob(4, "draft tokens per round when the request does not say (0 to max_draft_tokens)")
     max_draft_tokens: int = knob(16, "the most draft tokens per round a request may ask for")
 
 
