@@ -9,7 +9,7 @@ import yaml
 
 from specfleet.config.fields import ConfigError, build, check_fields, flat_dict, knob, one_of, required, section
 from specfleet.config.router import RouterConfig
-from specfleet.config.services import DrafterServiceConfig, VerifierConfig
+from specfleet.config.services import DrafterServiceConfig, ServiceConfig, VerifierConfig
 
 # security.tls.client_auth: which servers require a client certificate.
 TLS_CLIENT_AUTH = ("internal", "all", "none")
@@ -123,7 +123,7 @@ def validate(config: Config) -> None:
         raise ConfigError(f"router.default_drafter: {default!r} is not a configured draft model {sorted(seen_models)}")
 
 
-def _validate_replicas(service, where: str) -> None:
+def _validate_replicas(service: ServiceConfig, where: str) -> None:
     addresses = service.addresses()
     for i, address in enumerate(addresses):
         key = f"{where}.address" if i == 0 else f"{where}.replicas[{i - 1}]"

@@ -7,7 +7,7 @@ import pathlib
 from specfleet.config.deployment import Config, port_of, validate
 from specfleet.config.fields import ConfigError
 from specfleet.config.router import RouterConfig, RoutingConfig
-from specfleet.config.services import DEVICE_PATTERN, DraftModelConfig, DrafterServiceConfig, VerifierConfig
+from specfleet.config.services import DEVICE_PATTERN, DraftModelConfig, DrafterServiceConfig, ServiceConfig, VerifierConfig
 
 DEMO_MODELS = pathlib.Path(__file__).resolve().parents[2] / "models" / "demo"
 
@@ -63,7 +63,7 @@ def exemplars_of(model: DraftModelConfig) -> list[str]:
     return texts
 
 
-def replica_ports(service, replica: int, where: str) -> tuple[int, int | None]:
+def replica_ports(service: ServiceConfig, replica: int, where: str) -> tuple[int, int | None]:
     """(gRPC port, metrics_port setting) of replica N of a verifier or drafter service. Replicas on
     one machine need metrics ports of their own: replica N takes metrics_port + N, and none (0)
     when metrics_port is unset, since the default port is the first replica's."""
