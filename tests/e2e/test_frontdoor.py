@@ -250,7 +250,7 @@ def test_submit_all_is_all_or_nothing(door):
 def test_a_full_queue_refuses_with_overloaded(door):
     scheduler = door.front_door.scheduler
     config = scheduler.context.config
-    scheduler.context.config = dataclasses.replace(config, max_queued=0)
+    scheduler.context.config = dataclasses.replace(config, settings=dataclasses.replace(config.settings, max_queued=0))
     try:
         with pytest.raises(GenerationError) as err:
             door.run(door.front_door.submit(GenerationParams(prompt="hi", max_tokens=2)))
