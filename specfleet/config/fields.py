@@ -58,6 +58,12 @@ def knob(default=MISSING, doc: str = "", *, check: Callable[[Any], str | None] |
     return field(default=default, metadata=metadata)
 
 
+def redefault(base, name: str, default):
+    """A subclass's own default for a field of base: its doc and check stay base's, declared once."""
+    (inherited,) = [f for f in dataclasses.fields(base) if f.name == name]
+    return field(default=default, metadata=inherited.metadata)
+
+
 def section(cls, doc: str = "", *, flat: bool = False):
     """A nested section; flat: its keys sit at the parent's level in YAML."""
     return field(default_factory=cls, metadata={"doc": doc, "flat": flat})

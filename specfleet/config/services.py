@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from specfleet.config.fields import Check, at_least, knob, one_of, required
+from specfleet.config.fields import Check, at_least, knob, one_of, redefault, required
 
 # cpu, cuda, cuda:N (a GPU by index) or auto (cuda if torch sees one, else cpu).
 DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?|auto")
@@ -108,9 +108,8 @@ class DraftModelConfig:
 
 @dataclass
 class DrafterServiceConfig(ServiceConfig):
-    address: str = knob("127.0.0.1:50062", "where the router reaches it; the service listens on its port")
-    max_cache_mb: float = knob(512.0, "KV cache budget; least recently used caches are dropped (rebuilt on use) past it",
-                               check=at_least(0))
+    address: str = redefault(ServiceConfig, "address", "127.0.0.1:50062")
+    max_cache_mb: float = redefault(ServiceConfig, "max_cache_mb", 512.0)
     name: str = knob("", "the service's name (logs, metrics, `specfleet drafter --name`)", check=required())
     models: list[DraftModelConfig] = knob(doc="the draft models it hosts", factory=list,
                                           check=required("a drafter service needs at least one model"))

@@ -142,8 +142,11 @@ def test_the_services_share_their_common_fields():
     assert {"device", "dtype", "threads", "cpus", "address", "replicas", "metrics_port", "max_call_sessions", "ray"} <= shared
     for cls in (config_mod.VerifierConfig, config_mod.DrafterServiceConfig):
         assert issubclass(cls, config_mod.ServiceConfig)
-        docs = {f.name: f.metadata["doc"] for f in dataclasses.fields(cls)}
-        assert all(docs[name] == f.metadata["doc"] for f in dataclasses.fields(config_mod.ServiceConfig) for name in [f.name])
+        metadata = {f.name: f.metadata for f in dataclasses.fields(cls)}
+        # the same declaration, not a copy: a drafter service's own default address keeps the base's doc and check
+        assert all(metadata[f.name] is f.metadata or metadata[f.name] == f.metadata for f in dataclasses.fields(config_mod.ServiceConfig))
+    assert config_mod.DrafterServiceConfig().address != config_mod.VerifierConfig().address
+    assert config_mod.DrafterServiceConfig().max_cache_mb == 512.0 and config_mod.VerifierConfig().max_cache_mb == 1024.0
 
 
 @pytest.mark.parametrize(
