@@ -240,7 +240,7 @@ class Drafting:
         expected_ms = self.context.controller.cost.draft_ms(max(s.num_draft_tokens for s in sessions))
         deadline = max(DRAFT_DEADLINE_FLOOR_S, DRAFT_DEADLINE_FACTOR * expected_ms / 1e3)
         deadline += sum(len(s.sync.new_token_ids) for s in sessions) / PREFILL_TOKENS_PER_S
-        return min(self.context.config.rpc_timeout_s, deadline)
+        return min(self.context.config.settings.rpc_timeout_s, deadline)
 
     async def _probe(self, transport: DrafterTransport) -> None:
         """Ask an open breaker's service for its info: an answer closes the breaker."""

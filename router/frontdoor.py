@@ -73,8 +73,8 @@ def validate(params: GenerationParams, tokenizer, limits: Limits) -> RequestSpec
     if len(params.stop) > MAX_STOP_STRINGS or any(not s for s in params.stop):
         raise invalid("stop", f"at most {MAX_STOP_STRINGS} non-empty strings")
     spec_opts = params.speculation
-    if not 0 <= spec_opts.max_draft_tokens <= limits.max_draft_tokens:
-        raise invalid("speculation.max_draft_tokens", f"must be between 0 and {limits.max_draft_tokens}, got {spec_opts.max_draft_tokens}")
+    if not 0 <= spec_opts.max_draft_tokens <= limits.requests.max_draft_tokens:
+        raise invalid("speculation.max_draft_tokens", f"must be between 0 and {limits.requests.max_draft_tokens}, got {spec_opts.max_draft_tokens}")
     if not 0 <= params.top_logprobs <= MAX_TOP_LOGPROBS:
         raise invalid("top_logprobs", f"must be between 0 and {MAX_TOP_LOGPROBS}, got {params.top_logprobs}")
     if params.top_logprobs and not params.logprobs:
@@ -87,7 +87,7 @@ def validate(params: GenerationParams, tokenizer, limits: Limits) -> RequestSpec
         sampling=sampling,
         stop=list(params.stop),
         stop_at_eos=params.stop_at_eos,
-        max_draft_tokens=0 if spec_opts.disabled else (spec_opts.max_draft_tokens or limits.num_draft_tokens),
+        max_draft_tokens=0 if spec_opts.disabled else (spec_opts.max_draft_tokens or limits.requests.num_draft_tokens),
         domain=params.domain,
         logprobs=params.logprobs,
         top_logprobs=params.top_logprobs,
@@ -116,9 +116,9 @@ def _prompt_ids(params: GenerationParams, tokenizer, limits: Limits) -> list[int
 
 
 def _max_tokens(params: GenerationParams, prompt_tokens: int, limits: Limits) -> int:
-    max_tokens = params.max_tokens if params.max_tokens is not None else limits.default_max_tokens
-    if not 1 <= max_tokens <= limits.max_tokens_limit:
-        raise invalid("max_tokens", f"must be between 1 and {limits.max_tokens_limit}, got {max_tokens}")
+    max_tokens = params.max_tokens if params.max_tokens is not None else limits.requests.default_max_tokens
+    if not 1 <= max_tokens <= limits.requests.max_tokens_limit:
+        raise invalid("max_tokens", f"must be between 1 and {limits.requests.max_tokens_limit}, got {max_tokens}")
     room = limits.max_context - prompt_tokens
     if max_tokens > room:
         if params.max_tokens is not None:

@@ -8,14 +8,14 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from specfleet.config import RequestLimitsConfig
 from specfleet.sampling import SamplingParams
 
 @dataclass
 class Limits:
-    default_max_tokens: int
-    max_tokens_limit: int
-    num_draft_tokens: int
-    max_draft_tokens: int
+    # The router's request-limits section (default_max_tokens, max_tokens_limit, num_draft_tokens,
+    # max_draft_tokens), taken whole; the rest is the target's.
+    requests: RequestLimitsConfig
     vocab_size: int
     max_context: int
     # Longer prompts (in characters) cannot fit the context: refused before tokenizing (`prompt_chars_bound`).

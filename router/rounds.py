@@ -20,6 +20,7 @@ from router.request import DrafterCounts, RequestState
 from router.routing import DrafterRouter
 from router.speculation import SpeculationController
 from specfleet import limits
+from specfleet.config import SchedulingConfig
 
 # A call's deadline grows by a second per this many new tokens it sends (prefilled there): a prefill
 # rate no drafter or verifier falls below, so a call that catches a long context up is not cut short.
@@ -28,9 +29,9 @@ PREFILL_TOKENS_PER_S = 64.0
 
 @dataclass
 class SchedulerConfig:
-    max_running: int
-    max_queued: int
-    rpc_timeout_s: float
+    # The router's scheduling section (max_running, max_queued, rpc_timeout_s), taken whole.
+    settings: SchedulingConfig = field(default_factory=SchedulingConfig)
+    # Lanes: the section's pipeline_depth, resolved at start-up when it is 0 (the router chooses).
     pipeline_depth: int = 2
     # What one call to the verifier, and to each drafter service by name, may carry: larger
     # batches travel as several calls (specfleet/limits.py).

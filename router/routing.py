@@ -40,9 +40,11 @@ import time
 import zlib
 from dataclasses import dataclass, field
 
+from specfleet.config import ROUTING_POLICIES, RoutingConfig
+
 log = logging.getLogger(__name__)
 
-POLICIES = ("fixed", "random", "oracle", "expertise")
+POLICIES = ROUTING_POLICIES
 
 
 # --- 1. the prior -------------------------------------------------------------------------------------------
@@ -291,15 +293,10 @@ class DrafterProfile:
 
 
 @dataclass
-class RoutingConfig:
-    policy: str = "expertise"
-    default_drafter: str = ""
-    # Cooperating drafters per request at most (1 disables fusion), and the posterior
-    # mean acceptance of the best drafter below which it asks for help.
-    fusion_width: int = 1
-    fusion_below: float = 0.75
-    # Positions at which the cooperating drafters after the first propose (0: every position).
-    fusion_depth: int = 0
+class RoutingTuning:
+    """The routing's constants, not deployment keys (the deployment's routing keys are
+    specfleet.config.RoutingConfig, the router's section the DrafterRouter takes whole)."""
+
     # Pseudo-counts: the prior for a drafter in its own speciality and elsewhere.
     prior_specialist: tuple[float, float] = (4.0, 1.0)
     prior_other: tuple[float, float] = (1.0, 1.0)
@@ -315,11 +312,6 @@ class RoutingConfig:
     # scripts/routing_convergence.py and docs/benchmarks/routing-convergence.md have the numbers.
     request_weight: float = 16.0
     shared_evidence_cap: float = 256.0
-    # Take a request's declared domain over the classifier's guess.
-    use_domain_hint: bool = True
-    # likelihood: the expertise policy asks the specialists to score each new prompt
-    # (`assign_domain`); exemplars: the classifier's guess stands.
-    domain_prior: str = "likelihood"
 
 
 @dataclass
@@ -335,10 +327,14 @@ class RequestRouting:
 
 
 class DrafterRouter:
-    def __init__(self, config: RoutingConfig, drafters: list[DrafterProfile], classifier: DomainClassifier, store: ExpertiseStore, seed: int = 0):
-        if config.policy not in POLICIES:
-            raise ValueError(f"routing policy must be one of {POLICIES}, got {config.policy!r}")
-        self.config = config
+    def __init__(
+        self, config: RoutingConfig, drafters: list[DrafterProfile], classifier: DomainClassifier, store: ExpertiseStore,
+        seed: int = 0, tuning: RoutingTuning | None = None,
+    ):
+        if config.routing_policy not in POLICIES:
+            raise ValueError(f"routing policy must be one of {POLICIES}, got {config.routing_policy!r}")
+        self.config = config  # the router's routing section, replaced whole on reload
+        self.tuning = tuning or RoutingTuning()
         self.drafters = {d.name: d for d in drafters}
         self.classifier = classifier
         self.store = store
@@ -350,7 +346,7 @@ class DrafterRouter:
         hint = domain_hint if self.config.use_domain_hint else ""
         if hint:
             return RequestRouting(domain=hint)
-        if self.config.policy == "expertise" and self.config.domain_prior == "likelihood" and self.scorers():
+        if self.config.routing_policy == "expertise" and self.config.domain_prior == "likelihood" and self.scorers():
             return RequestRouting(domain="", needs_scores=True, prompt=prompt)
         return RequestRouting(domain=self.classifier.classify(prompt))
 
@@ -371,14 +367,14 @@ class DrafterRouter:
 
     def _prior(self, drafter: str, domain: str) -> tuple[float, float]:
         specialist = domain in self.drafters[drafter].specialities
-        return self.config.prior_specialist if specialist else self.config.prior_other
+        return self.tuning.prior_specialist if specialist else self.tuning.prior_other
 
     def posterior(self, routing: RequestRouting, drafter: str) -> tuple[float, float]:
         prior_a, prior_r = self._prior(drafter, routing.domain)
         shared = self.store.get(routing.domain, drafter)
-        scale = min(1.0, self.config.shared_evidence_cap / max(1e-9, shared.accepted + shared.rejected))
+        scale = min(1.0, self.tuning.shared_evidence_cap / max(1e-9, shared.accepted + shared.rejected))
         mine = routing.evidence.get(drafter, Evidence())
-        w = self.config.request_weight
+        w = self.tuning.request_weight
         return (
             prior_a + scale * shared.accepted + w * mine.accepted,
             prior_r + scale * shared.rejected + w * mine.rejected,
@@ -388,7 +384,7 @@ class DrafterRouter:
         """The drafters for this round, best first."""
         if not self.drafters:
             return []
-        policy = self.config.policy
+        policy = self.config.routing_policy
         if policy == "fixed":
             chosen = [self.config.default_drafter or next(iter(self.drafters))]
         elif policy == "random":
@@ -412,5 +408,5 @@ class DrafterRouter:
             mine = routing.evidence.setdefault(drafter, Evidence())
             mine.accepted += accepted
             mine.rejected += rejected
-            if self.config.policy == "expertise":
+            if self.config.routing_policy == "expertise":
                 self.store.add(routing.domain, drafter, accepted, rejected)

@@ -73,7 +73,7 @@ class Scheduler:
     def submit(self, state: RequestState, prompt_text: str, domain_hint: str = "") -> None:
         # Requests whose clients gave up while queued hold no place in the queue.
         self._waiting = [s for s in self._waiting if not s.cancelled]
-        if len(self._waiting) >= self.context.config.max_queued:
+        if len(self._waiting) >= self.context.config.settings.max_queued:
             raise Overloaded(
                 f"{self.running} requests running and {len(self._waiting)} queued (router.max_queued); retry later"
             )
@@ -119,7 +119,7 @@ class Scheduler:
             self._waiting.remove(state)
             self._publish(state)  # ended before it ran: nothing was sent to a server, nothing to release
         self._waiting.sort(key=lambda s: (s.deadline if s.deadline is not None else float("inf"), s.admitted_at))
-        while self._waiting and self.running < self.context.config.max_running:
+        while self._waiting and self.running < self.context.config.settings.max_running:
             if len(lane) > min(len(other) for other in self._lanes):
                 break
             lane.append(self._waiting.pop(0))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import pathlib
@@ -14,7 +15,7 @@ from router.profiling import profile_costs
 from router.grpc_api import GenerationServicer
 from router.request import Limits, prompt_chars_bound
 from router.routing import (
-    DomainClassifier, DrafterProfile, DrafterRouter, ExpertiseStore, RedisAuthError, RedisExpertiseStore, RoutingConfig, redacted,
+    DomainClassifier, DrafterProfile, DrafterRouter, ExpertiseStore, RedisAuthError, RedisExpertiseStore, redacted,
 )
 from router.rounds import SchedulerConfig
 from router.scheduler import Scheduler
@@ -77,55 +78,15 @@ async def build(cfg: config_mod.Config, transports: tuple | None = None) -> tupl
         )
     drafters = await collect_drafters(cfg, services, target)
     drafter_router = build_drafter_router(cfg, sorted(drafters))
-    controller = speculation_controller(
-        rcfg,
-        CostModel(
-            verify_base=rcfg.verify_base_ms,
-            verify_per_session=rcfg.verify_per_session_ms,
-            verify_per_token=rcfg.verify_per_token_ms,
-            draft_per_token=rcfg.draft_per_token_ms,
-            draft_base=rcfg.draft_base_ms,
-            pinned=rcfg.pin_cost_model,
-        ),
-    )
+    controller = SpeculationController(CostModel.configured(rcfg.speculation), rcfg.speculation)
     verify_limits, draft_limits = call_limits(cfg, target, await drafter_contexts(cfg, services))
-    if not rcfg.pin_cost_model:
+    if not rcfg.speculation.pin_cost_model:
         await profile_costs(verifier.first, drafters, controller.cost, target.eos_token_id, target.max_context, verify_limits)
-    depth = pipeline_depth(rcfg.pipeline_depth, target, drafters)
-    scheduler = Scheduler(scheduler_config(rcfg, depth, verify_limits, draft_limits), verifier, drafters, drafter_router, controller)
-    limits = request_limits(rcfg, target, prompt_chars_bound(tokenizer, target.max_context))
+    depth = pipeline_depth(rcfg.scheduling.pipeline_depth, target, drafters)
+    scheduler = Scheduler(SchedulerConfig(rcfg.scheduling, depth, verify_limits, draft_limits), verifier, drafters, drafter_router, controller)
+    limits = Limits(rcfg.requests, target.vocab_size, target.max_context, prompt_chars_bound(tokenizer, target.max_context))
     front_door = FrontDoor(scheduler, tokenizer, limits, target.eos_token_id, target)
     return front_door, scheduler, [*replicas, *(t for service in services.values() for t in service.replicas)]
-
-
-# What the router.* keys become, each mapped in one place for the start-up and for a reload.
-
-
-def scheduler_config(rcfg: config_mod.RouterConfig, depth: int, verify_limits, draft_limits) -> SchedulerConfig:
-    return SchedulerConfig(
-        max_running=rcfg.max_running,
-        max_queued=rcfg.max_queued,
-        rpc_timeout_s=rcfg.rpc_timeout_s,
-        pipeline_depth=depth,
-        verify_limits=verify_limits,
-        draft_limits=draft_limits,
-    )
-
-
-def request_limits(rcfg: config_mod.RouterConfig, target, max_prompt_chars: int) -> Limits:
-    return Limits(
-        default_max_tokens=rcfg.default_max_tokens,
-        max_tokens_limit=rcfg.max_tokens_limit,
-        num_draft_tokens=rcfg.num_draft_tokens,
-        max_draft_tokens=rcfg.max_draft_tokens,
-        vocab_size=target.vocab_size,
-        max_context=target.max_context,
-        max_prompt_chars=max_prompt_chars,
-    )
-
-
-def speculation_controller(rcfg: config_mod.RouterConfig, cost: CostModel) -> SpeculationController:
-    return SpeculationController(cost=cost, adaptive=rcfg.adaptive_speculation, stop_below=rcfg.stop_below_confidence)
 
 
 def grpc_drafter_service(svc: config_mod.DrafterServiceConfig, sec: security.Security) -> DrafterService:
@@ -178,8 +139,9 @@ async def collect_drafters(cfg: config_mod.Config, services: dict[str, DrafterSe
                 )
             drafters[model.name] = service
             log.info("draft model %s on %s (%s): %.1fM parameters", model.name, svc_cfg.name, service.address, model.parameters / 1e6)
-    if cfg.router.default_drafter and cfg.router.default_drafter not in drafters:
-        raise StartupError(f"router.default_drafter {cfg.router.default_drafter!r} is not served by any drafter service ({sorted(drafters)})")
+    default = cfg.router.routing.default_drafter
+    if default and default not in drafters:
+        raise StartupError(f"router.default_drafter {default!r} is not served by any drafter service ({sorted(drafters)})")
     if not drafters:
         log.warning("no drafters configured: every request decodes with the target alone")
     return drafters
@@ -207,7 +169,7 @@ def call_limits(cfg: config_mod.Config, target, drafter_contexts: dict[str, int]
             "a long request would be refused; raise it"
         )
     verify = limits.CallLimits(v.max_call_sessions, v.max_call_tokens, "verifier")
-    width = cfg.router.fusion_width
+    width = cfg.router.routing.fusion_width
     draft = {}
     for svc in cfg.drafters:
         where = f"drafters[{svc.name}]"
@@ -245,18 +207,18 @@ async def reload(front_door: FrontDoor, scheduler: Scheduler, config_path: str, 
     new_router.store = scheduler.context.router.store
     shared = scheduler.context
     draft_limits = call_limits(cfg, front_door.target, await drafter_contexts(cfg, services))[1] if over_grpc else shared.config.draft_limits
-    # Each object is replaced whole, never edited field by field: whoever reads one sees the old
-    # settings or the new, not a mix. The lanes (pipeline_depth) and the verifier stay.
-    shared.config = scheduler_config(rcfg, shared.config.pipeline_depth, shared.config.verify_limits, draft_limits)
+    # Each component takes its new section whole, never edited field by field: whoever reads one
+    # sees the old settings or the new, not a mix. The lanes (pipeline_depth) and the verifier stay.
+    shared.config = dataclasses.replace(shared.config, settings=rcfg.scheduling, draft_limits=draft_limits)
     shared.drafters, shared.router = drafters, new_router
-    shared.controller = speculation_controller(rcfg, shared.controller.cost)  # the learned costs stay
-    front_door.limits = request_limits(rcfg, front_door.target, front_door.limits.max_prompt_chars)
-    log.info("reloaded %s: drafters %s, routing policy %s", config_path, sorted(drafters), rcfg.routing_policy)
+    shared.controller = SpeculationController(shared.controller.cost, rcfg.speculation)  # the learned costs stay
+    front_door.limits = dataclasses.replace(front_door.limits, requests=rcfg.requests)
+    log.info("reloaded %s: drafters %s, routing policy %s", config_path, sorted(drafters), rcfg.routing.routing_policy)
 
 
 def build_drafter_router(cfg: config_mod.Config, served: list[str]) -> DrafterRouter:
     """The routing policy, prior and learned-state store the config asks for."""
-    rcfg = cfg.router
+    routing = cfg.router.routing
     profiles, exemplars = [], {}
     for svc in cfg.drafters:
         for model in svc.models:
@@ -265,19 +227,11 @@ def build_drafter_router(cfg: config_mod.Config, served: list[str]) -> DrafterRo
             profiles.append(DrafterProfile(model.name, list(model.specialities)))
             for label in model.specialities:
                 exemplars.setdefault(label, []).extend(config_mod.exemplars_of(model))
-    store = RedisExpertiseStore(rcfg.redis_url, rcfg.expertise_decay) if rcfg.redis_url else ExpertiseStore(rcfg.expertise_decay)
-    routing = RoutingConfig(
-        policy=rcfg.routing_policy,
-        default_drafter=rcfg.default_drafter,
-        fusion_width=rcfg.fusion_width,
-        fusion_below=rcfg.fusion_below,
-        fusion_depth=rcfg.fusion_depth,
-        use_domain_hint=rcfg.use_domain_hint,
-        domain_prior=rcfg.domain_prior,
-    )
+    url = routing.redis_url
+    store = RedisExpertiseStore(url, routing.expertise_decay) if url else ExpertiseStore(routing.expertise_decay)
     log.info(
         "routing: policy %s, domain prior %s, fusion width %d, domains %s, state in %s",
-        routing.policy, routing.domain_prior, routing.fusion_width, sorted(exemplars) or "-", "redis " + redacted(rcfg.redis_url) if rcfg.redis_url else "memory",
+        routing.routing_policy, routing.domain_prior, routing.fusion_width, sorted(exemplars) or "-", "redis " + redacted(url) if url else "memory",
     )
     return DrafterRouter(routing, profiles, DomainClassifier(exemplars), store)
 

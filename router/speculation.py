@@ -30,7 +30,12 @@ accepted, falls below `stop_below`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from specfleet.config import SpeculationConfig
+
+# The configured starting point's one default (specfleet/config/router.py), not a copy of it.
+_CONFIGURED = SpeculationConfig()
 
 
 class LinearFit:
@@ -71,16 +76,25 @@ class CostModel:
     less, and the next estimate would look dearer still.
     """
 
-    verify_base: float = 8.0
-    verify_per_session: float = 0.0
-    verify_per_token: float = 0.3
-    draft_per_token: float = 1.0
-    draft_base: float = 0.0
+    verify_base: float = _CONFIGURED.verify_base_ms
+    verify_per_session: float = _CONFIGURED.verify_per_session_ms
+    verify_per_token: float = _CONFIGURED.verify_per_token_ms
+    draft_per_token: float = _CONFIGURED.draft_per_token_ms
+    draft_base: float = _CONFIGURED.draft_base_ms
     verify_call: float = 1.0  # per call, beyond compute
     draft_call: float = 1.0
     verify_scale: float = 1.0  # measured over modelled verification compute, followed online
     forget: float = 0.97
-    pinned: bool = False  # keep the configured numbers
+    pinned: bool = _CONFIGURED.pin_cost_model  # keep the configured numbers
+
+    @classmethod
+    def configured(cls, settings: SpeculationConfig) -> CostModel:
+        """The starting point the router's speculation section gives (router.verify_base_ms, ...)."""
+        return cls(
+            verify_base=settings.verify_base_ms, verify_per_session=settings.verify_per_session_ms,
+            verify_per_token=settings.verify_per_token_ms, draft_per_token=settings.draft_per_token_ms,
+            draft_base=settings.draft_base_ms, pinned=settings.pin_cost_model,
+        )
 
     def __post_init__(self) -> None:
         self._draft = LinearFit(self.draft_base, self.draft_per_token, self.forget)
@@ -166,12 +180,21 @@ def _least_squares(rows: list[list[float]], ys: list[float]) -> list[float] | No
 @dataclass
 class SpeculationController:
     cost: CostModel
-    adaptive: bool = True
+    # The router's speculation section (adaptive_speculation, stop_below_confidence), replaced whole on reload.
+    settings: SpeculationConfig = field(default_factory=SpeculationConfig)
     # Below this predicted acceptance a request does not draft (but probes): costs the model
     # leaves out (network, the router's own work) outweigh so small a gain.
     min_acceptance: float = 0.1
     probe_every: int = 8
-    stop_below: float = 0.0  # 0 disables early stopping in the drafter
+
+    @property
+    def adaptive(self) -> bool:
+        return self.settings.adaptive_speculation
+
+    @property
+    def stop_below(self) -> float:
+        """Drafters stop once their confidence falls below it (0: never)."""
+        return self.settings.stop_below_confidence
 
     def plan(self, acceptance: list[float], max_draft_tokens: list[int], rounds: list[int], overlap: bool = False) -> list[int]:
         """Draft lengths (num_draft_tokens) for one round's requests, from each one's acceptance a_i,

@@ -94,7 +94,7 @@ class Verifying:
         expected_s = self.context.controller.cost.verify_ms(len(sessions), tokens) / 1e3
         deadline = max(VERIFY_DEADLINE_FLOOR_S, VERIFY_DEADLINE_FACTOR * expected_s)
         deadline += sum(len(s.sync.new_token_ids) for s in sessions) / PREFILL_TOKENS_PER_S
-        return min(self.context.config.rpc_timeout_s, deadline)
+        return min(self.context.config.settings.rpc_timeout_s, deadline)
 
     async def _on(self, replica: str, requests: list[RequestPlan], trees: dict[str, DraftTree]) -> None:
         """The replica's requests in calls within the verifier's per-call limits, concurrently."""

@@ -38,7 +38,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from router.routing import DomainClassifier, DrafterProfile, DrafterRouter, ExpertiseStore, RoutingConfig  # noqa: E402
+from router.routing import DomainClassifier, DrafterProfile, DrafterRouter, ExpertiseStore, RoutingTuning  # noqa: E402
+from specfleet.config import RoutingConfig  # noqa: E402
 from specfleet.config import DEMO_MODELS  # noqa: E402
 
 
@@ -53,8 +54,9 @@ class Workload:
 
 
 def make_router(drafters: list[str], seed: int, overrides: dict) -> DrafterRouter:
-    config = RoutingConfig(policy="expertise", default_drafter="general", fusion_width=1, **overrides)
-    return DrafterRouter(config, [DrafterProfile(n) for n in drafters], DomainClassifier({}), ExpertiseStore(0.995), seed=seed)
+    config = RoutingConfig(routing_policy="expertise", default_drafter="general", fusion_width=1)
+    profiles = [DrafterProfile(n) for n in drafters]
+    return DrafterRouter(config, profiles, DomainClassifier({}), ExpertiseStore(0.995), seed=seed, tuning=RoutingTuning(**overrides))
 
 
 def run_request(router: DrafterRouter, rng: random.Random, work: Workload, label: str, behaves_like: str = "", rounds: int = 0) -> list[str]:
@@ -141,7 +143,7 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=20)
     ap.add_argument("--bar", type=float, default=0.6)
     ap.add_argument("--adaptation", action="store_true", help="also measure overturn and drift after the first --requests count")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="RoutingConfig override, e.g. shared_evidence_cap=128")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="RoutingTuning override, e.g. shared_evidence_cap=128")
     args = ap.parse_args()
     greedy = json.loads((Path(args.models) / "acceptance.json").read_text())["greedy"]
     drafters = args.drafters.split(",") if args.drafters else sorted({key.split("|")[0] for key in greedy})

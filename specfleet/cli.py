@@ -32,6 +32,7 @@ import time
 def _serve_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specfleet serve", description="Start the verifier, the drafters and the router on this machine.")
     parser.add_argument("--config", help="deployment YAML (default: bundled demo models, else small random models)")
+    parser.add_argument("--config-keys", action="store_true", help="list every key of the config file (type, default, what it accepts and means) and exit")
     parser.add_argument("--port", type=int, help="router port (default: router.port, 50051)")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for all services")
     parser.add_argument(
@@ -127,6 +128,10 @@ def cmd_serve(argv: list[str]) -> int:
 
     from specfleet import config as config_mod
     from specfleet import security
+
+    if args.config_keys:
+        print(config_mod.keys_help())
+        return 0
 
     try:
         cfg = config_mod.load(args.config) if args.config else config_mod.default_config(config_mod.REPO / ".cache")

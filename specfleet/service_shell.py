@@ -60,7 +60,7 @@ class Core(Protocol):
 class Section:
     """The part of the config one process serves: the verifier, or one drafter service."""
 
-    config: Any  # config_mod.VerifierConfig | config_mod.DrafterServiceConfig: addresses(), metrics_port, threads
+    config: config_mod.ServiceConfig  # a VerifierConfig or a DrafterServiceConfig: what the shell reads is in their shared base
     name: str  # in its logs, its errors and the bind check: "verifier", "drafter NAME"
     key: str  # its config key, in messages: "verifier", "drafters[NAME]"
     metrics_port: int  # its /metrics port when metrics_port is unset (and free)

@@ -24,6 +24,7 @@ from router.api import (
 )
 from router.frontdoor import FrontDoor, interleave, validate
 from router.request import Limits
+from specfleet.config import RequestLimitsConfig
 from specfleet.engine import load_tokenizer
 from tests.helpers import PROMPTS, target_greedy
 
@@ -46,7 +47,7 @@ def door(cluster):
     from specfleet import config as config_mod
 
     cfg = config_mod.load(cluster.config_path)
-    cfg.router.pin_cost_model = True  # no start-up profiling: it would only cost time here
+    cfg.router.speculation.pin_cost_model = True  # no start-up profiling: it would only cost time here
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="frontdoor-test-loop", daemon=True)
     thread.start()
@@ -88,10 +89,8 @@ def tokenizer(random_family):
 
 @pytest.fixture(scope="module")
 def limits(tokenizer):
-    return Limits(
-        default_max_tokens=64, max_tokens_limit=2048, num_draft_tokens=4, max_draft_tokens=16, vocab_size=len(tokenizer), max_context=1024,
-        max_prompt_chars=10_000,
-    )
+    requests = RequestLimitsConfig(default_max_tokens=64, max_tokens_limit=2048, num_draft_tokens=4, max_draft_tokens=16)
+    return Limits(requests, vocab_size=len(tokenizer), max_context=1024, max_prompt_chars=10_000)
 
 
 REFUSED = [
@@ -135,12 +134,12 @@ def test_bad_params_are_refused_naming_the_field(tokenizer, limits, fields, fiel
 def test_valid_params_become_the_request_asked_for(tokenizer, limits):
     prompt_ids = tokenizer.encode("The quick brown fox", add_special_tokens=False)
     seeded = validate(GenerationParams(prompt="The quick brown fox", temperature=0.7, top_p=0.9, top_k=8, seed=11, stop=["\n"], request_id="mine"), tokenizer, limits)
-    assert seeded.prompt_ids == prompt_ids and seeded.max_tokens == limits.default_max_tokens
+    assert seeded.prompt_ids == prompt_ids and seeded.max_tokens == limits.requests.default_max_tokens
     assert (seeded.sampling.seed, seeded.sampling.drafter_invariant, seeded.sampling.top_k) == (11, True, 8)
     assert seeded.sampling.temperature == pytest.approx(0.7) and seeded.stop == ["\n"] and seeded.stop_at_eos
     # The client's label is echoed; the sessions are named by the router, unguessably.
     assert seeded.request_id == "mine" and seeded.session_id != "mine" and len(seeded.session_id) == 32
-    assert seeded.max_draft_tokens == limits.num_draft_tokens
+    assert seeded.max_draft_tokens == limits.requests.num_draft_tokens
     plain = validate(GenerationParams(prompt_token_ids=prompt_ids, speculation=SpeculationOptions(disabled=True, max_draft_tokens=3)), tokenizer, limits)
     assert plain.prompt_ids == prompt_ids and plain.request_id and not plain.sampling.drafter_invariant and plain.max_draft_tokens == 0
     # The server's default max_tokens is cut to what the context holds; a client's is refused (above).
@@ -251,7 +250,7 @@ def test_submit_all_is_all_or_nothing(door):
 def test_a_full_queue_refuses_with_overloaded(door):
     scheduler = door.front_door.scheduler
     config = scheduler.context.config
-    scheduler.context.config = dataclasses.replace(config, max_queued=0)
+    scheduler.context.config = dataclasses.replace(config, settings=dataclasses.replace(config.settings, max_queued=0))
     try:
         with pytest.raises(GenerationError) as err:
             door.run(door.front_door.submit(GenerationParams(prompt="hi", max_tokens=2)))

@@ -181,7 +181,7 @@ def test_router_ends_a_request_at_its_deadline_and_releases_its_sessions(cluster
     from tests.operations import wait_released
 
     cfg = config_mod.load(cluster.config_path)
-    cfg.router.pin_cost_model = True  # no start-up profiling: it would only cost time here
+    cfg.router.speculation.pin_cost_model = True  # no start-up profiling: it would only cost time here
     params = GenerationParams(
         prompt=PROMPTS[6], max_tokens=1000, speculation=SpeculationOptions(max_draft_tokens=2), request_id="router-deadline", stop_at_eos=False
     )

@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from router.routing import DomainClassifier, DrafterProfile, DrafterRouter, ExpertiseStore, RoutingConfig
+from router.routing import DomainClassifier, DrafterProfile, DrafterRouter, ExpertiseStore
+from specfleet.config import RoutingConfig
 from router.speculation import CostModel, SpeculationController
 
 EXEMPLARS = {
@@ -25,7 +26,7 @@ ACCEPTANCE = {
 def make_router(policy="expertise", specialities=True, decay=0.98, fusion_width=1, fusion_below=0.75) -> DrafterRouter:
     profiles = [DrafterProfile(d, [d] if specialities and d != "general" else []) for d in ("code", "prose", "structured", "general")]
     return DrafterRouter(
-        RoutingConfig(policy=policy, default_drafter="general", fusion_width=fusion_width, fusion_below=fusion_below),
+        RoutingConfig(routing_policy=policy, default_drafter="general", fusion_width=fusion_width, fusion_below=fusion_below),
         profiles,
         DomainClassifier(EXEMPLARS),
         ExpertiseStore(decay=decay),

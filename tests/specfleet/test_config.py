@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
+import yaml
 
 from specfleet import config as config_mod
 
@@ -88,7 +90,7 @@ def test_bad_config_is_refused_naming_the_key(data, names):
 def test_the_good_config_parses():
     """The base of every bad config above is itself accepted, so each refusal is for the one change."""
     config = config_mod.parse(good())
-    assert [s.name for s in config.drafters] == ["a", "b"] and config.router.default_drafter == "general"
+    assert [s.name for s in config.drafters] == ["a", "b"] and config.router.routing.default_drafter == "general"
 
 
 def test_config_file_problems_name_the_file(tmp_path):
@@ -104,3 +106,87 @@ def test_config_file_problems_name_the_file(tmp_path):
     with pytest.raises(config_mod.ConfigError) as err:
         config_mod.load(listed)
     assert str(listed) in str(err.value) and "mapping at the top level" in str(err.value)
+
+
+# --- declared fields: one doc, one check, one default per knob; the router's keys flat in YAML, grouped in code ---
+
+
+def all_sections() -> list[type]:
+    return [
+        config_mod.VerifierConfig, config_mod.DrafterServiceConfig, config_mod.DraftModelConfig, config_mod.RayPlacement,
+        config_mod.RouterConfig, config_mod.RequestLimitsConfig, config_mod.SchedulingConfig, config_mod.RoutingConfig,
+        config_mod.SpeculationConfig, config_mod.SecurityConfig, config_mod.TlsConfig,
+    ]
+
+
+def test_every_knob_declares_what_it_means():
+    for cls in all_sections():
+        for f in dataclasses.fields(cls):
+            assert f.metadata.get("doc"), f"{cls.__name__}.{f.name} has no doc"
+
+
+def test_a_knobs_doc_and_check_are_declared_once_and_listed():
+    """The check on the field is what refuses a bad value, and what the key listing says it accepts."""
+    (width,) = [f for f in dataclasses.fields(config_mod.RoutingConfig) if f.name == "fusion_width"]
+    check = width.metadata["check"]
+    assert check(1) is None and check(0) == "must be at least 1, got 0"
+    listing = config_mod.keys_help()
+    line = next(line for line in listing.splitlines() if line.startswith("router.fusion_width "))
+    assert width.metadata["doc"] in line and check.doc in line and "default 1" in line
+    assert "router.routing.fusion_width" not in listing  # documented as the file spells it
+    assert "drafters[].models.name" in listing and "verifier.ray.num_gpus" in listing and "security.tls.client_auth" in listing
+
+
+def test_the_services_share_their_common_fields():
+    shared = {f.name for f in dataclasses.fields(config_mod.ServiceConfig)}
+    assert {"device", "dtype", "threads", "cpus", "address", "replicas", "metrics_port", "max_call_sessions", "ray"} <= shared
+    for cls in (config_mod.VerifierConfig, config_mod.DrafterServiceConfig):
+        assert issubclass(cls, config_mod.ServiceConfig)
+        metadata = {f.name: f.metadata for f in dataclasses.fields(cls)}
+        # the same declaration, not a copy: a drafter service's own default address keeps the base's doc and check
+        assert all(metadata[f.name] is f.metadata or metadata[f.name] == f.metadata for f in dataclasses.fields(config_mod.ServiceConfig))
+    assert config_mod.DrafterServiceConfig().address != config_mod.VerifierConfig().address
+    assert config_mod.DrafterServiceConfig().max_cache_mb == 512.0 and config_mod.VerifierConfig().max_cache_mb == 1024.0
+
+
+@pytest.mark.parametrize(
+    "router, message",
+    [
+        ({"fusion_width": 0}, "router.fusion_width: must be at least 1, got 0"),
+        ({"routing": {"fusion_width": 0}}, "router.routing.fusion_width: must be at least 1, got 0"),
+        ({"routing": {"fusion_wdth": 2}}, "router.routing: unknown key(s) ['fusion_wdth']"),
+        ({"routing": 3}, "router.routing: expected a mapping"),
+        ({"speculation": {"verify_base_ms": "fast"}}, "router.speculation.verify_base_ms: expected float, got 'fast'"),
+        ({"verify_base_ms": -1}, "router.verify_base_ms: must be at least 0, got -1.0"),
+        ({"metrics_port": -1}, "router.metrics_port: expected a port number"),
+        ({"http_port": "8000"}, "router.http_port: expected int or null"),
+        ({"max_queued": -1}, "router.max_queued: must be at least 0"),
+    ],
+)
+def test_a_router_key_is_named_as_the_file_spells_it(router, message):
+    with pytest.raises(config_mod.ConfigError) as err:
+        config_mod.parse(with_("router", {**good()["router"], **router}))
+    assert message in str(err.value)
+
+
+def test_flat_and_nested_router_keys_are_one_config_and_the_file_stays_flat():
+    flat = config_mod.parse(with_("router", {"default_drafter": "general", "fusion_width": 2, "max_running": 8, "pin_cost_model": True}))
+    nested = config_mod.parse(with_("router", {
+        "routing": {"default_drafter": "general", "fusion_width": 2}, "scheduling": {"max_running": 8},
+        "speculation": {"pin_cost_model": True},
+    }))
+    assert flat == nested
+    assert (flat.router.routing.fusion_width, flat.router.scheduling.max_running, flat.router.speculation.pin_cost_model) == (2, 8, True)
+    written = yaml.safe_load(flat.to_yaml())
+    assert written["router"]["fusion_width"] == 2 and not {"routing", "scheduling", "speculation", "requests"} & set(written["router"])
+    assert config_mod.parse(written) == flat
+
+
+def test_one_default_per_knob():
+    """The router's components start from their section's defaults, not copies of them."""
+    from router.speculation import CostModel, SpeculationController
+
+    assert CostModel() == CostModel.configured(config_mod.SpeculationConfig())
+    controller = SpeculationController(CostModel())
+    assert controller.adaptive is config_mod.SpeculationConfig().adaptive_speculation
+    assert controller.stop_below == config_mod.SpeculationConfig().stop_below_confidence
