@@ -131,8 +131,12 @@ def propose(drafting: list[Drafting], step: int) -> None:
     else:
         logits, global_ids = first.stack.next_token_logits(sessions, [d.model.member for d in drafting])
     tokens, proposals, confidences = shaping.propose(
-        global_ids, logits, [d.item.sampling for d in drafting], [d.committed + step for d in drafting],
-        [d.model.stream for d in drafting], first.proposal_top_k,
+        global_ids,
+        logits,
+        [d.item.sampling for d in drafting],
+        [d.committed + step for d in drafting],
+        [d.model.stream for d in drafting],
+        first.proposal_top_k,
     )
     for d, token, proposal, confidence in zip(drafting, tokens, proposals, confidences):
         d.result.token_ids.append(token)

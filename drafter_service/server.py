@@ -76,8 +76,14 @@ class DrafterCore:
                 (
                     s.model,
                     DraftItem(
-                        sid, s.sync.prefix_length, list(s.sync.new_token_ids), s.num_draft_tokens, sampling,
-                        s.stop_below_confidence, s.score_context, s.lockstep_group,
+                        sid,
+                        s.sync.prefix_length,
+                        list(s.sync.new_token_ids),
+                        s.num_draft_tokens,
+                        sampling,
+                        s.stop_below_confidence,
+                        s.score_context,
+                        s.lockstep_group,
                     ),
                 )
             )

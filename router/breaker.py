@@ -22,7 +22,9 @@ MAX_BACKOFF_S = 8.0
 
 
 class Breaker:
-    def __init__(self, clock=time.monotonic, first_backoff_s: float = FIRST_BACKOFF_S, max_backoff_s: float = MAX_BACKOFF_S, kind: str = "drafter service"):
+    def __init__(
+        self, clock=time.monotonic, first_backoff_s: float = FIRST_BACKOFF_S, max_backoff_s: float = MAX_BACKOFF_S, kind: str = "drafter service"
+    ):
         self._clock = clock
         self._first_backoff_s = first_backoff_s
         self._max_backoff_s = max_backoff_s

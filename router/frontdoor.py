@@ -26,8 +26,18 @@ import uuid
 from collections.abc import AsyncIterator
 
 from router.api import (
-    Completion, Delta, DrafterStats, ErrorKind, Finished, GenerationError, GenerationParams, SpeculationStats, TokenLogprob,
-    TokenLogprobs, Usage, invalid,
+    Completion,
+    Delta,
+    DrafterStats,
+    ErrorKind,
+    Finished,
+    GenerationError,
+    GenerationParams,
+    SpeculationStats,
+    TokenLogprob,
+    TokenLogprobs,
+    Usage,
+    invalid,
 )
 from router.request import Limits, RequestSpec, RequestState
 from router.scheduler import Overloaded, Scheduler
@@ -178,8 +188,13 @@ class Generation:
                 continue
             log.info(
                 "request %s finished (%s): %d tokens in %d rounds, %d/%d drafts accepted, %.0f ms",
-                state.spec.request_id, state.finish_reason, len(state.output_ids), state.rounds,
-                state.accepted_tokens, state.draft_tokens, (time.monotonic() - state.admitted_at) * 1e3,
+                state.spec.request_id,
+                state.finish_reason,
+                len(state.output_ids),
+                state.rounds,
+                state.accepted_tokens,
+                state.draft_tokens,
+                (time.monotonic() - state.admitted_at) * 1e3,
             )
             yield Finished(update.text, list(update.token_ids), logprobs, state.finish_reason, self.usage(), self.speculation())
             return
@@ -194,8 +209,13 @@ class Generation:
         """The output so far (all of it once Finished came)."""
         state = self.state
         return Completion(
-            request_id=state.spec.request_id, text=state.text, token_ids=list(state.output_ids), finish_reason=state.finish_reason,
-            usage=self.usage(), speculation=self.speculation(), logprobs=_typed_logprobs(state.logprobs),
+            request_id=state.spec.request_id,
+            text=state.text,
+            token_ids=list(state.output_ids),
+            finish_reason=state.finish_reason,
+            usage=self.usage(),
+            speculation=self.speculation(),
+            logprobs=_typed_logprobs(state.logprobs),
         )
 
     def usage(self) -> Usage:
@@ -262,15 +282,23 @@ class FrontDoor:
         the event loop, which serves every other client (one worker: the tokenizer is shared)."""
         self.check_open()
         spec, prompt_text = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._validate, params)
-        state = RequestState(spec=spec, tokenizer=self.tokenizer, eos_token_id=self.eos_token_id, max_context=self.limits.max_context, deadline=deadline)
+        state = RequestState(
+            spec=spec, tokenizer=self.tokenizer, eos_token_id=self.eos_token_id, max_context=self.limits.max_context, deadline=deadline
+        )
         try:
             self.scheduler.submit(state, prompt_text, spec.domain)
         except Overloaded as err:
             raise GenerationError(ErrorKind.OVERLOADED, str(err)) from None
         log.info(
             "request %s (session %s, %s): %d prompt tokens, max_tokens %d, temperature %g, domain %s, max_draft_tokens %d",
-            spec.request_id, spec.session_id, via or "-", len(spec.prompt_ids), spec.max_tokens, spec.sampling.temperature,
-            state.routing.domain or "-", spec.max_draft_tokens,
+            spec.request_id,
+            spec.session_id,
+            via or "-",
+            len(spec.prompt_ids),
+            spec.max_tokens,
+            spec.sampling.temperature,
+            state.routing.domain or "-",
+            spec.max_draft_tokens,
         )
         return Generation(state)
 

@@ -13,7 +13,18 @@ import time
 
 import grpc
 
-from router.api import Completion, Delta, ErrorKind, Finished, GenerationError, GenerationParams, SpeculationOptions, SpeculationStats, TokenLogprobs, Usage
+from router.api import (
+    Completion,
+    Delta,
+    ErrorKind,
+    Finished,
+    GenerationError,
+    GenerationParams,
+    SpeculationOptions,
+    SpeculationStats,
+    TokenLogprobs,
+    Usage,
+)
 from router.frontdoor import FrontDoor, Generation
 from specfleet.v1 import generation_pb2, generation_pb2_grpc
 

@@ -37,8 +37,22 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from router.api import Finished, GenerationError, GenerationParams
 from router.frontdoor import FrontDoor, Generation, interleave
 from router.openai_schema import (
-    FINISH_REASONS, ApiError, ChatRequest, CompletionRequest, Sampling, chat_logprobs, chat_max_tokens, completion_logprobs,
-    completion_prompts, params_of, refuse_unsupported, render_chat, speculation_json, sse, token_text, usage_json,
+    FINISH_REASONS,
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    Sampling,
+    chat_logprobs,
+    chat_max_tokens,
+    completion_logprobs,
+    completion_prompts,
+    params_of,
+    refuse_unsupported,
+    render_chat,
+    speculation_json,
+    sse,
+    token_text,
+    usage_json,
 )
 
 __all__ = ["ApiError", "create_app", "render_chat", "start", "stop"]
@@ -67,7 +81,10 @@ class OpenAIServer:
         refuse_unsupported(body)
         if body.model != self.model_name:
             raise ApiError(
-                404, f"model {body.model!r} does not exist; this server serves {self.model_name!r} (GET /v1/models)", param="model", code="model_not_found"
+                404,
+                f"model {body.model!r} does not exist; this server serves {self.model_name!r} (GET /v1/models)",
+                param="model",
+                code="model_not_found",
             )
 
     async def _submit(self, params: list[GenerationParams]) -> list[Generation]:
@@ -84,7 +101,14 @@ class OpenAIServer:
         return {
             "object": "list",
             "data": [
-                {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "specfleet", "root": target.path, "max_model_len": target.max_context}
+                {
+                    "id": self.model_name,
+                    "object": "model",
+                    "created": self.created,
+                    "owned_by": "specfleet",
+                    "root": target.path,
+                    "max_model_len": target.max_context,
+                }
             ],
         }
 
@@ -245,7 +269,9 @@ def _v1(server: OpenAIServer, api_key: str) -> APIRouter:
     async def check_key(request: Request) -> None:
         given = request.headers.get("authorization", "")
         if api_key and not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise ApiError(401, "invalid API key: send Authorization: Bearer <the key given to --api-key or SPECFLEET_API_KEY>", code="invalid_api_key")
+            raise ApiError(
+                401, "invalid API key: send Authorization: Bearer <the key given to --api-key or SPECFLEET_API_KEY>", code="invalid_api_key"
+            )
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
 

@@ -247,7 +247,11 @@ def _shortest_float32(x: float) -> float:
 def speculation_json(stats: SpeculationStats) -> dict:
     """The statistics as the gRPC API's SpeculationStats in protobuf's JSON form: fields at their zero value left out."""
     drafters = [
-        {k: v for k, v in (("drafter", d.drafter), ("rounds", d.rounds), ("draft_tokens", d.draft_tokens), ("accepted_tokens", d.accepted_tokens)) if v}
+        {
+            k: v
+            for k, v in (("drafter", d.drafter), ("rounds", d.rounds), ("draft_tokens", d.draft_tokens), ("accepted_tokens", d.accepted_tokens))
+            if v
+        }
         for d in stats.drafters
     ]
     fields = {

@@ -64,5 +64,9 @@ async def profile_costs(
             await transport.release(["profile"])
     log.info(
         "cost model: verify %.2f ms + %.3f ms/session + %.3f ms/token, draft %.2f ms + %.2f ms/token",
-        cost.verify_base, cost.verify_per_session, cost.verify_per_token, cost.draft_base, cost.draft_per_token,
+        cost.verify_base,
+        cost.verify_per_session,
+        cost.verify_per_token,
+        cost.draft_base,
+        cost.draft_per_token,
     )

@@ -10,7 +10,8 @@ like a gRPC service:
 
 | Ray                                                    | status code        | scheduler |
 |---|---|---|
-| actor dead, restarting, or its node gone (RayActorError) | UNAVAILABLE        | drafter: this round decodes plainly; verifier: the round's requests move to another replica (or wait for one) |
+| actor dead, restarting, or its node gone (RayActorError) | UNAVAILABLE        | drafter: this round decodes plainly; verifier: the round's |
+|                                                        |                    | requests move to another replica (or wait for one) |
 | no answer within the deadline                          | DEADLINE_EXCEEDED  | as above |
 | the actor refused the request (ValueError inside)      | INVALID_ARGUMENT   | verifier: INTERNAL to the client (a router bug) |
 | anything else raised inside the actor                  | INTERNAL           | as UNAVAILABLE |
@@ -105,7 +106,9 @@ class RayDrafter:
         return draft_response(drafter_pb2.DraftResponse.FromString(data))
 
     async def release(self, session_ids: list[str]) -> None:
-        await call(self._actor.release, common_pb2.ReleaseRequest(session_ids=session_ids).SerializeToString(), 10.0, f"drafter {self.name}: ReleaseSessions")
+        await call(
+            self._actor.release, common_pb2.ReleaseRequest(session_ids=session_ids).SerializeToString(), 10.0, f"drafter {self.name}: ReleaseSessions"
+        )
 
     async def info(self, timeout_s: float) -> drafter_pb2.DrafterInfo:
         return drafter_pb2.DrafterInfo.FromString(await call(self._actor.info, None, timeout_s, f"drafter {self.name}: GetInfo"))

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from specfleet.config import RequestLimitsConfig
 from specfleet.sampling import SamplingParams
 
+
 @dataclass
 class Limits:
     # The router's request-limits section (default_max_tokens, max_tokens_limit, num_draft_tokens,

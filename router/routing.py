@@ -328,8 +328,13 @@ class RequestRouting:
 
 class DrafterRouter:
     def __init__(
-        self, config: RoutingConfig, drafters: list[DrafterProfile], classifier: DomainClassifier, store: ExpertiseStore,
-        seed: int = 0, tuning: RoutingTuning | None = None,
+        self,
+        config: RoutingConfig,
+        drafters: list[DrafterProfile],
+        classifier: DomainClassifier,
+        store: ExpertiseStore,
+        seed: int = 0,
+        tuning: RoutingTuning | None = None,
     ):
         if config.routing_policy not in POLICIES:
             raise ValueError(f"routing policy must be one of {POLICIES}, got {config.routing_policy!r}")

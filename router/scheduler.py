@@ -74,9 +74,7 @@ class Scheduler:
         # Requests whose clients gave up while queued hold no place in the queue.
         self._waiting = [s for s in self._waiting if not s.cancelled]
         if len(self._waiting) >= self.context.config.settings.max_queued:
-            raise Overloaded(
-                f"{self.running} requests running and {len(self._waiting)} queued (router.max_queued); retry later"
-            )
+            raise Overloaded(f"{self.running} requests running and {len(self._waiting)} queued (router.max_queued); retry later")
         state.routing = self.context.router.start(prompt_text, domain_hint)
         self._waiting.append(state)
         self._wake.set()

@@ -15,7 +15,13 @@ from router.profiling import profile_costs
 from router.grpc_api import GenerationServicer
 from router.request import Limits, prompt_chars_bound
 from router.routing import (
-    DomainClassifier, DrafterProfile, DrafterRouter, ExpertiseStore, RedisAuthError, RedisExpertiseStore, redacted,
+    DomainClassifier,
+    DrafterProfile,
+    DrafterRouter,
+    ExpertiseStore,
+    RedisAuthError,
+    RedisExpertiseStore,
+    redacted,
 )
 from router.rounds import SchedulerConfig
 from router.scheduler import Scheduler
@@ -63,7 +69,9 @@ async def build(cfg: config_mod.Config, transports: tuple | None = None) -> tupl
     target = infos[0]
     for replica, info in zip(replicas[1:], infos[1:]):
         # Requests move between replicas mid-generation: every replica must compute the same target.
-        differs = [f for f in ("tokenizer_fingerprint", "vocab_size", "max_context", "eos_token_id", "parameters") if getattr(info, f) != getattr(target, f)]
+        differs = [
+            f for f in ("tokenizer_fingerprint", "vocab_size", "max_context", "eos_token_id", "parameters") if getattr(info, f) != getattr(target, f)
+        ]
         if differs or pathlib.Path(info.path).name != pathlib.Path(target.path).name:
             raise StartupError(
                 f"verifier replica {replica.address} serves {info.path} and {replicas[0].address} serves {target.path}"
@@ -107,7 +115,9 @@ def pipeline_depth(configured: int, target, drafters: dict[str, DrafterService],
         log.info(
             "pipelining off (one lane): no drafter can compute beside the verifier"
             " (cores %s for the verifier's %d threads, a drafter's %d and the router's)",
-            sorted(set(target.cpus) | set(router.cpus)), target.threads, placements[0].threads,
+            sorted(set(target.cpus) | set(router.cpus)),
+            target.threads,
+            placements[0].threads,
         )
         return 1
     return 2
@@ -231,7 +241,11 @@ def build_drafter_router(cfg: config_mod.Config, served: list[str]) -> DrafterRo
     store = RedisExpertiseStore(url, routing.expertise_decay) if url else ExpertiseStore(routing.expertise_decay)
     log.info(
         "routing: policy %s, domain prior %s, fusion width %d, domains %s, state in %s",
-        routing.routing_policy, routing.domain_prior, routing.fusion_width, sorted(exemplars) or "-", "redis " + redacted(url) if url else "memory",
+        routing.routing_policy,
+        routing.domain_prior,
+        routing.fusion_width,
+        sorted(exemplars) or "-",
+        "redis " + redacted(url) if url else "memory",
     )
     return DrafterRouter(routing, profiles, DomainClassifier(exemplars), store)
 
@@ -273,9 +287,17 @@ async def run(
 
     try:
         await serve(
-            "router", host, port, register, grace_s=ROUTER_DRAIN_S, on_reload=on_reload, on_drain=front_door.drain,
-            healthy=lambda: bool(scheduler.verifiers.live()), max_request_bytes=cfg.router.max_request_bytes,
-            credentials=sec.server_credentials(public=True), interceptors=sec.server_interceptors(public=True, api_key=api_key),
+            "router",
+            host,
+            port,
+            register,
+            grace_s=ROUTER_DRAIN_S,
+            on_reload=on_reload,
+            on_drain=front_door.drain,
+            healthy=lambda: bool(scheduler.verifiers.live()),
+            max_request_bytes=cfg.router.max_request_bytes,
+            credentials=sec.server_credentials(public=True),
+            interceptors=sec.server_interceptors(public=True, api_key=api_key),
         )
     finally:
         if http is not None:
@@ -301,8 +323,10 @@ async def start_http(cfg: config_mod.Config, host: str, front_door: FrontDoor, a
         if cfg.router.http_port is None:
             log.warning("HTTP API off: it needs %s (pip install fastapi uvicorn pydantic); router.http_port: 0 turns it off", err.name)
             return None
-        raise StartupError(f"router.http_port: the HTTP API needs {err.name}, which is not installed (pip install fastapi uvicorn pydantic), "
-                           "or set router.http_port to 0") from None
+        raise StartupError(
+            f"router.http_port: the HTTP API needs {err.name}, which is not installed (pip install fastapi uvicorn pydantic), "
+            "or set router.http_port to 0"
+        ) from None
     sock = listen(host, cfg.router.http_port, config_mod.DEFAULT_HTTP_PORT, "HTTP API", "router.http_port")
     if sock is None:
         return None
@@ -312,7 +336,11 @@ async def start_http(cfg: config_mod.Config, host: str, front_door: FrontDoor, a
     address = sock.getsockname()
     log.info(
         "OpenAI-compatible API on %s://%s:%d/v1 (model %r)%s",
-        "https" if sec.tls else "http", address[0], address[1], model_name, ", API key required" if api_key else "",
+        "https" if sec.tls else "http",
+        address[0],
+        address[1],
+        model_name,
+        ", API key required" if api_key else "",
     )
     return (app, *started)
 
@@ -322,10 +350,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", help="deployment YAML (default: bundled demo models)")
     parser.add_argument("--host", help="listen address (default: router.host)")
     parser.add_argument("--port", type=int, help="port (default: router.port)")
-    parser.add_argument("--ray", metavar="ADDRESS", help="reach the verifier and drafters as Ray actors in the cluster at ADDRESS (`auto`: this node's; ray://HOST:10001: through Ray Client)")
+    parser.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        help="reach the verifier and drafters as Ray actors in the cluster at ADDRESS (`auto`: this node's; ray://HOST:10001: through Ray Client)",
+    )
     parser.add_argument("--ray-namespace", default="specfleet", help="Ray namespace of the actors (default: specfleet)")
     parser.add_argument(
-        "--api-key", default=os.environ.get("SPECFLEET_API_KEY", ""),
+        "--api-key",
+        default=os.environ.get("SPECFLEET_API_KEY", ""),
         help="require `authorization: Bearer KEY` on the gRPC API and the HTTP API's /v1/* (default: $SPECFLEET_API_KEY; unset: no key)",
     )
     args = parser.parse_args(argv)

@@ -91,9 +91,12 @@ class CostModel:
     def configured(cls, settings: SpeculationConfig) -> CostModel:
         """The starting point the router's speculation section gives (router.verify_base_ms, ...)."""
         return cls(
-            verify_base=settings.verify_base_ms, verify_per_session=settings.verify_per_session_ms,
-            verify_per_token=settings.verify_per_token_ms, draft_per_token=settings.draft_per_token_ms,
-            draft_base=settings.draft_base_ms, pinned=settings.pin_cost_model,
+            verify_base=settings.verify_base_ms,
+            verify_per_session=settings.verify_per_session_ms,
+            verify_per_token=settings.verify_per_token_ms,
+            draft_per_token=settings.draft_per_token_ms,
+            draft_base=settings.draft_base_ms,
+            pinned=settings.pin_cost_model,
         )
 
     def __post_init__(self) -> None:

@@ -24,9 +24,14 @@ class RouterTelemetry:
         lanes = Gauge("specfleet:pipeline_lane_requests", "Requests in each pipeline lane.", ["lane"], registry=r)
         for i in range(len(scheduler._lanes)):
             lanes.labels(lane=str(i)).set_function(lambda i=i: len(scheduler._lanes[i]))
-        self.ttft = Histogram("specfleet:time_to_first_token_seconds", "Time from admission to the first output token.", buckets=TTFT_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "specfleet:time_to_first_token_seconds", "Time from admission to the first output token.", buckets=TTFT_BUCKETS, registry=r
+        )
         self.itl = Histogram(
-            "specfleet:inter_token_latency_seconds", "Time between output tokens (a round's tokens share its interval).", buckets=ITL_BUCKETS, registry=r
+            "specfleet:inter_token_latency_seconds",
+            "Time between output tokens (a round's tokens share its interval).",
+            buckets=ITL_BUCKETS,
+            registry=r,
         )
         self.e2e = Histogram("specfleet:e2e_request_latency_seconds", "Time from admission to the last token.", buckets=E2E_BUCKETS, registry=r)
         self.success = Counter("specfleet:request_success", "Requests finished, by reason (eos, length, stop).", ["finished_reason"], registry=r)
@@ -38,7 +43,10 @@ class RouterTelemetry:
         self.draft_tokens = Counter("specfleet:spec_decode_num_draft_tokens", "Draft tokens verified.", registry=r)
         self.accepted = Counter("specfleet:spec_decode_num_accepted_tokens", "Draft tokens the target accepted.", registry=r)
         self.accepted_per_pos = Counter(
-            "specfleet:spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by their depth in the draft (0: first).", ["position"], registry=r
+            "specfleet:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens by their depth in the draft (0: first).",
+            ["position"],
+            registry=r,
         )
         self.routing = Counter(
             "specfleet:routing_decisions", "Drafting rounds led by each drafter, per request domain.", ["drafter", "domain"], registry=r
@@ -47,10 +55,18 @@ class RouterTelemetry:
             "specfleet:fusion_width", "Drafters cooperating on one request's drafting round.", buckets=(1, 2, 3, 4, 6, 8), registry=r
         )
         self.draft_call = Histogram(
-            "specfleet:draft_call_seconds", "Wall time of one Draft call, as the router sees it.", ["drafter_service"], buckets=PASS_BUCKETS, registry=r
+            "specfleet:draft_call_seconds",
+            "Wall time of one Draft call, as the router sees it.",
+            ["drafter_service"],
+            buckets=PASS_BUCKETS,
+            registry=r,
         )
-        self.verify_call = Histogram("specfleet:verify_call_seconds", "Wall time of one Verify call, as the router sees it.", buckets=PASS_BUCKETS, registry=r)
-        up = Gauge("specfleet:verifier_replica_up", "1 while the router sends rounds to this verifier replica, 0 while it skips it.", ["replica"], registry=r)
+        self.verify_call = Histogram(
+            "specfleet:verify_call_seconds", "Wall time of one Verify call, as the router sees it.", buckets=PASS_BUCKETS, registry=r
+        )
+        up = Gauge(
+            "specfleet:verifier_replica_up", "1 while the router sends rounds to this verifier replica, 0 while it skips it.", ["replica"], registry=r
+        )
         for name in scheduler.verifiers.replicas:
             up.labels(replica=name).set_function(lambda name=name: float(scheduler.verifiers.breaker.allow(name)))
         self.replica_sessions = Counter(
@@ -117,14 +133,22 @@ class _RoundState:
             "specfleet:verifier_replica_moves", "Requests moved off a failed verifier replica to a live one.", value=self.scheduler.verifiers.moves
         )
         yield CounterMetricFamily("specfleet:rounds", "Draft-and-verify rounds, one per lane and pass.", value=m.rounds)
-        yield CounterMetricFamily("specfleet:drafter_errors", "Failed Draft calls (their requests decoded that round without drafts).", value=m.drafter_errors)
-        yield CounterMetricFamily("specfleet:session_misses", "Sessions a verifier or drafter had lost and was sent again whole.", value=m.session_misses)
+        yield CounterMetricFamily(
+            "specfleet:drafter_errors", "Failed Draft calls (their requests decoded that round without drafts).", value=m.drafter_errors
+        )
+        yield CounterMetricFamily(
+            "specfleet:session_misses", "Sessions a verifier or drafter had lost and was sent again whole.", value=m.session_misses
+        )
         yield CounterMetricFamily(
             "specfleet:verify_busy_seconds", "Verifier compute time reported for this router's Verify calls.", value=m.verify_busy_ms / 1e3
         )
-        proposed = CounterMetricFamily("specfleet:drafter_draft_tokens", "Tokens each drafter proposed, per request domain.", labels=["drafter", "domain"])
+        proposed = CounterMetricFamily(
+            "specfleet:drafter_draft_tokens", "Tokens each drafter proposed, per request domain.", labels=["drafter", "domain"]
+        )
         accepted = CounterMetricFamily(
-            "specfleet:drafter_accepted_tokens", "Proposals of each drafter that matched the target's tokens, per domain.", labels=["drafter", "domain"]
+            "specfleet:drafter_accepted_tokens",
+            "Proposals of each drafter that matched the target's tokens, per domain.",
+            labels=["drafter", "domain"],
         )
         for (domain, drafter), counts in sorted(m.by_domain.items()):
             proposed.add_metric([drafter, domain or "-"], counts.draft_tokens)
@@ -132,7 +156,8 @@ class _RoundState:
         yield proposed
         yield accepted
         expertise = GaugeMetricFamily(
-            "specfleet:expertise_acceptance", "Learned per-token acceptance (posterior mean without prior) per drafter and domain.",
+            "specfleet:expertise_acceptance",
+            "Learned per-token acceptance (posterior mean without prior) per drafter and domain.",
             labels=["drafter", "domain"],
         )
         for (domain, drafter), e in sorted(shared.router.store.snapshot().items()):

@@ -62,7 +62,10 @@ def sampling_message(params: SamplingParams) -> common_pb2.SamplingParams:
     message = _sampling_messages.get(params)
     if message is None:
         message = _sampling_messages[params] = common_pb2.SamplingParams(
-            temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=params.seed,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            seed=params.seed,
             drafter_invariant=params.drafter_invariant,
         )
     return message
@@ -81,8 +84,13 @@ def draft_request(sessions: list[messages.DraftSession]) -> drafter_pb2.DraftReq
     return drafter_pb2.DraftRequest(
         sessions=[
             drafter_pb2.DraftSession(
-                sync=_sync(s.sync), model=s.model, num_draft_tokens=s.num_draft_tokens, sampling=sampling_message(s.sampling),
-                stop_below_confidence=s.stop_below_confidence, score_context=s.score_context, lockstep_group=s.lockstep_group,
+                sync=_sync(s.sync),
+                model=s.model,
+                num_draft_tokens=s.num_draft_tokens,
+                sampling=sampling_message(s.sampling),
+                stop_below_confidence=s.stop_below_confidence,
+                score_context=s.score_context,
+                lockstep_group=s.lockstep_group,
             )
             for s in sessions
         ]
@@ -93,8 +101,12 @@ def draft_response(reply: drafter_pb2.DraftResponse) -> messages.DraftResponse:
     return messages.DraftResponse(
         sessions=[
             messages.DraftedSession(
-                known=s.status == common_pb2.SESSION_OK, token_ids=list(s.token_ids), proposals=list(s.proposals),
-                confidences=list(s.confidences), context_log_prob=s.context_log_prob, context_tokens=s.context_tokens,
+                known=s.status == common_pb2.SESSION_OK,
+                token_ids=list(s.token_ids),
+                proposals=list(s.proposals),
+                confidences=list(s.confidences),
+                context_log_prob=s.context_log_prob,
+                context_tokens=s.context_tokens,
             )
             for s in reply.sessions
         ],
@@ -108,7 +120,9 @@ def verify_request(sessions: list[messages.VerifySession]) -> verifier_pb2.Verif
             verifier_pb2.VerifySession(
                 sync=_sync(s.sync),
                 tree=verifier_pb2.TokenTree(token_ids=s.tree.token_ids, parents=s.tree.parents, proposals=s.tree.proposals),
-                sampling=sampling_message(s.sampling), logprobs=s.logprobs, top_logprobs=s.top_logprobs,
+                sampling=sampling_message(s.sampling),
+                logprobs=s.logprobs,
+                top_logprobs=s.top_logprobs,
             )
             for s in sessions
         ]
@@ -119,8 +133,12 @@ def verify_response(reply: verifier_pb2.VerifyResponse) -> messages.VerifyRespon
     return messages.VerifyResponse(
         sessions=[
             messages.VerifiedSession(
-                known=s.status == common_pb2.SESSION_OK, accepted_nodes=list(s.accepted_nodes), token_ids=list(s.token_ids),
-                logprobs=list(s.logprobs), top_token_ids=list(s.top_token_ids), top_logprobs=list(s.top_logprobs),
+                known=s.status == common_pb2.SESSION_OK,
+                accepted_nodes=list(s.accepted_nodes),
+                token_ids=list(s.token_ids),
+                logprobs=list(s.logprobs),
+                top_token_ids=list(s.top_token_ids),
+                top_logprobs=list(s.top_logprobs),
             )
             for s in reply.sessions
         ],

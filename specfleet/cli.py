@@ -32,22 +32,30 @@ import time
 def _serve_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specfleet serve", description="Start the verifier, the drafters and the router on this machine.")
     parser.add_argument("--config", help="deployment YAML (default: bundled demo models, else small random models)")
-    parser.add_argument("--config-keys", action="store_true", help="list every key of the config file (type, default, what it accepts and means) and exit")
+    parser.add_argument(
+        "--config-keys", action="store_true", help="list every key of the config file (type, default, what it accepts and means) and exit"
+    )
     parser.add_argument("--port", type=int, help="router port (default: router.port, 50051)")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for all services")
     parser.add_argument(
-        "--max-restarts", type=int, default=5,
+        "--max-restarts",
+        type=int,
+        default=5,
         help="restart a crashed service at most this many times in 10 minutes, then stop everything (default 5; 0: never restart)",
     )
     parser.add_argument(
-        "--ray", nargs="?", const="", metavar="ADDRESS",
+        "--ray",
+        nargs="?",
+        const="",
+        metavar="ADDRESS",
         help="run the verifier and drafters as Ray actors in the cluster at ADDRESS (HOST:6379 from a Ray node, ray://HOST:10001 "
         "through Ray Client from elsewhere; no ADDRESS: start a local Ray); the router uses them over Ray",
     )
     parser.add_argument("--namespace", default="specfleet", help="Ray namespace of the actors (with --ray)")
     parser.add_argument("--detached", action="store_true", help="with --ray: the actors outlive this command (reused when it runs again)")
     parser.add_argument(
-        "--api-key", default=os.environ.get("SPECFLEET_API_KEY", ""),
+        "--api-key",
+        default=os.environ.get("SPECFLEET_API_KEY", ""),
         help="require `Authorization: Bearer KEY` on the OpenAI-compatible API's /v1/* (default: $SPECFLEET_API_KEY; unset: no key)",
     )
     return parser
@@ -65,7 +73,19 @@ def _service_commands(cfg, config_file: pathlib.Path) -> list[tuple[str, list[st
     for svc in cfg.drafters:
         for replica, _ in enumerate(svc.addresses()):
             name = f"drafter {svc.name}" if replica == 0 else f"drafter {svc.name} replica {replica}"
-            command = [py, "-m", "drafter_service", "--config", str(config_file), "--name", svc.name, "--host", "127.0.0.1", "--replica", str(replica)]
+            command = [
+                py,
+                "-m",
+                "drafter_service",
+                "--config",
+                str(config_file),
+                "--name",
+                svc.name,
+                "--host",
+                "127.0.0.1",
+                "--replica",
+                str(replica),
+            ]
             commands.append((name, command, svc.cpus))
     commands.append(("router", [py, "-m", "router", "--config", str(config_file)], cfg.router.cpus))
     return commands
@@ -214,6 +234,7 @@ def _this_command() -> str:
         return shlex.quote(str(me))
     return f"{shlex.quote(sys.executable)} -m specfleet.cli"
 
+
 def _tls_flags(cfg) -> str:
     """`specfleet generate`'s TLS flags for this router (empty without TLS); the API key stays in the environment."""
     tls = cfg.security.tls
@@ -262,7 +283,9 @@ def cmd_generate(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--no-speculation", action="store_true", help="decode with the target alone")
-    parser.add_argument("--max-draft-tokens", type=int, default=0, help="at most this many draft tokens per round (0: the router's router.max_draft_tokens)")
+    parser.add_argument(
+        "--max-draft-tokens", type=int, default=0, help="at most this many draft tokens per round (0: the router's router.max_draft_tokens)"
+    )
     parser.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
     parser.add_argument("--stats", action="store_true", help="print speculation stats to stderr")
     parser.add_argument("--ca", help="TLS: the CA certificate (PEM) that signed the router's (security.tls.ca); turns TLS on")

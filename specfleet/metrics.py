@@ -102,9 +102,7 @@ async def serve(
     open_connections = 0
 
     def respond(writer: asyncio.StreamWriter, status: str, body: bytes, ctype: str = "text/plain") -> None:
-        writer.write(
-            f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body
-        )
+        writer.write(f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
 
     async def refuse(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, status: str, body: bytes) -> None:
         # Answer, then read (briefly) what the client still sends: closing with unread data resets the
@@ -187,7 +185,11 @@ class PassTelemetry:
             f"specfleet:{kind}_batch_size", f"Sessions in one {kind} forward pass.", names, buckets=BATCH_BUCKETS, registry=self.registry
         )
         self.pass_seconds = Histogram(
-            f"specfleet:{kind}_pass_seconds", f"Time of one {kind} batch (forward pass and its bookkeeping).", names, buckets=PASS_BUCKETS, registry=self.registry
+            f"specfleet:{kind}_pass_seconds",
+            f"Time of one {kind} batch (forward pass and its bookkeeping).",
+            names,
+            buckets=PASS_BUCKETS,
+            registry=self.registry,
         )
         _store_gauges(self.registry, stores, labels)
 

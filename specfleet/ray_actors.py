@@ -193,7 +193,7 @@ async def wait_ready(handles: dict, timeout_s: float, cfg: config_mod.Config | N
             wants = actor_placements(cfg)
             keys = ("num_cpus", "num_gpus", "resources", "label_selector", "memory")
             asked = "; ".join(
-                f"{n} asks for {({k: v for k, v in actor_options(wants.get(n), n, '', False).items() if k in keys})}" for n in waiting
+                f"{n} asks for { ({k: v for k, v in actor_options(wants.get(n), n, '', False).items() if k in keys}) }" for n in waiting
             )
         raise TimeoutError(
             f"Ray actor(s) {waiting} not ready after {timeout_s:.0f}s (still loading, or no node has the resources or labels "

@@ -127,7 +127,9 @@ class Security:
         if not api_key and not self.requires_client_cert(public=True):
             log.warning(
                 "OPEN TO ANYONE: %s listens on %s with no API key (--api-key or $SPECFLEET_API_KEY) and no client certificates "
-                "(security.tls.client_auth: all): every host that reaches it may generate", what, host,
+                "(security.tls.client_auth: all): every host that reaches it may generate",
+                what,
+                host,
             )
 
     # --- clients ---

@@ -141,7 +141,13 @@ def _start(spec: ServiceSpec, args: argparse.Namespace) -> _Started:
 
 
 async def serve_core(
-    spec: ServiceSpec, name: str, core: Core, host: str, port: int, sec: security.Security, metrics_sock: socket.socket | None,
+    spec: ServiceSpec,
+    name: str,
+    core: Core,
+    host: str,
+    port: int,
+    sec: security.Security,
+    metrics_sock: socket.socket | None,
     grace_s: float = 10.0,
 ) -> None:
     """Serve `core` over gRPC as `name` until SIGTERM or SIGINT (in-flight calls get grace_s), and /metrics on metrics_sock
@@ -154,8 +160,14 @@ async def serve_core(
 
     async with metrics.exported(metrics_sock, core.telemetry.registry, **sec.metrics_options()):
         await serve(
-            name, host, port, register, grace_s=grace_s, on_stop=core.close,
-            credentials=sec.server_credentials(), interceptors=sec.server_interceptors(),
+            name,
+            host,
+            port,
+            register,
+            grace_s=grace_s,
+            on_stop=core.close,
+            credentials=sec.server_credentials(),
+            interceptors=sec.server_interceptors(),
         )
 
 

@@ -271,7 +271,7 @@ async def wait_until_serving(address: str, timeout_s: float, service: str = "", 
     """Poll grpc.health.v1 at address until it reports SERVING (over TLS when `security`, a specfleet.security.Security, has it)."""
     deadline = time.monotonic() + timeout_s
     last_error = "no answer"
-    async with (grpc.aio.insecure_channel(address) if security is None else security.aio_channel(address)) as channel:
+    async with grpc.aio.insecure_channel(address) if security is None else security.aio_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             try:

@@ -30,4 +30,3 @@ def cluster(random_family, tmp_path_factory):
     c = Cluster(cluster_config(random_family), tmp_path_factory.mktemp("cluster"), "default").start()
     yield c
     c.stop()
-

@@ -33,7 +33,9 @@ class _CallDetails(
     pass
 
 
-class WithToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor, grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+class WithToken(
+    grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor, grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor
+):
     """Adds `authorization: Bearer token` to every call of a channel."""
 
     def __init__(self, token: str):

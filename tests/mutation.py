@@ -92,7 +92,7 @@ def _key(tok: tokenize.TokenInfo) -> object:
             return ("value", type(value := ast.literal_eval(tok.string)).__name__, value)
         except (ValueError, SyntaxError):  # an f-string: its prefix and body, either quote
             prefix = tok.string[: len(tok.string) - len(tok.string.lstrip("rRbBuUfF"))]
-            quote = 3 if tok.string[len(prefix) :].startswith(('"""', "\'\'\'")) else 1
+            quote = 3 if tok.string[len(prefix) :].startswith(('"""', "'''")) else 1
             return ("f", prefix.lower(), tok.string[len(prefix) + quote : -quote])
     if tok.type == tokenize.COMMENT:
         return ("#", " ".join(tok.string[1:].split()))

@@ -233,7 +233,11 @@ def main() -> int:
     problems = check()
     for problem in problems:
         print(problem)
-    print(f"tools.check_imports: {len(problems)} problem(s)" if problems else "tools.check_imports: layers complete, no cycles, no private cross-package imports")
+    print(
+        f"tools.check_imports: {len(problems)} problem(s)"
+        if problems
+        else "tools.check_imports: layers complete, no cycles, no private cross-package imports"
+    )
     return 1 if problems else 0
 
 

@@ -85,7 +85,11 @@ class TreeBatch:
 
     @classmethod
     def from_lists(
-        cls, tokens: list[list[int]], parents: list[list[int]], proposals: list[list[tuple[list[int], list[float]]]], num_nodes: int,
+        cls,
+        tokens: list[list[int]],
+        parents: list[list[int]],
+        proposals: list[list[tuple[list[int], list[float]]]],
+        num_nodes: int,
         device,
     ) -> "TreeBatch":
         """Sessions' trees (token ids, parents, per node its proposal's (ids, probs)) padded to N nodes and

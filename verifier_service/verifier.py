@@ -118,8 +118,11 @@ class Verifier:
 
         num_nodes = logits.shape[1] - 1
         trees = TreeBatch.from_lists(
-            [item.tree_tokens for _, item, _ in live], [item.tree_parents for _, item, _ in live],
-            [item.proposals for _, item, _ in live], num_nodes, logits.device,
+            [item.tree_tokens for _, item, _ in live],
+            [item.tree_parents for _, item, _ in live],
+            [item.proposals for _, item, _ in live],
+            num_nodes,
+            logits.device,
         )
         params = [item.sampling for _, item, _ in live]
         # Greedy and raced sessions have a fixed target token at every row: the greedy walk

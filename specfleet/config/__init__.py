@@ -44,11 +44,23 @@ import pathlib
 from specfleet.config.deployment import Config, SecurityConfig, TLS_CLIENT_AUTH, TlsConfig, load, parse, port_of, validate
 from specfleet.config.fields import Check, ConfigError, at_least, build, check_fields, describe, knob, one_of, required, section
 from specfleet.config.router import (
-    DOMAIN_PRIORS, ROUTING_POLICIES, RequestLimitsConfig, RouterConfig, RoutingConfig, SchedulingConfig, SpeculationConfig,
+    DOMAIN_PRIORS,
+    ROUTING_POLICIES,
+    RequestLimitsConfig,
+    RouterConfig,
+    RoutingConfig,
+    SchedulingConfig,
+    SpeculationConfig,
 )
 from specfleet.config.runtime import DEMO_MODELS, check_devices, default_config, exemplars_of, replica_ports, resolve_device
 from specfleet.config.services import (
-    ATTENTION_MODES, DEVICE_PATTERN, DraftModelConfig, DrafterServiceConfig, RayPlacement, ServiceConfig, VerifierConfig,
+    ATTENTION_MODES,
+    DEVICE_PATTERN,
+    DraftModelConfig,
+    DrafterServiceConfig,
+    RayPlacement,
+    ServiceConfig,
+    VerifierConfig,
 )
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -66,10 +78,46 @@ def keys_help() -> str:
 
 
 __all__ = [
-    "ATTENTION_MODES", "Check", "Config", "ConfigError", "DEFAULT_HTTP_PORT", "DEFAULT_METRICS_PORTS", "DEMO_MODELS",
-    "DEVICE_PATTERN", "DOMAIN_PRIORS", "DraftModelConfig", "DrafterServiceConfig", "REPO", "ROUTING_POLICIES",
-    "RayPlacement", "RequestLimitsConfig", "RouterConfig", "RoutingConfig", "SchedulingConfig", "SecurityConfig",
-    "ServiceConfig", "SpeculationConfig", "TLS_CLIENT_AUTH", "TlsConfig", "VerifierConfig", "at_least", "build",
-    "check_devices", "check_fields", "default_config", "describe", "exemplars_of", "keys_help", "knob", "load",
-    "one_of", "parse", "port_of", "replica_ports", "required", "resolve_device", "section", "validate",
+    "ATTENTION_MODES",
+    "Check",
+    "Config",
+    "ConfigError",
+    "DEFAULT_HTTP_PORT",
+    "DEFAULT_METRICS_PORTS",
+    "DEMO_MODELS",
+    "DEVICE_PATTERN",
+    "DOMAIN_PRIORS",
+    "DraftModelConfig",
+    "DrafterServiceConfig",
+    "REPO",
+    "ROUTING_POLICIES",
+    "RayPlacement",
+    "RequestLimitsConfig",
+    "RouterConfig",
+    "RoutingConfig",
+    "SchedulingConfig",
+    "SecurityConfig",
+    "ServiceConfig",
+    "SpeculationConfig",
+    "TLS_CLIENT_AUTH",
+    "TlsConfig",
+    "VerifierConfig",
+    "at_least",
+    "build",
+    "check_devices",
+    "check_fields",
+    "default_config",
+    "describe",
+    "exemplars_of",
+    "keys_help",
+    "knob",
+    "load",
+    "one_of",
+    "parse",
+    "port_of",
+    "replica_ports",
+    "required",
+    "resolve_device",
+    "section",
+    "validate",
 ]

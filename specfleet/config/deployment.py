@@ -20,21 +20,26 @@ PEM_REQUIRED = required("required with TLS on (a PEM file path)")
 class TlsConfig:
     """PEM files, read by every service at start-up; the same paths on every node, each node its own files."""
 
-    cert: str = knob("", "this process's certificate chain: its servers present it, the router as its client certificate",
-                     check=PEM_REQUIRED)
+    cert: str = knob("", "this process's certificate chain: its servers present it, the router as its client certificate", check=PEM_REQUIRED)
     key: str = knob("", "the certificate's private key", check=PEM_REQUIRED)
     ca: str = knob("", "the CA certificate(s) that sign the peers' certificates", check=PEM_REQUIRED)
-    client_auth: str = knob("internal", "which servers require a client certificate signed by `ca`: internal (the verifier "
-                            "and drafters), all (the router's public ports and every metrics port too), none",
-                            check=one_of(TLS_CLIENT_AUTH))
+    client_auth: str = knob(
+        "internal",
+        "which servers require a client certificate signed by `ca`: internal (the verifier "
+        "and drafters), all (the router's public ports and every metrics port too), none",
+        check=one_of(TLS_CLIENT_AUTH),
+    )
     server_name: str = knob("", "the name the router expects in the services' certificates; empty: the host of their address")
 
 
 @dataclass
 class SecurityConfig:
     tls: TlsConfig | None = knob(None, "TLS on every gRPC, HTTP and metrics port; unset: plain text")
-    token_file: str = knob("", "a file holding the secret every internal call carries (`authorization: Bearer SECRET`); "
-                           "empty: $SPECFLEET_INTERNAL_TOKEN when set, else none")
+    token_file: str = knob(
+        "",
+        "a file holding the secret every internal call carries (`authorization: Bearer SECRET`); "
+        "empty: $SPECFLEET_INTERNAL_TOKEN when set, else none",
+    )
     metrics_token_file: str = knob("", "a file holding the secret /metrics asks for; empty: $SPECFLEET_METRICS_TOKEN, else none")
     allow_insecure: bool = knob(False, "let the verifier and drafters listen beyond loopback with neither a token nor mutual TLS")
 

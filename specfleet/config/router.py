@@ -34,41 +34,53 @@ class SchedulingConfig:
 
     max_running: int = knob(64, "requests generated at once; more wait in the queue", check=at_least(1))
     max_queued: int = knob(1024, "requests waiting; past it RESOURCE_EXHAUSTED", check=at_least(0))
-    rpc_timeout_s: float = knob(60.0, "deadline of each internal RPC (draft and verify calls get shorter ones from the cost model)",
-                                check=above(0))
+    rpc_timeout_s: float = knob(60.0, "deadline of each internal RPC (draft and verify calls get shorter ones from the cost model)", check=above(0))
     pipeline_depth: int = knob(
-        0, "groups of requests drafted and verified alternately (1: no pipelining); 0: the router chooses, 2 when some "
+        0,
+        "groups of requests drafted and verified alternately (1: no pipelining); 0: the router chooses, 2 when some "
         "drafter can compute beside the verifier, else 1 (specfleet/placement.py)",
-        check=Check(lambda v: v >= 0, "0 (the router chooses) or at least 1, got {value}"))
+        check=Check(lambda v: v >= 0, "0 (the router chooses) or at least 1, got {value}"),
+    )
 
 
 @dataclass
 class RoutingConfig:
     """Which drafters draft for a request (router/routing.py `DrafterRouter`)."""
 
-    routing_policy: str = knob("expertise", "expertise (learned online), fixed (default_drafter), random, or oracle "
-                               "(the specialist of the request's declared domain)", check=one_of(ROUTING_POLICIES))
+    routing_policy: str = knob(
+        "expertise",
+        "expertise (learned online), fixed (default_drafter), random, or oracle (the specialist of the request's declared domain)",
+        check=one_of(ROUTING_POLICIES),
+    )
     default_drafter: str = knob("", "the drafter of the fixed policy and of requests nothing is known about")
     use_domain_hint: bool = knob(True, "take GenerateRequest.domain over the prompt classifier's guess")
-    domain_prior: str = knob("likelihood", "how a new request's domain is guessed: likelihood (each specialist scores the "
-                             "prompt while prefilling it) or exemplars (n-gram similarity to the exemplars)", check=one_of(DOMAIN_PRIORS))
+    domain_prior: str = knob(
+        "likelihood",
+        "how a new request's domain is guessed: likelihood (each specialist scores the "
+        "prompt while prefilling it) or exemplars (n-gram similarity to the exemplars)",
+        check=one_of(DOMAIN_PRIORS),
+    )
     fusion_width: int = knob(1, "cooperating drafters per request at most (1: no fusion)", check=at_least(1))
     fusion_below: float = knob(0.75, "the best drafter's expected acceptance below which it asks for help")
-    fusion_depth: int = knob(0, "draft positions at which the cooperating drafters after the first propose (0: all k)",
-                             check=Check(lambda v: v >= 0, "0 (every position) or at least 1, got {value}"))
+    fusion_depth: int = knob(
+        0,
+        "draft positions at which the cooperating drafters after the first propose (0: all k)",
+        check=Check(lambda v: v >= 0, "0 (every position) or at least 1, got {value}"),
+    )
     redis_url: str = knob("", "shared routing state: redis://host:port/db; empty: in-process state")
-    expertise_decay: float = knob(0.995, "weight left on old routing evidence after each update (follows drifting traffic)",
-                                  check=Check(lambda v: 0 < v <= 1, "must be in (0, 1], got {value}"))
+    expertise_decay: float = knob(
+        0.995,
+        "weight left on old routing evidence after each update (follows drifting traffic)",
+        check=Check(lambda v: 0 < v <= 1, "must be in (0, 1], got {value}"),
+    )
 
 
 @dataclass
 class SpeculationConfig:
     """How many tokens to draft (router/speculation.py: `CostModel`'s starting point, `SpeculationController`)."""
 
-    adaptive_speculation: bool = knob(True, "choose k per request and round from predicted acceptance and load; "
-                                      "false: always num_draft_tokens")
-    stop_below_confidence: float = knob(0.0, "drafters stop once the product of their confidences falls below this (0: never)",
-                                        check=at_least(0))
+    adaptive_speculation: bool = knob(True, "choose k per request and round from predicted acceptance and load; false: always num_draft_tokens")
+    stop_below_confidence: float = knob(0.0, "drafters stop once the product of their confidences falls below this (0: never)", check=at_least(0))
     verify_base_ms: float = knob(8.0, "cost model: a verification pass's fixed cost (a guess until profiled)", check=at_least(0))
     verify_per_session_ms: float = knob(0.0, "cost model: per session of a verification pass", check=at_least(0))
     verify_per_token_ms: float = knob(0.3, "cost model: per token fed to a verification pass", check=at_least(0))
@@ -82,18 +94,31 @@ class RouterConfig:
     host: str = knob("127.0.0.1", "the public gRPC API's listen address")
     port: int = knob(50051, "the public gRPC API's port")
     tokenizer: str = knob("", "tokenizer for prompts and output text; empty: the verifier's model directory")
-    max_request_bytes: int = knob(4 * 1024 * 1024, "the largest request the public gRPC API reads (bytes); gRPC refuses a "
-                                  "larger one with RESOURCE_EXHAUSTED before reading it", check=at_least(1))
-    verifier_wait_s: float = knob(60.0, "how long a request waits for a live verifier replica before it fails with UNAVAILABLE",
-                                  check=above(0))
+    max_request_bytes: int = knob(
+        4 * 1024 * 1024,
+        "the largest request the public gRPC API reads (bytes); gRPC refuses a larger one with RESOURCE_EXHAUSTED before reading it",
+        check=at_least(1),
+    )
+    verifier_wait_s: float = knob(60.0, "how long a request waits for a live verifier replica before it fails with UNAVAILABLE", check=above(0))
     startup_timeout_s: float = knob(180.0, "how long start-up waits for the verifier and drafters to become healthy", check=above(0))
-    metrics_port: int | None = knob(None, "Prometheus metrics at http://host:metrics_port/metrics; 0: off; unset: "
-                                    "DEFAULT_METRICS_PORTS['router'] when free, else off with a warning", check=PORT)
-    http_port: int | None = knob(None, "the OpenAI-compatible HTTP API at http://host:http_port/v1; 0: off; unset: "
-                                 "DEFAULT_HTTP_PORT when free, else off with a warning (a taken explicit port fails start-up)", check=PORT)
+    metrics_port: int | None = knob(
+        None,
+        "Prometheus metrics at http://host:metrics_port/metrics; 0: off; unset: DEFAULT_METRICS_PORTS['router'] when free, else off with a warning",
+        check=PORT,
+    )
+    http_port: int | None = knob(
+        None,
+        "the OpenAI-compatible HTTP API at http://host:http_port/v1; 0: off; unset: "
+        "DEFAULT_HTTP_PORT when free, else off with a warning (a taken explicit port fails start-up)",
+        check=PORT,
+    )
     served_model_name: str = knob("", "the model name clients pass as `model` to the HTTP API; empty: the target directory's name")
-    cpus: list[int] = knob(doc="cores `specfleet serve` pins the router to (empty: any)", factory=list, expect=CORES,
-                           check=Check(lambda v: all(c >= 0 for c in v), CORES + ", got {value!r}"))
+    cpus: list[int] = knob(
+        doc="cores `specfleet serve` pins the router to (empty: any)",
+        factory=list,
+        expect=CORES,
+        check=Check(lambda v: all(c >= 0 for c in v), CORES + ", got {value!r}"),
+    )
     requests: RequestLimitsConfig = section(RequestLimitsConfig, "what a request may ask for", flat=True)
     scheduling: SchedulingConfig = section(SchedulingConfig, "admission and lanes", flat=True)
     routing: RoutingConfig = section(RoutingConfig, "which drafters draft", flat=True)

@@ -32,7 +32,10 @@ def resolve_device(device: str, where: str) -> str:
         raise ConfigError(f"{where}: {device} was asked for but torch sees no CUDA device (torch.cuda.is_available() is False)")
     index = int(device.partition(":")[2] or 0)
     if index >= torch.cuda.device_count():
-        raise ConfigError(f"{where}: {device} was asked for but torch sees {torch.cuda.device_count()} CUDA device(s) (cuda:0 to cuda:{torch.cuda.device_count() - 1})")
+        raise ConfigError(
+            f"{where}: {device} was asked for but torch sees {torch.cuda.device_count()} CUDA device(s) "
+            f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})"
+        )
     return device
 
 
@@ -59,7 +62,7 @@ def exemplars_of(model: DraftModelConfig) -> list[str]:
                 try:
                     texts.append(json.loads(line)["text"])
                 except (ValueError, KeyError, TypeError):
-                    raise ConfigError(f"{path}:{n}: expected a JSON object with a \"text\" field") from None
+                    raise ConfigError(f'{path}:{n}: expected a JSON object with a "text" field') from None
     return texts
 
 

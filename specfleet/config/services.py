@@ -32,16 +32,27 @@ class RayPlacement:
     """Where a service's Ray actor may run and how Ray treats it (`specfleet serve --ray`)."""
 
     num_cpus: float = knob(1.0, "CPUs Ray reserves for the actor", check=at_least(0))
-    num_gpus: float = knob(0.0, "GPUs Ray reserves for the actor", check=Check(
-        lambda v: v >= 0 and (v <= 1 or v == int(v)), "a fraction only below 1 (Ray's rule) and at least 0, got {value}"))
+    num_gpus: float = knob(
+        0.0,
+        "GPUs Ray reserves for the actor",
+        check=Check(lambda v: v >= 0 and (v <= 1 or v == int(v)), "a fraction only below 1 (Ray's rule) and at least 0, got {value}"),
+    )
     resources: dict[str, float] = knob(
         doc="custom node resources, e.g. {big_gpu: 1}: declared by `ray start --resources`, consumed by the actor",
-        factory=dict, check=_resources, expect="expected a mapping of names to numbers")
+        factory=dict,
+        check=_resources,
+        expect="expected a mapping of names to numbers",
+    )
     label_selector: dict[str, str] = knob(
         doc="node labels the actor needs, e.g. {ray.io/accelerator-type: H100} (`ray start --labels`)",
-        factory=dict, expect="expected a mapping of names to strings")
-    max_restarts: int = knob(3, "restarts after the actor's process or node dies (-1: without limit); each reloads the model",
-                             check=Check(lambda v: v >= -1, "-1 (no limit) or at least 0, got {value}"))
+        factory=dict,
+        expect="expected a mapping of names to strings",
+    )
+    max_restarts: int = knob(
+        3,
+        "restarts after the actor's process or node dies (-1: without limit); each reloads the model",
+        check=Check(lambda v: v >= -1, "-1 (no limit) or at least 0, got {value}"),
+    )
     memory_mb: float = knob(0.0, "Ray's memory reservation for the actor in MB (0: none), for placement only", check=at_least(0))
 
 
@@ -53,31 +64,39 @@ class ServiceConfig:
     replicas: list[str] = knob(
         doc="more replicas (same models and settings), by address: the router spreads requests over them and moves a dead "
         "one's requests on; `specfleet serve` starts one process per address (replica N: metrics on metrics_port + N)",
-        factory=list, expect="a list of host:port addresses")
+        factory=list,
+        expect="a list of host:port addresses",
+    )
     device: str = knob("cpu", "where the models run: cpu, cuda, cuda:N, or auto (cuda if torch sees one, else cpu)", check=DEVICE_CHECK)
     dtype: str = knob("float32", "the models' dtype on their device")
     attention: str = knob(
-        "auto", "attention of a forward pass: batched (one call per layer for the whole batch), per-session, or auto: batched "
+        "auto",
+        "attention of a forward pass: batched (one call per layer for the whole batch), per-session, or auto: batched "
         "on a GPU and on a CPU when a pass's KV slots are adjacent, else per session (docs/benchmarks/engine-forward-pass.md)",
-        check=one_of(ATTENTION_MODES))
+        check=one_of(ATTENTION_MODES),
+    )
     threads: int = knob(1, "torch threads of the service", check=at_least(1))
     max_batch_size: int = knob(64, "dynamic batching: concurrent calls merged up to this many sessions", check=at_least(1))
-    max_wait_ms: float = knob(0.0, "how long a batch waits after its first call (0: only what arrived while the previous ran)",
-                              check=at_least(0))
-    max_cache_mb: float = knob(1024.0, "KV cache budget; least recently used caches are dropped (rebuilt on use) past it",
-                               check=at_least(0))
+    max_wait_ms: float = knob(0.0, "how long a batch waits after its first call (0: only what arrived while the previous ran)", check=at_least(0))
+    max_cache_mb: float = knob(1024.0, "KV cache budget; least recently used caches are dropped (rebuilt on use) past it", check=at_least(0))
     max_sessions: int = knob(4096, "sessions whose token ids are kept at all; past it the oldest are forgotten", check=at_least(1))
-    max_call_sessions: int = knob(256, "sessions one call may carry (specfleet/limits.py); the router splits its calls to fit",
-                                  check=at_least(1))
+    max_call_sessions: int = knob(256, "sessions one call may carry (specfleet/limits.py); the router splits its calls to fit", check=at_least(1))
     max_call_tokens: int = knob(
-        32768, "context tokens summed over one call's sessions (kept prefix, new tokens, tree, drafts): bounds its compute and KV",
-        check=at_least(1))
-    cpus: list[int] = knob(doc="cores `specfleet serve` pins it to on this machine (empty: any); under --ray use `ray`",
-                           factory=list, expect=CORES, check=Check(lambda v: all(c >= 0 for c in v), CORES + ", got {value!r}"))
+        32768, "context tokens summed over one call's sessions (kept prefix, new tokens, tree, drafts): bounds its compute and KV", check=at_least(1)
+    )
+    cpus: list[int] = knob(
+        doc="cores `specfleet serve` pins it to on this machine (empty: any); under --ray use `ray`",
+        factory=list,
+        expect=CORES,
+        check=Check(lambda v: all(c >= 0 for c in v), CORES + ", got {value!r}"),
+    )
     ray: RayPlacement | None = knob(None, "placement as a Ray actor (`specfleet serve --ray`); unset: RayPlacement's defaults")
     metrics_port: int | None = knob(
-        None, "Prometheus metrics at http://host:metrics_port/metrics; 0: off; unset: DEFAULT_METRICS_PORTS of the service "
-        "(a drafter service: plus its index in `drafters`) when free, else off with a warning", check=PORT)
+        None,
+        "Prometheus metrics at http://host:metrics_port/metrics; 0: off; unset: DEFAULT_METRICS_PORTS of the service "
+        "(a drafter service: plus its index in `drafters`) when free, else off with a warning",
+        check=PORT,
+    )
 
     def addresses(self) -> list[str]:
         """Every replica's address; the first is `address`."""
@@ -93,8 +112,10 @@ class VerifierConfig(ServiceConfig):
     cuda_graph_sizes: list[list[int]] = knob(
         doc="on a CUDA device: [sessions, tokens] buckets whose passes replay CUDA graphs (captured on first use), "
         "e.g. [[1, 1], [8, 5], [32, 5]]; other shapes and CPUs run eagerly",
-        factory=list, expect=GRAPH_SIZES,
-        check=Check(lambda v: all(len(s) == 2 and min(s) >= 1 for s in v), GRAPH_SIZES + ", got {value!r}"))
+        factory=list,
+        expect=GRAPH_SIZES,
+        check=Check(lambda v: all(len(s) == 2 and min(s) >= 1 for s in v), GRAPH_SIZES + ", got {value!r}"),
+    )
 
 
 @dataclass
@@ -103,7 +124,7 @@ class DraftModelConfig:
     path: str = knob("", "its checkpoint directory")
     specialities: list[str] = knob(doc="what it is good at (labels such as code, de, structured)", factory=list)
     exemplars: list[str] = knob(doc="texts typical of it, for routing prompts before anything is learned", factory=list)
-    exemplars_file: str = knob("", "more exemplars: a file of JSON lines with a \"text\" field")
+    exemplars_file: str = knob("", 'more exemplars: a file of JSON lines with a "text" field')
 
 
 @dataclass
@@ -111,7 +132,6 @@ class DrafterServiceConfig(ServiceConfig):
     address: str = redefault(ServiceConfig, "address", "127.0.0.1:50062")
     max_cache_mb: float = redefault(ServiceConfig, "max_cache_mb", 512.0)
     name: str = knob("", "the service's name (logs, metrics, `specfleet drafter --name`)", check=required())
-    models: list[DraftModelConfig] = knob(doc="the draft models it hosts", factory=list,
-                                          check=required("a drafter service needs at least one model"))
+    models: list[DraftModelConfig] = knob(doc="the draft models it hosts", factory=list, check=required("a drafter service needs at least one model"))
     proposal_top_k: int = knob(16, "entries kept in a sampled proposal's sparse distribution", check=at_least(1))
     stack_models: bool = knob(True, "draft models of one shape draft in one forward pass a step (specfleet/engine/stack.py)")

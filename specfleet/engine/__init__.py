@@ -27,7 +27,24 @@ from specfleet.engine.loading import (
 from specfleet.engine.runner import ForwardItem, TreePass, forward_batch, next_token_logits, prefill, tree_pass
 
 __all__ = [
-    "DTYPES", "TOKEN_MAP_FILE", "ForwardItem", "KVPool", "LoadedModel", "Session", "SessionStore", "TreePass", "UnknownSession",
-    "configure_torch", "dtype_name", "forward_batch", "load_model", "load_tokenizer", "next_token_logits", "prefill",
-    "read_token_map", "resolve_device", "tokenizer_fingerprint", "tree_pass",
+    "DTYPES",
+    "TOKEN_MAP_FILE",
+    "ForwardItem",
+    "KVPool",
+    "LoadedModel",
+    "Session",
+    "SessionStore",
+    "TreePass",
+    "UnknownSession",
+    "configure_torch",
+    "dtype_name",
+    "forward_batch",
+    "load_model",
+    "load_tokenizer",
+    "next_token_logits",
+    "prefill",
+    "read_token_map",
+    "resolve_device",
+    "tokenizer_fingerprint",
+    "tree_pass",
 ]

@@ -64,8 +64,13 @@ class CudaGraphs:
         for b, n in self.sizes:
             for t in self.positions():
                 self._graph((b, n, t))
-        log.info("captured %d CUDA graphs (sessions x tokens %s, positions %s) in %.1fs",
-                 len(self._graphs), self.sizes, self.positions(), time.perf_counter() - started)
+        log.info(
+            "captured %d CUDA graphs (sessions x tokens %s, positions %s) in %.1fs",
+            len(self._graphs),
+            self.sizes,
+            self.positions(),
+            time.perf_counter() - started,
+        )
         return len(self._graphs)
 
     def run(self, ids_rows, pos_rows, slots, kv_lens, new_lens, attends, logits: bool) -> torch.Tensor | None:
@@ -155,9 +160,7 @@ class _Graph:
         plan.write_slot.copy_(to_tensor(write_slot))
         plan.write_pos.copy_(to_tensor(write_pos))
         plan.keys.copy_(to_tensor(list(slots) + [self.scratch] * pad_b))
-        bias = llama.ragged_bias(
-            self.model, list(kv_lens) + [0] * pad_b, list(new_lens) + [0] * pad_b, list(attends) + [None] * pad_b, N, plan.total
-        )
+        bias = llama.ragged_bias(self.model, list(kv_lens) + [0] * pad_b, list(new_lens) + [0] * pad_b, list(attends) + [None] * pad_b, N, plan.total)
         plan.bias.copy_(bias.unsqueeze(1))
         self.graph.replay()
         return self.out[:batch, :width].clone()

@@ -37,9 +37,7 @@ class KVPool:
 
     def __init__(self, model: LlamaModel, positions: int):
         self.positions = positions
-        self.kv = torch.zeros(
-            model.num_layers, 2, 0, model.kv_heads, positions, model.head_dim, dtype=model.dtype, device=model.device
-        )
+        self.kv = torch.zeros(model.num_layers, 2, 0, model.kv_heads, positions, model.head_dim, dtype=model.dtype, device=model.device)
         self._free: list[int] = []  # a heap: the lowest free slot first
         self.slot_bytes = model.num_layers * 2 * model.kv_heads * positions * model.head_dim * self.kv.element_size()
         # Bumped when the pool's tensor is replaced (growth): captured CUDA graphs hold the old one.

@@ -105,8 +105,7 @@ def check_supported(config) -> None:
     """Raise ValueError naming what is unsupported, before any weights load."""
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
-            f"model_type {config.model_type!r} is not supported; specfleet runs Llama-family decoders "
-            f"({', '.join(SUPPORTED_MODEL_TYPES)})"
+            f"model_type {config.model_type!r} is not supported; specfleet runs Llama-family decoders ({', '.join(SUPPORTED_MODEL_TYPES)})"
         )
     rope = _rope(config)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -375,9 +374,14 @@ def _batch_plan(model, slots, kv_lens, new_lens, attends, width) -> _BatchPlan:
         bias = full
     writes = [(b, j) for b, n in enumerate(new_lens) for j in range(n)]
     return _BatchPlan(
-        write_b=to_tensor([b for b, _ in writes]), write_j=to_tensor([j for _, j in writes]),
-        write_slot=to_tensor([slots[b] for b, _ in writes]), write_pos=to_tensor([kv_lens[b] + j for b, j in writes]),
-        keys=keys, rows=rows, total=total, bias=bias.unsqueeze(1),
+        write_b=to_tensor([b for b, _ in writes]),
+        write_j=to_tensor([j for _, j in writes]),
+        write_slot=to_tensor([slots[b] for b, _ in writes]),
+        write_pos=to_tensor([kv_lens[b] + j for b, j in writes]),
+        keys=keys,
+        rows=rows,
+        total=total,
+        bias=bias.unsqueeze(1),
     )
 
 

@@ -130,8 +130,13 @@ MAX_POSITIONS = 8192
 
 
 def load_model(
-    name: str, path: str | os.PathLike, dtype: str = "float32", device: str = "cpu", use_token_map: bool = False,
-    attention: str = "auto", cuda_graph_sizes: list[list[int]] | None = None,
+    name: str,
+    path: str | os.PathLike,
+    dtype: str = "float32",
+    device: str = "cpu",
+    use_token_map: bool = False,
+    attention: str = "auto",
+    cuda_graph_sizes: list[list[int]] | None = None,
 ) -> LoadedModel:
     """Load a Hugging Face Llama-family causal LM and its tokenizer from a local directory, offline.
 
@@ -201,7 +206,12 @@ def load_model(
         loaded.graphs = CudaGraphs(loaded, cuda_graph_sizes)
     log.info(
         "loaded model %s from %s: %.1fM parameters, %s on %s, %s attention, %s, %.1fs",
-        name, path, loaded.parameters / 1e6, dtype, _describe_device(model.device), attention,
+        name,
+        path,
+        loaded.parameters / 1e6,
+        dtype,
+        _describe_device(model.device),
+        attention,
         f"output layer over {len(token_map)} ids ({TOKEN_MAP_FILE})" if token_map is not None else "full output layer",
         time.perf_counter() - started,
     )

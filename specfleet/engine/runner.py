@@ -142,9 +142,7 @@ def _score(loaded: LoadedModel, logits: torch.Tensor, successors: list[int]) -> 
         # A successor outside the token map is one the model cannot propose: it scores as
         # unlikely as the model's least likely mapped token.
         local = loaded.local_index[successors]
-        log_probs = torch.where(
-            local >= 0, log_probs.gather(1, local.clamp(min=0).unsqueeze(1)).squeeze(1), log_probs.min(dim=1).values
-        )
+        log_probs = torch.where(local >= 0, log_probs.gather(1, local.clamp(min=0).unsqueeze(1)).squeeze(1), log_probs.min(dim=1).values)
     return float(log_probs.sum()), len(successors)
 
 

@@ -74,8 +74,12 @@ def verify_noise(params: list[SamplingParams], positions: list[int], width: int,
 
 
 def propose(
-    global_ids: Callable[[torch.Tensor], torch.Tensor], logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
-    streams: list[int], proposal_top_k: int,
+    global_ids: Callable[[torch.Tensor], torch.Tensor],
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    positions: list[int],
+    streams: list[int],
+    proposal_top_k: int,
 ) -> tuple[list[int], list[tuple[list[int], list[float]]], list[float]]:
     """Draft tokens from logits [B, V']: (token ids, proposals as (ids, probs), confidences), one per session.
 
@@ -116,8 +120,7 @@ def propose(
     confidences = torch.where(greedy, logits.softmax(dim=1), probs).gather(1, local_tokens.unsqueeze(1)).squeeze(1)
     tokens = global_ids(local_tokens).tolist()
     proposals = [
-        ([t for t, p in zip(row_ids, row_q) if p > 0], [p for p in row_q if p > 0])
-        for row_ids, row_q in zip(vocab_ids.tolist(), q.tolist())
+        ([t for t, p in zip(row_ids, row_q) if p > 0], [p for p in row_q if p > 0]) for row_ids, row_q in zip(vocab_ids.tolist(), q.tolist())
     ]
     return tokens, proposals, confidences.tolist()
 

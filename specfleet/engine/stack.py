@@ -46,9 +46,7 @@ class Stack:
     token_maps: torch.Tensor | None  # [G, V'] int64 on the CPU, or None when the members have none
     graphs: None = None  # a stack's passes run eagerly (`runner.forward_batch` reads this)
 
-    def next_token_logits(
-        self, sessions: list[Session], members: list[int]
-    ) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    def next_token_logits(self, sessions: list[Session], members: list[int]) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
         """Logits [B, V'] after each session's last token, row b from model members[b], in one pass,
         and the function from positions along them ([B] or [B, K], rows as given) to vocabulary ids."""
         if len(set(members)) == 1:  # one member's rows: its own pass, no per-run slicing
@@ -113,10 +111,7 @@ def _stack(members: list[LoadedModel]) -> Stack:
     def stacked(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
         return None if tensors[0] is None else torch.stack(tensors)
 
-    layers = [
-        Layer(**{n: stacked([getattr(m.model.layers[i], n) for m in members]) for n in _LAYER_TENSORS})
-        for i in range(first.num_layers)
-    ]
+    layers = [Layer(**{n: stacked([getattr(m.model.layers[i], n) for m in members]) for n in _LAYER_TENSORS}) for i in range(first.num_layers)]
     # Tied embeddings (the output layer is the embedding's storage) stay one tensor.
     tied = all(m.model.lm_head.data_ptr() == m.model.embed.data_ptr() and m.model.lm_head.shape == m.model.embed.shape for m in members)
     tensors = {n: stacked([getattr(m.model, n) for m in members]) for n in _MODEL_TENSORS if not (tied and n == "lm_head")}
@@ -124,8 +119,14 @@ def _stack(members: list[LoadedModel]) -> Stack:
         tensors["lm_head"] = tensors["embed"]
     model = LlamaModel(
         **tensors,
-        layers=layers, cos=first.cos, sin=first.sin, heads=first.heads, kv_heads=first.kv_heads,
-        head_dim=first.head_dim, eps=first.eps, attention=first.attention,
+        layers=layers,
+        cos=first.cos,
+        sin=first.sin,
+        heads=first.heads,
+        kv_heads=first.kv_heads,
+        head_dim=first.head_dim,
+        eps=first.eps,
+        attention=first.attention,
     )
     pool = KVPool(model, members[0].max_context)
     for g, loaded in enumerate(members):

@@ -57,7 +57,9 @@ def test_later_calls_catch_up_and_draft_as_a_fresh_session_would(drafter_path):
         {"d": model},
         [("d", DraftItem(f"s{i}", len(c), new, num_draft_tokens=4, sampling=greedy)) for i, (c, new) in enumerate(zip(contexts, committed))],
     )
-    fresh = draft(drafter_path, [DraftItem(f"f{i}", 0, c + new, num_draft_tokens=4, sampling=greedy) for i, (c, new) in enumerate(zip(contexts, committed))])
+    fresh = draft(
+        drafter_path, [DraftItem(f"f{i}", 0, c + new, num_draft_tokens=4, sampling=greedy) for i, (c, new) in enumerate(zip(contexts, committed))]
+    )
     for a, b in zip(later, fresh):
         assert a.token_ids == b.token_ids and len(a.token_ids) == 4
         assert a.confidences == pytest.approx(b.confidences, abs=1e-5)
@@ -69,8 +71,7 @@ def stacked_and_alone(paths: dict[str, object], items: list[tuple[str, DraftItem
 
     def load():
         return {
-            name: DraftModel(load_model(name, path, use_token_map=True, device=DEVICE), SessionStore(1 << 30, 100), 8)
-            for name, path in paths.items()
+            name: DraftModel(load_model(name, path, use_token_map=True, device=DEVICE), SessionStore(1 << 30, 100), 8) for name, path in paths.items()
         }
 
     stacked, alone = load(), load()
@@ -87,8 +88,12 @@ def stacked_and_alone(paths: dict[str, object], items: list[tuple[str, DraftItem
                     lengths[key] = item.prefix_length + len(item.new_token_ids)
                 else:
                     kept = rounds[-1][len(tagged)].token_ids[:2]
-                    tagged.append((name, DraftItem(item.session_id, lengths[key], kept, item.num_draft_tokens, item.sampling,
-                                                   lockstep_group=item.lockstep_group)))
+                    tagged.append(
+                        (
+                            name,
+                            DraftItem(item.session_id, lengths[key], kept, item.num_draft_tokens, item.sampling, lockstep_group=item.lockstep_group),
+                        )
+                    )
                     lengths[key] += len(kept)
             rounds.append(draft_batch(models, tagged))
         runs.append(rounds)
@@ -138,8 +143,7 @@ def test_the_demo_drafters_stack_with_their_own_token_maps():
     sampled = SamplingParams(temperature=1.0, seed=11)
     prompt = [200 + 37 * i % 9000 for i in range(30)]
     items = [
-        (name, DraftItem(f"r{i % 3}", 0, prompt[i:], 4, sampled if i % 2 else SamplingParams(), score_context=i < 5))
-        for i, name in enumerate(names)
+        (name, DraftItem(f"r{i % 3}", 0, prompt[i:], 4, sampled if i % 2 else SamplingParams(), score_context=i < 5)) for i, name in enumerate(names)
     ]
     stacks, stacked, alone = stacked_and_alone(paths, items)
     assert len(stacks) == 1 and len(stacks[0].members) == len(names)

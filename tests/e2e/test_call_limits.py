@@ -49,8 +49,7 @@ def test_a_draft_call_over_the_limits_is_refused_before_any_pass(cluster):
     model = cluster.config["drafters"][0]["models"][0]["name"]
     ids = [f"over-draft-{i}" for i in range(257)]
     sessions = [
-        drafter_pb2.DraftSession(sync=common_pb2.SessionSync(session_id=sid, new_token_ids=[5, 6]), model=model, num_draft_tokens=2)
-        for sid in ids
+        drafter_pb2.DraftSession(sync=common_pb2.SessionSync(session_id=sid, new_token_ids=[5, 6]), model=model, num_draft_tokens=2) for sid in ids
     ]
     with cluster.channel(cluster.drafter) as channel:
         stub = drafter_pb2_grpc.DrafterStub(channel)

@@ -70,4 +70,3 @@ def test_specialists_scoring_the_prompt_find_its_domain(demo_cluster):
         guessed = [future.result().speculation.domain for future in futures]
     right = sum(1 for (domain, _), guess in zip(cases, guessed) if guess == domain)
     assert right >= 0.8 * len(cases), list(zip([d for d, _ in cases], guessed))
-

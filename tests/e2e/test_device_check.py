@@ -31,8 +31,11 @@ def device_check():
 
 
 def gpu_python_env() -> dict:
-    return {**os.environ, "SPECFLEET_SIMULATE_MISSING": MISSING,
-            "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "gpu_python"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    return {
+        **os.environ,
+        "SPECFLEET_SIMULATE_MISSING": MISSING,
+        "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "gpu_python"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    }
 
 
 def test_the_simulated_machine_lacks_the_packages():
@@ -44,8 +47,14 @@ def test_the_simulated_machine_lacks_the_packages():
 
 def test_every_service_module_imports_on_the_gpu_machines_python():
     check = device_check()
-    done = subprocess.run([sys.executable, "-c", check.ENVIRONMENT, "cpu", ",".join(check.MODULES)], env=gpu_python_env(), cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", check.ENVIRONMENT, "cpu", ",".join(check.MODULES)],
+        env=gpu_python_env(),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
 
 
@@ -54,12 +63,22 @@ def test_device_check_quick_runs_every_step_on_the_gpu_machines_python(tmp_path)
     out = tmp_path / "out"
     result = subprocess.run(
         [sys.executable, "scripts/device-check", str(out), "--part", "all", "--quick", "--device", "cpu", "--wheels", str(tmp_path / "no-wheels")],
-        cwd=REPO, capture_output=True, text=True, timeout=2300, env=gpu_python_env(),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=2300,
+        env=gpu_python_env(),
     )
     report = json.loads((out / "device-check.json").read_text())
     assert result.returncode == 0, (report["steps"], (out / "device-check.log").read_text()[-6000:])
     assert [s["name"] for s in report["steps"]] == [
-        "environment", "engine tests", "bench engine tiny", "serve and bench", "fleet: collaboration", "fleet: pipelining"]
+        "environment",
+        "engine tests",
+        "bench engine tiny",
+        "serve and bench",
+        "fleet: collaboration",
+        "fleet: pipelining",
+    ]
     assert all(s["status"] == "ok" for s in report["steps"])
     # As few files as the GPU machine returns (8 at most), the details packed.
     assert sorted(p.name for p in out.iterdir()) == ["details.tar.gz", "device-check.json", "device-check.log", "device-check.md"]
@@ -88,8 +107,10 @@ def test_a_step_that_runs_out_ends_its_whole_process_tree(tmp_path):
     check = device_check()
     bystander = subprocess.Popen(["sleep", "300"])
     pid_file = tmp_path / "grandchild.pid"
-    spawn = (f"import subprocess, time, pathlib; p = subprocess.Popen(['sleep', '300'], start_new_session=True); "
-             f"pathlib.Path({str(pid_file)!r}).write_text(str(p.pid)); time.sleep(300)")
+    spawn = (
+        f"import subprocess, time, pathlib; p = subprocess.Popen(['sleep', '300'], start_new_session=True); "
+        f"pathlib.Path({str(pid_file)!r}).write_text(str(p.pid)); time.sleep(300)"
+    )
 
     class Args:
         device, quick, part, wheels = "cpu", True, "1", str(tmp_path / "no-wheels")
@@ -112,8 +133,9 @@ def test_a_step_that_runs_out_ends_its_whole_process_tree(tmp_path):
 
 def test_what_travels_to_the_gpu_machine_fits():
     """Tracked files plus untracked ones git does not ignore, plus the carried wheels, under TRAVEL_LIMIT_MIB."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                            capture_output=True, check=True).stdout.split(b"\0")
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO, capture_output=True, check=True
+    ).stdout.split(b"\0")
     # A link travels as a link (the demo family's models link one shared tokenizer.json).
     size = sum((REPO / os.fsdecode(name)).lstat().st_size for name in listed if name and (REPO / os.fsdecode(name)).exists())
     mib = size / 2**20 + device_check().WHEELS_MIB

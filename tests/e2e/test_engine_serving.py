@@ -32,8 +32,7 @@ def test_batched_attention_services_give_the_target_output(batched_cluster, rand
     ids = [f"batched-{i}" for i in range(len(prompts))]
     with batched_cluster.channel() as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
-        streams = [stub.GenerateStream(greedy_request(p, MAX_TOKENS, 1 + i % 6, request_id=ids[i]), timeout=300)
-                   for i, p in enumerate(prompts)]
+        streams = [stub.GenerateStream(greedy_request(p, MAX_TOKENS, 1 + i % 6, request_id=ids[i]), timeout=300) for i, p in enumerate(prompts)]
         chunks = [[next(s)] for s in streams]
         release = common_pb2.ReleaseRequest(session_ids=[session_of(batched_cluster, i) for i in ids], keep_tokens=True)
         with batched_cluster.channel(batched_cluster.verifier) as vch, batched_cluster.channel(batched_cluster.drafter) as dch:

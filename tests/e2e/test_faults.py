@@ -69,13 +69,21 @@ def test_a_stopped_drafter_does_not_stall_requests_drafted_by_others(random_fami
     a request to it waits rpc_timeout_s."""
     config = cluster_config(random_family)
     config["drafters"] = [
-        {"name": "alpha", "address": f"127.0.0.1:{free_port()}", "models": [{"name": "drafter-noisy", "path": str(random_family["drafter-noisy"])}], "metrics_port": 0},
-        {"name": "beta", "address": f"127.0.0.1:{free_port()}", "models": [{"name": "drafter-copy", "path": str(random_family["drafter-copy"])}], "metrics_port": 0},
+        {
+            "name": "alpha",
+            "address": f"127.0.0.1:{free_port()}",
+            "models": [{"name": "drafter-noisy", "path": str(random_family["drafter-noisy"])}],
+            "metrics_port": 0,
+        },
+        {
+            "name": "beta",
+            "address": f"127.0.0.1:{free_port()}",
+            "models": [{"name": "drafter-copy", "path": str(random_family["drafter-copy"])}],
+            "metrics_port": 0,
+        },
     ]
     # Every round draws each request's drafter at random, so most rounds have requests on both services.
-    config["router"].update(
-        {"routing_policy": "random", "default_drafter": "drafter-noisy", "adaptive_speculation": False, "rpc_timeout_s": 300}
-    )
+    config["router"].update({"routing_policy": "random", "default_drafter": "drafter-noisy", "adaptive_speculation": False, "rpc_timeout_s": 300})
     cluster = Cluster(config, tmp_path, "stopped-drafter").start()
     prompts, max_tokens = PROMPTS[:8], 900
     tokens: dict[str, list[int]] = {p: [] for p in prompts}

@@ -20,7 +20,16 @@ import time
 import pytest
 
 from router.api import (
-    Completion, Delta, ErrorKind, Finished, GenerationError, GenerationParams, SpeculationOptions, SpeculationStats, DrafterStats, TokenLogprobs,
+    Completion,
+    Delta,
+    ErrorKind,
+    Finished,
+    GenerationError,
+    GenerationParams,
+    SpeculationOptions,
+    SpeculationStats,
+    DrafterStats,
+    TokenLogprobs,
 )
 from router.frontdoor import FrontDoor, interleave, validate
 from router.request import Limits
@@ -133,14 +142,20 @@ def test_bad_params_are_refused_naming_the_field(tokenizer, limits, fields, fiel
 
 def test_valid_params_become_the_request_asked_for(tokenizer, limits):
     prompt_ids = tokenizer.encode("The quick brown fox", add_special_tokens=False)
-    seeded = validate(GenerationParams(prompt="The quick brown fox", temperature=0.7, top_p=0.9, top_k=8, seed=11, stop=["\n"], request_id="mine"), tokenizer, limits)
+    seeded = validate(
+        GenerationParams(prompt="The quick brown fox", temperature=0.7, top_p=0.9, top_k=8, seed=11, stop=["\n"], request_id="mine"),
+        tokenizer,
+        limits,
+    )
     assert seeded.prompt_ids == prompt_ids and seeded.max_tokens == limits.requests.default_max_tokens
     assert (seeded.sampling.seed, seeded.sampling.drafter_invariant, seeded.sampling.top_k) == (11, True, 8)
     assert seeded.sampling.temperature == pytest.approx(0.7) and seeded.stop == ["\n"] and seeded.stop_at_eos
     # The client's label is echoed; the sessions are named by the router, unguessably.
     assert seeded.request_id == "mine" and seeded.session_id != "mine" and len(seeded.session_id) == 32
     assert seeded.max_draft_tokens == limits.requests.num_draft_tokens
-    plain = validate(GenerationParams(prompt_token_ids=prompt_ids, speculation=SpeculationOptions(disabled=True, max_draft_tokens=3)), tokenizer, limits)
+    plain = validate(
+        GenerationParams(prompt_token_ids=prompt_ids, speculation=SpeculationOptions(disabled=True, max_draft_tokens=3)), tokenizer, limits
+    )
     assert plain.prompt_ids == prompt_ids and plain.request_id and not plain.sampling.drafter_invariant and plain.max_draft_tokens == 0
     # The server's default max_tokens is cut to what the context holds; a client's is refused (above).
     long_prompt = [5] * 1000
@@ -349,8 +364,17 @@ def test_the_http_api_reports_speculation_as_the_grpc_api_s_json():
 
     cases = [
         SpeculationStats(),
-        SpeculationStats(rounds=3, draft_tokens=8, accepted_tokens=5, drafters=[DrafterStats("a", 2, 8, 5), DrafterStats("b")], domain="code",
-                         draft_wall_ms=12.345678, draft_compute_ms=0.1, verify_wall_ms=1e-9, verify_compute_ms=3.0),
+        SpeculationStats(
+            rounds=3,
+            draft_tokens=8,
+            accepted_tokens=5,
+            drafters=[DrafterStats("a", 2, 8, 5), DrafterStats("b")],
+            domain="code",
+            draft_wall_ms=12.345678,
+            draft_compute_ms=0.1,
+            verify_wall_ms=1e-9,
+            verify_compute_ms=3.0,
+        ),
     ]
     for stats in cases:
         assert speculation_json(stats) == json_format.MessageToDict(speculation_proto(stats), preserving_proto_field_name=True)

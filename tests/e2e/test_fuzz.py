@@ -206,7 +206,14 @@ def fuzz_service(address: str, methods: list[tuple[str, bool, object]], fuzzer: 
     """Send `count` messages to `address`, IN_FLIGHT at a time, round-robin over its methods."""
     with grpc.insecure_channel(address) as channel:
         callables = [
-            (channel.unary_stream(m, request_serializer=None, response_deserializer=None) if streaming else channel.unary_unary(m, request_serializer=None, response_deserializer=None), m, streaming, make)
+            (
+                channel.unary_stream(m, request_serializer=None, response_deserializer=None)
+                if streaming
+                else channel.unary_unary(m, request_serializer=None, response_deserializer=None),
+                m,
+                streaming,
+                make,
+            )
             for m, streaming, make in methods
         ]
         pending: collections.deque = collections.deque()
@@ -233,7 +240,11 @@ def fuzz_service(address: str, methods: list[tuple[str, bool, object]], fuzzer: 
             raw = fuzzer.wire(make)
             # With the internal token: the fuzz plays a caller that got past authentication (the worst case).
             metadata = [("authorization", f"Bearer {INTERNAL_TOKEN}")]
-            call = call_fn(raw, timeout=CALL_DEADLINE_S, metadata=metadata) if streaming else call_fn.future(raw, timeout=CALL_DEADLINE_S, metadata=metadata)
+            call = (
+                call_fn(raw, timeout=CALL_DEADLINE_S, metadata=metadata)
+                if streaming
+                else call_fn.future(raw, timeout=CALL_DEADLINE_S, metadata=metadata)
+            )
             pending.append((method, streaming, call))
             if len(pending) >= IN_FLIGHT:
                 settle(pending.popleft())
@@ -268,13 +279,22 @@ def test_fuzz_every_rpc(fuzz_cluster, random_family):
     ]
     fuzzers = {name: Fuzzer(random.Random(f"{SEED}-{name}"), vocab, model) for name in ("router", "verifier", "drafter")}
     targets = {
-        "router": (cluster.router, [
-            ("/specfleet.v1.Generation/Generate", False, fuzzers["router"].generate),
-            ("/specfleet.v1.Generation/GenerateStream", True, fuzzers["router"].generate),
-            ("/grpc.health.v1.Health/Check", False, fuzzers["router"].health),
-        ]),
-        "verifier": (cluster.verifier, [("/specfleet.v1.Verifier/Verify", False, fuzzers["verifier"].verify)] * 3 + internal(fuzzers["verifier"], "Verifier")),
-        "drafter": (cluster.drafter, [("/specfleet.v1.Drafter/Draft", False, fuzzers["drafter"].draft)] * 3 + internal(fuzzers["drafter"], "Drafter")),
+        "router": (
+            cluster.router,
+            [
+                ("/specfleet.v1.Generation/Generate", False, fuzzers["router"].generate),
+                ("/specfleet.v1.Generation/GenerateStream", True, fuzzers["router"].generate),
+                ("/grpc.health.v1.Health/Check", False, fuzzers["router"].health),
+            ],
+        ),
+        "verifier": (
+            cluster.verifier,
+            [("/specfleet.v1.Verifier/Verify", False, fuzzers["verifier"].verify)] * 3 + internal(fuzzers["verifier"], "Verifier"),
+        ),
+        "drafter": (
+            cluster.drafter,
+            [("/specfleet.v1.Drafter/Draft", False, fuzzers["drafter"].draft)] * 3 + internal(fuzzers["drafter"], "Drafter"),
+        ),
     }
     pids = {name: service_pid(cluster, name) for name in targets}
     codes: collections.Counter = collections.Counter()

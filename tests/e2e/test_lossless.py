@@ -138,8 +138,12 @@ def sample(cluster: Cluster, setting: str, seeded: bool) -> Samples:
     requests = []
     for i in range(SAMPLES):
         request = generation_pb2.GenerateRequest(
-            prompt=PROMPTS_USED[i % len(PROMPTS_USED)], max_tokens=MAX_TOKENS, temperature=temperature,
-            top_p=top_p, top_k=top_k, stop_at_eos=False,
+            prompt=PROMPTS_USED[i % len(PROMPTS_USED)],
+            max_tokens=MAX_TOKENS,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            stop_at_eos=False,
             speculation=generation_pb2.SpeculationOptions(max_draft_tokens=DRAFT_TOKENS),
         )
         if seeded:

@@ -96,9 +96,11 @@ def test_completions_stream_with_usage(client, tokenizer, target_with_template):
     prompt = PROMPTS[0]
     expected_ids = target_greedy(str(target_with_template), prompt, MAX_TOKENS)
     # As `vllm bench serve` asks: with vLLM's neutral repetition_penalty.
-    chunks = list(client.completions.create(
-        model="random-target", prompt=prompt, stream=True, stream_options={"include_usage": True}, **greedy(repetition_penalty=1.0)
-    ))
+    chunks = list(
+        client.completions.create(
+            model="random-target", prompt=prompt, stream=True, stream_options={"include_usage": True}, **greedy(repetition_penalty=1.0)
+        )
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == tokenizer.decode(expected_ids, skip_special_tokens=True)
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
@@ -279,7 +281,11 @@ def test_a_client_that_disconnects_mid_stream_leaves_no_session_behind(api, clie
     cancelled_before = _metric(metrics, "specfleet:request_cancelled_total")
     # Long enough (ignore_eos, no drafting) that it is still generating when the client leaves.
     stream = client.completions.create(
-        model="random-target", prompt="The quick brown fox", max_tokens=900, temperature=0, stream=True,
+        model="random-target",
+        prompt="The quick brown fox",
+        max_tokens=900,
+        temperature=0,
+        stream=True,
         extra_body={"ignore_eos": True, "request_id": request_id, "speculation": {"disabled": True}},
     )
     first = next(iter(stream))
@@ -287,7 +293,9 @@ def test_a_client_that_disconnects_mid_stream_leaves_no_session_behind(api, clie
     assert _metric(verifier_metrics, "specfleet:sessions") == 1  # this request's, while it runs
     stream.close()
     deadline = time.monotonic() + 60
-    while (_metric(metrics, "specfleet:num_requests_running") > 0 or _metric(verifier_metrics, "specfleet:sessions") > 0) and time.monotonic() < deadline:
+    while (
+        _metric(metrics, "specfleet:num_requests_running") > 0 or _metric(verifier_metrics, "specfleet:sessions") > 0
+    ) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _metric(metrics, "specfleet:num_requests_running") == 0
     assert _metric(verifier_metrics, "specfleet:sessions") == 0
@@ -304,8 +312,12 @@ def test_a_unary_client_that_hangs_up_cancels_its_request(api):
     cancelled_before = _metric(metrics, "specfleet:request_cancelled_total")
     tokens_before = _metric(metrics, "specfleet:generation_tokens_total")
     body = {
-        "model": "random-target", "prompt": "The quick brown fox", "max_tokens": 900, "temperature": 0,
-        "ignore_eos": True, "speculation": {"disabled": True},
+        "model": "random-target",
+        "prompt": "The quick brown fox",
+        "max_tokens": 900,
+        "temperature": 0,
+        "ignore_eos": True,
+        "speculation": {"disabled": True},
     }
     conn = http.client.HTTPConnection("127.0.0.1", api.config["router"]["http_port"], timeout=30)
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
@@ -314,7 +326,9 @@ def test_a_unary_client_that_hangs_up_cancels_its_request(api):
         time.sleep(0.05)
     assert _metric(metrics, "specfleet:num_requests_running") == 1
     conn.close()  # hang up before the answer
-    while (_metric(metrics, "specfleet:num_requests_running") > 0 or _metric(verifier_metrics, "specfleet:sessions") > 0) and time.monotonic() < deadline:
+    while (
+        _metric(metrics, "specfleet:num_requests_running") > 0 or _metric(verifier_metrics, "specfleet:sessions") > 0
+    ) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _metric(verifier_metrics, "specfleet:sessions") == 0
     assert _metric(metrics, "specfleet:request_cancelled_total") == cancelled_before + 1
@@ -406,8 +420,12 @@ def test_grpc_clients_get_the_same_logprobs(api, tokenizer, target_with_template
         assert [lp.token_id for lp in reply.logprobs] == list(reply.token_ids)
         tops = [{f"token_id:{t.token_id}": t.logprob for t in [*lp.top, lp]} for lp in reply.logprobs]
         _check_against_target(
-            str(target_with_template), tokenizer.encode(prompt, add_special_tokens=False), list(reply.token_ids),
-            [lp.logprob for lp in reply.logprobs], tops, top=2,
+            str(target_with_template),
+            tokenizer.encode(prompt, add_special_tokens=False),
+            list(reply.token_ids),
+            [lp.logprob for lp in reply.logprobs],
+            tops,
+            top=2,
         )
         chunks = list(stub.GenerateStream(greedy_request(prompt, MAX_TOKENS, 4, logprobs=True), timeout=120))
         assert [lp.token_id for c in chunks for lp in c.logprobs] == list(reply.token_ids)
@@ -421,7 +439,9 @@ def test_logprobs_stop_where_the_output_stops(client, tokenizer, target_with_tem
     stop = expected[len(expected) // 2 : len(expected) // 2 + 3]
     assert stop.strip()
     for stream in (False, True):
-        reply = client.completions.create(model="random-target", prompt=PROMPTS[0], logprobs=0, stop=[stop], stream=stream, **greedy(return_tokens_as_token_ids=True))
+        reply = client.completions.create(
+            model="random-target", prompt=PROMPTS[0], logprobs=0, stop=[stop], stream=stream, **greedy(return_tokens_as_token_ids=True)
+        )
         chunks = list(reply) if stream else [reply]
         tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
         assert chunks[-1].choices[0].finish_reason == "stop"

@@ -28,8 +28,13 @@ MAX_QUEUED = 4
 @pytest.fixture(scope="module")
 def ops(random_family, tmp_path_factory):
     config = multi_drafter_config(
-        random_family, routing_policy="fixed", default_drafter="drafter-noisy", fusion_width=1,
-        max_running=1, max_queued=MAX_QUEUED, metrics_port=free_port(),
+        random_family,
+        routing_policy="fixed",
+        default_drafter="drafter-noisy",
+        fusion_width=1,
+        max_running=1,
+        max_queued=MAX_QUEUED,
+        metrics_port=free_port(),
         rpc_timeout_s=600.0,  # a round waits out the verifier's pause rather than failing
     )
     cluster = Cluster(config, tmp_path_factory.mktemp("ops"), "ops").start()

@@ -124,7 +124,9 @@ def test_grpc_services_still_refuse_bad_requests_as_invalid_argument(cluster):
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "session_id" in err.value.details()
     with cluster.channel(cluster.drafter) as channel:
         stub = drafter_pb2_grpc.DrafterStub(channel)
-        bad = drafter_pb2.DraftRequest(sessions=[drafter_pb2.DraftSession(sync=common_pb2.SessionSync(session_id="s", new_token_ids=[1]), model="nope")])
+        bad = drafter_pb2.DraftRequest(
+            sessions=[drafter_pb2.DraftSession(sync=common_pb2.SessionSync(session_id="s", new_token_ids=[1]), model="nope")]
+        )
         with pytest.raises(grpc.RpcError) as err:
             stub.Draft(bad, timeout=30)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown draft model" in err.value.details()
@@ -168,7 +170,14 @@ class RayNodes:
         client_port = self.client_address.rsplit(":", 1)[1]
         self._start(
             "head",
-            ["--head", f"--port={self.port}", f"--ray-client-server-port={client_port}", f"--temp-dir={self.temp}", "--include-dashboard=false", '--resources={"big_gpu": 2}'],
+            [
+                "--head",
+                f"--port={self.port}",
+                f"--ray-client-server-port={client_port}",
+                f"--temp-dir={self.temp}",
+                "--include-dashboard=false",
+                '--resources={"big_gpu": 2}',
+            ],
         )
         self._wait_nodes(1, timeout_s)
         self._start("worker", [f"--address={self.address}", '--resources={"small_gpu": 2}'])
@@ -223,7 +232,9 @@ class RayNodes:
 class RayServe:
     """`specfleet serve --ray ADDRESS --config FILE`, as a user would run it (ADDRESS: the GCS address by default)."""
 
-    def __init__(self, nodes: RayNodes, config: dict, workdir: pathlib.Path, address: str | None = None, namespace: str = NAMESPACE, name: str = "serve"):
+    def __init__(
+        self, nodes: RayNodes, config: dict, workdir: pathlib.Path, address: str | None = None, namespace: str = NAMESPACE, name: str = "serve"
+    ):
         self.config_path = workdir / f"{name}-config.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
         self.log_path = workdir / f"{name}.log"
@@ -237,7 +248,11 @@ class RayServe:
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "specfleet.cli", "serve", "--ray", self.address, "--namespace", self.namespace, "--config", str(self.config_path)],
-            stdout=subprocess.PIPE, stderr=self._log, text=True, cwd=REPO, env=self.nodes.env,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            cwd=REPO,
+            env=self.nodes.env,
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -249,7 +264,8 @@ class RayServe:
                 break
         self.stop()
         client_servers = "".join(
-            f"\n{path.name}:\n{path.read_text()[-3000:]}" for path in sorted(pathlib.Path(self.nodes.temp).glob("session_latest/logs/ray_client_server*"))
+            f"\n{path.name}:\n{path.read_text()[-3000:]}"
+            for path in sorted(pathlib.Path(self.nodes.temp).glob("session_latest/logs/ray_client_server*"))
         )
         raise RuntimeError(
             f"specfleet serve --ray did not start; stdout:\n{''.join(self.stdout_lines)}\nlog:\n{self.log_path.read_text()[-6000:]}{client_servers}"
@@ -291,7 +307,9 @@ def serve_config(random_family, verifier_ray: dict, drafter_ray: dict, **verifie
 @pytest.fixture(scope="module")
 def ray_serve(random_family, ray_nodes):
     config = serve_config(
-        random_family, {"num_cpus": 0, "resources": {"big_gpu": 1}, "max_restarts": 0}, {"num_cpus": 0, "resources": {"small_gpu": 1}, "max_restarts": 2}
+        random_family,
+        {"num_cpus": 0, "resources": {"big_gpu": 1}, "max_restarts": 0},
+        {"num_cpus": 0, "resources": {"small_gpu": 1}, "max_restarts": 2},
     )
     serve = RayServe(ray_nodes, config, ray_nodes.workdir).start()
     yield serve
@@ -462,7 +480,10 @@ def test_ray_client_driver_with_two_verifier_actors_serves_the_target_greedy(ray
     # Token authentication is on for the client server too: a client with another token does not get in.
     intruder = subprocess.Popen(
         [sys.executable, "-c", f"import ray; ray.init({serve.address!r}, logging_level='ERROR'); print('CONNECTED')"],
-        env={**serve.nodes.env, "RAY_AUTH_TOKEN": secrets.token_hex(32)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**serve.nodes.env, "RAY_AUTH_TOKEN": secrets.token_hex(32)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     where = ray_query(serve, f"result = {{n: ray.get(ray.get_actor(n).where.remote(), timeout=120) for n in {CLIENT_ACTORS!r}}}")
     head = next(n["id"] for n in serve.nodes.nodes if "big_gpu" in n["resources"])

@@ -79,7 +79,9 @@ def test_two_routers_share_expertise_and_survive_redis_restarts(random_family, t
         port2 = free_port()
         second = subprocess.Popen(
             [sys.executable, "-m", "router", "--config", str(cluster.config_path), "--port", str(port2)],
-            cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stderr=open(tmp_path / "router2.log", "w"),
+            cwd=REPO,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            stderr=open(tmp_path / "router2.log", "w"),
         )
         address2 = f"127.0.0.1:{port2}"
         import asyncio

@@ -165,11 +165,23 @@ def test_internal_services_refuse_callers_without_the_token_or_the_fleets_certif
     with _channel(address, good) as channel:
         if service == "verifier":
             stub = verifier_pb2_grpc.VerifierStub(channel)
-            probe = lambda: stub.Verify(verifier_pb2.VerifyRequest(sessions=[verifier_pb2.VerifySession(sync=common_pb2.SessionSync(session_id="victim", prefix_length=1))]), timeout=10)  # noqa: E731
+            probe = lambda: stub.Verify(
+                verifier_pb2.VerifyRequest(sessions=[verifier_pb2.VerifySession(sync=common_pb2.SessionSync(session_id="victim", prefix_length=1))]),
+                timeout=10,
+            )  # noqa: E731
         else:
             stub = drafter_pb2_grpc.DrafterStub(channel)
-            probe = lambda: stub.Draft(drafter_pb2.DraftRequest(sessions=[drafter_pb2.DraftSession(sync=common_pb2.SessionSync(session_id="victim", prefix_length=1), num_draft_tokens=4)]), timeout=10)  # noqa: E731
-        for call in (probe, lambda: stub.ReleaseSessions(common_pb2.ReleaseRequest(session_ids=["victim"]), timeout=10), lambda: stub.GetStats(common_pb2.InfoRequest(), timeout=10)):
+            probe = lambda: stub.Draft(
+                drafter_pb2.DraftRequest(
+                    sessions=[drafter_pb2.DraftSession(sync=common_pb2.SessionSync(session_id="victim", prefix_length=1), num_draft_tokens=4)]
+                ),
+                timeout=10,
+            )  # noqa: E731
+        for call in (
+            probe,
+            lambda: stub.ReleaseSessions(common_pb2.ReleaseRequest(session_ids=["victim"]), timeout=10),
+            lambda: stub.GetStats(common_pb2.InfoRequest(), timeout=10),
+        ):
             assert _code(call) == grpc.StatusCode.UNAUTHENTICATED
         # Reflection too; health checks stay open to probes.
         reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
@@ -283,7 +295,9 @@ def test_internal_service_refuses_to_listen_beyond_loopback_without_authenticati
     path = _minimal_config(random_family, tmp_path)
     env = {k: v for k, v in __import__("os").environ.items() if k != "SPECFLEET_INTERNAL_TOKEN"}
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", module, "--config", str(path), "--host", "0.0.0.0"], capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", module, "--config", str(path), "--host", "0.0.0.0"], capture_output=True, text=True, cwd=REPO, env=env, timeout=120
+    )
     assert done.returncode != 0
     assert "refusing to listen on 0.0.0.0 without authentication" in done.stderr and "security.token_file" in done.stderr, done.stderr[-2000:]
     assert time.monotonic() - started < 60  # refused before loading any model
@@ -291,7 +305,9 @@ def test_internal_service_refuses_to_listen_beyond_loopback_without_authenticati
 
 def test_tls_files_are_checked_at_startup_with_the_key_named(pki, tmp_path):
     good, rogue = pki["good"], pki["rogue"]
-    tls = lambda **kw: config_mod.SecurityConfig(tls=config_mod.TlsConfig(**{"cert": str(good["cert"]), "key": str(good["key"]), "ca": str(good["ca"]), **kw}))  # noqa: E731
+    tls = lambda **kw: config_mod.SecurityConfig(
+        tls=config_mod.TlsConfig(**{"cert": str(good["cert"]), "key": str(good["key"]), "ca": str(good["ca"]), **kw})
+    )  # noqa: E731
     assert security.load(tls()).tls is not None
     with pytest.raises(config_mod.ConfigError, match=r"security\.tls\.cert: cannot read .*missing\.pem"):
         security.load(tls(cert=str(tmp_path / "missing.pem")))
@@ -316,7 +332,9 @@ def test_tls_files_are_checked_at_startup_with_the_key_named(pki, tmp_path):
 def test_serve_refuses_a_missing_certificate_before_starting_anything(random_family, tmp_path, pki):
     good = pki["good"]
     path = _minimal_config(random_family, tmp_path, tls={"cert": str(tmp_path / "absent.pem"), "key": str(good["key"]), "ca": str(good["ca"])})
-    done = subprocess.run([sys.executable, "-m", "specfleet.cli", "serve", "--config", str(path)], capture_output=True, text=True, cwd=REPO, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "specfleet.cli", "serve", "--config", str(path)], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
     assert done.returncode == 2
     assert "security.tls.cert: cannot read" in done.stderr and "absent.pem" in done.stderr, done.stderr[-2000:]
 
@@ -333,9 +351,7 @@ def redis_server(args: list[str], **client_options):
     redis-py client of it that has seen it answer; the server is killed on exit."""
     import redis
 
-    proc = subprocess.Popen(
-        ["redis-server", "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", *args], stdout=subprocess.DEVNULL
-    )
+    proc = subprocess.Popen(["redis-server", "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", *args], stdout=subprocess.DEVNULL)
     try:
         client = redis.Redis(**client_options)
         for _ in range(100):
@@ -382,8 +398,20 @@ def test_redis_over_tls_shares_state_and_a_wrong_ca_fails_clearly(pki, tmp_path)
     from router.routing import RedisAuthError, RedisExpertiseStore
 
     good, rogue, port = pki["good"], pki["rogue"], free_port()
-    tls = ["--port", "0", "--tls-port", str(port), "--tls-cert-file", str(good["cert"]), "--tls-key-file", str(good["key"]),
-           "--tls-ca-cert-file", str(good["ca"]), "--tls-auth-clients", "no"]
+    tls = [
+        "--port",
+        "0",
+        "--tls-port",
+        str(port),
+        "--tls-cert-file",
+        str(good["cert"]),
+        "--tls-key-file",
+        str(good["key"]),
+        "--tls-ca-cert-file",
+        str(good["ca"]),
+        "--tls-auth-clients",
+        "no",
+    ]
     with redis_server(tls, port=port, ssl=True, ssl_ca_certs=str(good["ca"])) as client:
         check_shared(RedisExpertiseStore(f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={good['ca']}", decay=1.0), client)
         with pytest.raises(RedisAuthError) as err:

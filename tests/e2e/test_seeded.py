@@ -131,9 +131,7 @@ def fleet_config(family, **router) -> dict:
 
 def seeded_request(prompt: str, seed: int, disabled: bool = False) -> generation_pb2.GenerateRequest:
     shapes = [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9), dict(temperature=0.9, top_k=5)]
-    request = generation_pb2.GenerateRequest(
-        prompt=prompt, max_tokens=MAX_TOKENS, seed=seed, stop_at_eos=False, **shapes[seed % len(shapes)]
-    )
+    request = generation_pb2.GenerateRequest(prompt=prompt, max_tokens=MAX_TOKENS, seed=seed, stop_at_eos=False, **shapes[seed % len(shapes)])
     request.speculation.disabled = disabled
     return request
 

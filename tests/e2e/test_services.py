@@ -50,7 +50,7 @@ def test_drafter_with_another_tokenizer_is_refused_at_startup(random_family, tmp
     config["drafters"][0]["models"] = [{"name": "mismatched", "path": str(other)}]
     config["router"]["default_drafter"] = "mismatched"
     cluster = Cluster(config, tmp_path, "mismatch")
-    with pytest.raises(RuntimeError) as err:
+    with pytest.raises(RuntimeError):
         cluster.start(timeout_s=120)
     log = cluster.log_path.read_text()
     assert "uses a different tokenizer" in log and "mismatched" in log, log[-2000:]
@@ -115,7 +115,9 @@ def test_each_service_runs_on_the_cores_its_config_names(random_family, tmp_path
         cluster.stop()
     bad = cluster_config(random_family, verifier={"cpus": [4096]})
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(bad))
-    out = subprocess.run([sys.executable, "-m", "specfleet.cli", "serve", "--config", str(tmp_path / "bad.yaml")], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "specfleet.cli", "serve", "--config", str(tmp_path / "bad.yaml")], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 2 and "verifier: cpus [4096] are not all usable here" in out.stderr
 
 
@@ -173,7 +175,11 @@ def test_sigterm_lets_in_flight_requests_finish(random_family, tmp_path, monkeyp
             http_streams, texts = [], []
             for p in http_prompts:
                 http_stream = client.completions.create(
-                    model=model, prompt=p, max_tokens=DRAIN_STREAM_TOKENS, temperature=0, stream=True,
+                    model=model,
+                    prompt=p,
+                    max_tokens=DRAIN_STREAM_TOKENS,
+                    temperature=0,
+                    stream=True,
                     extra_body={"speculation": {"disabled": True}},
                 )
                 texts.append(next(iter(http_stream)).choices[0].text)  # generating
@@ -245,21 +251,52 @@ def test_cli_generate_prints_text(cluster, stream):
         expected = generation_pb2_grpc.GenerationStub(channel).Generate(greedy_request(PROMPTS[0], 8), timeout=120)
     assert expected.text.strip()
     out = subprocess.run(
-        [sys.executable, "-m", "specfleet.cli", "generate", "--server", cluster.router, "--max-tokens", "8", "--stats",
-         *(["--stream"] if stream else []), PROMPTS[0]],
-        capture_output=True, text=True, timeout=120, cwd=REPO,
+        [
+            sys.executable,
+            "-m",
+            "specfleet.cli",
+            "generate",
+            "--server",
+            cluster.router,
+            "--max-tokens",
+            "8",
+            "--stats",
+            *(["--stream"] if stream else []),
+            PROMPTS[0],
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout == expected.text + "\n"
     assert "finish: length; rounds: " in out.stderr and "8 tokens, " in out.stderr
     # Where the time went: the whole call, and the router's draft and verify calls, wall and compute.
-    timing = re.search(r"\[time: (\d+) ms, [\d.]+ ms/token, [\d.]+ tokens/s(; first token \d+ ms)?; draft \d+ ms wall, \d+ ms compute; "
-                       r"verify (\d+) ms wall, (\d+) ms compute; per token: draft [\d.]+/[\d.]+ ms, verify [\d.]+/[\d.]+ ms \(wall/compute\)\]", out.stderr)
+    timing = re.search(
+        r"\[time: (\d+) ms, [\d.]+ ms/token, [\d.]+ tokens/s(; first token \d+ ms)?; draft \d+ ms wall, \d+ ms compute; "
+        r"verify (\d+) ms wall, (\d+) ms compute; per token: draft [\d.]+/[\d.]+ ms, verify [\d.]+/[\d.]+ ms \(wall/compute\)\]",
+        out.stderr,
+    )
     assert timing, out.stderr
     assert (timing.group(2) is not None) == stream
     assert int(timing.group(4)) <= int(timing.group(3)) <= int(timing.group(1)) and int(timing.group(3)) > 0
     bad = subprocess.run(
-        [sys.executable, "-m", "specfleet.cli", "generate", "--server", cluster.router, "--temperature", "-1", *(["--stream"] if stream else []), "x"],
-        capture_output=True, text=True, timeout=60, cwd=REPO,
+        [
+            sys.executable,
+            "-m",
+            "specfleet.cli",
+            "generate",
+            "--server",
+            cluster.router,
+            "--temperature",
+            "-1",
+            *(["--stream"] if stream else []),
+            "x",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
     )
     assert bad.returncode == 1 and "INVALID_ARGUMENT: temperature" in bad.stderr

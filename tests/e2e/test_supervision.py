@@ -125,7 +125,9 @@ def test_serve_gives_up_on_a_service_that_keeps_crashing(random_family, tmp_path
     log = open(tmp_path / "crashing.log", "w")
     cluster.proc = subprocess.Popen(
         [sys.executable, "-m", "specfleet.cli", "serve", "--config", str(config_path), "--max-restarts", "1"],
-        stdout=subprocess.PIPE, stderr=log, text=True,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
     )
     try:
         while "specfleet is ready" not in cluster.proc.stdout.readline():
@@ -158,10 +160,18 @@ def test_two_routers_two_verifiers_two_drafters_survive_kills(random_family, tmp
     replica = f"127.0.0.1:{free_port()}"
     config["verifier"]["replicas"] = [replica]
     config["drafters"] = [
-        {"name": "alpha", "address": f"127.0.0.1:{free_port()}", "models": [{"name": "drafter-noisy", "path": str(random_family["drafter-noisy"])}], "metrics_port": 0},
         {
-            "name": "beta", "address": f"127.0.0.1:{free_port()}", "replicas": [f"127.0.0.1:{free_port()}"],
-            "models": [{"name": "drafter-copy", "path": str(random_family["drafter-copy"])}], "metrics_port": 0,
+            "name": "alpha",
+            "address": f"127.0.0.1:{free_port()}",
+            "models": [{"name": "drafter-noisy", "path": str(random_family["drafter-noisy"])}],
+            "metrics_port": 0,
+        },
+        {
+            "name": "beta",
+            "address": f"127.0.0.1:{free_port()}",
+            "replicas": [f"127.0.0.1:{free_port()}"],
+            "models": [{"name": "drafter-copy", "path": str(random_family["drafter-copy"])}],
+            "metrics_port": 0,
         },
     ]
     cluster = Cluster(config, tmp_path, "replicas").start()

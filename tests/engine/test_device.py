@@ -40,9 +40,7 @@ def test_config_accepts_every_device_spelling_without_checking_this_machine(devi
     assert cfg.verifier.device == device and cfg.drafters[0].device == device
 
 
-@pytest.mark.parametrize(
-    "devices, where", [({"verifier": "gpu"}, "verifier.device"), ({"drafter": "cuda:x"}, r"drafters\[0\].device")]
-)
+@pytest.mark.parametrize("devices, where", [({"verifier": "gpu"}, "verifier.device"), ({"drafter": "cuda:x"}, r"drafters\[0\].device")])
 def test_config_refuses_a_misspelt_device_naming_the_key(devices, where):
     with pytest.raises(config_mod.ConfigError, match=f"{where}: must be cpu, cuda, cuda:N or auto"):
         config_mod.parse(_config(**devices))
@@ -54,9 +52,7 @@ def test_resolve_device_without_cuda():
     assert config_mod.resolve_device("cpu", "verifier.device") == "cpu"
     with pytest.raises(config_mod.ConfigError) as err:
         config_mod.resolve_device("cuda:0", "drafters[small].device")
-    assert str(err.value) == (
-        "drafters[small].device: cuda:0 was asked for but torch sees no CUDA device (torch.cuda.is_available() is False)"
-    )
+    assert str(err.value) == ("drafters[small].device: cuda:0 was asked for but torch sees no CUDA device (torch.cuda.is_available() is False)")
 
 
 def _run(args, timeout=120) -> subprocess.CompletedProcess:

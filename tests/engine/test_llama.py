@@ -47,13 +47,19 @@ def _configs():
 
     common = dict(vocab_size=8192, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=128)
     llama3_rope = {
-        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
         "original_max_position_embeddings": 32,
     }
     return {
         "llama-gqa": LlamaConfig(num_attention_heads=4, num_key_value_heads=2, **common),
         "llama3-rope-bias": LlamaConfig(num_attention_heads=4, num_key_value_heads=2, rope_parameters=llama3_rope, attention_bias=True, **common),
-        "llama-linear-rope": LlamaConfig(num_attention_heads=4, num_key_value_heads=4, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}, **common),
+        "llama-linear-rope": LlamaConfig(
+            num_attention_heads=4, num_key_value_heads=4, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}, **common
+        ),
         "qwen2-bias": Qwen2Config(num_attention_heads=4, num_key_value_heads=4, **common),
         "qwen3-qk-norm": Qwen3Config(num_attention_heads=4, num_key_value_heads=2, head_dim=32, **common),
         "mistral": MistralConfig(num_attention_heads=4, num_key_value_heads=1, sliding_window=4096, **common),
@@ -96,10 +102,8 @@ def test_forward_matches_transformers(tmp_path, name, attention, layout):
     prefill(loaded, [a, b, c], keep_last=1)
     assert [a.slot, b.slot, c.slot] == slots
     chain = [11, 12, 13]
-    tree_tokens, tree_parents = [21, 22, 23, 24], [-1, 0, 0, -1]
-    attend = torch.tensor(
-        [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 0, 0, 1]], dtype=torch.bool
-    )
+    tree_tokens = [21, 22, 23, 24]  # parents -1, 0, 0, -1: the rows of `attend` below
+    attend = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 0, 0, 1]], dtype=torch.bool)
     root_a, root_b, root_c = len(prompt_a) - 1, len(prompt_b) - 1, len(prompt_c) - 1
     items = [
         ForwardItem(a, [prompt_a[-1], *chain], list(range(root_a, root_a + 4))),
@@ -244,10 +248,13 @@ def _graphs_against_eager(tmp_path, attach_graphs, at_start_up: bool = False):
         a, b = sessions[0], sessions[1]
         root_a, root_b = len(a.token_ids) - 1, len(b.token_ids) - 1
         attend = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
-        tree = forward_batch(loaded, [
-            ForwardItem(a, [a.token_ids[-1], 11, 12, 13], [root_a, root_a + 1, root_a + 1, root_a + 2], attend),
-            ForwardItem(b, [b.token_ids[-1], 21, 22], list(range(root_b, root_b + 3))),
-        ])
+        tree = forward_batch(
+            loaded,
+            [
+                ForwardItem(a, [a.token_ids[-1], 11, 12, 13], [root_a, root_a + 1, root_a + 1, root_a + 2], attend),
+                ForwardItem(b, [b.token_ids[-1], 21, 22], list(range(root_b, root_b + 3))),
+            ],
+        )
         runs[graphed] = ([s.token_ids for s in sessions], steps, tree)
         if graphed and at_start_up:
             assert loaded.graphs._graphs == captured, "no graph is captured after start-up"
@@ -307,8 +314,15 @@ def test_unsupported_rope_scaling_is_refused_by_name(tmp_path):
     from transformers import LlamaConfig
 
     rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}
-    config = LlamaConfig(vocab_size=8192, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
-                         max_position_embeddings=128, rope_parameters=rope)
+    config = LlamaConfig(
+        vocab_size=8192,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=128,
+        rope_parameters=rope,
+    )
     _save(tmp_path, config, "yarn")
     with pytest.raises(ValueError, match="RoPE scaling 'yarn' is not supported"):
         load_model("yarn", tmp_path / "yarn")
@@ -318,8 +332,16 @@ def test_a_sliding_window_bounds_the_context(tmp_path):
     """The pass attends to the whole prefix, which is a sliding window's answer only inside the window."""
     from transformers import MistralConfig
 
-    config = MistralConfig(vocab_size=8192, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
-                           num_key_value_heads=1, max_position_embeddings=128, sliding_window=48)
+    config = MistralConfig(
+        vocab_size=8192,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        sliding_window=48,
+    )
     _save(tmp_path, config, "mistral-window")
     assert load_model("mistral-window", tmp_path / "mistral-window").max_context == 48
 
@@ -330,8 +352,9 @@ def test_a_long_context_model_gets_slots_of_at_most_max_positions(tmp_path):
 
     from specfleet.engine.loading import MAX_POSITIONS
 
-    config = LlamaConfig(vocab_size=8192, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
-                         max_position_embeddings=4 * MAX_POSITIONS)
+    config = LlamaConfig(
+        vocab_size=8192, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=4 * MAX_POSITIONS
+    )
     _save(tmp_path, config, "long")
     loaded = load_model("long", tmp_path / "long")
     assert loaded.max_context == loaded.pool.positions == MAX_POSITIONS == loaded.info().max_context

@@ -35,9 +35,7 @@ DEPLOY = ROOT / "deploy"
 CRD_SCHEMAS = pathlib.Path(__file__).resolve().parent / "data" / "kuberay"
 SOURCES = sorted(DEPLOY.rglob("*.yaml"))
 # Every kustomization but a base (which only overlays render) is a deployment of its own.
-RENDERED = sorted(
-    str(p.parent.relative_to(DEPLOY)) for p in DEPLOY.rglob("kustomization.yaml") if p.parent.name != "base"
-)
+RENDERED = sorted(str(p.parent.relative_to(DEPLOY)) for p in DEPLOY.rglob("kustomization.yaml") if p.parent.name != "base")
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 IMAGE = f"specfleet:{VERSION}"  # docker build -t specfleet:VERSION .  (GPU)
 IMAGE_CPU = f"specfleet:{VERSION}-cpu"  # docker build --build-arg VARIANT=cpu -t specfleet:VERSION-cpu .
@@ -71,9 +69,7 @@ def _walk(node):
 
 @functools.lru_cache(maxsize=None)
 def _render(deployment: str) -> tuple:
-    out = subprocess.run(
-        [_tool("kubectl"), "kustomize", str(DEPLOY / deployment)], capture_output=True, text=True, timeout=120
-    )
+    out = subprocess.run([_tool("kubectl"), "kustomize", str(DEPLOY / deployment)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, f"kubectl kustomize deploy/{deployment}: {out.stderr}"
     return tuple(_docs(out.stdout))
 
@@ -139,9 +135,7 @@ def _commands() -> list[tuple[str, list[str]]]:
 
 @functools.lru_cache(maxsize=None)
 def _help(subcommand: str) -> str:
-    out = subprocess.run(
-        [sys.executable, "-m", "specfleet.cli", subcommand, "--help"], capture_output=True, text=True, timeout=180
-    )
+    out = subprocess.run([sys.executable, "-m", "specfleet.cli", subcommand, "--help"], capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout
 
@@ -232,13 +226,19 @@ def test_the_build_context_builds_specfleet_and_holds_the_demo_models(tmp_path):
     context = _build_context(tmp_path / "context")
     out = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "wheels"), str(context)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     (wheel,) = (tmp_path / "wheels").glob("specfleet-*.whl")
     probe = "from specfleet import cli, config; c = config.default_config(config.REPO / '.cache'); print(c.verifier.model)"
     out = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(context)},
     )
     assert out.returncode == 0, out.stderr[-3000:]
@@ -271,9 +271,7 @@ def test_kubernetes_objects_pass_kubernetes_validate_strict(tmp_path):
         assert core, deployment
         path = tmp_path / f"{deployment.replace('/', '-')}.yaml"
         path.write_text(yaml.safe_dump_all(core))
-        out = subprocess.run(
-            [_tool("kubernetes-validate"), "--strict", "--quiet", str(path)], capture_output=True, text=True, timeout=120
-        )
+        out = subprocess.run([_tool("kubernetes-validate"), "--strict", "--quiet", str(path)], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, f"deploy/{deployment}:\n{out.stdout}{out.stderr}"
         checked += len(core)
     assert checked >= 20

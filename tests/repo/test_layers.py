@@ -16,7 +16,11 @@ from tools import check_imports
 
 def _lint_imports() -> subprocess.CompletedProcess:
     script = pathlib.Path(sys.executable).parent / "lint-imports"
-    command = [str(script)] if script.exists() else [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"]
+    command = (
+        [str(script)]
+        if script.exists()
+        else [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"]
+    )
     # This tree's packages, not an installed copy's (the editable install may point at another checkout).
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
     return subprocess.run(

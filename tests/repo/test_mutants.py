@@ -142,7 +142,7 @@ def requote(text: str) -> str:
     for tok, start, end in _tokens_at(text):
         body = tok.string.lstrip("rRbBuUfF")
         prefix, quote, inner = tok.string[: len(tok.string) - len(body)], body[:1], body[1:-1]
-        if tok.type == tokenize.STRING and not body.startswith(("\"\"\"", "'''")) and not set(inner) & set("\"'\\"):
+        if tok.type == tokenize.STRING and not body.startswith(('"""', "'''")) and not set(inner) & set("\"'\\"):
             edits.append((start, end, prefix + ("'" if quote == '"' else '"') + inner + ("'" if quote == '"' else '"')))
     return _edited(text, edits)
 
@@ -268,8 +268,18 @@ SNIPPETS = {  # text, find, replace, and the mutated text
     "parentheses the file added": ("x = (\n    alpha + beta\n)\n", "x = alpha + beta", "x = alpha - beta", "x = alpha - beta\n"),
     "parentheses find has": ("x = alpha + beta\n", "x = (alpha + beta)", "x = (alpha - beta)", "x = (alpha - beta)\n"),
     "implicit concatenation": ('msg = "a" "b"\n', "msg = 'ab'", "msg = ''", "msg = ''\n"),
-    "unclosed paren": ("if key  and  not check(a, b):\n    pass\n", "if key and not check(", "if False and not check(", "if False and not check(a, b):\n    pass\n"),
-    "unfinished f-string": ('print(\n    f"  try: {cmd()} now"\n)\n', 'print(f"  try: {cmd()}', 'print(f"  go: {cmd()}', 'print(f"  go: {cmd()} now"\n)\n'),
+    "unclosed paren": (
+        "if key  and  not check(a, b):\n    pass\n",
+        "if key and not check(",
+        "if False and not check(",
+        "if False and not check(a, b):\n    pass\n",
+    ),
+    "unfinished f-string": (
+        'print(\n    f"  try: {cmd()} now"\n)\n',
+        'print(f"  try: {cmd()}',
+        'print(f"  go: {cmd()}',
+        'print(f"  go: {cmd()} now"\n)\n',
+    ),
     "comment in find": ("x = 1 #  keep it\ny = 2\n", "x = 1  # keep it\n", "x = 2  # keep it\n", "x = 2  # keep it\ny = 2\n"),
     # find does not start with indentation: replace's lines stay as written (here the comment's, harmlessly).
     "find ends inside a comment": (

@@ -45,8 +45,17 @@ def test_reload_replaces_each_section_whole_and_keeps_what_was_learned(tmp_path)
     cost = old.controller.cost
     cost.verify_base = 3.5  # learned since start-up
 
-    path = write(tmp_path / "b.yaml", routing_policy="fixed", default_drafter="code", max_running=9, adaptive_speculation=False,
-                 stop_below_confidence=0.2, max_tokens_limit=128, default_max_tokens=32, fusion_width=2)
+    path = write(
+        tmp_path / "b.yaml",
+        routing_policy="fixed",
+        default_drafter="code",
+        max_running=9,
+        adaptive_speculation=False,
+        stop_below_confidence=0.2,
+        max_tokens_limit=128,
+        default_max_tokens=32,
+        fusion_width=2,
+    )
     asyncio.run(server.reload(front_door, scheduler, path, over_grpc=False))
     new = config_mod.load(path).router
 

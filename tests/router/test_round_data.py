@@ -28,8 +28,13 @@ SAMPLING = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=123, drafter
 
 def test_draft_and_verify_records_carry_every_field_of_the_contract():
     draft = messages.DraftSession(
-        sync=messages.SessionSync("s", 3, [1, 2]), model="m", num_draft_tokens=4, sampling=SAMPLING,
-        stop_below_confidence=0.25, score_context=True, lockstep_group="g",
+        sync=messages.SessionSync("s", 3, [1, 2]),
+        model="m",
+        num_draft_tokens=4,
+        sampling=SAMPLING,
+        stop_below_confidence=0.25,
+        score_context=True,
+        lockstep_group="g",
     )
     (sent,) = transport.draft_request([draft]).sessions
     assert not _every_field_set(sent), _every_field_set(sent)
@@ -50,8 +55,13 @@ def test_draft_and_verify_records_carry_every_field_of_the_contract():
 
 def test_replies_become_records():
     drafted = drafter_pb2.DraftedSession(
-        session_id="s", status=common_pb2.SESSION_OK, token_ids=[4, 5], proposals=[transport.point_mass(4), transport.point_mass(5)],
-        confidences=[0.5, 0.25], context_log_prob=-1.5, context_tokens=3,
+        session_id="s",
+        status=common_pb2.SESSION_OK,
+        token_ids=[4, 5],
+        proposals=[transport.point_mass(4), transport.point_mass(5)],
+        confidences=[0.5, 0.25],
+        context_log_prob=-1.5,
+        context_tokens=3,
     )
     lost = drafter_pb2.DraftedSession(session_id="t", status=common_pb2.SESSION_UNKNOWN)
     reply = transport.draft_response(drafter_pb2.DraftResponse(sessions=[drafted, lost], compute_ms=2.0))
@@ -61,8 +71,13 @@ def test_replies_become_records():
     assert [list(p.token_ids) for p in first.proposals] == [[4], [5]]
 
     verified = verifier_pb2.VerifiedSession(
-        session_id="s", status=common_pb2.SESSION_OK, accepted_nodes=[0], token_ids=[4, 6], logprobs=[-0.5, -1.0],
-        top_token_ids=[4, 6], top_logprobs=[-0.5, -1.0],
+        session_id="s",
+        status=common_pb2.SESSION_OK,
+        accepted_nodes=[0],
+        token_ids=[4, 6],
+        logprobs=[-0.5, -1.0],
+        top_token_ids=[4, 6],
+        top_logprobs=[-0.5, -1.0],
     )
     reply = transport.verify_response(verifier_pb2.VerifyResponse(sessions=[verified], compute_ms=3.0, batch_size=5))
     (got,) = reply.sessions

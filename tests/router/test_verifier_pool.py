@@ -24,8 +24,15 @@ class Replica:
 
 def request(session_id: str) -> RequestState:
     spec = RequestSpec(
-        request_id=session_id, session_id=session_id, prompt_ids=[1, 2, 3], max_tokens=8, sampling=SamplingParams(),
-        stop=[], stop_at_eos=True, max_draft_tokens=0, domain="",
+        request_id=session_id,
+        session_id=session_id,
+        prompt_ids=[1, 2, 3],
+        max_tokens=8,
+        sampling=SamplingParams(),
+        stop=[],
+        stop_at_eos=True,
+        max_draft_tokens=0,
+        domain="",
     )
     return RequestState(spec=spec, tokenizer=None, eos_token_id=0, max_context=64, deadline=None, tokens=[1, 2, 3])
 

@@ -113,9 +113,17 @@ def test_config_file_problems_name_the_file(tmp_path):
 
 def all_sections() -> list[type]:
     return [
-        config_mod.VerifierConfig, config_mod.DrafterServiceConfig, config_mod.DraftModelConfig, config_mod.RayPlacement,
-        config_mod.RouterConfig, config_mod.RequestLimitsConfig, config_mod.SchedulingConfig, config_mod.RoutingConfig,
-        config_mod.SpeculationConfig, config_mod.SecurityConfig, config_mod.TlsConfig,
+        config_mod.VerifierConfig,
+        config_mod.DrafterServiceConfig,
+        config_mod.DraftModelConfig,
+        config_mod.RayPlacement,
+        config_mod.RouterConfig,
+        config_mod.RequestLimitsConfig,
+        config_mod.SchedulingConfig,
+        config_mod.RoutingConfig,
+        config_mod.SpeculationConfig,
+        config_mod.SecurityConfig,
+        config_mod.TlsConfig,
     ]
 
 
@@ -171,10 +179,16 @@ def test_a_router_key_is_named_as_the_file_spells_it(router, message):
 
 def test_flat_and_nested_router_keys_are_one_config_and_the_file_stays_flat():
     flat = config_mod.parse(with_("router", {"default_drafter": "general", "fusion_width": 2, "max_running": 8, "pin_cost_model": True}))
-    nested = config_mod.parse(with_("router", {
-        "routing": {"default_drafter": "general", "fusion_width": 2}, "scheduling": {"max_running": 8},
-        "speculation": {"pin_cost_model": True},
-    }))
+    nested = config_mod.parse(
+        with_(
+            "router",
+            {
+                "routing": {"default_drafter": "general", "fusion_width": 2},
+                "scheduling": {"max_running": 8},
+                "speculation": {"pin_cost_model": True},
+            },
+        )
+    )
     assert flat == nested
     assert (flat.router.routing.fusion_width, flat.router.scheduling.max_running, flat.router.speculation.pin_cost_model) == (2, 8, True)
     written = yaml.safe_load(flat.to_yaml())

@@ -35,9 +35,7 @@ def test_workloads_are_files_that_replay(tmp_path):
     workload.save(a, path)
     _, replay_rows = workload.resolve_source(str(path))
     c = workload.make_requests(replay_rows, 7, prompt_tokens=99, max_tokens=99, seed=0)
-    assert sorted((r.text, r.max_tokens, r.prompt_tokens, r.arrival_s) for r in c) == sorted(
-        (r.text, 8, 16, r.arrival_s) for r in a
-    )
+    assert sorted((r.text, r.max_tokens, r.prompt_tokens, r.arrival_s) for r in c) == sorted((r.text, 8, 16, r.arrival_s) for r in a)
     arrivals = workload.poisson_arrivals(2000, 4.0, seed=1)
     assert arrivals == sorted(arrivals) and 400 < arrivals[-1] < 600  # about 2000 / 4 s
     # the fallback list covers every domain when files are absent
@@ -88,11 +86,34 @@ def test_smoke_run_measures_and_catches_a_wrong_output(random_family, cluster, t
     root = random_family["target"].parent
     out = tmp_path / "out"
     argv = [
-        "run", "--models", str(root), "--drafter", "drafter-noisy",
-        "--systems", "hf-target,corrupt",
-        "--attach", f"specfleet={cluster.router}", "--attach", f"specfleet-off={cluster.router}:off",
-        "--workload", "mixed", "--requests", "4", "--prompt-tokens", "12", "--max-tokens", "10", "--warmup", "1",
-        "--concurrency", "1,2", "--rates", "25,50", "--out", str(out), "--no-progress",
+        "run",
+        "--models",
+        str(root),
+        "--drafter",
+        "drafter-noisy",
+        "--systems",
+        "hf-target,corrupt",
+        "--attach",
+        f"specfleet={cluster.router}",
+        "--attach",
+        f"specfleet-off={cluster.router}:off",
+        "--workload",
+        "mixed",
+        "--requests",
+        "4",
+        "--prompt-tokens",
+        "12",
+        "--max-tokens",
+        "10",
+        "--warmup",
+        "1",
+        "--concurrency",
+        "1,2",
+        "--rates",
+        "25,50",
+        "--out",
+        str(out),
+        "--no-progress",
     ]
     code = bench_main(argv)
     printed = capsys.readouterr()
@@ -126,16 +147,43 @@ def test_interleave_runs_each_load_point_on_every_system_in_turn(random_family, 
     other pass, and each repeat's ratios are against the baseline of the same pass."""
     root = random_family["target"].parent
     out = tmp_path / "out"
-    code = bench_main([
-        "run", "--models", str(root), "--systems", "hf-target,corrupt", "--interleave", "--repeat", "2", "--allow-mismatch",
-        "--requests", "2", "--prompt-tokens", "8", "--max-tokens", "4", "--warmup", "1", "--concurrency", "1,2",
-        "--out", str(out), "--no-progress",
-    ])
+    code = bench_main(
+        [
+            "run",
+            "--models",
+            str(root),
+            "--systems",
+            "hf-target,corrupt",
+            "--interleave",
+            "--repeat",
+            "2",
+            "--allow-mismatch",
+            "--requests",
+            "2",
+            "--prompt-tokens",
+            "8",
+            "--max-tokens",
+            "4",
+            "--warmup",
+            "1",
+            "--concurrency",
+            "1,2",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert code == 0
     runs = json.loads((out / "results.json").read_text())["runs"]
     assert [(r["load"], r["label"]) for r in runs] == [
-        ("c1", "hf-target"), ("c1", "corrupt"), ("c2", "hf-target"), ("c2", "corrupt"),
-        ("c1#2", "corrupt"), ("c1#2", "hf-target"), ("c2#2", "corrupt"), ("c2#2", "hf-target"),
+        ("c1", "hf-target"),
+        ("c1", "corrupt"),
+        ("c2", "hf-target"),
+        ("c2", "corrupt"),
+        ("c1#2", "corrupt"),
+        ("c1#2", "hf-target"),
+        ("c2#2", "corrupt"),
+        ("c2#2", "hf-target"),
     ]
     assert all(r["status"] == "ok" and r["mismatches"] == (2 if r["label"] == "corrupt" else 0) for r in runs)
     by_key = {(r["load"], r["label"]): r for r in runs}
@@ -146,10 +194,28 @@ def test_interleave_runs_each_load_point_on_every_system_in_turn(random_family, 
 def test_missing_vllm_is_reported_not_fatal(random_family, tmp_path, capsys):
     root = random_family["target"].parent
     out = tmp_path / "out"
-    code = bench_main([
-        "run", "--models", str(root), "--systems", "hf-target,vllm-target", "--vllm-venv", str(tmp_path / "no-venv"),
-        "--requests", "2", "--prompt-tokens", "8", "--max-tokens", "4", "--warmup", "0", "--out", str(out), "--no-progress",
-    ])
+    code = bench_main(
+        [
+            "run",
+            "--models",
+            str(root),
+            "--systems",
+            "hf-target,vllm-target",
+            "--vllm-venv",
+            str(tmp_path / "no-venv"),
+            "--requests",
+            "2",
+            "--prompt-tokens",
+            "8",
+            "--max-tokens",
+            "4",
+            "--warmup",
+            "0",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert code == 0
     results = json.loads((out / "results.json").read_text())
     vllm_run = next(r for r in results["runs"] if r["label"] == "vllm-target")

@@ -19,9 +19,36 @@ DEVICE = os.environ.get("SPECFLEET_TEST_DEVICE", "cpu")
 def _bench(tmp_path, *extra) -> tuple[dict, str]:
     out = tmp_path / "engine.json"
     result = subprocess.run(
-        [sys.executable, "-m", "specfleet.cli", "bench", "engine", "--shape", "tiny", "--sessions", "1,3", "--tokens", "1,4",
-         "--context", "24", "--device", DEVICE, "--dtype", "float32", "--repeats", "2", "--warmup", "1", "--json", str(out), *extra],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "specfleet.cli",
+            "bench",
+            "engine",
+            "--shape",
+            "tiny",
+            "--sessions",
+            "1,3",
+            "--tokens",
+            "1,4",
+            "--context",
+            "24",
+            "--device",
+            DEVICE,
+            "--dtype",
+            "float32",
+            "--repeats",
+            "2",
+            "--warmup",
+            "1",
+            "--json",
+            str(out),
+            *extra,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(out.read_text()), result.stdout

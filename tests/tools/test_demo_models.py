@@ -25,7 +25,7 @@ SAMPLES = {
     "en": (
         "Q:\tHow many Bell Labs Vice Presidents does it take to change a light bulb?\n"
         "A:\tThat's proprietary information.  Answer available from AT&T on payment of license fee.\n%\n"
-        ".TH LS 1 2023-01-01 \"GNU coreutils\"\n.SH NAME\nls \\- list directory contents\n.B \\-a\n"
+        '.TH LS 1 2023-01-01 "GNU coreutils"\n.SH NAME\nls \\- list directory contents\n.B \\-a\n'
         ":mod:`textwrap` --- Text wrapping and filling\n=============================================\n"
     ),
     "de": (
@@ -49,7 +49,7 @@ SAMPLES = {
         "Il sistema Debian è un sistema operativo libero. Con lo strumento dei pacchetti potete installare programmi.\n"
     ),
     "structured": (
-        "---\n- name: Install packages\n  hosts: all\n  tasks:\n    - apt:\n        name: \"{{ item }}\"\n"
+        '---\n- name: Install packages\n  hosts: all\n  tasks:\n    - apt:\n        name: "{{ item }}"\n'
         '{"a": [1, 2.5e-3, null, true], "b": {"c": "\\u00e9"}}\n'
         "[section]\nkey = value ; comment\n\n[tool.black]\nline-length = 100\n"
     ),

@@ -55,8 +55,6 @@ SAMPLES = 200_000
 FALSE_FAILURE = 1e-6  # probability that a correct verifier fails one statistical test
 
 
-
-
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
     """The tensors here are small (200,000 x 6): intra-op threads cost more than they give,
@@ -504,7 +502,9 @@ CASES = [(name, shape) for name in ("chain-good", "chain-random") for shape in S
 ]
 
 
-@pytest.mark.parametrize("tree_name,temperature,top_k,top_p", [(name, *shape) for name, shape in CASES], ids=[f"{name}-t{t}-k{k}-p{p}" for name, (t, k, p) in CASES])
+@pytest.mark.parametrize(
+    "tree_name,temperature,top_k,top_p", [(name, *shape) for name, shape in CASES], ids=[f"{name}-t{t}-k{k}-p{p}" for name, (t, k, p) in CASES]
+)
 def test_sampled_output_is_distributed_as_target(tree_name, temperature, top_k, top_p):
     tree = TREES[tree_name]
     seen, exact, tables = world(temperature, top_k, top_p)
@@ -556,7 +556,9 @@ def test_greedy_emits_exactly_the_target_argmax(tree_name, mode):
     out, stats = simulate(seen, tables, tree, tree.depth + 1, torch.Generator().manual_seed(10), mode=mode, samples=20_000)
     expected = argmax_chain(out[:, 0], exact, tree.depth + 1)
     mismatched = (out != expected).any(dim=1)
-    assert not mismatched.any(), f"{int(mismatched.sum())} generations differ, e.g. {out[mismatched][:3].tolist()} != {expected[mismatched][:3].tolist()}"
+    assert not mismatched.any(), (
+        f"{int(mismatched.sum())} generations differ, e.g. {out[mismatched][:3].tolist()} != {expected[mismatched][:3].tolist()}"
+    )
     assert stats.deep > 0.05 * stats.rounds and stats.rejected > 0.1 * stats.tried, stats
 
 
@@ -573,7 +575,9 @@ def test_greedy_specialisation_gives_the_same_verdict():
     sizes = torch.randint(0, num_nodes + 1, (batch,), generator=gen)
     for i in range(num_nodes):
         # Mostly the previous node (deep chains), else any earlier node or the root (siblings).
-        parent = torch.where(torch.rand(batch, generator=gen) < 0.6, torch.full((batch,), i - 1), (torch.rand(batch, generator=gen) * (i + 1)).long() - 1)
+        parent = torch.where(
+            torch.rand(batch, generator=gen) < 0.6, torch.full((batch,), i - 1), (torch.rand(batch, generator=gen) * (i + 1)).long() - 1
+        )
         parents[:, i] = torch.where(i < sizes, parent, torch.full_like(parent, -2))
         hit = torch.rand(batch, generator=gen) < 0.6
         wanted = argmax.gather(1, (parents[:, i] + 1).clamp(min=0).unsqueeze(1)).squeeze(1)

@@ -99,12 +99,21 @@ import time
 REPO = pathlib.Path(__file__).resolve().parent.parent.parent
 
 PRESETS = {
-    "run": dict(systems="hf-target,specfleet-off,specfleet", concurrency="1", rates="", requests=20, max_tokens=64, prompt_tokens=64, workload="mixed"),
+    "run": dict(
+        systems="hf-target,specfleet-off,specfleet", concurrency="1", rates="", requests=20, max_tokens=64, prompt_tokens=64, workload="mixed"
+    ),
     "compare": dict(
         systems="hf-target,specfleet-off,hf-assisted,vllm-target,vllm-draft,vllm-ngram,specfleet,specfleet-multi",
-        concurrency="1,4", rates="", requests=20, max_tokens=64, prompt_tokens=64, workload="mixed",
+        concurrency="1,4",
+        rates="",
+        requests=20,
+        max_tokens=64,
+        prompt_tokens=64,
+        workload="mixed",
     ),
-    "single-stream": dict(systems="hf-target,specfleet-off,specfleet", concurrency="1", rates="", requests=20, max_tokens=128, prompt_tokens=64, workload="mixed"),
+    "single-stream": dict(
+        systems="hf-target,specfleet-off,specfleet", concurrency="1", rates="", requests=20, max_tokens=128, prompt_tokens=64, workload="mixed"
+    ),
 }
 
 
@@ -129,52 +138,100 @@ def add_run_options(p: argparse.ArgumentParser, preset: str) -> None:
     d = PRESETS[preset]
     g = p.add_argument_group("systems and models")
     g.add_argument("--systems", default=d["systems"], help=f"comma-separated systems (default: {d['systems']})")
-    g.add_argument("--variant", action="append", default=[], metavar="LABEL=SYSTEM:KEY=VAL[,KEY=VAL]",
-                   help="an extra specfleet configuration with config overrides (repeatable), e.g. 'k8=specfleet:router.num_draft_tokens=8'")
-    g.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VAL",
-                   help="config override for every specfleet system (repeatable), e.g. verifier.max_wait_ms=0")
-    g.add_argument("--attach", action="append", default=[], metavar="LABEL=HOST:PORT[:off]",
-                   help="also measure an already running specfleet router (not started, stopped or pinned by the harness); ':off' disables speculation")
-    g.add_argument("--models", default="auto", help="auto (demo models when built, else random), demo, random, or a directory with target/ and drafters/<name>/")
+    g.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="LABEL=SYSTEM:KEY=VAL[,KEY=VAL]",
+        help="an extra specfleet configuration with config overrides (repeatable), e.g. 'k8=specfleet:router.num_draft_tokens=8'",
+    )
+    g.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VAL",
+        help="config override for every specfleet system (repeatable), e.g. verifier.max_wait_ms=0",
+    )
+    g.add_argument(
+        "--attach",
+        action="append",
+        default=[],
+        metavar="LABEL=HOST:PORT[:off]",
+        help="also measure an already running specfleet router (not started, stopped or pinned by the harness); ':off' disables speculation",
+    )
+    g.add_argument(
+        "--models", default="auto", help="auto (demo models when built, else random), demo, random, or a directory with target/ and drafters/<name>/"
+    )
     g.add_argument("--drafters", help="the family's drafters that specfleet-multi and specfleet-fleet host, comma separated (default all)")
     g.add_argument("--drafter", help="drafter for the single-drafter systems (default: general, or drafter-noisy for random)")
     g.add_argument("--baseline", default="hf-target", help="label the speed-up column is relative to (default hf-target)")
     g.add_argument("--k", type=int, default=4, help="draft tokens per round for every speculative system (default 4)")
-    g.add_argument("--assist-schedule", choices=["constant", "heuristic"], default="constant",
-                   help="transformers num_assistant_tokens_schedule (constant: exactly k per round, like the others)")
+    g.add_argument(
+        "--assist-schedule",
+        choices=["constant", "heuristic"],
+        default="constant",
+        help="transformers num_assistant_tokens_schedule (constant: exactly k per round, like the others)",
+    )
     g.add_argument("--threads", type=int, default=1, help="torch/OMP threads of every system (default 1)")
     g.add_argument("--cpus", help="pin every system to these cores (taskset list, e.g. 1 or 0-1; default unpinned)")
-    g.add_argument("--drafter-cpus", help="cores of specfleet's drafter services (taskset list): specfleet-fleet puts each service on "
-                   "one of them in turn, the other specfleet systems their one service on all of them (default: where serve puts them)")
+    g.add_argument(
+        "--drafter-cpus",
+        help="cores of specfleet's drafter services (taskset list): specfleet-fleet puts each service on "
+        "one of them in turn, the other specfleet systems their one service on all of them (default: where serve puts them)",
+    )
     g.add_argument("--vllm-venv", default=str(REPO / ".cache" / "vllm-venv"), help="where vLLM is installed (specfleet bench vllm-setup)")
     g.add_argument("--install-vllm", action="store_true", help="run vllm-setup first when a vLLM system is asked for and vLLM is missing")
-    g.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
-                   help="extra argument for every vLLM server (repeatable), e.g. --vllm-arg=--enforce-eager to skip torch.compile")
+    g.add_argument(
+        "--vllm-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument for every vLLM server (repeatable), e.g. --vllm-arg=--enforce-eager to skip torch.compile",
+    )
     g.add_argument("--dtype", default="float32")
-    g.add_argument("--device", default="cpu",
-                   help="where the transformers systems and the greedy reference run (cpu, cuda, cuda:N); specfleet's "
-                   "verifier and drafters take theirs from the config, e.g. --set verifier.device=cuda (default cpu)")
-    g.add_argument("--send-domain", action="store_true",
-                   help="send each request's workload domain to specfleet (GenerateRequest.domain; default: the router guesses)")
+    g.add_argument(
+        "--device",
+        default="cpu",
+        help="where the transformers systems and the greedy reference run (cpu, cuda, cuda:N); specfleet's "
+        "verifier and drafters take theirs from the config, e.g. --set verifier.device=cuda (default cpu)",
+    )
+    g.add_argument(
+        "--send-domain",
+        action="store_true",
+        help="send each request's workload domain to specfleet (GenerateRequest.domain; default: the router guesses)",
+    )
     w = p.add_argument_group("workload and load")
     w.add_argument("--workload", default=d["workload"], help="en, de, fr, es, it, code, structured, mixed, or a .jsonl file (default %(default)s)")
     w.add_argument("--requests", type=int, default=d["requests"], help="requests per load point (default %(default)s)")
     w.add_argument("--prompt-tokens", type=int, default=d["prompt_tokens"], help="prompt length in target tokens (default %(default)s)")
     w.add_argument("--max-tokens", type=int, default=d["max_tokens"], help="new tokens per request (default %(default)s)")
-    w.add_argument("--temperature", type=float, default=0.0,
-                   help="sampling temperature of every system (default 0: greedy, outputs checked against the target)")
+    w.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature of every system (default 0: greedy, outputs checked against the target)"
+    )
     w.add_argument("--stop-at-eos", action="store_true", help="let systems stop at end of sequence (default: ignore EOS, fixed output length)")
     w.add_argument("--concurrency", default=d["concurrency"], help="closed-loop client counts, comma separated (default %(default)s)")
     w.add_argument("--rates", default=d["rates"], help="open-loop Poisson rates in requests/s, comma separated, or 'file' (default none)")
-    w.add_argument("--warmup", type=int, default=2,
-                   help="unrecorded requests per system before measuring, sent by as many clients as the highest --concurrency (default 2; 0: none)")
+    w.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="unrecorded requests per system before measuring, sent by as many clients as the highest --concurrency (default 2; 0: none)",
+    )
     w.add_argument("--seed", type=int, default=0, help="prompt order and arrival times (default 0)")
-    w.add_argument("--interleave", action="store_true",
-                   help="start every system first, then run each load point on every system in turn (for a machine whose speed drifts; "
-                   "every system's processes stay up at once)")
-    w.add_argument("--repeat", type=int, default=1,
-                   help="with --interleave: run every load point on every system this many times, the systems' order "
-                   "reversed on every other pass; repeats are labelled LOAD#2, LOAD#3, ... (default 1)")
+    w.add_argument(
+        "--interleave",
+        action="store_true",
+        help="start every system first, then run each load point on every system in turn (for a machine whose speed drifts; "
+        "every system's processes stay up at once)",
+    )
+    w.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="with --interleave: run every load point on every system this many times, the systems' order "
+        "reversed on every other pass; repeats are labelled LOAD#2, LOAD#3, ... (default 1)",
+    )
     w.add_argument("--save-workload", metavar="FILE", help="write the resolved requests (JSONL) for replay with --workload FILE")
     o = p.add_argument_group("output and checks")
     o.add_argument("--out", help="output directory (default bench-results/<preset>-<time>)")
@@ -274,8 +331,12 @@ def _progress(disabled: bool):
     if disabled:
         return None
     return Progress(
-        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=Console(stderr=True), transient=False,
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=False,
     )
 
 
@@ -294,12 +355,12 @@ def run_command(args, argv: list[str]) -> tuple[dict, int]:
 
     out = pathlib.Path(args.out) if args.out else REPO / "bench-results" / f"{args.command}-{time.strftime('%Y%m%d-%H%M%S')}"
     paths = report.write_results(results, out)
-    md = report.markdown(results, {k[len("plot: "):]: v.name for k, v in paths.items() if k.startswith("plot: ")})
+    md = report.markdown(results, {k[len("plot: ") :]: v.name for k, v in paths.items() if k.startswith("plot: ")})
     print(md)
     for k, v in paths.items():
         print(f"{k}: {v}")
     if args.update_docs:
-        plots = {k[len("plot: "):]: v for k, v in paths.items() if k.startswith("plot: ")}
+        plots = {k[len("plot: ") :]: v for k, v in paths.items() if k.startswith("plot: ")}
         print(f"updated {report.update_docs(args.update_docs, report.markdown(results), plots)} (block {args.update_docs})")
     code = 0
     if results["failures"]:
@@ -385,10 +446,19 @@ async def run_benchmark(args, command: str) -> dict:
     out_dir = pathlib.Path(args.out) if args.out else REPO / "bench-results" / f"{args.command}-{time.strftime('%Y%m%d-%H%M%S')}"
     args.out = str(out_dir)
     settings = Settings(
-        threads=args.threads, cpus=_cpus(args.cpus), k=args.k, ignore_eos=not args.stop_at_eos, dtype=args.dtype, device=args.device,
-        assist_schedule=args.assist_schedule, startup_timeout_s=args.startup_timeout, log_dir=out_dir / "logs",
-        vllm_python=pathlib.Path(args.vllm_venv) / "bin" / "python", send_domain=args.send_domain,
-        vllm_args=[a for item in args.vllm_arg for a in shlex.split(item)], temperature=args.temperature,
+        threads=args.threads,
+        cpus=_cpus(args.cpus),
+        k=args.k,
+        ignore_eos=not args.stop_at_eos,
+        dtype=args.dtype,
+        device=args.device,
+        assist_schedule=args.assist_schedule,
+        startup_timeout_s=args.startup_timeout,
+        log_dir=out_dir / "logs",
+        vllm_python=pathlib.Path(args.vllm_venv) / "bin" / "python",
+        send_domain=args.send_domain,
+        vllm_args=[a for item in args.vllm_arg for a in shlex.split(item)],
+        temperature=args.temperature,
         drafter_cpus=_cpus(args.drafter_cpus),
     )
     source, rows = workload.resolve_source(args.workload)
@@ -423,13 +493,27 @@ async def run_benchmark(args, command: str) -> dict:
         "date": report.now_utc(),
         "machine": report.machine_info(),
         "config": {
-            "models": family.name, "target": str(family.target), "drafter": family.drafter,
+            "models": family.name,
+            "target": str(family.target),
+            "drafter": family.drafter,
             "drafters": {k: str(v) for k, v in family.drafters.items()},
-            "workload": args.workload, "workload_source": source, "requests": len(requests),
-            "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "ignore_eos": settings.ignore_eos,
-            "seed": args.seed, "temperature": settings.temperature, "device": settings.device, "warmup": len(warmup), "threads": settings.threads,
-            "cpus": settings.cpus, "drafter_cpus": settings.drafter_cpus, "k": settings.k,
-            "load_points": [p.label for p in points], "assist_schedule": settings.assist_schedule, "send_domain": settings.send_domain,
+            "workload": args.workload,
+            "workload_source": source,
+            "requests": len(requests),
+            "prompt_tokens": args.prompt_tokens,
+            "max_tokens": args.max_tokens,
+            "ignore_eos": settings.ignore_eos,
+            "seed": args.seed,
+            "temperature": settings.temperature,
+            "device": settings.device,
+            "warmup": len(warmup),
+            "threads": settings.threads,
+            "cpus": settings.cpus,
+            "drafter_cpus": settings.drafter_cpus,
+            "k": settings.k,
+            "load_points": [p.label for p in points],
+            "assist_schedule": settings.assist_schedule,
+            "send_domain": settings.send_domain,
         },
         "baseline": args.baseline,
         "systems": [],
@@ -465,7 +549,9 @@ async def run_benchmark(args, command: str) -> dict:
                 await system.start()
             except VLLMUnavailable as err:
                 for p in points:
-                    results["runs"].append({"label": system.label, "system": system.name, "load": p.label, "status": "unavailable", "message": str(err)})
+                    results["runs"].append(
+                        {"label": system.label, "system": system.name, "load": p.label, "status": "unavailable", "message": str(err)}
+                    )
                 results["notes"].append(f"{system.label}: unavailable: {err}")
                 if progress is not None:
                     progress.advance(task, per_system)
@@ -473,7 +559,9 @@ async def run_benchmark(args, command: str) -> dict:
             except Exception as err:  # a system that cannot start is an error of the run, reported in its row
                 msg = f"{type(err).__name__}: {err}"
                 for p in points:
-                    results["runs"].append({"label": system.label, "system": system.name, "load": p.label, "status": "failed", "message": msg.splitlines()[0]})
+                    results["runs"].append(
+                        {"label": system.label, "system": system.name, "load": p.label, "status": "failed", "message": msg.splitlines()[0]}
+                    )
                 results["errors"].append(f"{system.label} did not start: {msg}")
                 if progress is not None:
                     progress.advance(task, per_system)
@@ -496,13 +584,27 @@ async def run_benchmark(args, command: str) -> dict:
             records, start, end = await runner.run_load(system, requests, p, args.seed, advance)
             delta = runner.counters_delta(before, system.counters()) if before else {}
             m = runner.summarize(records, (start, end), references, eos, delta)
-            run = {"label": system.label, "system": system.name, "load": label, "load_kind": "open" if p.kind == "replay" else p.kind,
-                   "load_value": p.value, "load_description": p.describe(), "repeat": repeat, "status": "ok", **m}
+            run = {
+                "label": system.label,
+                "system": system.name,
+                "load": label,
+                "load_kind": "open" if p.kind == "replay" else p.kind,
+                "load_value": p.value,
+                "load_description": p.describe(),
+                "repeat": repeat,
+                "status": "ok",
+                **m,
+            }
             run["per_request"] = [
-                {"id": r.request.id, "domain": r.request.domain, "tokens": len(r.output.token_ids),
-                 "latency_ms": round((r.output.t_done - r.arrival) * 1e3, 3),
-                 "ttft_ms": None if r.output.t_first is None else round((r.output.t_first - r.arrival) * 1e3, 3),
-                 "error": r.output.error, "stats": r.output.stats}
+                {
+                    "id": r.request.id,
+                    "domain": r.request.domain,
+                    "tokens": len(r.output.token_ids),
+                    "latency_ms": round((r.output.t_done - r.arrival) * 1e3, 3),
+                    "ttft_ms": None if r.output.t_first is None else round((r.output.t_first - r.arrival) * 1e3, 3),
+                    "error": r.output.error,
+                    "stats": r.output.stats,
+                }
                 for r in sorted(records, key=lambda r: r.arrival)
             ]
             results["runs"].append(run)

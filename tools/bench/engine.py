@@ -40,9 +40,20 @@ SHAPES = {
     "1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8),
     # Llama-3-8B.
     "8b": dict(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
     ),
 }
 
@@ -77,9 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=10, help="timed passes per row; the median is reported (default %(default)s)")
     p.add_argument("--warmup", type=int, default=3, help="untimed passes first (default %(default)s)")
     p.add_argument("--threads", type=int, default=1, help="torch threads on a CPU (default %(default)s)")
-    p.add_argument("--attention", default="auto",
-                   help="specfleet's attention modes to time, comma separated: auto, per-session, batched (default %(default)s); "
-                   "a row's specfleet time is the fastest")
+    p.add_argument(
+        "--attention",
+        default="auto",
+        help="specfleet's attention modes to time, comma separated: auto, per-session, batched (default %(default)s); "
+        "a row's specfleet time is the fastest",
+    )
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers column")
     p.add_argument("--bandwidth-gbs", type=float, help="memory bandwidth in GB/s for the floor (default: known device, else measured)")
     p.add_argument("--peak-tflops", type=float, help="peak TFLOP/s in the dtype for the floor (default: known device, else measured)")
@@ -180,9 +194,16 @@ def _loaded(hf, source: str, positions: int):
 
     config = hf.config
     return LoadedModel(
-        name="bench", path=source, model=from_hf(hf), tokenizer=None, fingerprint="", vocab_size=int(config.vocab_size),
+        name="bench",
+        path=source,
+        model=from_hf(hf),
+        tokenizer=None,
+        fingerprint="",
+        vocab_size=int(config.vocab_size),
         # Pool slots as long as the benchmark's sessions, not the model's whole context.
-        max_context=positions, eos_token_id=-1, parameters=sum(p.numel() for p in hf.parameters()),
+        max_context=positions,
+        eos_token_id=-1,
+        parameters=sum(p.numel() for p in hf.parameters()),
     )
 
 
@@ -346,14 +367,25 @@ def print_table(results: dict) -> None:
     )
     table = Table(title=title)
     modes = results.get("attention_modes", [])
-    for col in ("sessions x tokens", "context", *[f"specfleet {m} ms" for m in modes], "transformers ms", "floor ms",
-                "specfleet / floor", "max |Δ logit|"):
+    for col in (
+        "sessions x tokens",
+        "context",
+        *[f"specfleet {m} ms" for m in modes],
+        "transformers ms",
+        "floor ms",
+        "specfleet / floor",
+        "max |Δ logit|",
+    ):
         table.add_column(col, justify="right")
     for r in results["rows"]:
         table.add_row(
-            f"{r['sessions']} x {r['tokens']}", str(r["context"]), *[f"{r['attention'][m]:.2f}" for m in modes],
-            f"{r['transformers_ms']:.2f}" if "transformers_ms" in r else "-", f"{r['floor_ms']:.3f}",
-            f"{r['specfleet_over_floor']:.1f}x", f"{r['max_abs_logit_diff']:.2g}" if "max_abs_logit_diff" in r else "-",
+            f"{r['sessions']} x {r['tokens']}",
+            str(r["context"]),
+            *[f"{r['attention'][m]:.2f}" for m in modes],
+            f"{r['transformers_ms']:.2f}" if "transformers_ms" in r else "-",
+            f"{r['floor_ms']:.3f}",
+            f"{r['specfleet_over_floor']:.1f}x",
+            f"{r['max_abs_logit_diff']:.2g}" if "max_abs_logit_diff" in r else "-",
         )
     # Piped output (logs, the device check) gets the whole table, not columns cut to 80 characters.
     Console(width=None if sys.stdout.isatty() else 160).print(table)
@@ -366,7 +398,8 @@ def markdown(results: dict) -> str:
         f"floor at {results['bandwidth_gbs']:.0f} GB/s and {results['peak_tflops']:.1f} TFLOP/s ({results['hardware_source']}); "
         f"median of {results['repeats']} passes, ms",
         "",
-        "| sessions x new tokens | context | " + " | ".join(f"specfleet ({m})" for m in results["attention_modes"])
+        "| sessions x new tokens | context | "
+        + " | ".join(f"specfleet ({m})" for m in results["attention_modes"])
         + " | transformers | floor | specfleet / floor | max abs logit diff |",
         "|---|---|" + "---|" * len(results["attention_modes"]) + "---|---|---|---|",
     ]
@@ -375,7 +408,6 @@ def markdown(results: dict) -> str:
         diff = f"{r['max_abs_logit_diff']:.2g}" if "max_abs_logit_diff" in r else "-"
         ours = " | ".join(f"{r['attention'][m]:.2f}" for m in results["attention_modes"])
         lines.append(
-            f"| {r['sessions']} x {r['tokens']} | {r['context']} | {ours} | {hf} | {r['floor_ms']:.3f} | "
-            f"{r['specfleet_over_floor']:.1f}x | {diff} |"
+            f"| {r['sessions']} x {r['tokens']} | {r['context']} | {ours} | {hf} | {r['floor_ms']:.3f} | {r['specfleet_over_floor']:.1f}x | {diff} |"
         )
     return "\n".join(lines) + "\n"

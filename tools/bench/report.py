@@ -123,7 +123,14 @@ def domain_table(results: dict) -> str:
             routing.append(f"- {run['label']} at {run['load']}: workload domain → router's domain (requests): {pairs}")
     if not rows:
         return ""
-    return "\n".join(["| system | load | domain | drafter | rounds | drafted | accepted | accept rate | accepted / verify |", "|" + "---|" * 9, *rows, *([""] + routing if routing else [])])
+    return "\n".join(
+        [
+            "| system | load | domain | drafter | rounds | drafted | accepted | accept rate | accepted / verify |",
+            "|" + "---|" * 9,
+            *rows,
+            *([""] + routing if routing else []),
+        ]
+    )
 
 
 def round_table(results: dict) -> str:
@@ -143,10 +150,14 @@ def round_table(results: dict) -> str:
         )
     if not rows:
         return ""
-    return "\n".join([
-        "| system | load | rounds / request | tokens / round | draft ms = compute + network | verify ms = compute + network | network ms per round (share) |",
-        "|" + "---|" * 7, *rows,
-    ])
+    return "\n".join(
+        [
+            "| system | load | rounds / request | tokens / round | draft ms = compute + network | verify ms = compute + network "
+            "| network ms per round (share) |",
+            "|" + "---|" * 7,
+            *rows,
+        ]
+    )
 
 
 def _rel(path: str) -> str:
@@ -181,8 +192,13 @@ def markdown(results: dict, plots: dict[str, str] | None = None, heading: str = 
     ]
     rt = round_table(results)
     if rt:
-        lines += ["Per speculative round (router's view; compute is the servers' forward passes, network is wall minus compute: "
-                  "serialisation, transport and queueing):", "", rt, ""]
+        lines += [
+            "Per speculative round (router's view; compute is the servers' forward passes, network is wall minus compute: "
+            "serialisation, transport and queueing):",
+            "",
+            rt,
+            "",
+        ]
     dt = domain_table(results)
     if dt:
         lines += ["Acceptance by domain:", "", dt, ""]
@@ -227,6 +243,7 @@ def plots(results: dict, out_dir: pathlib.Path) -> dict[str, pathlib.Path]:
         return data
 
     subtitle = f"{results['config']['models']} models, {results['config']['workload']}, {results['machine']['cpu']}"
+
     def spread(data) -> bool:  # a curve needs two load points at least
         return len({x for pts in data.values() for x, _ in pts}) >= 2
 
@@ -301,8 +318,7 @@ everything outside it is kept as written. docs/BENCHMARKS.md links here from its
 """
 
 
-def update_docs(block: str, body: str, plots: dict[str, pathlib.Path] | None = None,
-                docs: pathlib.Path | None = None) -> pathlib.Path:
+def update_docs(block: str, body: str, plots: dict[str, pathlib.Path] | None = None, docs: pathlib.Path | None = None) -> pathlib.Path:
     """Replace (or append) the marked block NAME in docs (default docs/benchmarks/NAME.md, created if absent);
     plots are copied to plots/NAME/ beside that file."""
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", block):

@@ -182,7 +182,9 @@ def summarize(records: list[Record], span: tuple[float, float], references: dict
             continue
         where = compare(r.output.token_ids, ref, eos)
         if where is not None:
-            mismatches.append({"request": r.request.id, "first_diff": where, "got": r.output.token_ids[where : where + 5], "want": ref[where : where + 5]})
+            mismatches.append(
+                {"request": r.request.id, "first_diff": where, "got": r.output.token_ids[where : where + 5], "want": ref[where : where + 5]}
+            )
     # wall: from the first request's arrival to the last completion
     t0 = min((r.arrival for r in records), default=span[0])
     t1 = max((r.output.t_done for r in records), default=span[1])
@@ -247,7 +249,10 @@ def speculation_summary(records: list[Record]) -> dict:
     per_domain: dict[str, dict] = {}
     for r in records:
         for name, d in r.output.stats.get("drafters", {}).items():
-            for bucket in (per_drafter.setdefault(name, {}), per_domain.setdefault(f"{r.request.domain}/{name}", {"domain": r.request.domain, "drafter": name})):
+            for bucket in (
+                per_drafter.setdefault(name, {}),
+                per_domain.setdefault(f"{r.request.domain}/{name}", {"domain": r.request.domain, "drafter": name}),
+            ):
                 for k in ("rounds", "draft_tokens", "accepted_tokens"):
                     bucket[k] = bucket.get(k, 0) + d[k]
     routed: dict[str, dict[str, int]] = {}  # true domain -> the router's assigned domain -> requests

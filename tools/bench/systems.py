@@ -454,7 +454,9 @@ class Specfleet(System):
                 "rounds": s.rounds,
                 "draft_tokens": s.draft_tokens,
                 "accepted_tokens": s.accepted_tokens,
-                "drafters": {d.drafter: {"rounds": d.rounds, "draft_tokens": d.draft_tokens, "accepted_tokens": d.accepted_tokens} for d in s.drafters},
+                "drafters": {
+                    d.drafter: {"rounds": d.rounds, "draft_tokens": d.draft_tokens, "accepted_tokens": d.accepted_tokens} for d in s.drafters
+                },
                 "draft_wall_ms": s.draft_wall_ms,
                 "draft_compute_ms": s.draft_compute_ms,
                 "verify_wall_ms": s.verify_wall_ms,
@@ -514,8 +516,13 @@ class SpecfleetFleet(SpecfleetMulti):
         shared = {k: v for k, v in cfg["drafters"][0].items() if k not in ("name", "address", "models", "cpus")}
         cores = self.settings.drafter_cpus
         cfg["drafters"] = [
-            {**shared, "name": f"drafter-{model['name']}", "address": f"127.0.0.1:{free_port()}", "models": [model],
-             **({"cpus": [cores[i % len(cores)]]} if cores else {})}
+            {
+                **shared,
+                "name": f"drafter-{model['name']}",
+                "address": f"127.0.0.1:{free_port()}",
+                "models": [model],
+                **({"cpus": [cores[i % len(cores)]]} if cores else {}),
+            }
             for i, model in enumerate(cfg["drafters"][0]["models"])
         ]
         return cfg
@@ -554,11 +561,14 @@ class SpecfleetAttached(Specfleet):
             self.channel = None
 
     def describe(self) -> dict:
-        return {"system": self.name, "label": self.label, "description": self.description, "address": self.address,
-                "k": 0 if self.disabled else self.settings.k, "started_by_harness": False}
+        return {
+            "system": self.name,
+            "label": self.label,
+            "description": self.description,
+            "address": self.address,
+            "k": 0 if self.disabled else self.settings.k,
+            "started_by_harness": False,
+        }
 
 
-SYSTEMS: dict[str, type[System]] = {
-    cls.name: cls for cls in (HFTarget, HFAssisted, SpecfleetOff, Specfleet, SpecfleetMulti, SpecfleetFleet, Corrupt)
-}
-
+SYSTEMS: dict[str, type[System]] = {cls.name: cls for cls in (HFTarget, HFAssisted, SpecfleetOff, Specfleet, SpecfleetMulti, SpecfleetFleet, Corrupt)}

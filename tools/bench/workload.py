@@ -43,10 +43,10 @@ FALLBACK_PROMPTS = [
     ("es", "DESCRIPCIÓN\n       Esta orden muestra el contenido de un directorio.\n"),
     ("it", "Il sistema di gestione dei pacchetti di Debian installa i programmi con tutte le dipendenze. Con apt"),
     ("it", "DESCRIZIONE\n       Questo comando mostra il contenuto di una directory.\n"),
-    ("code", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n"),
+    ("code", 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n    if n < 2:\n        return n\n'),
     ("code", "class Cache:\n    def __init__(self, size):\n        self.size = size\n        self.items = {}\n"),
     ("structured", "name: specfleet\nversion: 1\nitems:\n  - drafter\n  - verifier\n"),
-    ("structured", "{\n  \"name\": \"specfleet\",\n  \"version\": \"0.1.0\",\n  \"dependencies\": {\n"),
+    ("structured", '{\n  "name": "specfleet",\n  "version": "0.1.0",\n  "dependencies": {\n'),
 ]
 
 

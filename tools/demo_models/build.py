@@ -147,16 +147,14 @@ def _data_sources(corpus: Path, quick: bool) -> tuple[dict, dict]:
     data_desc = {d: f"{stats[d]['train']['chars']:,} chars train" for d in stats}
     langs = {"en": "English", "de": "German", "fr": "French", "es": "Spanish", "it": "Italian"}
     srcs = {
-        "en": "English: Debian fortunes, jargon-text, manpages (roff), python3.11-doc (reST), "
-        "debian-reference-en, aptitude-doc-en",
+        "en": "English: Debian fortunes, jargon-text, manpages (roff), python3.11-doc (reST), debian-reference-en, aptitude-doc-en",
         **{
             lang: f"{langs[lang]}: Debian manpages-{lang} (roff), debian-reference-{lang}"
             + (f", fortunes-{lang}" if lang in ("de", "es", "it") else "")
             + (f", aptitude-doc-{lang} (HTML as text)" if lang in ("fr", "es", "it") else "")
             for lang in ("de", "fr", "es", "it")
         },
-        "code": "Python source: the Python 3.11 standard library plus Debian python3-setuptools, "
-        "python3-docutils and python3-pygments",
+        "code": "Python source: the Python 3.11 standard library plus Debian python3-setuptools, python3-docutils and python3-pygments",
         "structured": "YAML/JSON/INI/TOML/CFG files of Debian ansible, rubocop, cloud-init and pandoc-data",
     }
     if quick:
@@ -217,13 +215,12 @@ def build_main(argv: list[str]) -> int:
     ap.add_argument("--no-matrix", action="store_true", help="skip the acceptance matrix at the end")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for training (default %(default)s)")
     ap.add_argument(
-        "--drafters", default="",
+        "--drafters",
+        default="",
         help=f"comma-separated: train only these drafters and stop ({BASE_DRAFTER}, the one all start from, first; "
         "then builds with different lists side by side, then one without)",
     )
-    ap.add_argument(
-        "--overwrite-demo", action="store_true", help="with --quick: let the tiny models replace the bundled ones in models/demo"
-    )
+    ap.add_argument("--overwrite-demo", action="store_true", help="with --quick: let the tiny models replace the bundled ones in models/demo")
     args = ap.parse_args(argv)
     only = [n for n in args.drafters.split(",") if n]
     unknown = sorted(set(only) - {BASE_DRAFTER, *DRAFTER_NAMES})
@@ -276,10 +273,7 @@ def build_main(argv: list[str]) -> int:
                 return 1
     tokens = T.tokenize_corpus(corpus, tok, work / "tokens", log=log)
     streams = {d: T.load_stream(tokens, d, "train") for d in corpus_mod.DOMAINS}
-    bpt = {
-        d: round(sum(len(t.encode("utf-8")) for t in corpus_mod.load_split(corpus, d, "train")) / len(streams[d]), 2)
-        for d in corpus_mod.DOMAINS
-    }
+    bpt = {d: round(sum(len(t.encode("utf-8")) for t in corpus_mod.load_split(corpus, d, "train")) / len(streams[d]), 2) for d in corpus_mod.DOMAINS}
     T.save_json(work / "tokens" / "bytes_per_token.json", bpt)
     log("bytes per token (train): " + ", ".join(f"{d} {v}" for d, v in bpt.items()))
     if not 0.0 <= plan.companion_share < 1.0:
@@ -375,9 +369,7 @@ def build_main(argv: list[str]) -> int:
             T.init_embeddings_from_target(model, target)  # same vocab; PCA-projected to the drafter's width
         else:
             model.load_state_dict(torch.load(init, map_location="cpu"))
-        budget = T.TrainBudget(
-            max_steps=plan.drafter_steps, max_seconds=minutes * 60, batch=plan.drafter_batch, seq=plan.seq, lr=lr
-        )
+        budget = T.TrainBudget(max_steps=plan.drafter_steps, max_seconds=minutes * 60, batch=plan.drafter_batch, seq=plan.seq, lr=lr)
         with _progress() as prog:
             task = prog.add_task(f"drafter {name}", total=1.0, info="")
             state = T.train_loop(

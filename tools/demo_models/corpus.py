@@ -208,8 +208,11 @@ def fetch_debs(work: Path, packages: list[str], log: Callable[[str], None] = pri
         (dest / ".unpacked").touch()
     if missing:
         raise SystemExit(
-            "could not download these Debian packages with apt-get download: " + " ".join(missing)
-            + "\ninstall them (apt-get install -y " + " ".join(missing) + ") or make them downloadable, then rerun"
+            "could not download these Debian packages with apt-get download: "
+            + " ".join(missing)
+            + "\ninstall them (apt-get install -y "
+            + " ".join(missing)
+            + ") or make them downloadable, then rerun"
         )
     return pkgs
 
