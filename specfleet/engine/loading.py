@@ -129,6 +129,20 @@ TOKEN_MAP_FILE = "token_map.json"
 MAX_POSITIONS = 8192
 
 
+def _checked(name: str, path: pathlib.Path, dtype: str, attention: str, device: str) -> str:
+    """The torch device to load onto, once the directory, dtype, attention mode and device are known to be usable."""
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"model '{name}': no config.json in {path}; expected a Hugging Face model directory")
+    if dtype not in DTYPES:
+        raise ValueError(f"model '{name}': dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if attention not in llama.ATTENTION_MODES:
+        raise ValueError(f"model '{name}': attention must be one of {list(llama.ATTENTION_MODES)}, got {attention!r}")
+    try:
+        return resolve_device(str(device))
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"model '{name}': {e}") from None
+
+
 def load_model(
     name: str,
     path: str | os.PathLike,
@@ -155,16 +169,7 @@ def load_model(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = pathlib.Path(path)
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"model '{name}': no config.json in {path}; expected a Hugging Face model directory")
-    if dtype not in DTYPES:
-        raise ValueError(f"model '{name}': dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    if attention not in llama.ATTENTION_MODES:
-        raise ValueError(f"model '{name}': attention must be one of {list(llama.ATTENTION_MODES)}, got {attention!r}")
-    try:
-        device = resolve_device(str(device))
-    except (RuntimeError, ValueError) as e:
-        raise ValueError(f"model '{name}': {e}") from None
+    device = _checked(name, path, dtype, attention, device)
     started = time.perf_counter()
     try:
         check_supported(AutoConfig.from_pretrained(str(path), local_files_only=True))

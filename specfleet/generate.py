@@ -1,0 +1,118 @@
+"""`specfleet generate`: one request through a running router over gRPC, its text, and with --stats where its
+time went."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specfleet generate", description="Generate text through a running router.")
+    parser.add_argument("prompt")
+    parser.add_argument("--server", default="127.0.0.1:50051")
+    parser.add_argument("--stream", action="store_true", help="print text as it is accepted")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--no-speculation", action="store_true", help="decode with the target alone")
+    parser.add_argument(
+        "--max-draft-tokens", type=int, default=0, help="at most this many draft tokens per round (0: the router's router.max_draft_tokens)"
+    )
+    parser.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
+    parser.add_argument("--stats", action="store_true", help="print speculation stats to stderr")
+    parser.add_argument("--ca", help="TLS: the CA certificate (PEM) that signed the router's (security.tls.ca); turns TLS on")
+    parser.add_argument("--cert", help="TLS: a client certificate (PEM), for a router with security.tls.client_auth: all")
+    parser.add_argument("--key", help="TLS: the client certificate's private key (PEM)")
+    return parser
+
+
+def _channel(args):
+    """To the router: TLS with --ca (and a client certificate with --cert and --key), else plaintext."""
+    import grpc
+
+    if not args.ca:
+        return grpc.insecure_channel(args.server)
+    files = [open(path, "rb").read() if path else None for path in (args.ca, args.key, args.cert)]
+    return grpc.secure_channel(args.server, grpc.ssl_channel_credentials(*files))
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    # The API key comes from the environment only: a command line is visible to every user (`ps`).
+    api_key = os.environ.get("SPECFLEET_API_KEY", "")
+
+    import grpc
+
+    from specfleet.v1 import generation_pb2, generation_pb2_grpc
+
+    request = generation_pb2.GenerateRequest(
+        prompt=args.prompt,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        stop=args.stop,
+        speculation=generation_pb2.SpeculationOptions(disabled=args.no_speculation, max_draft_tokens=args.max_draft_tokens),
+    )
+    if args.top_p is not None:
+        request.top_p = args.top_p
+    if args.seed is not None:
+        request.seed = args.seed
+    try:
+        channel = _channel(args)
+    except OSError as err:
+        print(f"specfleet generate: cannot read {err.filename}: {err.strerror}", file=sys.stderr)
+        return 2
+    metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+    first_token_s = None
+    with channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        started = time.perf_counter()
+        try:
+            if args.stream:
+                final = None
+                for chunk in stub.GenerateStream(request, timeout=args.timeout, metadata=metadata):
+                    if first_token_s is None and chunk.token_ids:
+                        first_token_s = time.perf_counter() - started
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+                    final = chunk
+                sys.stdout.write("\n")
+                stats, reason, tokens = final.speculation, final.finish_reason, final.usage.completion_tokens
+            else:
+                reply = stub.Generate(request, timeout=args.timeout, metadata=metadata)
+                print(reply.text)
+                stats, reason, tokens = reply.speculation, reply.finish_reason, reply.usage.completion_tokens
+            elapsed_s = time.perf_counter() - started
+        except grpc.RpcError as err:
+            print(f"specfleet generate: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+    if args.stats:
+        rate = stats.accepted_tokens / stats.draft_tokens if stats.draft_tokens else 0.0
+        print(
+            f"[finish: {reason}; rounds: {stats.rounds}; drafts accepted: {stats.accepted_tokens}/{stats.draft_tokens} ({rate:.0%}); "
+            f"{tokens} tokens, {tokens / max(1, stats.rounds):.2f} per round (target passes; 1.00 without drafts)]",
+            file=sys.stderr,
+        )
+        print(_timing(elapsed_s, first_token_s, tokens, stats), file=sys.stderr)
+    return 0
+
+
+def _timing(elapsed_s: float, first_token_s: float | None, tokens: int, stats) -> str:
+    """Where the request's time went, as `generate --stats` prints it: the whole call as this client saw it,
+    and the router's draft and verify calls summed over rounds, wall (as the router saw them: network and
+    queueing included) and compute (the servers' forward passes, shared with requests batched alongside)."""
+    per = max(1, tokens)
+    first = f"; first token {first_token_s * 1e3:.0f} ms" if first_token_s is not None else ""
+    return (
+        f"[time: {elapsed_s * 1e3:.0f} ms, {elapsed_s * 1e3 / per:.1f} ms/token, {tokens / elapsed_s if elapsed_s > 0 else 0:.1f} tokens/s{first}; "
+        f"draft {stats.draft_wall_ms:.0f} ms wall, {stats.draft_compute_ms:.0f} ms compute; "
+        f"verify {stats.verify_wall_ms:.0f} ms wall, {stats.verify_compute_ms:.0f} ms compute; "
+        f"per token: draft {stats.draft_wall_ms / per:.1f}/{stats.draft_compute_ms / per:.1f} ms, "
+        f"verify {stats.verify_wall_ms / per:.1f}/{stats.verify_compute_ms / per:.1f} ms (wall/compute)]"
+    )
