@@ -98,7 +98,7 @@ def _print_ready(cfg, router_address: str) -> None:
 
     print(f"specfleet is ready: router listening on {router_address} (Ctrl-C stops everything)", flush=True)
     print(f"  try: {_this_command()} generate --server {router_address}{_tls_flags(cfg)} 'def fibonacci(n):'", flush=True)
-    if cfg.router.http_port != 0 and (cfg.router.http_port or importlib.util.find_spec("uvicorn")):
+    if cfg.router.http_port != 0 and (cfg.router.http_port or all(importlib.util.find_spec(m) for m in ("fastapi", "uvicorn", "pydantic"))):
         port = cfg.router.http_port or config_mod.DEFAULT_HTTP_PORT
         unless = "" if cfg.router.http_port else " (unless that port was taken: see the router's log; router.http_port sets it)"
         print(f"  OpenAI-compatible API: http://{cfg.router.host}:{port}/v1{unless}", flush=True)

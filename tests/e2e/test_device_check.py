@@ -94,7 +94,7 @@ def test_device_check_quick_runs_every_step_on_the_gpu_machines_python(tmp_path)
         assert runs[key]["status"] == "ok" and runs[key]["checked"] >= 2 and runs[key]["mismatches"] == 0, key
         assert key[1] == "specfleet-off" or runs[key]["per_round_ms"], key  # the round's draft, verify and network time
     whats = [bar["what"] for bar in report["bars"]]
-    assert any(w.startswith("specfleet (all demo drafters) over transformers generate") for w in whats)
+    assert sum(w.startswith("specfleet (all demo drafters) over transformers generate") for w in whats) == 2  # one a load
     assert any(w.startswith("expertise + fusion over the general drafter") for w in whats)
     assert any(w.startswith("pipelined over coupled") for w in whats)
     md = (out / "device-check.md").read_text()
