@@ -82,6 +82,14 @@ class CudaGraphs:
             return None
         return self._graph(key).replay(ids_rows, pos_rows, slots, kv_lens, new_lens, attends)
 
+    def release(self) -> None:
+        """Drop every graph and give the scratch slot back to the pool."""
+        self._graphs.clear()
+        if self._scratch is not None:
+            self.loaded.pool.release(self._scratch)
+            self._scratch = None
+        self._memory = None
+
     def _graph(self, key: tuple[int, int, int]) -> "_Graph":
         """The bucket's graph, captured if the pool's tensor is new to it."""
         pool = self.loaded.pool

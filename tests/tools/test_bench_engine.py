@@ -84,3 +84,21 @@ def test_engine_bench_floor_is_the_larger_of_memory_and_compute_time(tmp_path):
     by_shape = {(r["sessions"], r["tokens"]): r for r in results["rows"]}
     assert by_shape[(3, 4)]["floor_ms"] == 2 * params * 12 / 1e6
     assert by_shape[(1, 1)]["floor_ms"] > 2 * params / 1e6
+
+
+def test_engine_bench_times_the_cuda_graph_replay_or_says_it_needs_cuda(tmp_path):
+    if not DEVICE.startswith("cuda"):
+        result = subprocess.run(
+            [sys.executable, "-m", "specfleet.cli", "bench", "engine", "--shape", "tiny", "--device", "cpu", "--attention", "graph"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 2 and "CUDA graphs need a CUDA device, not cpu" in result.stderr
+        return
+    # On a GPU (scripts/device-check): the replayed graph computes what the eager pass computes.
+    results, table = _bench(tmp_path, "--attention", "batched,graph")
+    for row in results["rows"]:
+        assert set(row["attention"]) == {"batched", "graph"} and row["max_abs_logit_diff"] < 1e-3
+    assert "specfleet graph ms" in table

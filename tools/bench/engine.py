@@ -8,7 +8,9 @@ For every (sessions B, new tokens n) at a cached context C per session, it times
 
   specfleet      `engine.forward_batch`: B sessions, each feeding n new tokens (a causal
                  chain, as a verify pass feeds a draft) after C cached positions; logits
-                 stay on the device; once per --attention mode (auto, per-session, batched)
+                 stay on the device; once per --attention mode (auto, per-session, batched,
+                 and on a GPU graph: the pass replayed as the verifier's CUDA graph of one
+                 (B, n) bucket, with the host work a replay costs)
   transformers   the same weights through the Hugging Face module's forward (its default
                  attention, no compilation) with a DynamicCache holding the same C keys and
                  values per session, rebuilt before each call (untimed)
@@ -91,8 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--attention",
         default="auto",
-        help="specfleet's attention modes to time, comma separated: auto, per-session, batched (default %(default)s); "
-        "a row's specfleet time is the fastest",
+        help="specfleet's attention modes to time, comma separated: auto, per-session, batched, graph (CUDA only: the pass "
+        "as a CUDA graph, as the verifier replays it) (default %(default)s); a row's specfleet time is the fastest",
     )
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers column")
     p.add_argument("--bandwidth-gbs", type=float, help="memory bandwidth in GB/s for the floor (default: known device, else measured)")
@@ -132,8 +134,10 @@ def run(args) -> dict:
 
     sessions, tokens = _csv_ints(args.sessions), _csv_ints(args.tokens)
     args.modes = [m.strip() for m in args.attention.split(",") if m.strip()]
-    if not args.modes or any(m not in ATTENTION_MODES for m in args.modes):
-        raise ValueError(f"--attention: a comma-separated list of {', '.join(ATTENTION_MODES)}, got {args.attention!r}")
+    if not args.modes or any(m not in (*ATTENTION_MODES, "graph") for m in args.modes):
+        raise ValueError(f"--attention: a comma-separated list of {', '.join(ATTENTION_MODES)}, graph; got {args.attention!r}")
+    if "graph" in args.modes and device.type != "cuda":
+        raise ValueError(f"--attention graph: CUDA graphs need a CUDA device, not {device}")
     if not sessions or not tokens or min(sessions + tokens) < 1 or args.context < 1 or args.repeats < 1:
         raise ValueError("--sessions, --tokens, --context and --repeats must be positive")
     torch.set_num_threads(args.threads)
@@ -255,8 +259,18 @@ def _time_row(loaded, hf, b: int, n: int, args, device, dtype) -> dict:
 
     row, ours_out = {"attention": {}}, {}
     for mode in args.modes:
-        model.attention = mode
-        row["attention"][mode] = _median_ms(ours, lambda: None, args, device)
+        if mode == "graph":
+            from specfleet.engine.graphs import CudaGraphs
+
+            loaded.graphs = CudaGraphs(loaded, [(b, n)])  # captured in the first (untimed) warm-up pass
+        else:
+            model.attention = mode
+        try:
+            row["attention"][mode] = _median_ms(ours, lambda: None, args, device)
+        finally:
+            if loaded.graphs is not None:
+                loaded.graphs.release()
+                loaded.graphs = None
         ours_out[mode] = out.pop("specfleet")
     row["specfleet_attention"] = min(row["attention"], key=row["attention"].get)
     row["specfleet_ms"] = row["attention"][row["specfleet_attention"]]
