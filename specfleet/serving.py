@@ -271,7 +271,10 @@ async def wait_until_serving(address: str, timeout_s: float, service: str = "", 
     """Poll grpc.health.v1 at address until it reports SERVING (over TLS when `security`, a specfleet.security.Security, has it)."""
     deadline = time.monotonic() + timeout_s
     last_error = "no answer"
-    async with grpc.aio.insecure_channel(address) if security is None else security.aio_channel(address) as channel:
+    # CHANNEL_OPTIONS' short reconnect backoff: with gRPC's default (1 s, growing 1.6x), a service that starts
+    # listening just after a refused poll is seen seconds late, and every cluster start waits for it.
+    channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) if security is None else security.aio_channel(address)
+    async with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             try:
