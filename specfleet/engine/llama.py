@@ -157,40 +157,44 @@ def rope_frequencies(config, head_dim: int) -> torch.Tensor:
 
 def from_hf(hf_model) -> LlamaModel:
     """Take the weights out of a loaded Hugging Face Llama-family causal LM."""
-    config = hf_model.config
+    return from_weights(hf_model.config, {name: t.detach() for name, t in hf_model.state_dict().items()})
+
+
+def from_weights(config, weights: dict[str, torch.Tensor]) -> LlamaModel:
+    """The model from a Hugging Face config (attributes as its config.json names them) and its
+    checkpoint's tensors by name (a tied lm_head.weight is the embedding's tensor)."""
     check_supported(config)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     layers = []
-    for block in hf_model.model.layers:
-        attn, mlp = block.self_attn, block.mlp
+    for i in range(config.num_hidden_layers):
+        w = lambda name: weights.get(f"model.layers.{i}.{name}")  # noqa: E731
         bias = None
-        if attn.q_proj.bias is not None:
-            bias = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]).detach()
-        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        if w("self_attn.q_proj.bias") is not None:
+            bias = torch.cat([w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"), w("self_attn.v_proj.bias")])
         layers.append(
             Layer(
-                input_norm=block.input_layernorm.weight.detach(),
-                qkv=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach(),
+                input_norm=w("input_layernorm.weight"),
+                qkv=torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")]),
                 qkv_bias=bias,
-                out=attn.o_proj.weight.detach(),
-                out_bias=None if attn.o_proj.bias is None else attn.o_proj.bias.detach(),
-                q_norm=None if q_norm is None else q_norm.weight.detach(),
-                k_norm=None if k_norm is None else k_norm.weight.detach(),
-                mlp_norm=block.post_attention_layernorm.weight.detach(),
-                gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
-                down=mlp.down_proj.weight.detach(),
+                out=w("self_attn.o_proj.weight"),
+                out_bias=w("self_attn.o_proj.bias"),
+                q_norm=w("self_attn.q_norm.weight"),
+                k_norm=w("self_attn.k_norm.weight"),
+                mlp_norm=w("post_attention_layernorm.weight"),
+                gate_up=torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]),
+                down=w("mlp.down_proj.weight"),
             )
         )
     inv_freq = rope_frequencies(config, head_dim)
     freqs = torch.outer(torch.arange(config.max_position_embeddings).float(), inv_freq)
     angles = torch.cat([freqs, freqs], dim=-1)
-    embed = hf_model.model.embed_tokens.weight.detach()
+    embed = weights["model.embed_tokens.weight"]
     return LlamaModel(
         embed=embed,
         layers=layers,
-        norm=hf_model.model.norm.weight.detach(),
-        lm_head=hf_model.lm_head.weight.detach(),
+        norm=weights["model.norm.weight"],
+        lm_head=weights["lm_head.weight"],
         cos=angles.cos().to(embed.device),
         sin=angles.sin().to(embed.device),
         heads=heads,

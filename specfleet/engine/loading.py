@@ -1,9 +1,10 @@
 """Loading a served model onto its device: weights, tokenizer, dtype, the draft token map.
 
 `load_model` reads a Hugging Face checkpoint of a supported family
-(`llama.check_supported`) with `transformers`, takes its weights into the
-plain-tensor form `llama.forward` runs (`LoadedModel.model`), on the device
-and in the dtype the service's config names.
+(`llama.check_supported`), directly (`checkpoint.py`) or with `transformers` where
+only it knows a default, takes its weights into the plain-tensor form
+`llama.forward` runs (`LoadedModel.model`), on the device and in the dtype the
+service's config names.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specfleet.engine import llama
+from specfleet.engine import checkpoint, llama
 from specfleet.engine.kv import KVPool
-from specfleet.engine.llama import LlamaModel, check_supported, from_hf
+from specfleet.engine.llama import LlamaModel, check_supported, from_hf, from_weights
 
 log = logging.getLogger(__name__)
 
@@ -166,23 +167,17 @@ def load_model(
     cuda_graph_sizes: [sessions, tokens] buckets whose passes replay CUDA graphs (`graphs.py`)
     when the model runs on a CUDA device; ignored on a CPU.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     path = pathlib.Path(path)
     device = _checked(name, path, dtype, attention, device)
     started = time.perf_counter()
+    tokenizer = load_tokenizer(path)
     try:
-        check_supported(AutoConfig.from_pretrained(str(path), local_files_only=True))
+        config, model, parameters = _read_weights(path, DTYPES[dtype], torch.device(device))
     except ValueError as e:
         raise ValueError(f"model '{name}' at {path}: {e}") from None
-    tokenizer = load_tokenizer(path)
-    hf_model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=DTYPES[dtype])
-    hf_model.to(device).eval()
-    config = hf_model.config
-    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else config.eos_token_id
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else getattr(config, "eos_token_id", None)
     if isinstance(eos, list):
         eos = eos[0]
-    model = from_hf(hf_model)
     model.attention = attention
     token_map = local_index = None
     if use_token_map and (path / TOKEN_MAP_FILE).exists():
@@ -201,7 +196,7 @@ def load_model(
         vocab_size=int(config.vocab_size),
         max_context=min(llama.context_limit(config), MAX_POSITIONS),
         eos_token_id=int(eos) if eos is not None else -1,
-        parameters=sum(p.numel() for p in hf_model.parameters()),
+        parameters=parameters,
         token_map=token_map,
         local_index=local_index,
     )
@@ -221,6 +216,20 @@ def load_model(
         time.perf_counter() - started,
     )
     return loaded
+
+
+def _read_weights(path: pathlib.Path, dtype: torch.dtype, device: torch.device) -> tuple[object, LlamaModel, int]:
+    """(config, model, parameters): read directly when the checkpoint allows it, else with transformers."""
+    read = checkpoint.read_checkpoint(path, dtype, device)
+    if read is not None:
+        config, weights = read
+        return config, from_weights(config, weights), checkpoint.parameter_count(weights)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    check_supported(AutoConfig.from_pretrained(str(path), local_files_only=True))  # before any weights load
+    hf_model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dtype)
+    hf_model.to(device).eval()
+    return hf_model.config, from_hf(hf_model), sum(p.numel() for p in hf_model.parameters())
 
 
 def _describe_device(device: torch.device) -> str:
