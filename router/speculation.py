@@ -23,6 +23,20 @@ the plan tries each depth D and, for that D, adds draft tokens in order of
 gain while they raise goodput. A request planned at k = 0 still drafts one token every
 `probe_every` rounds, so its acceptance estimate can recover.
 
+The model's prediction is then checked against what rounds deliver
+(`MeasuredGoodput`). The model leaves costs out (the router's own work per
+round, serialisation, a drafter slower in traffic than profiled, contention),
+and with them it drafted where plain decoding was faster: 0.82x the tokens/s of
+speculation off at 1 client and 0.69x at 16 on an H200 with a small target,
+0.85x on the 2-core CPU machine at 4 clients, with 2.4-3.0 tokens a round. So
+the controller measures tokens committed per request per millisecond of round
+wall time, in rounds that drafted and in rounds that did not, at comparable
+batch sizes, and while drafting delivers less than plain decoding every
+request decodes plainly (k = 0, no probes). Whichever way it decodes, once
+every `remeasure_every` rounds of a batch size it decodes the other way, so
+both measurements stay current and it returns to drafting when drafting pays
+again. Times are passed in (`observe_round`): the decision reads no clock.
+
 Within a round the drafter may stop early (SpecDec++): it is told to stop once
 the product of its own confidences, its estimate that every token so far is
 accepted, falls below `stop_below`.
@@ -180,6 +194,50 @@ def _least_squares(rows: list[list[float]], ys: list[float]) -> list[float] | No
     return [a[i][m] / a[i][i] for i in range(m)]
 
 
+class MeasuredGoodput:
+    """What rounds deliver, per batch size: tokens committed per request per millisecond of round
+    wall time, for rounds that drafted and for rounds that did not (plain decoding).
+
+    Batch sizes are grouped by powers of two (1, 2-3, 4-7, 8-15, ...): a pass over more sessions
+    takes longer, so drafting and plain decoding are compared at comparable sizes only. Each
+    estimate is a ratio of decayed sums (an older round of its kind weighs `forget` times less per
+    newer one), so a few rounds move it and no single slow round decides."""
+
+    def __init__(self, forget: float = 0.75):
+        self.forget = forget
+        self._sums: dict[tuple[int, bool], tuple[float, float]] = {}  # (size, drafted) -> (tokens per request, ms), decayed
+        self._since: dict[tuple[int, bool], int] = {}  # (size, drafted) -> rounds of that size since one of that kind was measured
+
+    @staticmethod
+    def size(sessions: int) -> int:
+        return sessions.bit_length()
+
+    def observe(self, sessions: int, tokens: int, wall_ms: float, drafted: bool, cold: bool = False) -> None:
+        if sessions <= 0 or tokens <= 0 or wall_ms <= 0:
+            return  # nothing committed (a failed call, no live verifier): a fault, not what a way of decoding costs
+        size = self.size(sessions)
+        for kind in (False, True):
+            self._since[size, kind] = self._since.get((size, kind), 0) + 1
+        if drafted and cold:
+            return  # its drafters first caught up on the plain rounds' tokens, a cost steady drafting does not pay
+        per_request, ms = self._sums.get((size, drafted), (0.0, 0.0))
+        self._sums[size, drafted] = (per_request * self.forget + tokens / sessions, ms * self.forget + wall_ms)
+        self._since[size, drafted] = 0
+
+    def goodput(self, sessions: int, drafted: bool) -> float | None:
+        """Tokens per request per millisecond of rounds of this size that drafted (or not); None until measured."""
+        sums = self._sums.get((self.size(sessions), drafted))
+        return sums[0] / sums[1] if sums else None
+
+    def drafting_loses(self, sessions: int) -> bool:
+        drafting, plain = self.goodput(sessions, True), self.goodput(sessions, False)
+        return drafting is not None and plain is not None and drafting < plain
+
+    def rounds_since(self, sessions: int, drafted: bool) -> int:
+        """Rounds of this size since one that drafted (or not) was measured."""
+        return self._since.get((self.size(sessions), drafted), 0)
+
+
 @dataclass
 class SpeculationController:
     cost: CostModel
@@ -189,6 +247,8 @@ class SpeculationController:
     # leaves out (network, the router's own work) outweigh so small a gain.
     min_acceptance: float = 0.1
     probe_every: int = 8
+    # What rounds deliver with drafting and without; kept across reloads (dataclasses.replace).
+    measured: MeasuredGoodput = field(default_factory=MeasuredGoodput)
 
     @property
     def adaptive(self) -> bool:
@@ -198,6 +258,21 @@ class SpeculationController:
     def stop_below(self) -> float:
         """Drafters stop once their confidence falls below it (0: never)."""
         return self.settings.stop_below_confidence
+
+    def observe_round(self, sessions: int, tokens: int, wall_ms: float, drafted: bool, cold: bool = False) -> None:
+        """A round of `sessions` requests committed `tokens` tokens in all and took wall_ms (measured by
+        the caller). drafted: some request drafted. cold: it drafted after a round that did not, so its
+        drafters first caught up on the tokens committed meanwhile; it does not count as drafting's goodput."""
+        self.measured.observe(sessions, tokens, wall_ms, drafted, cold)
+
+    def drafts(self, sessions: int) -> bool:
+        """Whether a round of this many requests drafts as planned (True) or decodes plainly, k = 0 for all."""
+        every = self.settings.remeasure_every
+        if self.measured.drafting_loses(sessions):
+            # Measured slower than plain decoding: decode plainly, drafting now and then to see whether it pays again.
+            return self.measured.rounds_since(sessions, drafted=True) >= every
+        # Drafting pays, or is not measured yet: draft as planned, decoding plainly now and then to keep measuring that.
+        return self.measured.rounds_since(sessions, drafted=False) < every
 
     def plan(self, acceptance: list[float], max_draft_tokens: list[int], rounds: list[int], overlap: bool = False) -> list[int]:
         """Draft lengths (num_draft_tokens) for one round's requests, from each one's acceptance a_i,
@@ -209,6 +284,8 @@ class SpeculationController:
         if not self.adaptive:
             return list(max_draft_tokens)
         n = len(max_draft_tokens)
+        if n and not self.drafts(n):
+            return [0] * n  # plain decoding for everyone: drafting measured slower (module docstring)
         best_goodput, ks = n / self.cost.round_ms([0] * n) if n else 0.0, [0] * n
         # The drafting term depends on the deepest draft only, so fix the depth D first;
         # for a given D, adding a draft token with gain g pays iff it raises sum E / T.

@@ -87,6 +87,12 @@ class SpeculationConfig:
     draft_per_token_ms: float = knob(1.0, "cost model: per draft step", check=at_least(0))
     draft_base_ms: float = knob(0.0, "cost model: a draft call's fixed cost", check=at_least(0))
     pin_cost_model: bool = knob(False, "keep the cost model as given: no profiling at start-up, no following online")
+    remeasure_every: int = knob(
+        16,
+        "adaptive speculation decodes plainly while rounds that draft are measured slower than rounds that do not; once per this "
+        "many rounds of a batch size it measures the other way (a plain round while drafting, a drafting round while not)",
+        check=at_least(1),
+    )
 
 
 @dataclass
