@@ -124,6 +124,7 @@ class Scheduler:
 
     async def _lane(self, index: int) -> None:
         lane = self._lanes[index]
+        drafted = False  # whether this lane's last round drafted (router/speculation.py measures cold rounds apart)
         while True:
             self._admit(lane)
             if not lane:
@@ -131,8 +132,9 @@ class Scheduler:
                 await self._wake.wait()
                 continue
             try:
-                await self._round(list(lane))
+                drafted = await self._round(list(lane), drafted)
             except Exception:  # a bug must not stop the router: fail this round's requests, keep serving
+                drafted = False
                 log.exception("round failed")
                 for state in lane:
                     state.error = (grpc.StatusCode.INTERNAL, "internal error in the router's scheduler; see its log")
@@ -162,19 +164,28 @@ class Scheduler:
             if state.deadline is not None and now >= state.deadline and not state.finished:
                 state.error = (grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded; the output so far was streamed")
 
-    async def _round(self, batch: list[RequestState]) -> None:
+    async def _round(self, batch: list[RequestState], after_drafting: bool) -> bool:
+        """One round of the batch; returns whether it drafted. after_drafting: the lane's last round drafted."""
         self._expire(batch)
         batch = [s for s in batch if not s.finished]
         if not batch:
-            return
+            return False
         unscored = [s for s in batch if s.routing.needs_scores]
         if unscored:
             await self.drafting.score_prompts(unscored)
+        started, before = time.perf_counter(), sum(len(s.tokens) for s in batch)
         # Drafting hides behind verification only while another lane has requests to verify.
         plan = self.drafting.plan(batch, overlap=sum(1 for lane in self._lanes if lane) > 1)
         trees = await self.drafting.draft(plan)
         await self.verifying.verify(plan, trees)
         self.context.metrics.rounds += 1
+        # What the round delivered in its wall time, for the controller's check that drafting pays. A drafting
+        # round after a plain one is cold: its drafters first catch up on the tokens committed without them.
+        drafted = bool(plan.drafting())
+        wall_ms = (time.perf_counter() - started) * 1e3
+        committed = sum(len(s.tokens) for s in batch) - before
+        self.context.controller.observe_round(len(batch), committed, wall_ms, drafted, cold=drafted and not after_drafting)
+        return drafted
 
     def _publish(self, state: RequestState) -> None:
         if state.published_final:
