@@ -88,9 +88,9 @@ class SpeculationConfig:
     draft_base_ms: float = knob(0.0, "cost model: a draft call's fixed cost", check=at_least(0))
     pin_cost_model: bool = knob(False, "keep the cost model as given: no profiling at start-up, no following online")
     remeasure_every: int = knob(
-        16,
+        32,
         "adaptive speculation decodes plainly while rounds that draft are measured slower than rounds that do not; once per this "
-        "many rounds of a batch size it measures the other way (a plain round while drafting, a drafting round while not)",
+        "many rounds at a load it measures the other way (plain rounds while drafting, drafting rounds while not)",
         check=at_least(1),
     )
 

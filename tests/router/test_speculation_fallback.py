@@ -7,6 +7,7 @@ with drafting and without, as the router would measure it, and checks what the c
 
 from __future__ import annotations
 
+from router.rounds import LaneKinds
 from router.speculation import CostModel, SpeculationController
 from specfleet.config import SpeculationConfig
 
@@ -39,7 +40,7 @@ class Lane:
             cold = drafted and not self.drafted_last
             wall = (self.cold_ms if cold else self.drafting_ms) if drafted else PLAIN_MS
             tokens = n * TOKENS if drafted else n
-            self.controller.observe_round(n, round(tokens), wall, drafted, cold)
+            self.controller.observe_round(n, round(tokens), wall, drafted, clean=not cold)
             self.rounds, self.drafted_last = self.rounds + 1, drafted
             self.tokens, self.ms = self.tokens + tokens, self.ms + wall
             plans.append(ks)
@@ -94,8 +95,8 @@ def test_the_controller_follows_the_measured_costs_both_ways():
     assert sum(1 for ks in back if any(ks)) >= 2 * EVERY - 2 and all(min(ks) > 0 for ks in back if any(ks))
 
 
-def test_batch_sizes_are_compared_apart():
-    """A pass over 16 sessions costs more than one over a single session: drafting can lose at one size and pay at the other."""
+def test_loads_are_compared_apart():
+    """Passes over 16 sessions cost more than over one: drafting can lose at one load and pay at the other."""
     controller = optimistic_controller()
     crowded, alone = Lane(controller, [0.8] * 16, LOSING_MS), Lane(controller, [0.8], PAYING_MS)
     for _ in range(5 * EVERY):
@@ -117,3 +118,18 @@ def test_without_adaptive_speculation_every_request_drafts_what_it_asked_for():
     controller = SpeculationController(cost=CostModel(pinned=True), settings=SpeculationConfig(adaptive_speculation=False))
     Lane(controller, [0.8] * 4, LOSING_MS).run(3 * EVERY)
     assert controller.plan([0.8] * 4, [4] * 4, [0] * 4) == [4] * 4
+
+
+def test_a_round_is_measured_only_among_rounds_of_its_own_kind():
+    """Two lanes share the verifier: a plain round beside a drafting one is merged with, or queued behind,
+    its wider pass, and a drafting round right after a plain one first catches its drafters up."""
+    kinds = LaneKinds(2)
+    assert not kinds.start(0, drafted=True)  # the lane's first round: its drafters catch up on the prompt
+    assert kinds.start(0, drafted=True)  # the other lane is idle
+    assert not kinds.start(1, drafted=True) and kinds.start(1, drafted=True)  # beside lane 0's drafting
+    assert not kinds.start(0, drafted=False)  # plain beside a drafting round
+    assert kinds.start(1, drafted=False)  # plain right after drafting in its own lane: nothing to catch up
+    assert kinds.beside_own_kind(0, drafted=False)  # lane 0's round ends beside a plain one, but it started mixed
+    assert not kinds.start(1, drafted=True)  # drafting after plain: its drafters catch up
+    kinds.idle(1)
+    assert kinds.start(0, drafted=False) and not kinds.start(0, drafted=True)
