@@ -79,7 +79,11 @@ class RoutingConfig:
 class SpeculationConfig:
     """How many tokens to draft (router/speculation.py: `CostModel`'s starting point, `SpeculationController`)."""
 
-    adaptive_speculation: bool = knob(True, "choose k per request and round from predicted acceptance and load; false: always num_draft_tokens")
+    adaptive_speculation: bool = knob(
+        True,
+        "choose k per request and round from predicted acceptance and load, 0 for all while drafting measures slower than plain "
+        "decoding; false: always num_draft_tokens",
+    )
     stop_below_confidence: float = knob(0.0, "drafters stop once the product of their confidences falls below this (0: never)", check=at_least(0))
     verify_base_ms: float = knob(8.0, "cost model: a verification pass's fixed cost (a guess until profiled)", check=at_least(0))
     verify_per_session_ms: float = knob(0.0, "cost model: per session of a verification pass", check=at_least(0))
