@@ -81,10 +81,10 @@ class Drafting:
         self.breaker = Breaker()
         self._in_background = in_background  # runs a coroutine beside the lanes (the scheduler's)
 
-    def plan(self, batch: list[RequestState], overlap: bool) -> RoundPlan:
+    def plan(self, batch: list[RequestState], overlap: bool, running: int | None = None) -> RoundPlan:
         """Who drafts for each request this round, and how many positions.
 
-        overlap: another lane's verification runs while this one drafts."""
+        overlap: another lane's verification runs while this one drafts. running: requests in all lanes."""
         router, services = self.context.router, self.context.drafters
         chosen, bounds, acceptance = [], [], []
         for state in batch:
@@ -99,7 +99,7 @@ class Drafting:
                 acceptance.append(a / (a + r))
             else:
                 acceptance.append(0.0)
-        ks = self.context.controller.plan(acceptance, bounds, [s.rounds for s in batch], overlap)
+        ks = self.context.controller.plan(acceptance, bounds, [s.rounds for s in batch], overlap, running)
         fusion_depth = self.context.router.config.fusion_depth
         return RoundPlan(
             [

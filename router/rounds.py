@@ -8,6 +8,8 @@ from stage to stage; what lasts beyond the round stays in `RequestState`.
 The stages share one `RoundContext`: the scheduler's settings, the drafter services,
 the routing policy, the speculation controller and the router's counters, so that a
 config reload swaps the drafters and the policies in one place for all of them.
+`LaneKinds` tracks which lanes' rounds draft, so that a round's measured goodput
+counts only among rounds of its own kind.
 """
 
 from __future__ import annotations
@@ -89,3 +91,27 @@ class RoundPlan:
 
     def drafting(self) -> list[RequestPlan]:
         return [r for r in self.requests if r.k > 0]
+
+
+class LaneKinds:
+    """Whether each lane's round in flight (or its last) drafts; None while the lane is idle.
+
+    A round measures its way of decoding (router/speculation.py) cleanly only among rounds of its own
+    kind: another lane's round beside it shares the verifier (a plain round merged with, or queued
+    behind, a drafting round's wider pass looks slow), and a drafting round right after a plain one
+    in its lane first catches its drafters up on the tokens committed without them."""
+
+    def __init__(self, lanes: int):
+        self._kinds: list[bool | None] = [None] * lanes
+
+    def start(self, lane: int, drafted: bool) -> bool:
+        """The lane starts a round that drafts (or not); whether it starts clean."""
+        previous, self._kinds[lane] = self._kinds[lane], drafted
+        return (previous is True or not drafted) and self.beside_own_kind(lane, drafted)
+
+    def beside_own_kind(self, lane: int, drafted: bool) -> bool:
+        """Whether every other busy lane's round drafts as this one does (or not)."""
+        return all(kind is None or kind == drafted for i, kind in enumerate(self._kinds) if i != lane)
+
+    def idle(self, lane: int) -> None:
+        self._kinds[lane] = None

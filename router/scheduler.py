@@ -36,7 +36,7 @@ import grpc
 from router.drafters import DrafterService
 from router.drafting import Drafting
 from router.request import RequestState
-from router.rounds import RoundContext, SchedulerConfig
+from router.rounds import LaneKinds, RoundContext, SchedulerConfig
 from router.routing import DrafterRouter
 from router.speculation import SpeculationController
 from router.verifiers import VerifierPool
@@ -65,6 +65,7 @@ class Scheduler:
         self._background: set[asyncio.Task] = set()
         self._waiting: list[RequestState] = []
         self._lanes: list[list[RequestState]] = [[] for _ in range(max(1, config.pipeline_depth))]
+        self._kinds = LaneKinds(len(self._lanes))
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
 
@@ -127,12 +128,14 @@ class Scheduler:
         while True:
             self._admit(lane)
             if not lane:
+                self._kinds.idle(index)
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             try:
-                await self._round(list(lane))
+                await self._round(list(lane), index)
             except Exception:  # a bug must not stop the router: fail this round's requests, keep serving
+                self._kinds.idle(index)
                 log.exception("round failed")
                 for state in lane:
                     state.error = (grpc.StatusCode.INTERNAL, "internal error in the router's scheduler; see its log")
@@ -162,7 +165,8 @@ class Scheduler:
             if state.deadline is not None and now >= state.deadline and not state.finished:
                 state.error = (grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded; the output so far was streamed")
 
-    async def _round(self, batch: list[RequestState]) -> None:
+    async def _round(self, batch: list[RequestState], index: int) -> None:
+        """One round of the batch of lane `index`."""
         self._expire(batch)
         batch = [s for s in batch if not s.finished]
         if not batch:
@@ -170,11 +174,20 @@ class Scheduler:
         unscored = [s for s in batch if s.routing.needs_scores]
         if unscored:
             await self.drafting.score_prompts(unscored)
+        started, before, running = time.perf_counter(), sum(len(s.tokens) for s in batch), self.running
         # Drafting hides behind verification only while another lane has requests to verify.
-        plan = self.drafting.plan(batch, overlap=sum(1 for lane in self._lanes if lane) > 1)
+        plan = self.drafting.plan(batch, overlap=sum(1 for lane in self._lanes if lane) > 1, running=running)
+        drafted = bool(plan.drafting())
+        clean = self._kinds.start(index, drafted)
         trees = await self.drafting.draft(plan)
         await self.verifying.verify(plan, trees)
         self.context.metrics.rounds += 1
+        # What the round delivered in its wall time, for the controller's check that drafting pays; it
+        # measures a way of decoding only among rounds of that way, beside it and before it (LaneKinds).
+        clean = clean and self._kinds.beside_own_kind(index, drafted)
+        wall_ms = (time.perf_counter() - started) * 1e3
+        committed = sum(len(s.tokens) for s in batch) - before
+        self.context.controller.observe_round(len(batch), committed, wall_ms, drafted, clean, running)
 
     def _publish(self, state: RequestState) -> None:
         if state.published_final:

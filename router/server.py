@@ -221,7 +221,7 @@ async def reload(front_door: FrontDoor, scheduler: Scheduler, config_path: str, 
     # sees the old settings or the new, not a mix. The lanes (pipeline_depth) and the verifier stay.
     shared.config = dataclasses.replace(shared.config, settings=rcfg.scheduling, draft_limits=draft_limits)
     shared.drafters, shared.router = drafters, new_router
-    shared.controller = SpeculationController(shared.controller.cost, rcfg.speculation)  # the learned costs stay
+    shared.controller = dataclasses.replace(shared.controller, settings=rcfg.speculation)  # the learned costs and measurements stay
     front_door.limits = dataclasses.replace(front_door.limits, requests=rcfg.requests)
     log.info("reloaded %s: drafters %s, routing policy %s", config_path, sorted(drafters), rcfg.routing.routing_policy)
 

@@ -23,6 +23,22 @@ the plan tries each depth D and, for that D, adds draft tokens in order of
 gain while they raise goodput. A request planned at k = 0 still drafts one token every
 `probe_every` rounds, so its acceptance estimate can recover.
 
+The model's prediction is then checked against what rounds deliver
+(`MeasuredGoodput`). The model leaves costs out (the router's own work per
+round, serialisation, a drafter slower in traffic than profiled, contention),
+and with them it drafted where plain decoding was faster: 0.82x the tokens/s of
+speculation off at 1 client and 0.69x at 16 on an H200 with a small target,
+0.85x on the 2-core CPU machine at 4 clients, with 2.4-3.0 tokens a round. So
+the controller measures tokens committed per request per millisecond of round
+wall time, in rounds that drafted and in rounds that did not, at comparable
+load (requests running), and while drafting delivers less than plain decoding
+every request decodes plainly (k = 0, no probes). Whichever way it decodes,
+once every `remeasure_every` rounds at a load it decodes the other way, so both
+measurements stay current and it returns to drafting when drafting pays again.
+Only rounds run among rounds of their own kind are measured (the scheduler
+says which: router/rounds.py `LaneKinds`). Times are passed in
+(`observe_round`): the decision reads no clock.
+
 Within a round the drafter may stop early (SpecDec++): it is told to stop once
 the product of its own confidences, its estimate that every token so far is
 accepted, falls below `stop_below`.
@@ -180,6 +196,51 @@ def _least_squares(rows: list[list[float]], ys: list[float]) -> list[float] | No
     return [a[i][m] / a[i][i] for i in range(m)]
 
 
+class MeasuredGoodput:
+    """What rounds deliver, per load: tokens committed per request per millisecond of round wall
+    time, for rounds that drafted and for rounds that did not (plain decoding).
+
+    The load is the number of requests running in the router, grouped by powers of two (1, 2-3,
+    4-7, 8-15, ...): passes over more sessions take longer, so drafting and plain decoding are
+    compared at comparable loads only, and every lane's rounds at one load share one decision.
+    Each estimate is a ratio of decayed sums (an older round of its kind weighs `forget` times less
+    per newer one), so a few rounds move it and no single slow round decides."""
+
+    def __init__(self, forget: float = 0.75):
+        self.forget = forget
+        self._sums: dict[tuple[int, bool], tuple[float, float]] = {}  # (load, drafted) -> (tokens per request, ms), decayed
+        self._since: dict[tuple[int, bool], int] = {}  # (load, drafted) -> rounds at that load since one of that kind was measured
+
+    @staticmethod
+    def load(running: int) -> int:
+        return running.bit_length()
+
+    def observe(self, running: int, sessions: int, tokens: int, wall_ms: float, drafted: bool, clean: bool = True) -> None:
+        if sessions <= 0 or tokens <= 0 or wall_ms <= 0:
+            return  # nothing committed (a failed call, no live verifier): a fault, not what a way of decoding costs
+        load = self.load(running)
+        for kind in (False, True):
+            self._since[load, kind] = self._since.get((load, kind), 0) + 1
+        if not clean:
+            return  # it ran beside or right after rounds of the other kind: it measures neither way cleanly
+        per_request, ms = self._sums.get((load, drafted), (0.0, 0.0))
+        self._sums[load, drafted] = (per_request * self.forget + tokens / sessions, ms * self.forget + wall_ms)
+        self._since[load, drafted] = 0
+
+    def goodput(self, running: int, drafted: bool) -> float | None:
+        """Tokens per request per millisecond of rounds at this load that drafted (or not); None until measured."""
+        sums = self._sums.get((self.load(running), drafted))
+        return sums[0] / sums[1] if sums else None
+
+    def drafting_loses(self, running: int) -> bool:
+        drafting, plain = self.goodput(running, True), self.goodput(running, False)
+        return drafting is not None and plain is not None and drafting < plain
+
+    def rounds_since(self, running: int, drafted: bool) -> int:
+        """Rounds at this load since one that drafted (or not) was measured."""
+        return self._since.get((self.load(running), drafted), 0)
+
+
 @dataclass
 class SpeculationController:
     cost: CostModel
@@ -189,6 +250,8 @@ class SpeculationController:
     # leaves out (network, the router's own work) outweigh so small a gain.
     min_acceptance: float = 0.1
     probe_every: int = 8
+    # What rounds deliver with drafting and without; kept across reloads (dataclasses.replace).
+    measured: MeasuredGoodput = field(default_factory=MeasuredGoodput)
 
     @property
     def adaptive(self) -> bool:
@@ -199,16 +262,36 @@ class SpeculationController:
         """Drafters stop once their confidence falls below it (0: never)."""
         return self.settings.stop_below_confidence
 
-    def plan(self, acceptance: list[float], max_draft_tokens: list[int], rounds: list[int], overlap: bool = False) -> list[int]:
+    def observe_round(self, sessions: int, tokens: int, wall_ms: float, drafted: bool, clean: bool = True, running: int | None = None) -> None:
+        """A round of `sessions` requests committed `tokens` tokens in all and took wall_ms (measured by the
+        caller), with `running` requests in the router (default: its own). drafted: some request drafted.
+        clean: it ran among rounds of its own kind (router/rounds.py `LaneKinds`); only clean rounds count."""
+        self.measured.observe(running or sessions, sessions, tokens, wall_ms, drafted, clean)
+
+    def drafts(self, running: int) -> bool:
+        """Whether a round, with this many requests running, drafts as planned (True) or decodes plainly, k = 0 for all."""
+        every = self.settings.remeasure_every
+        if self.measured.drafting_loses(running):
+            # Measured slower than plain decoding: decode plainly, drafting now and then to see whether it pays again.
+            return self.measured.rounds_since(running, drafted=True) >= every
+        # Drafting pays, or is not measured yet: draft as planned, decoding plainly now and then to keep measuring that.
+        return self.measured.rounds_since(running, drafted=False) < every
+
+    def plan(
+        self, acceptance: list[float], max_draft_tokens: list[int], rounds: list[int], overlap: bool = False, running: int | None = None
+    ) -> list[int]:
         """Draft lengths (num_draft_tokens) for one round's requests, from each one's acceptance a_i,
         max_draft_tokens and rounds so far.
 
         overlap: another group's verification runs while this group drafts (pipelined lanes
         with work in more than one), so a round lasts max(draft, verify), not their sum.
+        running: requests running in the router, all lanes (default: this round's).
         """
         if not self.adaptive:
             return list(max_draft_tokens)
         n = len(max_draft_tokens)
+        if n and not self.drafts(running or n):
+            return [0] * n  # plain decoding for everyone: drafting measured slower (module docstring)
         best_goodput, ks = n / self.cost.round_ms([0] * n) if n else 0.0, [0] * n
         # The drafting term depends on the deepest draft only, so fix the depth D first;
         # for a given D, adding a draft token with gain g pays iff it raises sum E / T.

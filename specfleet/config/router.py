@@ -79,7 +79,11 @@ class RoutingConfig:
 class SpeculationConfig:
     """How many tokens to draft (router/speculation.py: `CostModel`'s starting point, `SpeculationController`)."""
 
-    adaptive_speculation: bool = knob(True, "choose k per request and round from predicted acceptance and load; false: always num_draft_tokens")
+    adaptive_speculation: bool = knob(
+        True,
+        "choose k per request and round from predicted acceptance and load, 0 for all while drafting measures slower than plain "
+        "decoding; false: always num_draft_tokens",
+    )
     stop_below_confidence: float = knob(0.0, "drafters stop once the product of their confidences falls below this (0: never)", check=at_least(0))
     verify_base_ms: float = knob(8.0, "cost model: a verification pass's fixed cost (a guess until profiled)", check=at_least(0))
     verify_per_session_ms: float = knob(0.0, "cost model: per session of a verification pass", check=at_least(0))
@@ -87,6 +91,12 @@ class SpeculationConfig:
     draft_per_token_ms: float = knob(1.0, "cost model: per draft step", check=at_least(0))
     draft_base_ms: float = knob(0.0, "cost model: a draft call's fixed cost", check=at_least(0))
     pin_cost_model: bool = knob(False, "keep the cost model as given: no profiling at start-up, no following online")
+    remeasure_every: int = knob(
+        32,
+        "adaptive speculation decodes plainly while rounds that draft are measured slower than rounds that do not; once per this "
+        "many rounds at a load it measures the other way (plain rounds while drafting, drafting rounds while not)",
+        check=at_least(1),
+    )
 
 
 @dataclass

@@ -1,0 +1,135 @@
+"""Adaptive speculation falls back to plain decoding (k = 0 for every request) while drafting is measured
+slower than plain decoding, and returns when drafting pays again (router/speculation.py).
+
+The controller is fed synthetic round timings, never this machine's: each test fixes what a round costs
+with drafting and without, as the router would measure it, and checks what the controller plans.
+"""
+
+from __future__ import annotations
+
+from router.rounds import LaneKinds
+from router.speculation import CostModel, SpeculationController
+from specfleet.config import SpeculationConfig
+
+EVERY = SpeculationConfig().remeasure_every
+# Measured on an H200, 16 clients in two lanes: speculation off 4.86 ms a round (1 token a request);
+# on, draft 8.35 ms + verify 7.63 ms a round for 3.02 tokens a request, so drafting loses.
+PLAIN_MS, LOSING_MS, PAYING_MS, TOKENS = 4.86, 8.35 + 7.63, 10.0, 3.02
+
+
+def optimistic_controller() -> SpeculationController:
+    """A cost model by which drafting pays handsomely: only the measured check can say otherwise."""
+    cost = CostModel(verify_base=5.0, verify_per_token=0.05, draft_per_token=0.3, verify_call=0.0, draft_call=0.0, pinned=True)
+    return SpeculationController(cost=cost)
+
+
+class Lane:
+    """A lane of rounds as the scheduler runs it: plan, run the round at this lane's costs, report its wall time."""
+
+    def __init__(self, controller: SpeculationController, acceptance: list[float], drafting_ms: float, cold_ms: float | None = None):
+        self.controller, self.acceptance = controller, acceptance
+        self.drafting_ms = drafting_ms  # a round that drafts; it commits TOKENS a request
+        self.cold_ms = cold_ms if cold_ms is not None else drafting_ms  # one that drafts after a plain one (catching up)
+        self.rounds, self.drafted_last, self.plans, self.tokens, self.ms = 0, False, [], 0.0, 0.0
+
+    def run(self, rounds: int) -> list[list[int]]:
+        n, plans = len(self.acceptance), []
+        for _ in range(rounds):
+            ks = self.controller.plan(self.acceptance, [4] * n, [self.rounds] * n)
+            drafted = any(ks)
+            cold = drafted and not self.drafted_last
+            wall = (self.cold_ms if cold else self.drafting_ms) if drafted else PLAIN_MS
+            tokens = n * TOKENS if drafted else n
+            self.controller.observe_round(n, round(tokens), wall, drafted, clean=not cold)
+            self.rounds, self.drafted_last = self.rounds + 1, drafted
+            self.tokens, self.ms = self.tokens + tokens, self.ms + wall
+            plans.append(ks)
+        return plans
+
+    def goodput(self) -> float:
+        """Tokens a request per millisecond so far."""
+        return self.tokens / len(self.acceptance) / self.ms
+
+
+def test_drafting_that_does_not_pay_under_the_measured_costs_falls_back_to_k_zero_for_every_request():
+    controller = optimistic_controller()
+    acceptance = [0.8] * 7 + [0.01]  # the last request alone would still probe one token every probe_every rounds
+    assert all(k > 0 for k in controller.plan(acceptance[:7], [4] * 7, [0] * 7))  # the model alone drafts
+    lane = Lane(controller, acceptance, LOSING_MS)
+    lane.run(3 * EVERY)
+    assert controller.measured.drafting_loses(len(acceptance))
+    lane.tokens = lane.ms = 0.0
+    plans = lane.run(4 * EVERY)
+    drafting = [ks for ks in plans if any(ks)]
+    # Plain decoding for everyone, probes included, except a cold and a warm drafting round per re-measurement.
+    assert plans.count([0] * 8) == len(plans) - len(drafting) and len(drafting) <= 2 * 4
+    assert lane.goodput() >= 0.95 * (1 / PLAIN_MS)
+
+
+def test_drafting_that_pays_under_the_measured_costs_keeps_k_above_zero():
+    controller = optimistic_controller()
+    lane = Lane(controller, [0.8] * 8, PAYING_MS)
+    lane.run(3 * EVERY)
+    assert not controller.measured.drafting_loses(8) and controller.measured.goodput(8, drafted=False) is not None
+    plans = lane.run(4 * EVERY)
+    plain = [ks for ks in plans if not any(ks)]
+    # Every request drafts, but in one round in EVERY + 1, which keeps plain decoding measured.
+    assert all(min(ks) > 0 for ks in plans if any(ks)) and 1 <= len(plain) <= 4
+    assert lane.goodput() >= 0.9 * (TOKENS / PAYING_MS)
+
+
+def test_the_controller_follows_the_measured_costs_both_ways():
+    """Drafting pays, stops paying, pays again. Back in plain decoding, the first drafting round of a
+    re-measurement pays for its drafters catching up on the tokens committed without them (here 60 ms):
+    counted as drafting's goodput it would keep the controller from ever coming back."""
+    controller = optimistic_controller()
+    lane = Lane(controller, [0.8] * 8, PAYING_MS, cold_ms=60.0)
+    lane.run(3 * EVERY)
+    assert sum(1 for ks in lane.run(2 * EVERY) if any(ks)) >= 2 * EVERY - 2
+    lane.drafting_ms = lane.cold_ms = LOSING_MS
+    lane.run(3 * EVERY)
+    assert sum(1 for ks in lane.run(2 * EVERY) if any(ks)) <= 4
+    lane.drafting_ms = PAYING_MS
+    lane.run(3 * EVERY)
+    back = lane.run(2 * EVERY)
+    assert sum(1 for ks in back if any(ks)) >= 2 * EVERY - 2 and all(min(ks) > 0 for ks in back if any(ks))
+
+
+def test_loads_are_compared_apart():
+    """Passes over 16 sessions cost more than over one: drafting can lose at one load and pay at the other."""
+    controller = optimistic_controller()
+    crowded, alone = Lane(controller, [0.8] * 16, LOSING_MS), Lane(controller, [0.8], PAYING_MS)
+    for _ in range(5 * EVERY):
+        crowded.run(1)
+        alone.run(1)
+    assert controller.measured.drafting_loses(16) and not controller.measured.drafting_loses(1)
+    assert sum(1 for ks in crowded.run(EVERY) if any(ks)) <= 2 and sum(1 for ks in alone.run(EVERY) if any(ks)) >= EVERY - 1
+
+
+def test_rounds_that_commit_nothing_are_not_measured():
+    """A failed verify call or no live verifier: a fault, not what either way of decoding costs."""
+    controller = optimistic_controller()
+    controller.observe_round(8, 0, 500.0, drafted=False)
+    controller.observe_round(8, 8, PLAIN_MS, drafted=False)
+    assert controller.measured.goodput(8, drafted=False) == 1 / PLAIN_MS
+
+
+def test_without_adaptive_speculation_every_request_drafts_what_it_asked_for():
+    controller = SpeculationController(cost=CostModel(pinned=True), settings=SpeculationConfig(adaptive_speculation=False))
+    Lane(controller, [0.8] * 4, LOSING_MS).run(3 * EVERY)
+    assert controller.plan([0.8] * 4, [4] * 4, [0] * 4) == [4] * 4
+
+
+def test_a_round_is_measured_only_among_rounds_of_its_own_kind():
+    """Two lanes share the verifier: a plain round beside a drafting one is merged with, or queued behind,
+    its wider pass, and a drafting round right after a plain one first catches its drafters up."""
+    kinds = LaneKinds(2)
+    assert not kinds.start(0, drafted=True)  # the lane's first round: its drafters catch up on the prompt
+    assert kinds.start(0, drafted=True)  # the other lane is idle
+    assert not kinds.start(1, drafted=True) and kinds.start(1, drafted=True)  # beside lane 0's drafting
+    assert not kinds.start(0, drafted=False)  # plain beside a drafting round
+    assert kinds.start(1, drafted=False)  # plain right after drafting in its own lane: nothing to catch up
+    assert kinds.beside_own_kind(0, drafted=False)  # lane 0's round ends beside a plain one, but it started mixed
+    assert not kinds.start(1, drafted=True)  # drafting after plain: its drafters catch up
+    kinds.idle(1)
+    assert kinds.start(0, drafted=False) and not kinds.start(0, drafted=True)
