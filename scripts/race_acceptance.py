@@ -19,7 +19,8 @@ import torch
 from tools.bench.workload import DOMAINS, resolve_source
 from specfleet.config import DEMO_MODELS
 from specfleet.engine import ForwardItem, Session, forward_batch, load_model
-from specfleet.sampling import SamplingParams, probs_from_logits, race, race_keys, race_noise, truncate
+from specfleet.engine.sampling import probs_from_logits, race, race_keys, race_noise, truncate
+from specfleet.sampling import SamplingParams
 
 SHAPES = {"t=1.0": SamplingParams(temperature=1.0), "t=0.7 top_p=0.9": SamplingParams(temperature=0.7, top_p=0.9)}
 

@@ -47,7 +47,7 @@ Proof obligations, each checked by tests/verifier_service/test_verification.py:
  6. Drafter-invariant sessions (`SamplingParams.drafter_invariant`): the
     token that fills position t is y_t = argmax_v p_t(v) / E_t(v), with
     E_t(v) ~ Exp(1) i.i.d. over v, a function of (seed, t, v) alone
-    (`specfleet.sampling.race_noise`). Walking the tree with
+    (`specfleet.engine.sampling.race_noise`). Walking the tree with
     `verify_trees_greedy` on these y (a point mass on y_t, as in 5) emits y_t
     at every position whatever was drafted: drafts decide only how many
     positions one round fills. The exponential race gives

@@ -16,9 +16,7 @@ from typing import Callable
 
 import torch
 
-from specfleet.sampling import (
-    STREAM_VERIFY,
-    SamplingParams,
+from specfleet.engine.sampling import (
     generator_for,
     probs_from_logits,
     race,
@@ -27,6 +25,7 @@ from specfleet.sampling import (
     sample_sparse,
     truncate,
 )
+from specfleet.sampling import STREAM_VERIFY, SamplingParams
 
 
 def shape(params: list[SamplingParams], logits: torch.Tensor) -> torch.Tensor:

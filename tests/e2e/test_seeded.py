@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from specfleet.sampling import race, race_keys, race_noise
+from specfleet.engine.sampling import race, race_keys, race_noise
 from specfleet.v1 import generation_pb2, generation_pb2_grpc
 from tests.harness import Cluster, cluster_config
 from tests.helpers import PROMPTS

@@ -47,7 +47,7 @@ import numpy as np
 import pytest
 import torch
 
-from specfleet.sampling import probs_from_logits
+from specfleet.engine.sampling import probs_from_logits
 from verifier_service.verification import TreeBatch, verify_trees, verify_trees_greedy
 
 V = 6  # vocabulary of the Markov models
