@@ -4,6 +4,7 @@ The verifier and the drafters hand it token ids and sessions and get back token
 ids, probabilities or proposals; they create no tensors of their own.
 
     loading.py   load a checkpoint onto its device and dtype (`load_model`, `LoadedModel`)
+    tokenizer.py the tokenizer with the `tokenizers` library alone, where that equals transformers' (`load_tokenizer`)
     llama.py     the forward pass of every served family, plain tensor code
     kv.py        the KV pool, sessions and the LRU budget (`KVPool`, `Session`, `SessionStore`)
     runner.py    batched passes over sessions: `forward_batch`, `prefill`, `tree_pass`, `next_token_logits`

@@ -21,6 +21,7 @@ import torch
 from specfleet.engine import llama
 from specfleet.engine.kv import KVPool
 from specfleet.engine.llama import LlamaModel, check_supported, from_hf
+from specfleet.engine.tokenizer import load_fast
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,18 @@ def configure_torch(threads: int) -> None:
 
 
 def load_tokenizer(path: str | os.PathLike):
+    """The tokenizer of a model directory: the `tokenizers`-only `Tokenizer` where it is exactly
+    transformers' (`tokenizer.load_fast` checks the directory), else transformers' own.
+
+    Every service process loads one at start, and transformers' costs about 6 s of CPU (the
+    import is most of it), while the fast one reads tokenizer.json in a fraction of a second. So
+    transformers is imported only for the directories the fast tokenizer does not cover:
+    tokenizer classes that may rebuild the backend at load (Llama's, Qwen's),
+    clean_up_tokenization_spaces, special tokens transformers adds, and the like.
+    """
+    fast = load_fast(path)
+    if fast is not None:
+        return fast
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
