@@ -32,7 +32,7 @@ from router.verifiers import VerifierPool
 from specfleet import config as config_mod
 from specfleet import limits, metrics, placement, security
 from router.telemetry import RouterTelemetry
-from specfleet.engine import load_tokenizer, tokenizer_fingerprint
+from specfleet.tokenizer import load_tokenizer, tokenizer_fingerprint
 from specfleet.ports import listen
 from specfleet.serving import ROUTER_DRAIN_S, serve, setup_logging, wait_until_serving
 from specfleet.v1 import generation_pb2, generation_pb2_grpc

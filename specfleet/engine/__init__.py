@@ -4,11 +4,13 @@ The verifier and the drafters hand it token ids and sessions and get back token
 ids, probabilities or proposals; they create no tensors of their own.
 
     loading.py   load a checkpoint onto its device and dtype (`load_model`, `LoadedModel`)
+    checkpoint.py config.json and safetensors read without transformers, where they state every field
     llama.py     the forward pass of every served family, plain tensor code
     kv.py        the KV pool, sessions and the LRU budget (`KVPool`, `Session`, `SessionStore`)
     runner.py    batched passes over sessions: `forward_batch`, `prefill`, `tree_pass`, `next_token_logits`
     stack.py     same-shape models in one pass (a drafter service's specialists drafting together)
     shaping.py   logits to what is sent: target tokens, shaped p and its noise, draft proposals
+    sampling.py  the tensor math of sampling: shaping logits, seeded generators, the exponential race
 """
 
 from specfleet.engine.kv import KVPool, Session, SessionStore, UnknownSession
@@ -19,10 +21,8 @@ from specfleet.engine.loading import (
     configure_torch,
     dtype_name,
     load_model,
-    load_tokenizer,
     read_token_map,
     resolve_device,
-    tokenizer_fingerprint,
 )
 from specfleet.engine.runner import ForwardItem, TreePass, forward_batch, next_token_logits, prefill, tree_pass
 
@@ -40,11 +40,11 @@ __all__ = [
     "dtype_name",
     "forward_batch",
     "load_model",
-    "load_tokenizer",
     "next_token_logits",
     "prefill",
     "read_token_map",
     "resolve_device",
-    "tokenizer_fingerprint",
     "tree_pass",
 ]
+
+# The tokenizer is shared with the router, which runs no model: specfleet/tokenizer.py.

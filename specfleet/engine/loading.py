@@ -9,7 +9,6 @@ service's config names.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -22,6 +21,7 @@ import torch
 from specfleet.engine import checkpoint, llama
 from specfleet.engine.kv import KVPool
 from specfleet.engine.llama import LlamaModel, check_supported, from_hf, from_weights
+from specfleet.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -52,20 +52,6 @@ def configure_torch(threads: int) -> None:
     # 2-core machine, latency spiked 10-100x.
     torch.set_num_threads(threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-def load_tokenizer(path: str | os.PathLike):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-
-
-def tokenizer_fingerprint(tokenizer) -> str:
-    """Hash of the vocabulary and special tokens: equal iff token ids mean the same strings."""
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-    special = {"eos": tokenizer.eos_token_id, "bos": tokenizer.bos_token_id}
-    payload = json.dumps([vocab, special], ensure_ascii=False).encode()
-    return hashlib.sha256(payload).hexdigest()[:16]
 
 
 @dataclass

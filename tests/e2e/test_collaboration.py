@@ -79,7 +79,7 @@ def test_lockstep_drafters_continue_from_the_lead_proposal(fused_cluster, random
     """One call, one lockstep group: each drafter's proposal at position j is what it drafts alone
     after the context plus the lead tokens of positions < j."""
     from specfleet.fusion import lead
-    from specfleet.engine import load_tokenizer
+    from specfleet.tokenizer import load_tokenizer
     from specfleet.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
     context = load_tokenizer(random_family["target"]).encode(PROMPTS[2], add_special_tokens=False)

@@ -34,7 +34,7 @@ from router.api import (
 from router.frontdoor import FrontDoor, interleave, validate
 from router.request import Limits
 from specfleet.config import RequestLimitsConfig
-from specfleet.engine import load_tokenizer
+from specfleet.tokenizer import load_tokenizer
 from tests.helpers import PROMPTS, target_greedy
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

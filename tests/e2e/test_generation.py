@@ -255,7 +255,7 @@ def test_cancelled_stream_releases_its_sessions(cluster, stub):
 def test_logprobs_are_cut_with_the_tokens_a_stop_string_or_eos_cuts(random_family):
     """A round's tokens past a stop string or the end of sequence are dropped, and so are their logprobs."""
     from router.request import RequestSpec, RequestState
-    from specfleet.engine import load_tokenizer
+    from specfleet.tokenizer import load_tokenizer
     from specfleet.sampling import SamplingParams
     from specfleet.v1 import generation_pb2
 

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from router.openai_api import ApiError, render_chat
-from specfleet.engine import load_tokenizer
+from specfleet.tokenizer import load_tokenizer
 from specfleet.v1 import generation_pb2_grpc
 from tests.harness import Cluster, cluster_config, free_port
 from tests.helpers import greedy_request, target_greedy, target_logprobs

@@ -144,7 +144,7 @@ def test_sigterm_lets_in_flight_requests_finish(random_family, tmp_path, monkeyp
 
     import openai
 
-    from specfleet.engine import load_tokenizer
+    from specfleet.tokenizer import load_tokenizer
     from specfleet.serving import ROUTER_DRAIN_S
     from tests.operations import metrics, paused, service_pid
 

@@ -94,3 +94,16 @@ def test_the_runtime_imports_without_the_tools_or_their_packages():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert int(out.stdout.split()[-1]) > 40
+
+
+def test_the_router_starts_without_torch_or_transformers():
+    """The router runs no model: importing it and loading the bundled tokenizer pulls in neither (each costs
+    seconds of CPU at every start, and hundreds of MiB)."""
+    probe = (
+        "import sys, router.server, router.openai_api\n"
+        "from specfleet.tokenizer import load_tokenizer\n"
+        "load_tokenizer('models/demo/target')\n"
+        "sys.exit(' '.join(m for m in ('torch', 'transformers') if m in sys.modules) or None)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -432,7 +432,7 @@ async def run_benchmark(args, command: str) -> dict:
     from tools.bench import report, runner, workload
     from tools.bench.systems import Settings
     from tools.bench.vllm import VLLMUnavailable
-    from specfleet.engine import load_tokenizer
+    from specfleet.tokenizer import load_tokenizer
 
     cache = REPO / ".cache"
     family = runner.resolve_family(args.models, args.drafter, cache)

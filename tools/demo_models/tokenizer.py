@@ -9,7 +9,7 @@ from .corpus import DOMAINS, load_split
 EOS = "<|endoftext|>"
 # The demo models are not trained on chats; this plain template only lets the OpenAI API's
 # /v1/chat/completions turn messages into a prompt. It is not part of the tokenizer's
-# fingerprint (engine.tokenizer_fingerprint: vocabulary and special tokens only).
+# fingerprint (specfleet.tokenizer.tokenizer_fingerprint: vocabulary and special tokens only).
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
 )
