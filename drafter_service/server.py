@@ -108,6 +108,7 @@ class DrafterCore:
                 for r in results
             ],
             compute_ms=stats.compute_ms,
+            queue_ms=stats.queue_ms,
         )
 
     async def release(self, request: common_pb2.ReleaseRequest) -> common_pb2.ReleaseResponse:

@@ -54,6 +54,7 @@ class DraftedSession:
 class DraftResponse:
     sessions: list[DraftedSession]  # in the order of the call's sessions
     compute_ms: float
+    queue_ms: float = 0.0  # the call's wait in the drafter's batch queue before its pass
 
 
 @dataclass
@@ -89,3 +90,4 @@ class VerifyResponse:
     sessions: list[VerifiedSession]  # in the order of the call's sessions
     compute_ms: float
     batch_size: int  # sessions in the verifier's pass, this call's and others' merged with it
+    queue_ms: float = 0.0  # the call's wait in the verifier's batch queue before its pass

@@ -111,6 +111,7 @@ def draft_response(reply: drafter_pb2.DraftResponse) -> messages.DraftResponse:
             for s in reply.sessions
         ],
         compute_ms=reply.compute_ms,
+        queue_ms=reply.queue_ms,
     )
 
 
@@ -144,6 +145,7 @@ def verify_response(reply: verifier_pb2.VerifyResponse) -> messages.VerifyRespon
         ],
         compute_ms=reply.compute_ms,
         batch_size=reply.batch_size,
+        queue_ms=reply.queue_ms,
     )
 
 

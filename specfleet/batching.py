@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 log = logging.getLogger(__name__)
 
@@ -17,7 +17,7 @@ class _Pending:
     items: list
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
-    enqueued: float = field(default_factory=time.monotonic)
+    enqueued: float = field(default_factory=time.perf_counter)
 
 
 @dataclass
@@ -26,6 +26,9 @@ class BatchStats:
 
     compute_ms: float
     batch_size: int
+    # How long this caller's items waited in the queue before its batch's pass started (the wait for the
+    # model thread to finish the pass before, plus max_wait_s of collecting): the caller's own, not the batch's.
+    queue_ms: float = 0.0
 
 
 class BatchQueue:
@@ -73,7 +76,7 @@ class BatchQueue:
                 return None
             deadline = self._queue[0].enqueued + self.max_wait_s
             while sum(len(p.items) for p in self._queue) < self.max_batch_items and not self._closed:
-                remaining = deadline - time.monotonic()
+                remaining = deadline - time.perf_counter()
                 if remaining <= 0:
                     break
                 self._cond.wait(remaining)
@@ -100,7 +103,7 @@ class BatchQueue:
             for pending in batch:
                 n = len(pending.items)
                 if error is None:
-                    value = (results[offset : offset + n], stats)
+                    value = (results[offset : offset + n], replace(stats, queue_ms=(started - pending.enqueued) * 1e3))
                     pending.loop.call_soon_threadsafe(_resolve, pending.future, value, None)
                 else:
                     pending.loop.call_soon_threadsafe(_resolve, pending.future, None, error)

@@ -86,6 +86,7 @@ class VerifierCore:
             ],
             compute_ms=stats.compute_ms,
             batch_size=stats.batch_size,
+            queue_ms=stats.queue_ms,
         )
 
     async def release(self, request: common_pb2.ReleaseRequest) -> common_pb2.ReleaseResponse:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specfleet.v1 import common_pb2 as specfleet_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecfleet/v1/drafter.proto\x12\x0cspecfleet.v1\x1a\x19specfleet/v1/common.proto\"\xde\x01\n\x0c\x44raftSession\x12\'\n\x04sync\x18\x01 \x01(\x0b\x32\x19.specfleet.v1.SessionSync\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\x05\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specfleet.v1.SamplingParams\x12\x1d\n\x15stop_below_confidence\x18\x05 \x01(\x02\x12\x15\n\rscore_context\x18\x06 \x01(\x08\x12\x16\n\x0elockstep_group\x18\x07 \x01(\t\"<\n\x0c\x44raftRequest\x12,\n\x08sessions\x18\x01 \x03(\x0b\x32\x1a.specfleet.v1.DraftSession\"\xe0\x01\n\x0e\x44raftedSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12+\n\x06status\x18\x02 \x01(\x0e\x32\x1b.specfleet.v1.SessionStatus\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x33\n\tproposals\x18\x04 \x03(\x0b\x32 .specfleet.v1.SparseDistribution\x12\x13\n\x0b\x63onfidences\x18\x05 \x03(\x02\x12\x18\n\x10\x63ontext_log_prob\x18\x06 \x01(\x02\x12\x16\n\x0e\x63ontext_tokens\x18\x07 \x01(\x05\"S\n\rDraftResponse\x12.\n\x08sessions\x18\x01 \x03(\x0b\x32\x1c.specfleet.v1.DraftedSession\x12\x12\n\ncompute_ms\x18\x02 \x01(\x02\"6\n\x0b\x44rafterInfo\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.specfleet.v1.ModelInfo\"*\n\x13\x44rafterServiceStats\x12\x13\n\x0bsession_ids\x18\x01 \x03(\t2\xa6\x02\n\x07\x44rafter\x12@\n\x05\x44raft\x12\x1a.specfleet.v1.DraftRequest\x1a\x1b.specfleet.v1.DraftResponse\x12N\n\x0fReleaseSessions\x12\x1c.specfleet.v1.ReleaseRequest\x1a\x1d.specfleet.v1.ReleaseResponse\x12?\n\x07GetInfo\x12\x19.specfleet.v1.InfoRequest\x1a\x19.specfleet.v1.DrafterInfo\x12H\n\x08GetStats\x12\x19.specfleet.v1.InfoRequest\x1a!.specfleet.v1.DrafterServiceStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecfleet/v1/drafter.proto\x12\x0cspecfleet.v1\x1a\x19specfleet/v1/common.proto\"\xde\x01\n\x0c\x44raftSession\x12\'\n\x04sync\x18\x01 \x01(\x0b\x32\x19.specfleet.v1.SessionSync\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\x05\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specfleet.v1.SamplingParams\x12\x1d\n\x15stop_below_confidence\x18\x05 \x01(\x02\x12\x15\n\rscore_context\x18\x06 \x01(\x08\x12\x16\n\x0elockstep_group\x18\x07 \x01(\t\"<\n\x0c\x44raftRequest\x12,\n\x08sessions\x18\x01 \x03(\x0b\x32\x1a.specfleet.v1.DraftSession\"\xe0\x01\n\x0e\x44raftedSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12+\n\x06status\x18\x02 \x01(\x0e\x32\x1b.specfleet.v1.SessionStatus\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x33\n\tproposals\x18\x04 \x03(\x0b\x32 .specfleet.v1.SparseDistribution\x12\x13\n\x0b\x63onfidences\x18\x05 \x03(\x02\x12\x18\n\x10\x63ontext_log_prob\x18\x06 \x01(\x02\x12\x16\n\x0e\x63ontext_tokens\x18\x07 \x01(\x05\"e\n\rDraftResponse\x12.\n\x08sessions\x18\x01 \x03(\x0b\x32\x1c.specfleet.v1.DraftedSession\x12\x12\n\ncompute_ms\x18\x02 \x01(\x02\x12\x10\n\x08queue_ms\x18\x03 \x01(\x02\"6\n\x0b\x44rafterInfo\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.specfleet.v1.ModelInfo\"*\n\x13\x44rafterServiceStats\x12\x13\n\x0bsession_ids\x18\x01 \x03(\t2\xa6\x02\n\x07\x44rafter\x12@\n\x05\x44raft\x12\x1a.specfleet.v1.DraftRequest\x1a\x1b.specfleet.v1.DraftResponse\x12N\n\x0fReleaseSessions\x12\x1c.specfleet.v1.ReleaseRequest\x1a\x1d.specfleet.v1.ReleaseResponse\x12?\n\x07GetInfo\x12\x19.specfleet.v1.InfoRequest\x1a\x19.specfleet.v1.DrafterInfo\x12H\n\x08GetStats\x12\x19.specfleet.v1.InfoRequest\x1a!.specfleet.v1.DrafterServiceStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,11 +39,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTEDSESSION']._serialized_start=359
   _globals['_DRAFTEDSESSION']._serialized_end=583
   _globals['_DRAFTRESPONSE']._serialized_start=585
-  _globals['_DRAFTRESPONSE']._serialized_end=668
-  _globals['_DRAFTERINFO']._serialized_start=670
-  _globals['_DRAFTERINFO']._serialized_end=724
-  _globals['_DRAFTERSERVICESTATS']._serialized_start=726
-  _globals['_DRAFTERSERVICESTATS']._serialized_end=768
-  _globals['_DRAFTER']._serialized_start=771
-  _globals['_DRAFTER']._serialized_end=1065
+  _globals['_DRAFTRESPONSE']._serialized_end=686
+  _globals['_DRAFTERINFO']._serialized_start=688
+  _globals['_DRAFTERINFO']._serialized_end=742
+  _globals['_DRAFTERSERVICESTATS']._serialized_start=744
+  _globals['_DRAFTERSERVICESTATS']._serialized_end=786
+  _globals['_DRAFTER']._serialized_start=789
+  _globals['_DRAFTER']._serialized_end=1083
 # @@protoc_insertion_point(module_scope)

@@ -50,12 +50,14 @@ class DraftedSession(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., status: _Optional[_Union[_common_pb2.SessionStatus, str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., proposals: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., confidences: _Optional[_Iterable[float]] = ..., context_log_prob: _Optional[float] = ..., context_tokens: _Optional[int] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
-    __slots__ = ("sessions", "compute_ms")
+    __slots__ = ("sessions", "compute_ms", "queue_ms")
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     sessions: _containers.RepeatedCompositeFieldContainer[DraftedSession]
     compute_ms: float
-    def __init__(self, sessions: _Optional[_Iterable[_Union[DraftedSession, _Mapping]]] = ..., compute_ms: _Optional[float] = ...) -> None: ...
+    queue_ms: float
+    def __init__(self, sessions: _Optional[_Iterable[_Union[DraftedSession, _Mapping]]] = ..., compute_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ...) -> None: ...
 
 class DrafterInfo(_message.Message):
     __slots__ = ("models",)

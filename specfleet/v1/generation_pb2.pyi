@@ -85,7 +85,7 @@ class DrafterStats(_message.Message):
     def __init__(self, drafter: _Optional[str] = ..., rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "drafters", "domain", "draft_wall_ms", "draft_compute_ms", "verify_wall_ms", "verify_compute_ms")
+    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "drafters", "domain", "draft_wall_ms", "draft_compute_ms", "verify_wall_ms", "verify_compute_ms", "draft_queue_ms", "verify_queue_ms", "router_ms")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,9 @@ class SpeculationStats(_message.Message):
     DRAFT_COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_WALL_MS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_MS_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     draft_tokens: int
     accepted_tokens: int
@@ -104,7 +107,10 @@ class SpeculationStats(_message.Message):
     draft_compute_ms: float
     verify_wall_ms: float
     verify_compute_ms: float
-    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., drafters: _Optional[_Iterable[_Union[DrafterStats, _Mapping]]] = ..., domain: _Optional[str] = ..., draft_wall_ms: _Optional[float] = ..., draft_compute_ms: _Optional[float] = ..., verify_wall_ms: _Optional[float] = ..., verify_compute_ms: _Optional[float] = ...) -> None: ...
+    draft_queue_ms: float
+    verify_queue_ms: float
+    router_ms: float
+    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., drafters: _Optional[_Iterable[_Union[DrafterStats, _Mapping]]] = ..., domain: _Optional[str] = ..., draft_wall_ms: _Optional[float] = ..., draft_compute_ms: _Optional[float] = ..., verify_wall_ms: _Optional[float] = ..., verify_compute_ms: _Optional[float] = ..., draft_queue_ms: _Optional[float] = ..., verify_queue_ms: _Optional[float] = ..., router_ms: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "speculation", "logprobs")
