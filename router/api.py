@@ -80,10 +80,15 @@ class SpeculationStats:
     accepted_tokens: int = 0
     drafters: list[DrafterStats] = field(default_factory=list)
     domain: str = ""  # the domain the router assigned the request
+    # Draft and verify calls summed over rounds: wall as the router saw them, compute in the servers' passes,
+    # queue in the servers' batch queues before those passes; wall - compute - queue is transport.
     draft_wall_ms: float = 0.0
     draft_compute_ms: float = 0.0
     verify_wall_ms: float = 0.0
     verify_compute_ms: float = 0.0
+    draft_queue_ms: float = 0.0
+    verify_queue_ms: float = 0.0
+    router_ms: float = 0.0  # the router's own time: each round's wall less its longest draft and verify calls
 
 
 @dataclass

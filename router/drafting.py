@@ -117,7 +117,7 @@ class Drafting:
             for drafter, depth in zip(r.drafters, r.depths)
         ]
         replies: dict[str, dict[str, messages.DraftedSession]] = collections.defaultdict(dict)
-        for result in await self._calls(calls):
+        for result in await self._calls(calls, plan):
             replies[result.call.state.spec.session_id][result.call.drafter] = result.drafted
         trees = {r.state.spec.session_id: self._tree(r, replies[r.state.spec.session_id]) for r in drafting}
         return {sid: tree for sid, tree in trees.items() if tree.tokens}
@@ -148,9 +148,10 @@ class Drafting:
         for state in batch:
             router.assign_domain(state.routing, scores[state.spec.session_id])
 
-    async def _calls(self, calls: list[DraftCall]) -> list[DraftResult]:
+    async def _calls(self, calls: list[DraftCall], plan: RoundPlan | None = None) -> list[DraftResult]:
         """Each call to the replica of its drafter's service that drafts for the request, one Draft call per
-        replica (split to the service's per-call limits), all concurrently. Returns the sessions that drafted."""
+        replica (split to the service's per-call limits), all concurrently. Returns the sessions that drafted;
+        a round's `plan` learns how long its calls took."""
         drafters = self.context.drafters
         by_replica: dict[str, list[_Outgoing]] = collections.defaultdict(list)
         transports: dict[str, DrafterTransport] = {}
@@ -191,10 +192,10 @@ class Drafting:
             for name, outgoing in by_replica.items()
             for part in limits.split(units(outgoing), lambda entry: limits.draft_tokens(entry.session), call_limits(outgoing))
         ]
-        results = await asyncio.gather(*(self._call(transports[name], part) for name, part in parts))
+        results = await asyncio.gather(*(self._call(transports[name], part, plan) for name, part in parts))
         return [r for part in results for r in part]
 
-    async def _call(self, transport: DrafterTransport, part: list[_Outgoing]) -> list[DraftResult]:
+    async def _call(self, transport: DrafterTransport, part: list[_Outgoing], plan: RoundPlan | None) -> list[DraftResult]:
         if not self.breaker.allow(transport.name):
             if self.breaker.probe_due(transport.name):
                 self._in_background(self._probe(transport))
@@ -205,6 +206,8 @@ class Drafting:
         try:
             reply = await transport.draft(sessions, self._timeout_s(sessions))
         except TransportError as err:
+            if plan is not None:
+                plan.called("draft", (time.perf_counter() - started) * 1e3)
             # Losing a drafter costs speed, never correctness: these requests decode plainly this round.
             metrics.drafter_errors += 1
             log.warning("drafter service %s failed (%s); decoding without its drafts this round", transport.name, err)
@@ -213,8 +216,11 @@ class Drafting:
                 entry.call.state.drafter_mirrors[entry.call.drafter].reset()
             return []
         wall = (time.perf_counter() - started) * 1e3
+        if plan is not None:
+            plan.called("draft", wall)
         if self.context.telemetry is not None:
             self.context.telemetry.draft_call.labels(drafter_service=transport.name).observe(wall / 1e3)
+            self.context.telemetry.call_phases("draft", wall, reply.compute_ms, reply.queue_ms)
         cost.observe_draft(max((s.num_draft_tokens for s in sessions), default=0), reply.compute_ms)
         cost.observe_calls(draft_overhead_ms=wall - reply.compute_ms)
         out = []
@@ -222,6 +228,7 @@ class Drafting:
             call = entry.call
             call.state.timing_ms["draft_wall"] += wall
             call.state.timing_ms["draft_compute"] += reply.compute_ms
+            call.state.timing_ms["draft_queue"] += reply.queue_ms
             mirror = call.state.drafter_mirrors[call.drafter]
             if not drafted.known:
                 metrics.session_misses += 1

@@ -233,6 +233,9 @@ class Generation:
             draft_compute_ms=state.timing_ms["draft_compute"],
             verify_wall_ms=state.timing_ms["verify_wall"],
             verify_compute_ms=state.timing_ms["verify_compute"],
+            draft_queue_ms=state.timing_ms["draft_queue"],
+            verify_queue_ms=state.timing_ms["verify_queue"],
+            router_ms=state.timing_ms["router"],
         )
 
     def cancel(self, why: str) -> None:

@@ -85,6 +85,9 @@ def speculation_proto(stats: SpeculationStats) -> generation_pb2.SpeculationStat
         draft_compute_ms=stats.draft_compute_ms,
         verify_wall_ms=stats.verify_wall_ms,
         verify_compute_ms=stats.verify_compute_ms,
+        draft_queue_ms=stats.draft_queue_ms,
+        verify_queue_ms=stats.verify_queue_ms,
+        router_ms=stats.router_ms,
     )
 
 

@@ -264,6 +264,9 @@ def speculation_json(stats: SpeculationStats) -> dict:
         "verify_wall_ms": _shortest_float32(stats.verify_wall_ms),
         "verify_compute_ms": _shortest_float32(stats.verify_compute_ms),
         "domain": stats.domain,
+        "draft_queue_ms": _shortest_float32(stats.draft_queue_ms),
+        "verify_queue_ms": _shortest_float32(stats.verify_queue_ms),
+        "router_ms": _shortest_float32(stats.router_ms),
     }
     return {k: v for k, v in fields.items() if v}
 

@@ -87,6 +87,9 @@ class Chunk:
     logprobs: list = field(default_factory=list)  # the verifier's log-probabilities per token id, when asked (router/verifying.py)
 
 
+TIMINGS = ("draft_wall", "draft_compute", "draft_queue", "verify_wall", "verify_compute", "verify_queue", "router")
+
+
 @dataclass
 class RequestState:
     spec: RequestSpec
@@ -111,7 +114,8 @@ class RequestState:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     per_drafter: dict[str, DrafterCounts] = field(default_factory=dict)
-    timing_ms: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("draft_wall", "draft_compute", "verify_wall", "verify_compute"), 0.0))
+    # Where its rounds' time went, summed over rounds (router/api.py, SpeculationStats, says what each is).
+    timing_ms: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIMINGS, 0.0))
     logprobs: list = field(default_factory=list)  # the verifier's log-probabilities per output token, when asked
     text: str = ""  # output text so far (stop strings removed)
     sent_text: int = 0  # characters of text already streamed

@@ -88,9 +88,25 @@ class RequestPlan:
 @dataclass
 class RoundPlan:
     requests: list[RequestPlan]  # every request of the round, drafting or not, in the lane's order
+    # The round's longest draft call and longest verify call (ms, as the router saw them, failed ones
+    # included): a stage's calls run concurrently, so the longest is what the round waited for.
+    draft_calls_ms: float = 0.0
+    verify_calls_ms: float = 0.0
 
     def drafting(self) -> list[RequestPlan]:
         return [r for r in self.requests if r.k > 0]
+
+    def called(self, stage: str, wall_ms: float) -> None:
+        """One call of the stage ("draft" or "verify") took wall_ms."""
+        if stage == "draft":
+            self.draft_calls_ms = max(self.draft_calls_ms, wall_ms)
+        else:
+            self.verify_calls_ms = max(self.verify_calls_ms, wall_ms)
+
+    def router_ms(self, wall_ms: float) -> float:
+        """The router's own time in a round of wall_ms: planning, building the calls, committing the results,
+        what the round's longest draft and verify calls leave of it (the two stages run one after the other)."""
+        return max(0.0, wall_ms - self.draft_calls_ms - self.verify_calls_ms)
 
 
 class LaneKinds:

@@ -188,6 +188,12 @@ class Scheduler:
         wall_ms = (time.perf_counter() - started) * 1e3
         committed = sum(len(s.tokens) for s in batch) - before
         self.context.controller.observe_round(len(batch), committed, wall_ms, drafted, clean, running)
+        # Every request of the round waited for the router's own part of it.
+        router_ms = plan.router_ms(wall_ms)
+        for state in batch:
+            state.timing_ms["router"] += router_ms
+        if self.context.telemetry is not None:
+            self.context.telemetry.round_phase.labels(phase="router").observe(router_ms / 1e3)
 
     def _publish(self, state: RequestState) -> None:
         if state.published_final:

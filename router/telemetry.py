@@ -12,6 +12,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from specfleet.metrics import E2E_BUCKETS, ITL_BUCKETS, PASS_BUCKETS, TTFT_BUCKETS
 
+# Where a round's time goes (specfleet:round_phase_seconds): each draft and verify call's server compute,
+# server queue and transport (the rest of its wall time), and the router's own time per round.
+ROUND_PHASES = ("draft_compute", "draft_queue", "draft_transport", "verify_compute", "verify_queue", "verify_transport", "router")
+
 
 class RouterTelemetry:
     """The router's request, token and speculation metrics; the scheduler reports to it."""
@@ -64,6 +68,16 @@ class RouterTelemetry:
         self.verify_call = Histogram(
             "specfleet:verify_call_seconds", "Wall time of one Verify call, as the router sees it.", buckets=PASS_BUCKETS, registry=r
         )
+        self.round_phase = Histogram(
+            "specfleet:round_phase_seconds",
+            "Where a round's time goes: each call's server compute, server queue and transport (the rest of its wall time), "
+            "and the router's own time per round (the round's wall time less its longest draft and verify calls).",
+            ["phase"],
+            buckets=PASS_BUCKETS,
+            registry=r,
+        )
+        for phase in ROUND_PHASES:  # every phase is exported from the start, at zero
+            self.round_phase.labels(phase=phase)
         up = Gauge(
             "specfleet:verifier_replica_up", "1 while the router sends rounds to this verifier replica, 0 while it skips it.", ["replica"], registry=r
         )
@@ -74,6 +88,14 @@ class RouterTelemetry:
         )
         r.register(_RoundState(scheduler))
         self._last_token_at: dict[int, float] = {}  # id(state) -> when its last tokens went out
+
+    def call_phases(self, stage: str, wall_ms: float, compute_ms: float, queue_ms: float) -> None:
+        """One draft or verify call (stage) took wall_ms at the router, of which the server reported compute_ms
+        in its pass and queue_ms in its batch queue; the rest is transport."""
+        self.round_phase.labels(phase=f"{stage}_compute").observe(compute_ms / 1e3)
+        self.round_phase.labels(phase=f"{stage}_queue").observe(queue_ms / 1e3)
+        # Never below zero: the server's float32 milliseconds may round past the router's own measure.
+        self.round_phase.labels(phase=f"{stage}_transport").observe(max(0.0, wall_ms - compute_ms - queue_ms) / 1e3)
 
     def published(self, state, chunk) -> None:
         """A chunk went to the client (Scheduler._publish)."""

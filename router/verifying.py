@@ -76,7 +76,7 @@ class Verifying:
         for request in plan.requests:
             replica = self.verifiers.place(request.state)
             (by_replica[replica] if replica is not None else waiting).append(request)
-        await asyncio.gather(*(self._on(replica, requests, trees) for replica, requests in by_replica.items()))
+        await asyncio.gather(*(self._on(replica, requests, trees, plan) for replica, requests in by_replica.items()))
         for request in waiting:
             if self.verifiers.waited_too_long(request.state):
                 request.state.error = (
@@ -96,7 +96,7 @@ class Verifying:
         deadline += sum(len(s.sync.new_token_ids) for s in sessions) / PREFILL_TOKENS_PER_S
         return min(self.context.config.settings.rpc_timeout_s, deadline)
 
-    async def _on(self, replica: str, requests: list[RequestPlan], trees: dict[str, DraftTree]) -> None:
+    async def _on(self, replica: str, requests: list[RequestPlan], trees: dict[str, DraftTree], plan: RoundPlan) -> None:
         """The replica's requests in calls within the verifier's per-call limits, concurrently."""
         units = []
         for request in requests:
@@ -112,9 +112,9 @@ class Verifying:
             )
             units.append([VerifyCall(request, tree, session)])
         parts = limits.split(units, lambda call: limits.verify_tokens(call.session), self.context.config.verify_limits)
-        await asyncio.gather(*(self._call(replica, part) for part in parts))
+        await asyncio.gather(*(self._call(replica, part, plan) for part in parts))
 
-    async def _call(self, replica: str, part: list[VerifyCall]) -> None:
+    async def _call(self, replica: str, part: list[VerifyCall], plan: RoundPlan) -> None:
         metrics, cost, telemetry = self.context.metrics, self.context.controller.cost, self.context.telemetry
         states = [call.request.state for call in part]
         sessions = [call.session for call in part]
@@ -122,6 +122,7 @@ class Verifying:
         try:
             reply = await self.verifiers.replicas[replica].verify(sessions, self._timeout_s(sessions))
         except TransportError as err:
+            plan.called("verify", (time.perf_counter() - started) * 1e3)
             if err.invalid_argument:
                 log.error("verifier replica %s refused the round (%s)", replica, err)
                 for state in states:
@@ -133,9 +134,11 @@ class Verifying:
             return
         self.verifiers.succeeded(states)
         wall = (time.perf_counter() - started) * 1e3
+        plan.called("verify", wall)
         if telemetry is not None:
             telemetry.replica_sessions.labels(replica=replica).inc(len(part))
             telemetry.verify_call.observe(wall / 1e3)
+            telemetry.call_phases("verify", wall, reply.compute_ms, reply.queue_ms)
         # A merged batch reports its whole compute time to every caller: count this call's share
         # as busy time, and scale this call's sessions and tokens up to the pass for the cost model.
         metrics.verify_busy_ms += reply.compute_ms * len(sessions) / max(reply.batch_size, len(sessions))
@@ -147,6 +150,7 @@ class Verifying:
             state = call.request.state
             state.timing_ms["verify_wall"] += wall
             state.timing_ms["verify_compute"] += reply.compute_ms
+            state.timing_ms["verify_queue"] += reply.queue_ms
             if not verified.known:
                 # Lost by the verifier: send everything next round. No tokens were committed.
                 metrics.session_misses += 1

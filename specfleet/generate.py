@@ -105,14 +105,20 @@ def main(argv: list[str]) -> int:
 
 def _timing(elapsed_s: float, first_token_s: float | None, tokens: int, stats) -> str:
     """Where the request's time went, as `generate --stats` prints it: the whole call as this client saw it,
-    and the router's draft and verify calls summed over rounds, wall (as the router saw them: network and
-    queueing included) and compute (the servers' forward passes, shared with requests batched alongside)."""
+    and the router's draft and verify calls summed over rounds, wall (as the router saw them) split into
+    compute (the servers' forward passes, shared with requests batched alongside), queue (the waits in the
+    servers' batch queues) and transport (the rest: serialisation, gRPC, event loops, waiting for a CPU);
+    then the router's own time in those rounds."""
     per = max(1, tokens)
     first = f"; first token {first_token_s * 1e3:.0f} ms" if first_token_s is not None else ""
+
+    def split(wall: float, compute: float, queue: float) -> str:
+        return f"{wall:.0f} ms wall = {compute:.0f} compute + {queue:.0f} queue + {max(0.0, wall - compute - queue):.0f} transport"
+
     return (
         f"[time: {elapsed_s * 1e3:.0f} ms, {elapsed_s * 1e3 / per:.1f} ms/token, {tokens / elapsed_s if elapsed_s > 0 else 0:.1f} tokens/s{first}; "
-        f"draft {stats.draft_wall_ms:.0f} ms wall, {stats.draft_compute_ms:.0f} ms compute; "
-        f"verify {stats.verify_wall_ms:.0f} ms wall, {stats.verify_compute_ms:.0f} ms compute; "
+        f"draft {split(stats.draft_wall_ms, stats.draft_compute_ms, stats.draft_queue_ms)}; "
+        f"verify {split(stats.verify_wall_ms, stats.verify_compute_ms, stats.verify_queue_ms)}; router {stats.router_ms:.0f} ms; "
         f"per token: draft {stats.draft_wall_ms / per:.1f}/{stats.draft_compute_ms / per:.1f} ms, "
         f"verify {stats.verify_wall_ms / per:.1f}/{stats.verify_compute_ms / per:.1f} ms (wall/compute)]"
     )

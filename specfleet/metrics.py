@@ -13,7 +13,7 @@ Names follow vLLM's where the meaning is the same (prefix `specfleet:` for
               and specfleet's own: :drafter_draft_tokens_total{drafter,domain},
               :drafter_accepted_tokens_total{drafter,domain}, :routing_decisions_total{drafter,domain},
               :fusion_width, :pipeline_lane_requests{lane}, :draft_call_seconds{drafter_service},
-              :verify_call_seconds
+              :verify_call_seconds, :round_phase_seconds{phase}
     verifier  specfleet:verifier_batch_size, :verifier_pass_seconds, :sessions, :kv_cache_used_bytes
     drafter   specfleet:drafter_batch_size{drafter_service}, :drafter_pass_seconds{drafter_service},
               :sessions{drafter_service}, :kv_cache_used_bytes{drafter_service}

@@ -374,6 +374,9 @@ def test_the_http_api_reports_speculation_as_the_grpc_api_s_json():
             draft_compute_ms=0.1,
             verify_wall_ms=1e-9,
             verify_compute_ms=3.0,
+            draft_queue_ms=0.25,
+            verify_queue_ms=7e-5,
+            router_ms=1.5,
         ),
     ]
     for stats in cases:

@@ -272,10 +272,13 @@ def test_cli_generate_prints_text(cluster, stream):
     assert out.returncode == 0, out.stderr
     assert out.stdout == expected.text + "\n"
     assert "finish: length; rounds: " in out.stderr and "8 tokens, " in out.stderr
-    # Where the time went: the whole call, and the router's draft and verify calls, wall and compute.
+    # Where the time went: the whole call, the router's draft and verify calls (wall = compute + queue + transport)
+    # and the router's own time.
     timing = re.search(
-        r"\[time: (\d+) ms, [\d.]+ ms/token, [\d.]+ tokens/s(; first token \d+ ms)?; draft \d+ ms wall, \d+ ms compute; "
-        r"verify (\d+) ms wall, (\d+) ms compute; per token: draft [\d.]+/[\d.]+ ms, verify [\d.]+/[\d.]+ ms \(wall/compute\)\]",
+        r"\[time: (\d+) ms, [\d.]+ ms/token, [\d.]+ tokens/s(; first token \d+ ms)?; "
+        r"draft \d+ ms wall = \d+ compute \+ \d+ queue \+ \d+ transport; "
+        r"verify (\d+) ms wall = (\d+) compute \+ \d+ queue \+ \d+ transport; router \d+ ms; "
+        r"per token: draft [\d.]+/[\d.]+ ms, verify [\d.]+/[\d.]+ ms \(wall/compute\)\]",
         out.stderr,
     )
     assert timing, out.stderr
