@@ -125,6 +125,22 @@ def test_metrics_count_what_the_replies_report(ops, stub):
     # Per drafter (one drafter, chains only: its proposals are the request's drafts).
     assert moved_family("specfleet:drafter_draft_tokens_total") == sum(d.draft_tokens for r in replies for d in r.speculation.drafters)
     assert moved_family("specfleet:drafter_accepted_tokens_total") == sum(d.accepted_tokens for r in replies for d in r.speculation.drafters)
+    # Where the rounds' time went: each call's wall holds the server's queue and compute (float32 milliseconds,
+    # so a hair of rounding is allowed); the rest is transport. The router's own time is never nothing.
+    for r in replies:
+        s = r.speculation
+        assert min(s.draft_queue_ms, s.verify_queue_ms, s.draft_compute_ms, s.verify_compute_ms) >= 0 and s.router_ms > 0, s
+        assert s.draft_queue_ms + s.draft_compute_ms <= s.draft_wall_ms * (1 + 1e-5) + 1e-3, s
+        assert s.verify_queue_ms + s.verify_compute_ms <= s.verify_wall_ms * (1 + 1e-5) + 1e-3, s
+    # The same per call and per round in specfleet:round_phase_seconds: a router sample each round, the calls' phases
+    # each call, and the phases' sums are times.
+    phase = 'specfleet:round_phase_seconds_{}{{phase="{}"}}'
+    assert moved(phase.format("count", "router")) == moved("specfleet:rounds_total")
+    for stage in ("draft", "verify"):
+        calls = moved(phase.format("count", f"{stage}_compute"))
+        assert calls > 0 and all(moved(phase.format("count", f"{stage}_{part}")) == calls for part in ("queue", "transport"))
+        assert all(moved(phase.format("sum", f"{stage}_{part}")) >= 0 for part in ("compute", "queue", "transport"))
+    assert moved(phase.format("sum", "router")) > 0
 
 
 def test_a_cancelled_request_stops_and_counts_as_cancelled(ops, stub):

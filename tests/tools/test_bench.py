@@ -133,10 +133,12 @@ def test_smoke_run_measures_and_catches_a_wrong_output(random_family, cluster, t
     assert spec["draft_tokens"] > 0 and 0 <= spec["acceptance_rate"] <= 1
     assert "drafter-noisy" in spec["per_drafter"] and spec["per_domain"]
     assert 0 < spec["verifier_busy_fraction"] <= 1
-    assert set(spec["per_round_ms"]) >= {"draft_wall", "verify_wall", "network"}
+    assert set(spec["per_round_ms"]) >= {"draft_wall", "verify_wall", "network", "queue", "transport", "router"}
+    assert all(spec["per_round_ms"][k] >= 0 for k in ("draft_queue", "verify_queue", "router"))
     assert runs[("specfleet-off", "c1")]["speculation"]["draft_tokens"] == 0
     md = (out / "results.md").read_text()
     assert "**MISMATCH 4/4**" in md and "ok 4/4" in md and "specfleet bench run" in md
+    assert "| queue ms (share of round) | transport ms (share) | router ms (share) |" in md
     assert (out / "throughput_vs_concurrency.png").stat().st_size > 0
     assert (out / "latency_vs_load.png").stat().st_size > 0
     assert (out / "acceptance_by_domain.png").stat().st_size > 0

@@ -134,27 +134,36 @@ def domain_table(results: dict) -> str:
 
 
 def round_table(results: dict) -> str:
-    """Where a speculative round's time goes: draft and verify, each split into compute and network."""
+    """Where a speculative round's time goes: draft and verify calls, each split into the server's compute,
+    the server's queue and transport, and the router's own time. Results from before queue and router time
+    were measured show their network (queue and transport together) in the transport column."""
     rows = []
     for run in results["runs"]:
         s = run.get("speculation") or {}
         pr = s.get("per_round_ms")
         if not pr or not s.get("rounds"):
             continue
-        total = (pr["draft_wall"] or 0) + (pr["verify_wall"] or 0)
+        measured = "router" in pr
+        dq, vq = pr.get("draft_queue"), pr.get("verify_queue")
+        dt, vt = (pr["draft_transport"], pr["verify_transport"]) if measured else (pr["draft_network"], pr["verify_network"])
+        total = (pr["draft_wall"] or 0) + (pr["verify_wall"] or 0) + (pr.get("router") or 0)
+
+        def share(ms):
+            return f"{_f(ms, '{:.2f}')} ({_f(ms / total if ms is not None and total else None, '{:.0%}')})"
+
         rows.append(
             f"| {run['label']} | {run['load']} | {s['rounds'] / max(1, run['requests']):.1f} | {_f(s.get('tokens_per_round'), '{:.2f}')} "
-            f"| {_f(pr['draft_wall'], '{:.2f}')} = {_f(pr['draft_compute'], '{:.2f}')} + {_f(pr['draft_network'], '{:.2f}')} "
-            f"| {_f(pr['verify_wall'], '{:.2f}')} = {_f(pr['verify_compute'], '{:.2f}')} + {_f(pr['verify_network'], '{:.2f}')} "
-            f"| {_f(pr['network'], '{:.2f}')} ({_f(pr['network'] / total if total else None, '{:.0%}')}) |"
+            f"| {_f(pr['draft_wall'], '{:.2f}')} = {_f(pr['draft_compute'], '{:.2f}')} + {_f(dq, '{:.2f}')} + {_f(dt, '{:.2f}')} "
+            f"| {_f(pr['verify_wall'], '{:.2f}')} = {_f(pr['verify_compute'], '{:.2f}')} + {_f(vq, '{:.2f}')} + {_f(vt, '{:.2f}')} "
+            f"| {share(pr.get('queue'))} | {share(pr['transport'] if measured else pr['network'])} | {share(pr.get('router'))} |"
         )
     if not rows:
         return ""
     return "\n".join(
         [
-            "| system | load | rounds / request | tokens / round | draft ms = compute + network | verify ms = compute + network "
-            "| network ms per round (share) |",
-            "|" + "---|" * 7,
+            "| system | load | rounds / request | tokens / round | draft ms = compute + queue + transport "
+            "| verify ms = compute + queue + transport | queue ms (share of round) | transport ms (share) | router ms (share) |",
+            "|" + "---|" * 9,
             *rows,
         ]
     )
@@ -193,8 +202,9 @@ def markdown(results: dict, plots: dict[str, str] | None = None, heading: str = 
     rt = round_table(results)
     if rt:
         lines += [
-            "Per speculative round (router's view; compute is the servers' forward passes, network is wall minus compute: "
-            "serialisation, transport and queueing):",
+            "Per speculative round (router's view; compute is the servers' forward passes, queue the calls' waits in the "
+            "servers' batch queues, transport the rest of the calls' wall time: serialisation, gRPC, event loops, waiting "
+            "for a CPU; router is the router's own time in the round, beside its calls):",
             "",
             rt,
             "",

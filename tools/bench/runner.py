@@ -266,6 +266,7 @@ def speculation_summary(records: list[Record]) -> dict:
         bucket["accepted_per_verification"] = bucket["accepted_tokens"] / bucket["rounds"] if bucket["rounds"] else None
     out_tokens = sum(len(r.output.token_ids) for r in records)
     dw, dc, vw, vc = tot("draft_wall_ms"), tot("draft_compute_ms"), tot("verify_wall_ms"), tot("verify_compute_ms")
+    dq, vq, router = tot("draft_queue_ms"), tot("verify_queue_ms"), tot("router_ms")
     per_round = lambda x: x / rounds if rounds else None  # noqa: E731
     return {
         "source": "specfleet SpeculationStats",
@@ -286,9 +287,17 @@ def speculation_summary(records: list[Record]) -> dict:
             "draft_compute": per_round(dc),
             "verify_wall": per_round(vw),
             "verify_compute": per_round(vc),
+            # network: the calls' wall less the servers' compute, split into the servers' queues and transport.
             "network": per_round((dw - dc) + (vw - vc)),
             "draft_network": per_round(dw - dc),
             "verify_network": per_round(vw - vc),
+            "draft_queue": per_round(dq),
+            "verify_queue": per_round(vq),
+            "draft_transport": per_round(dw - dc - dq),
+            "verify_transport": per_round(vw - vc - vq),
+            "queue": per_round(dq + vq),
+            "transport": per_round((dw - dc - dq) + (vw - vc - vq)),
+            "router": per_round(router),  # the router's own time in the round, beside its calls
         },
     }
 

@@ -461,6 +461,9 @@ class Specfleet(System):
                 "draft_compute_ms": s.draft_compute_ms,
                 "verify_wall_ms": s.verify_wall_ms,
                 "verify_compute_ms": s.verify_compute_ms,
+                "draft_queue_ms": s.draft_queue_ms,
+                "verify_queue_ms": s.verify_queue_ms,
+                "router_ms": s.router_ms,
             }
             if "domain" in type(s).DESCRIPTOR.fields_by_name:
                 stats["routed_domain"] = s.domain
