@@ -12,7 +12,7 @@ Subcommands
                  assisted generation, vLLM (target, draft model, n-gram; when installed),
                  specfleet with one drafter and with every drafter
   single-stream  preset: one client, greedy, 128 new tokens, 20 prompts: specfleet against
-                 the target alone, with each round split into draft, verify and network time
+                 the target alone, with each round split into draft, verify, queue, transport and router time
   engine         one forward pass for given shapes (sessions x new tokens x context, cpu or
                  cuda): specfleet's pass, transformers' forward and the memory/compute floor
                  (`specfleet bench engine --help`)
@@ -50,8 +50,9 @@ Metrics (per system and load point; JSON has all of them)
   time per output token, request latency p50/p90/p99; for specfleet: acceptance rate and
   mean accepted tokens per verification, per drafter and per domain, verifier busy fraction
   (the router's verify_busy_seconds_total over the load point's wall time), and per round the
-  draft, verify and network time (wall minus the servers' compute: transport, serialisation,
-  batching waits); for vLLM its spec-decode counters from /metrics.
+  draft and verify time, each split into the servers' compute, the servers' queue (batching
+  waits) and transport (the rest: serialisation, gRPC, event loops), and the router's own time;
+  for vLLM its spec-decode counters from /metrics.
 
 Workloads (--workload)
   en, de, fr, es, it, code, structured, mixed: committed prompt files (tools/bench/workloads/, windows
