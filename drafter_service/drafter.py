@@ -39,6 +39,7 @@ from specfleet.engine import LoadedModel, Session, SessionStore, UnknownSession,
 from specfleet.engine.stack import Stack, stack_models
 from specfleet.fusion import lead
 from specfleet.sampling import STREAM_DRAFT, SamplingParams
+from drafter_service.ngram import NgramModel
 
 # Catch-ups up to this many tokens ride in the first draft step: a separate pass for them cost
 # about a fifth of a draft call, and padding a step to this width costs a small model little.
@@ -123,8 +124,12 @@ def propose(drafting: list[Drafting], step: int) -> None:
     """One batched forward pass: each session's next token, its proposal and its confidence.
 
     Every session's model is the same one, or a member of the same stack. Each session feeds
-    what its cache lacks (at least its last token); its logits are read at the last position it fed."""
+    what its cache lacks (at least its last token); its logits are read at the last position it fed.
+    An n-gram drafter (ngram.py) looks its sessions' proposals up instead."""
     first = drafting[0].model
+    if isinstance(first, NgramModel):
+        first.propose(drafting, step)
+        return
     sessions = [d.session for d in drafting]
     if first.stack is None:
         logits, global_ids = next_token_logits(first.loaded, sessions), first.loaded.global_ids
@@ -155,7 +160,7 @@ class Drafting:
     committed: int  # the session's length before drafting
 
 
-def draft_batch(models: dict[str, DraftModel], tagged: list[tuple[str, DraftItem]]) -> list[DraftResult]:
+def draft_batch(models: dict[str, DraftModel | NgramModel], tagged: list[tuple[str, DraftItem]]) -> list[DraftResult]:
     """Draft for (model name, item) pairs, every model's sessions batched per step; results in input order."""
     with contextlib.ExitStack() as locks:
         for name in sorted({name for name, _ in tagged}):
@@ -163,7 +168,7 @@ def draft_batch(models: dict[str, DraftModel], tagged: list[tuple[str, DraftItem
         return _draft_batch(models, tagged)
 
 
-def _draft_batch(models: dict[str, DraftModel], tagged: list[tuple[str, DraftItem]]) -> list[DraftResult]:
+def _draft_batch(models: dict[str, DraftModel | NgramModel], tagged: list[tuple[str, DraftItem]]) -> list[DraftResult]:
     results, drafting, scored = [], [], []
     for name, item in tagged:
         model = models[name]
@@ -174,7 +179,7 @@ def _draft_batch(models: dict[str, DraftModel], tagged: list[tuple[str, DraftIte
             continue
         result = DraftResult(item.session_id, known=True)
         results.append(result)
-        if item.score_context:
+        if item.score_context and not isinstance(model, NgramModel):  # no model, no score: the router skips it
             scored.append((model, result, session))
         if item.num_draft_tokens > 0:
             drafting.append(Drafting(model, item, session, result, committed=len(session.token_ids)))
@@ -183,7 +188,13 @@ def _draft_batch(models: dict[str, DraftModel], tagged: list[tuple[str, DraftIte
         result.context_log_prob, result.context_tokens = total / max(1, count), count
     for d in drafting:
         d.session.crop_kv(len(d.session.token_ids) - 1)  # the last token's logits draft the first token
-    _prefill([(d.model, d.session) for d in drafting if len(d.session.token_ids) - d.session.kv_len > STEP_CATCH_UP])
+    _prefill(
+        [
+            (d.model, d.session)
+            for d in drafting
+            if not isinstance(d.model, NgramModel) and len(d.session.token_ids) - d.session.kv_len > STEP_CATCH_UP
+        ]
+    )
 
     step, active = 0, drafting
     while active:
@@ -192,6 +203,8 @@ def _draft_batch(models: dict[str, DraftModel], tagged: list[tuple[str, DraftIte
             passes.setdefault(id(d.model.passes_with), []).append(d)
         for mine in passes.values():
             propose(mine, step)
+        # A session that proposed nothing at this step (an n-gram drafter without a match) is done.
+        active = [d for d in active if len(d.result.token_ids) > step]
         # What each session continues from: its own token, or its lockstep group's lead token.
         groups: dict[str, list[Drafting]] = {}
         for d in active:

@@ -20,6 +20,7 @@ from specfleet.service_shell import CoreServicer, InvalidArgument, Section, Serv
 from specfleet.batching import BatchQueue
 from specfleet.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from drafter_service.drafter import DraftItem, DraftModel, draft_batch, stack_draft_models
+from drafter_service.ngram import NgramModel, load_source
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,9 @@ class IncompatibleModels(ValueError):
 class DrafterCore:
     """The drafter service's logic in proto messages, shared by the gRPC servicer and the Ray actor."""
 
-    def __init__(self, models: dict[str, DraftModel], batcher: BatchQueue, telemetry: PassTelemetry, limits: limits_mod.CallLimits | None = None):
+    def __init__(
+        self, models: dict[str, DraftModel | NgramModel], batcher: BatchQueue, telemetry: PassTelemetry, limits: limits_mod.CallLimits | None = None
+    ):
         self.models = models
         self.telemetry = telemetry
         self.batcher = batcher
@@ -144,14 +147,17 @@ def load_core(svc: config_mod.DrafterServiceConfig, threads: int | None = None) 
     device = config_mod.resolve_device(svc.device, f"drafters[{svc.name}].device")
     models = {}
     for m in svc.models:
-        loaded = load_model(m.name, m.path, dtype=svc.dtype, device=device, use_token_map=True, attention=svc.attention)
         store = SessionStore(max_cache_bytes=int(svc.max_cache_mb * 2**20), max_sessions=svc.max_sessions)
+        if m.kind == "ngram":
+            models[m.name] = NgramModel(load_source(m.name, m.path), store, m.ngram_max, m.ngram_min, m.ngram_matches)
+            continue
+        loaded = load_model(m.name, m.path, dtype=svc.dtype, device=device, use_token_map=True, attention=svc.attention)
         models[m.name] = DraftModel(loaded, store, svc.proposal_top_k)
     fingerprints = {m.loaded.fingerprint for m in models.values()}
     if len(fingerprints) > 1:
         raise IncompatibleModels(f"drafter service {svc.name}: its draft models use different tokenizers; they cannot serve one target")
     if svc.stack_models:
-        for stack in stack_draft_models(models):
+        for stack in stack_draft_models({name: m for name, m in models.items() if isinstance(m, DraftModel)}):
             log.info("drafter service %s: %s draft in one pass a step (same shape, stacked)", svc.name, ", ".join(m.name for m in stack.members))
     telemetry = PassTelemetry("drafter", lambda: [m.store for m in models.values()], {"drafter_service": svc.name})
     batcher = BatchQueue(

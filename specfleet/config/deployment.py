@@ -117,6 +117,8 @@ def validate(config: Config) -> None:
         for j, m in enumerate(svc.models):
             if not m.name or not m.path:
                 raise ConfigError(f"drafters[{i}].models[{j}]: name and path are required")
+            if m.kind == "ngram" and m.ngram_min > m.ngram_max:
+                raise ConfigError(f"drafters[{i}].models[{j}].ngram_min: must be at most ngram_max ({m.ngram_max}), got {m.ngram_min}")
             if m.name in seen_models:
                 raise ConfigError(f"drafters[{i}].models[{j}].name: draft model {m.name!r} is configured twice")
             seen_models.add(m.name)

@@ -118,10 +118,23 @@ class VerifierConfig(ServiceConfig):
     )
 
 
+DRAFT_KINDS = ("model", "ngram")
+
+
 @dataclass
 class DraftModelConfig:
     name: str = knob("", "the draft model's name (routing, metrics, router.default_drafter)")
-    path: str = knob("", "its checkpoint directory")
+    kind: str = knob(
+        "model",
+        "model: a checkpoint drafts; ngram: no model, proposals from n-gram statistics of the request's own tokens (drafter_service/ngram.py)",
+        check=one_of(DRAFT_KINDS),
+    )
+    path: str = knob("", "its checkpoint directory; for kind ngram, a directory with the target's tokenizer (the target's own works)")
+    ngram_max: int = knob(4, "kind ngram: the longest context suffix it looks up", check=at_least(1))
+    ngram_min: int = knob(1, "kind ngram: the shortest suffix it looks up; below it (no earlier occurrence) it proposes nothing", check=at_least(1))
+    ngram_matches: int = knob(
+        16, "kind ngram: the most recent earlier occurrences of the matched suffix whose next tokens make its distribution", check=at_least(1)
+    )
     specialities: list[str] = knob(doc="what it is good at (labels such as code, de, structured)", factory=list)
     exemplars: list[str] = knob(doc="texts typical of it, for routing prompts before anything is learned", factory=list)
     exemplars_file: str = knob("", 'more exemplars: a file of JSON lines with a "text" field')

@@ -62,6 +62,13 @@ BAD = [
     ("duplicate service", with_("drafters.1.name", "a"), "drafters[1].name: duplicate service name 'a'"),
     ("service without models", with_("drafters.0.models", []), "drafters[0].models: a drafter service needs at least one model"),
     ("model without path", with_("drafters.0.models.0", {"name": "general"}), "drafters[0].models[0]: name and path are required"),
+    ("unknown draft kind", with_("drafters.0.models.0.kind", "lookup"), "drafters[0].models[0].kind: must be one of model, ngram, got 'lookup'"),
+    ("ngram max zero", with_("drafters.0.models.0.ngram_max", 0), "drafters[0].models[0].ngram_max: must be at least 1"),
+    (
+        "ngram min above max",
+        with_("drafters.0.models.0", {"name": "lookup", "kind": "ngram", "path": "t", "ngram_min": 5}),
+        "drafters[0].models[0].ngram_min: must be at most ngram_max (4), got 5",
+    ),
     ("duplicate model", with_("drafters.1.models.0.name", "general"), "drafters[1].models[0].name: draft model 'general' is configured twice"),
     ("negative core", with_("drafters.1.cpus", [-1]), "drafters[1].cpus: a list of core numbers"),
     ("cores not a list", with_("verifier.cpus", 3), "verifier.cpus"),

@@ -1,0 +1,140 @@
+"""The n-gram drafter: the longest, most recent earlier occurrences of the context's suffix propose, each
+proposal is exactly the distribution its token was drawn from, and the service hosts it like a model."""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import pytest
+import torch
+
+from drafter_service.drafter import DraftItem, DraftModel, draft_batch
+from drafter_service.ngram import NgramModel, choose, load_source, next_token_counts
+from drafter_service.server import load_core
+from specfleet import config as config_mod
+from specfleet.engine import SessionStore, load_model
+from specfleet.engine.sampling import race, race_keys, race_noise
+from specfleet.sampling import SamplingParams
+
+
+def test_the_longest_suffix_that_occurred_before_wins():
+    # Suffix (1, 2, 3) occurred once, followed by 9; (2, 3) also occurred followed by 7; (3,) followed by 5 too.
+    tokens = [3, 5, 2, 3, 7, 1, 2, 3, 9, 0, 1, 2, 3]
+    assert next_token_counts(tokens, 4, 1, 16) == ([9], [1])
+    assert next_token_counts(tokens, 2, 1, 16) == ([7, 9], [1, 1])
+    assert next_token_counts(tokens, 1, 1, 16) == ([5, 7, 9], [1, 1, 1])
+
+
+def test_counts_are_over_the_most_recent_occurrences():
+    tokens = [4, 8, 4, 8, 4, 6, 4, 6, 4, 6, 4]
+    assert next_token_counts(tokens, 1, 1, 16) == ([6, 8], [3, 2])
+    assert next_token_counts(tokens, 1, 1, 2) == ([6], [2])
+    assert next_token_counts(tokens, 1, 1, 1) == ([6], [1])
+    assert next_token_counts([4, 6, 4, 8, 4], 1, 1, 1) == ([8], [1])
+
+
+def test_no_earlier_occurrence_of_a_long_enough_suffix_is_no_proposal():
+    assert next_token_counts([1, 2, 3, 4], 4, 1, 16) == ([], [])
+    assert next_token_counts([1, 2, 9, 1, 3, 1, 2], 4, 3, 16) == ([], [])
+    assert next_token_counts([1, 2, 9, 1, 3, 1, 2], 4, 2, 16) == ([9], [1])
+    assert next_token_counts([7], 4, 1, 16) == ([], [])
+
+
+def test_greedy_is_a_point_mass_on_the_most_frequent_token_ties_to_the_lowest_id():
+    assert choose([3, 5, 8], [1, 2, 2], SamplingParams(), 10, 1) == (5, ([5], [1.0]))
+    assert choose([3, 5, 8], [1, 2, 3], SamplingParams(), 10, 1) == (8, ([8], [1.0]))
+
+
+def test_sampled_proposals_send_the_empirical_distribution_and_draw_from_it():
+    ids, counts = [3, 5, 8], [1, 2, 5]
+    drawn = collections.Counter()
+    n = 4000
+    for seed in range(n):
+        token, (sent_ids, sent_q) = choose(ids, counts, SamplingParams(temperature=1.0, seed=seed), 10, 1)
+        assert sent_ids == ids and sent_q == pytest.approx([1 / 8, 2 / 8, 5 / 8], abs=1e-7) and math.fsum(sent_q) == pytest.approx(1)
+        drawn[token] += 1
+    for token, count in zip(ids, counts):
+        # Binomial standard deviation at most sqrt(n / 4) = 32: a 5-sigma band.
+        assert abs(drawn[token] - n * count / 8) < 160
+
+
+def test_raced_proposals_are_the_race_winner_over_q():
+    ids, counts = [3, 5, 8], [1, 2, 5]
+    for seed in range(200):
+        sampling = SamplingParams(temperature=0.7, seed=seed, drafter_invariant=True)
+        token, (_, q) = choose(ids, counts, sampling, 12, 1)
+        winner = race(torch.tensor([q]), race_noise(race_keys([seed], [12]), torch.tensor([ids])))
+        assert token == ids[int(winner[0])]
+
+
+@pytest.fixture(scope="module")
+def ngram(random_family):
+    return NgramModel(load_source("ngram", str(random_family["target"])), SessionStore(1 << 30, 100), 4, 1, 16)
+
+
+def test_the_service_drafts_a_chain_that_continues_the_repetition_and_stops_without_a_match(ngram):
+    items = [
+        DraftItem("rep", 0, [1, 2, 3, 4, 1, 2], num_draft_tokens=5, sampling=SamplingParams()),
+        DraftItem("new", 0, [1, 2, 3, 4], num_draft_tokens=5, sampling=SamplingParams()),
+        DraftItem("end", 0, [1, 2, 3, 1, 2], num_draft_tokens=5, sampling=SamplingParams()),
+    ]
+    rep, new, end = draft_batch({"ngram": ngram}, [("ngram", item) for item in items])
+    assert rep.token_ids == [3, 4, 1, 2, 3] and rep.proposals == [([t], [1.0]) for t in rep.token_ids]
+    assert all(0 < c < 1 for c in rep.confidences)
+    assert new.known and new.token_ids == [] and new.proposals == []
+    # The session holds what it drafted, so the next call syncs as with any drafter.
+    assert ngram.store.get("rep").token_ids == [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3]
+    assert end.token_ids == [3, 1, 2, 3, 1]
+
+
+def test_sampled_sessions_draw_each_token_from_the_distribution_they_send(ngram):
+    context = [2, 1, 5, 3, 1, 5, 4, 1, 5, 8, 1, 6, 9, 1, 7, 0, 1]  # only the suffix (1,) occurred: then 5, 5, 5, 6, 7
+    n = 2000
+    items = [DraftItem(f"s{seed}", 0, context, num_draft_tokens=1, sampling=SamplingParams(temperature=1.0, seed=seed)) for seed in range(n)]
+    results = draft_batch({"ngram": ngram}, [("ngram", item) for item in items])
+    drawn = collections.Counter()
+    for r in results:
+        (ids, q), (token,) = r.proposals[0], r.token_ids
+        assert ids == [5, 6, 7] and q == pytest.approx([0.6, 0.2, 0.2]) and token in ids
+        drawn[token] += 1
+    for token, p in zip([5, 6, 7], [0.6, 0.2, 0.2]):
+        assert abs(drawn[token] - n * p) < 5 * math.sqrt(n * p * (1 - p))
+
+
+def test_in_a_lockstep_group_it_continues_from_the_lead_and_stops_alone(random_family, ngram):
+    """With a model drafter: the n-gram session follows the lead token; once no suffix matches it stops, the model goes on."""
+    model = DraftModel(load_model("m", random_family["drafter-noisy"], use_token_map=True), SessionStore(1 << 30, 100), proposal_top_k=8)
+    context = [9, 8, 7, 9, 8]
+    tagged = [
+        ("m", DraftItem("g", 0, context, num_draft_tokens=4, sampling=SamplingParams(), lockstep_group="g")),
+        ("ngram", DraftItem("g", 0, context, num_draft_tokens=4, sampling=SamplingParams(), lockstep_group="g")),
+    ]
+    fused, ngram_result = draft_batch({"m": model, "ngram": ngram}, tagged)
+    assert len(fused.token_ids) == 4 and 1 <= len(ngram_result.token_ids) <= 4
+    assert ngram_result.token_ids[0] == 7
+    main = list(context)
+    for position, token in enumerate(ngram_result.token_ids):
+        assert ngram_result.proposals[position] == ([token], [1.0])
+        assert next_token_counts(main, 4, 1, 16)[0]  # it proposed where the main branch had a match
+        lead = token if ngram_result.confidences[position] > fused.confidences[position] else fused.token_ids[position]
+        main.append(lead)
+    assert ngram.store.get("g").token_ids == main
+
+
+def test_the_service_hosts_it_beside_a_model_and_reports_the_targets_tokenizer(random_family):
+    svc = config_mod.DrafterServiceConfig(
+        name="mixed",
+        models=[
+            config_mod.DraftModelConfig(name="noisy", path=str(random_family["drafter-noisy"])),
+            config_mod.DraftModelConfig(name="ngram", kind="ngram", path=str(random_family["target"])),
+        ],
+    )
+    core = load_core(svc)
+    try:
+        infos = {m.name: m for m in core.info().models}
+        target = load_model("t", random_family["target"])
+        assert infos["ngram"].tokenizer_fingerprint == target.fingerprint == infos["noisy"].tokenizer_fingerprint
+        assert infos["ngram"].vocab_size == target.vocab_size and infos["ngram"].parameters == 0
+    finally:
+        core.close()
