@@ -10,7 +10,9 @@ Each proposal carries the exact distribution its token was drawn from, as a mode
 does (drafter.py): q(v) = count(v) / total over those occurrences' next tokens. Greedy
 requests get a point mass on q's most frequent token (ties to the lowest id); sampled ones a
 draw from q with the generator keyed by (seed, position, stream); drafter-invariant ones the
-exponential race of q against the verifier's noise. So verification stays exact. When no
+exponential race of q against the verifier's noise. So verification stays exact: it needs the q a
+token was drawn from, not a q near the target's, so the request's temperature, top-k and top-p
+shape only the target's side. When no
 suffix of at least `ngram_min` tokens occurred before, it proposes nothing: the session
 stops drafting for this call (a shorter chain, as `stop_below_confidence` gives).
 
