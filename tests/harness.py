@@ -140,10 +140,7 @@ def cluster_config(family, drafter: str = "drafter-noisy", **overrides) -> dict:
         ],
         # Two lanes, as on a fleet of several machines: the router would choose one on this machine's two
         # cores (router.pipeline_depth 0), and the tests cover the pipelined path.
-        # Drafting every round the controller plans: whether drafting pays on this machine decides when adaptive
-        # speculation falls back to plain decoding (tests/router/test_speculation_fallback.py tests that), and a
-        # fallback here would make what these tests see depend on the machine's speed and load.
-        "router": {"port": free_port(), "default_drafter": drafter, "http_port": 0, "metrics_port": 0, "pipeline_depth": 2, "remeasure_every": 10**9},
+        "router": {"port": free_port(), "default_drafter": drafter, "http_port": 0, "metrics_port": 0, "pipeline_depth": 2},
     }
     for section, values in overrides.items():
         if section == "drafter_service":
