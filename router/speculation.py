@@ -34,7 +34,8 @@ wall time, in rounds that drafted and in rounds that did not, at comparable
 load (requests running), and while drafting delivers less than plain decoding
 every request decodes plainly (k = 0, no probes). Whichever way it decodes,
 once every `remeasure_every` rounds at a load it decodes the other way, so both
-measurements stay current and it returns to drafting when drafting pays again.
+measurements stay current and it returns to drafting when drafting pays again
+(`remeasure_every: 0` turns the check off).
 Only rounds run among rounds of their own kind are measured (the scheduler
 says which: router/rounds.py `LaneKinds`). Times are passed in
 (`observe_round`): the decision reads no clock.
@@ -271,6 +272,8 @@ class SpeculationController:
     def drafts(self, running: int) -> bool:
         """Whether a round, with this many requests running, drafts as planned (True) or decodes plainly, k = 0 for all."""
         every = self.settings.remeasure_every
+        if every == 0:
+            return True  # the measured check is off: draft as the cost model plans
         if self.measured.drafting_loses(running):
             # Measured slower than plain decoding: decode plainly, drafting now and then to see whether it pays again.
             return self.measured.rounds_since(running, drafted=True) >= every

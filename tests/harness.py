@@ -140,7 +140,10 @@ def cluster_config(family, drafter: str = "drafter-noisy", **overrides) -> dict:
         ],
         # Two lanes, as on a fleet of several machines: the router would choose one on this machine's two
         # cores (router.pipeline_depth 0), and the tests cover the pipelined path.
-        "router": {"port": free_port(), "default_drafter": drafter, "http_port": 0, "metrics_port": 0, "pipeline_depth": 2},
+        # remeasure_every 0: drafting as the cost model plans, never falling back to plain decoding; whether drafting pays
+        # on the machine running the tests would otherwise decide what they see (tests/router/test_speculation_fallback.py
+        # tests the fallback).
+        "router": {"port": free_port(), "default_drafter": drafter, "http_port": 0, "metrics_port": 0, "pipeline_depth": 2, "remeasure_every": 0},
     }
     for section, values in overrides.items():
         if section == "drafter_service":

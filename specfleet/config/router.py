@@ -94,8 +94,9 @@ class SpeculationConfig:
     remeasure_every: int = knob(
         32,
         "adaptive speculation decodes plainly while rounds that draft are measured slower than rounds that do not; once per this "
-        "many rounds at a load it measures the other way (plain rounds while drafting, drafting rounds while not)",
-        check=at_least(1),
+        "many rounds at a load it measures the other way (plain rounds while drafting, drafting rounds while not); 0: never falls "
+        "back (drafting as the cost model plans)",
+        check=at_least(0),
     )
 
 

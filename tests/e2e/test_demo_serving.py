@@ -32,7 +32,8 @@ def demo_config(**router) -> dict:
     return {
         "verifier": {"model": str(DEMO_MODELS / "target"), "address": f"127.0.0.1:{free_port()}"},
         "drafters": [{"name": "demo", "address": f"127.0.0.1:{free_port()}", "models": models}],
-        "router": {"port": free_port(), "default_drafter": "general", **router},
+        # Never falling back to plain decoding: see tests/harness.py's cluster_config.
+        "router": {"port": free_port(), "default_drafter": "general", "remeasure_every": 0, **router},
     }
 
 

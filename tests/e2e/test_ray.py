@@ -300,7 +300,7 @@ def serve_config(random_family, verifier_ray: dict, drafter_ray: dict, **verifie
         "verifier": {"model": str(random_family["target"]), "ray": verifier_ray, **verifier},
         "drafters": [{"name": "small", "models": [{"name": "drafter-noisy", "path": str(random_family["drafter-noisy"])}], "ray": drafter_ray}],
         # verifier_wait_s: how long requests wait once no verifier is left (the last test here kills the only one).
-        "router": {"port": free_port(), "default_drafter": "drafter-noisy", "startup_timeout_s": 240, "verifier_wait_s": 15},
+        "router": {"port": free_port(), "default_drafter": "drafter-noisy", "startup_timeout_s": 240, "verifier_wait_s": 15, "remeasure_every": 0},
     }
 
 

@@ -133,3 +133,14 @@ def test_a_round_is_measured_only_among_rounds_of_its_own_kind():
     assert not kinds.start(1, drafted=True)  # drafting after plain: its drafters catch up
     kinds.idle(1)
     assert kinds.start(0, drafted=False) and not kinds.start(0, drafted=True)
+
+
+def test_remeasure_every_zero_turns_the_measured_check_off():
+    """Drafting measured far slower than plain decoding changes nothing: k as the cost model plans."""
+    controller = optimistic_controller()
+    controller.settings = SpeculationConfig(remeasure_every=0)
+    for _ in range(3 * EVERY):
+        controller.observe_round(4, 4, PLAIN_MS, drafted=False, running=4)
+        controller.observe_round(4, 4, 10 * LOSING_MS, drafted=True, running=4)
+    assert controller.measured.drafting_loses(4) and controller.drafts(4)
+    assert all(k > 0 for k in controller.plan([0.9] * 4, [4] * 4, [10] * 4, running=4))

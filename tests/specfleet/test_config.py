@@ -176,7 +176,7 @@ def test_the_services_share_their_common_fields():
         ({"metrics_port": -1}, "router.metrics_port: expected a port number"),
         ({"http_port": "8000"}, "router.http_port: expected int or null"),
         ({"max_queued": -1}, "router.max_queued: must be at least 0"),
-        ({"remeasure_every": 0}, "router.remeasure_every: must be at least 1, got 0"),
+        ({"remeasure_every": -1}, "router.remeasure_every: must be at least 0, got -1"),
     ],
 )
 def test_a_router_key_is_named_as_the_file_spells_it(router, message):
