@@ -151,7 +151,7 @@ def load_core(svc: config_mod.DrafterServiceConfig, threads: int | None = None) 
         if m.kind == "ngram":
             models[m.name] = NgramModel(load_source(m.name, m.path), store, m.ngram_max, m.ngram_min, m.ngram_matches)
             continue
-        loaded = load_model(m.name, m.path, dtype=svc.dtype, device=device, use_token_map=True, attention=svc.attention)
+        loaded = load_model(m.name, m.path, dtype=svc.dtype, device=device, use_token_map=True, attention=svc.attention, linear=svc.linear)
         models[m.name] = DraftModel(loaded, store, svc.proposal_top_k)
     fingerprints = {m.loaded.fingerprint for m in models.values()}
     if len(fingerprints) > 1:
@@ -159,6 +159,9 @@ def load_core(svc: config_mod.DrafterServiceConfig, threads: int | None = None) 
     if svc.stack_models:
         for stack in stack_draft_models({name: m for name, m in models.items() if isinstance(m, DraftModel)}):
             log.info("drafter service %s: %s draft in one pass a step (same shape, stacked)", svc.name, ", ".join(m.name for m in stack.members))
+    for m in models.values():
+        if isinstance(m, DraftModel) and m.stack is None:
+            m.loaded.prepare(m.store.max_cache_bytes, m.store.max_sessions)
     telemetry = PassTelemetry("drafter", lambda: [m.store for m in models.values()], {"drafter_service": svc.name})
     batcher = BatchQueue(
         f"drafter-{svc.name}", telemetry.timed(lambda tagged: draft_batch(models, tagged)), svc.max_batch_size, svc.max_wait_ms / 1e3

@@ -117,7 +117,13 @@ def load_core(vcfg: config_mod.VerifierConfig, model: str | None = None, threads
     configure_torch(threads or vcfg.threads)
     device = config_mod.resolve_device(vcfg.device, "verifier.device")
     loaded = load_model(
-        "target", model or vcfg.model, dtype=vcfg.dtype, device=device, attention=vcfg.attention, cuda_graph_sizes=vcfg.cuda_graph_sizes
+        "target",
+        model or vcfg.model,
+        dtype=vcfg.dtype,
+        device=device,
+        attention=vcfg.attention,
+        cuda_graph_sizes=vcfg.cuda_graph_sizes,
+        linear=vcfg.linear,
     )
     store = SessionStore(max_cache_bytes=int(vcfg.max_cache_mb * 2**20), max_sessions=vcfg.max_sessions)
     loaded.prepare(store.max_cache_bytes, store.max_sessions)

@@ -11,6 +11,8 @@ from specfleet.config.fields import Check, at_least, knob, one_of, redefault, re
 DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?|auto")
 # specfleet.engine.llama.ATTENTION_MODES, spelled out so that reading a config does not import torch.
 ATTENTION_MODES = ("auto", "per-session", "batched")
+# specfleet.engine.cpu_linear.LINEAR_MODES, likewise.
+LINEAR_MODES = ("auto", "plain")
 RESERVED_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 
 DEVICE_CHECK = Check(lambda v: DEVICE_PATTERN.fullmatch(v), "must be cpu, cuda, cuda:N or auto, got {value!r}")
@@ -74,6 +76,13 @@ class ServiceConfig:
         "attention of a forward pass: batched (one call per layer for the whole batch), per-session, or auto: batched "
         "on a GPU and on a CPU when a pass's KV slots are adjacent, else per session (docs/benchmarks/engine-forward-pass.md)",
         check=one_of(ATTENTION_MODES),
+    )
+    linear: str = knob(
+        "auto",
+        "linear layers on a CPU: auto lays each weight out for the CPU's kernels at load (a transposed copy for passes of "
+        "1-2 rows, oneDNN's blocked layout for wider ones; float32; a second copy of the weights in memory: "
+        "docs/benchmarks/engine-forward-pass.md), plain runs F.linear on the checkpoint's layout; ignored on a GPU",
+        check=one_of(LINEAR_MODES),
     )
     threads: int = knob(1, "torch threads of the service", check=at_least(1))
     max_batch_size: int = knob(64, "dynamic batching: concurrent calls merged up to this many sessions", check=at_least(1))

@@ -43,6 +43,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specfleet.engine.cpu_linear import CpuWeight
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # auto: batched on a GPU; on a CPU batched when a pass's slots are adjacent, else per session (on a
 #   CPU batched attention over scattered slots reads idle rows or copies, which costs more than the
@@ -57,6 +59,9 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 @dataclass
 class Layer:
+    """One decoder layer's weights. On a CPU `LoadedModel.prepare` may replace qkv, out, gate_up and down (and the
+    model's lm_head) with `cpu_linear.CpuWeight`s, the same weights laid out for the CPU's kernels."""
+
     input_norm: torch.Tensor  # [E]
     qkv: torch.Tensor  # [(H + 2 KV) D, E]: q, k and v projections stacked
     qkv_bias: torch.Tensor | None  # [(H + 2 KV) D]
@@ -223,7 +228,9 @@ class Runs:
         return Runs(runs, torch.tensor(members, dtype=torch.long, device=device))
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, runs: Runs | None) -> torch.Tensor:
+def _linear(x: torch.Tensor, weight: torch.Tensor | CpuWeight, bias: torch.Tensor | None, runs: Runs | None) -> torch.Tensor:
+    if isinstance(weight, CpuWeight):  # laid out for a CPU's kernels (`cpu_linear.py`); never stacked
+        return weight(x, bias)
     if runs is None:
         return F.linear(x, weight, bias)
     return torch.cat([F.linear(x[lo:hi], weight[g], None if bias is None else bias[g]) for g, lo, hi in runs.runs])

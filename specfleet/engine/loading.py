@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specfleet.engine import checkpoint, llama
+from specfleet.engine import checkpoint, cpu_linear, llama
 from specfleet.engine.kv import KVPool
 from specfleet.engine.llama import LlamaModel, check_supported, from_hf, from_weights
 from specfleet.tokenizer import load_tokenizer, tokenizer_fingerprint
@@ -72,13 +72,20 @@ class LoadedModel:
     pool: KVPool = field(init=False)
     # CUDA graphs of batched passes (`graphs.CudaGraphs`), or None: every pass eager.
     graphs: object | None = None
+    # How linear layers run on a CPU (`cpu_linear.LINEAR_MODES`): auto lays them out for its kernels in `prepare`.
+    linear: str = "plain"
 
     def __post_init__(self):
         self.pool = KVPool(self.model, self.max_context)
 
     def prepare(self, max_cache_bytes: int, max_sessions: int) -> None:
-        """Before serving: with CUDA graphs, size the KV pool for the cache budget (its tensor then
-        stays, so the graphs stay valid) and capture every graph."""
+        """Before serving, once: on a CPU with `linear: auto`, lay the linear weights out for its kernels
+        (`cpu_linear.py`); with CUDA graphs, size the KV pool for the cache budget (its tensor then
+        stays, so the graphs stay valid) and capture every graph. A stack's members are not prepared
+        (their weights are views of the stack's)."""
+        if self.linear == "auto" and self.model.device.type == "cpu" and cpu_linear.available(self.model.dtype):
+            added = cpu_linear.lay_out(self.model)
+            log.info("model %s: linear layers laid out for the CPU's kernels (%.1f MB more memory)", self.name, added / 2**20)
         if self.graphs is None:
             return
         slots = min(max_sessions, max_cache_bytes // self.pool.slot_bytes)
@@ -138,6 +145,7 @@ def load_model(
     use_token_map: bool = False,
     attention: str = "auto",
     cuda_graph_sizes: list[list[int]] | None = None,
+    linear: str = "plain",
 ) -> LoadedModel:
     """Load a Hugging Face Llama-family causal LM and its tokenizer from a local directory, offline.
 
@@ -152,7 +160,11 @@ def load_model(
 
     cuda_graph_sizes: [sessions, tokens] buckets whose passes replay CUDA graphs (`graphs.py`)
     when the model runs on a CUDA device; ignored on a CPU.
+
+    linear: `cpu_linear.LINEAR_MODES`; `auto` takes effect in `LoadedModel.prepare`, on a CPU.
     """
+    if linear not in cpu_linear.LINEAR_MODES:
+        raise ValueError(f"model '{name}': linear must be one of {list(cpu_linear.LINEAR_MODES)}, got {linear!r}")
     path = pathlib.Path(path)
     device = _checked(name, path, dtype, attention, device)
     started = time.perf_counter()
@@ -185,6 +197,7 @@ def load_model(
         parameters=parameters,
         token_map=token_map,
         local_index=local_index,
+        linear=linear,
     )
     if cuda_graph_sizes and model.device.type == "cuda":
         from specfleet.engine.graphs import CudaGraphs

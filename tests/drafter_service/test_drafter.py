@@ -7,10 +7,15 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from drafter_service.drafter import STEP_CATCH_UP, DraftItem, DraftModel, draft_batch, stack_draft_models
+from drafter_service.server import load_core
 from specfleet.config import DEMO_MODELS
+from specfleet.config.fields import build
+from specfleet.config.services import DrafterServiceConfig
 from specfleet.engine import SessionStore, load_model
+from specfleet.engine.cpu_linear import CpuWeight, available
 from specfleet.engine.stack import same_shape
 from specfleet.sampling import SamplingParams
 
@@ -168,3 +173,17 @@ def test_stacking_keeps_tied_embeddings_one_tensor(random_family):
     assert stack.model.lm_head is stack.model.embed
     for m in models.values():
         assert m.loaded.model.lm_head.data_ptr() == m.loaded.model.embed.data_ptr()
+
+
+def test_a_service_lays_out_its_unstacked_models_for_the_cpu_and_leaves_a_stacks_members(random_family):
+    """`linear: auto` (the default): a draft model that runs alone gets its weights laid out for the CPU's kernels
+    (specfleet/engine/cpu_linear.py); a stack's members are views of the stack's weights and stay as they are."""
+    names = ("drafter-copy", "drafter-noisy", "drafter-random")  # the first two have one shape and stack
+    svc = build(DrafterServiceConfig, {"name": "d", "models": [{"name": n, "path": str(random_family[n])} for n in names]}, "drafters[0]")
+    assert svc.linear == "auto"
+    core = load_core(svc)
+    try:
+        laid_out = {name: isinstance(m.loaded.model.lm_head, CpuWeight) for name, m in core.models.items()}
+        assert laid_out == {"drafter-copy": False, "drafter-noisy": False, "drafter-random": available(torch.float32)}
+    finally:
+        core.close()

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from specfleet.engine import runner
+from specfleet.engine.cpu_linear import CpuWeight
 from specfleet.engine.llama import ATTENTION_MODES
 from specfleet.engine import ForwardItem, Session, SessionStore, forward_batch, load_model, prefill
 
@@ -81,8 +82,22 @@ CASES = [(attention, "adjacent") for attention in ATTENTION_MODES] + [
 @pytest.mark.parametrize("attention, layout", CASES, ids=[f"{a}-{lay}" for a, lay in CASES])
 @pytest.mark.parametrize("name", FAMILIES)
 def test_forward_matches_transformers(tmp_path, name, attention, layout):
+    _forward_matches_transformers(tmp_path, name, attention, layout, "plain")
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_forward_with_cpu_linear_layouts_matches_transformers(tmp_path, name):
+    """`linear: auto` (specfleet/engine/cpu_linear.py): the pass of 10 rows below takes oneDNN's layout, the
+    one-row pass after it the transposed copy; both with each family's biases."""
+    _forward_matches_transformers(tmp_path, name, "auto", "adjacent", "auto")
+
+
+def _forward_matches_transformers(tmp_path, name, attention, layout, linear):
     reference = _save(tmp_path, _configs()[name], name)
-    loaded = load_model(name, tmp_path / name, device=DEVICE, attention=attention)
+    loaded = load_model(name, tmp_path / name, device=DEVICE, attention=attention, linear=linear)
+    loaded.prepare(1 << 30, 64)
+    if linear == "auto" and DEVICE == "cpu":
+        assert isinstance(loaded.model.lm_head, CpuWeight) and all(isinstance(layer.qkv, CpuWeight) for layer in loaded.model.layers)
     free, slots = LAYOUTS[layout]
     if free:
         taken = [loaded.pool.acquire() for _ in range(12)]
