@@ -6,6 +6,7 @@ ids, probabilities or proposals; they create no tensors of their own.
     loading.py   load a checkpoint onto its device and dtype (`load_model`, `LoadedModel`)
     checkpoint.py config.json and safetensors read without transformers, where they state every field
     llama.py     the forward pass of every served family, plain tensor code
+    cpu_linear.py linear weights laid out for a CPU's matmul kernels (`linear: auto`)
     kv.py        the KV pool, sessions and the LRU budget (`KVPool`, `Session`, `SessionStore`)
     runner.py    batched passes over sessions: `forward_batch`, `prefill`, `tree_pass`, `next_token_logits`
     stack.py     same-shape models in one pass (a drafter service's specialists drafting together)

@@ -1,0 +1,64 @@
+"""CPU time of one forward pass of the demo target with `linear: plain` against `linear: auto`
+(specfleet/engine/cpu_linear.py), B sessions x n new tokens after 128 cached positions.
+
+    PYTHONPATH=. .venv/bin/python scripts/engine_linear.py [ROUNDS]
+
+Both models are loaded side by side and each shape runs on one, then the other, in alternating order,
+ROUNDS times (default 5); each cell is the median over rounds of the median of 15 passes after 3
+warm-up passes, in `time.thread_time()` (this thread's CPU time, one torch thread), which a shared
+machine's load inflates less than wall time. Prints a markdown table.
+"""
+
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+
+from specfleet.engine import ForwardItem, Session, forward_batch, load_model
+
+MODEL = pathlib.Path(__file__).resolve().parent.parent / "models" / "demo" / "target"
+CONTEXT = 128
+SHAPES = [(1, 1), (1, 5), (2, 5), (4, 1), (4, 5), (8, 1), (16, 1), (16, 5), (32, 5)]
+
+
+def pass_ms(loaded, b: int, n: int) -> float:
+    sessions = []
+    for _ in range(b):
+        session = Session(token_ids=[1] * CONTEXT)
+        session.reserve(loaded.pool, CONTEXT + n)
+        session.kv_len = CONTEXT
+        sessions.append(session)
+    items = [ForwardItem(s, [2] * n, list(range(CONTEXT, CONTEXT + n))) for s in sessions]
+    times = []
+    for i in range(18):
+        t0 = time.thread_time()
+        forward_batch(loaded, items, host=False)
+        if i >= 3:
+            times.append(1e3 * (time.thread_time() - t0))
+    for s in sessions:
+        s.evict_kv()
+    return statistics.median(times)
+
+
+def main() -> None:
+    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 5
+    torch.set_num_threads(1)
+    models = {mode: load_model("target", MODEL, linear=mode) for mode in ("plain", "auto")}
+    for loaded in models.values():
+        loaded.prepare(1 << 30, 64)
+    results: dict[tuple, list[float]] = {}
+    for r in range(rounds):
+        for b, n in SHAPES:
+            for mode in ("plain", "auto") if r % 2 == 0 else ("auto", "plain"):
+                results.setdefault((b, n, mode), []).append(pass_ms(models[mode], b, n))
+    print("| sessions x tokens | plain, ms | auto, ms | plain / auto |")
+    print("|---|---|---|---|")
+    for b, n in SHAPES:
+        plain, auto = (statistics.median(results[(b, n, m)]) for m in ("plain", "auto"))
+        print(f"| {b} x {n} | {plain:.2f} | {auto:.2f} | {plain / auto:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
