@@ -108,7 +108,8 @@ class OpenAIServer:
                     "object": "model",
                     "created": self.created,
                     "owned_by": "specfleet",
-                    "root": target.path,
+                    # The served name, as vLLM gives it: the target's path on disk is the server's business.
+                    "root": self.model_name,
                     "max_model_len": target.max_context,
                 }
             ],

@@ -316,6 +316,8 @@ def test_a_wrong_or_missing_key_is_refused(api, client):
 
 def test_models_lists_the_served_name_and_unknown_models_are_404(client):
     assert [m.id for m in client.models.list()] == ["random-target"]
+    # Its root is the name too, as vLLM's: not the target's path on the server's disk.
+    assert [m.model_extra["root"] for m in client.models.list()] == ["random-target"]
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
     assert err.value.body["param"] == "model"
