@@ -133,6 +133,14 @@ def _unusable_cores(commands: list[tuple[str, list[str], list[int]]]) -> str | N
     return None
 
 
+def _service_env(name: str) -> dict[str, str] | None:
+    """The environment of the process `name`: the router's is this one's; the verifier and drafters lose the
+    API key, which only the router checks (a process's environment is readable wherever it is: /proc, crash reports)."""
+    if name == "router":
+        return None
+    return {k: v for k, v in os.environ.items() if k != "SPECFLEET_API_KEY"}
+
+
 def _stop_all(supervisor, code: int) -> int:
     from specfleet.serving import ROUTER_DRAIN_S
 
@@ -164,7 +172,7 @@ def cmd_serve(argv: list[str]) -> int:
     if args.port is not None:
         cfg.router.port = args.port
     # The key reaches the router (here or under --ray) in its environment, not on its command
-    # line, which `ps` shows to every user.
+    # line, which `ps` shows to every user; the services here start without it (_service_env).
     os.environ["SPECFLEET_API_KEY"] = args.api_key
     if args.ray is None:
         # Every service runs here: a device this machine lacks is refused before anything starts.
@@ -200,7 +208,7 @@ def cmd_serve(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         for name, command, cpus in commands:
-            supervisor.start(name, command, cpus)
+            supervisor.start(name, command, cpus, _service_env(name))
         procs = [(c.name, c.proc) for c in supervisor.children]
         router_address = f"{cfg.router.host}:{cfg.router.port}"
         from specfleet.serving import wait_started, wait_until_serving

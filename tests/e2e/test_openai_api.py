@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import http.client
+import pathlib
 import re
 import shlex
 import shutil
@@ -21,6 +22,7 @@ from specfleet.tokenizer import load_tokenizer
 from specfleet.v1 import generation_pb2_grpc
 from tests.harness import Cluster, cluster_config, free_port
 from tests.helpers import greedy_request, target_greedy, target_logprobs
+from tests.operations import service_pid
 
 API_KEY = "test-key-123"
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
@@ -321,6 +323,19 @@ def test_models_lists_the_served_name_and_unknown_models_are_404(client):
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
     assert err.value.body["param"] == "model"
+
+
+def test_only_the_router_has_the_api_key_in_its_environment(api):
+    """The verifier and drafters never check the key: `specfleet serve` keeps it out of their environment."""
+
+    def environment(service: str) -> dict[str, str]:
+        raw = pathlib.Path(f"/proc/{service_pid(api, service)}/environ").read_bytes()
+        return dict(entry.split("=", 1) for entry in raw.decode(errors="replace").split("\0") if "=" in entry)
+
+    assert environment("router")["SPECFLEET_API_KEY"] == API_KEY
+    for service in ("verifier", "drafter"):
+        env = environment(service)  # compared as flags: a failing `in env` would print every secret in it
+        assert ("SPECFLEET_API_KEY" in env, "SPECFLEET_INTERNAL_TOKEN" in env) == (False, True), service
 
 
 def _metric(url: str, name: str) -> float:
