@@ -6,6 +6,7 @@
     specfleet verifier | drafter | router ...     one service, for multi-node deployments
     specfleet models build | matrix ...           the bundled demo models
     specfleet bench [compare|single-stream|run] ...  specfleet against the alternatives, side by side
+    specfleet --version                           the installed package's version
 
 The service subcommands run the services' own entry points; `serve` starts
 each of them as a child process (`python -m verifier_service ...`), so no
@@ -322,11 +323,31 @@ COMMANDS = {
 }
 
 
+# The distribution's name ([project] name in pyproject.toml), whose version `--version` prints.
+PACKAGE = "specfleet"
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(PACKAGE)
+    except PackageNotFoundError:  # a source tree run without installing it
+        return "unknown (not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+    if argv and argv[0] == "--version":
+        print(f"specfleet {_version()}")
+        return 0
+    if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+        return 0 if argv else 2
+    if argv[0] not in COMMANDS:
+        # As argparse words an invalid choice, with its exit code: a typo is named, not answered with the whole help.
+        print(f"specfleet: unknown command {argv[0]!r} (choose from {', '.join(COMMANDS)}; specfleet --help says what each does)", file=sys.stderr)
+        return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     return COMMANDS[argv[0]](argv[1:]) or 0
 
