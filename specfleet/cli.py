@@ -2,7 +2,7 @@
 
     specfleet serve [--config FILE] [--port N]   everything on this machine, one process per service
     specfleet serve --ray [ADDRESS] [--config FILE]  verifier and drafters as Ray actors, placed by the config
-    specfleet generate [--server ADDR] [--stream] PROMPT
+    specfleet generate [--server ADDR] [--stream] [--domain LABEL] PROMPT
     specfleet verifier | drafter | router ...     one service, for multi-node deployments
     specfleet models build | matrix ...           the bundled demo models
     specfleet bench [compare|single-stream|run] ...  specfleet against the alternatives, side by side
