@@ -16,8 +16,8 @@ verified with: the raw distribution (log-softmax before temperature, top-k and
 top-p), as vLLM reports them by default.
 
 Errors use OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`,
-and status codes: 400 bad input, 401 bad key, 404 unknown model, 429 queue
-full, 503 verifier down or server shutting down, 504 deadline.
+and status codes: 400 bad input, 401 bad key, 404 unknown model or route, 429
+queue full, 503 verifier down or server shutting down, 504 deadline.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import socket
 import time
 import uuid
@@ -33,6 +34,7 @@ import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from router.api import Finished, GenerationError, GenerationParams
 from router.frontdoor import FrontDoor, Generation, interleave
@@ -106,7 +108,8 @@ class OpenAIServer:
                     "object": "model",
                     "created": self.created,
                     "owned_by": "specfleet",
-                    "root": target.path,
+                    # The served name, as vLLM gives it: the target's path on disk is the server's business.
+                    "root": self.model_name,
                     "max_model_len": target.max_context,
                 }
             ],
@@ -231,10 +234,26 @@ async def _run_unary(generations: list[Generation], request: Request) -> None:
         task.cancel()  # interleave's cleanup cancels whatever has not finished
 
 
+# What an unknown route's 404 lists.
+ROUTES = "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /version"
+
+
+class _ErrorResponse(JSONResponse):
+    """An error in JSON with every non-ASCII character escaped: a message may quote the client's input,
+    and a lone surrogate in it would make UTF-8 fail, turning the 400 into a 500."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode()
+
+
+def _error(err: ApiError, headers: dict | None = None) -> JSONResponse:
+    return _ErrorResponse(err.body(), status_code=err.status, headers=headers)
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, err: ApiError):
-        return JSONResponse(err.body(), status_code=err.status)
+        return _error(err)
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(_request: Request, err: RequestValidationError):
@@ -242,7 +261,14 @@ def _add_error_handlers(app: FastAPI) -> None:
         loc = [str(p) for p in first.get("loc", ()) if p != "body" and not isinstance(p, int)]
         param = loc[0] if loc else None
         message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request body')}"
-        return JSONResponse(ApiError(400, message, param=param).body(), status_code=400)
+        return _error(ApiError(400, message, param=param))
+
+    @app.exception_handler(HTTPException)
+    async def no_route(request: Request, err: HTTPException):
+        # Starlette's own answers (404 no route, 405 wrong method) in OpenAI's shape, as every other error.
+        if err.status_code == 404:
+            return _error(ApiError(404, f"{request.method} {request.url.path}: no such route; this server serves {ROUTES}", code="not_found"))
+        return _error(ApiError(err.status_code, f"{request.method} {request.url.path}: {err.detail}"), err.headers)
 
 
 def _add_health(app: FastAPI, front_door: FrontDoor) -> None:

@@ -49,8 +49,9 @@ class ApiError(Exception):
         return cls(HTTP_STATUS.get(err.kind, 500), err.message, param=PARAMS.get(err.field, err.field), code=code)
 
     def body(self) -> dict:
-        kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
-        return {"error": {"message": self.message, "type": kind.get(self.status, "server_error"), "param": self.param, "code": self.code}}
+        kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(self.status)
+        kind = kind or ("server_error" if self.status >= 500 else "invalid_request_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
 class StreamOptions(BaseModel):
@@ -119,8 +120,41 @@ def unsupported(field: str, why: str = "not supported by specfleet") -> ApiError
     return ApiError(400, f"{field}: {why}", param=field, code="unsupported_field")
 
 
+def _lone_surrogate(value, where: str) -> str | None:
+    """Where the first lone UTF-16 surrogate in the strings (and keys) of `value` is, else None."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError as err:
+            return f"{where}, character {err.start}"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        inner = f"{where}[{key}]" if isinstance(key, int) else f"{where}.{ascii(key)[1:-1]}"
+        found = _lone_surrogate(key, f"the name of {inner}") or _lone_surrogate(item, inner)
+        if found:
+            return found
+    return None
+
+
+def refuse_lone_surrogates(body: Sampling) -> None:
+    """A 400 for a string that is not Unicode text. JSON lets one through ("\\ud800"), and the tokenizer or
+    the UTF-8 of an answer quoting it would fail: a 500, and uvicorn closes the client's connection."""
+    for name, value in body.model_dump(exclude_none=True).items():
+        param = ascii(name)[1:-1]
+        where = _lone_surrogate(name, f"the name of {param}") or _lone_surrogate(value, param)
+        if where:
+            raise ApiError(
+                400,
+                f"{where}: a lone UTF-16 surrogate, which is not text; a JSON \\uD800-\\uDFFF escape must be one half "
+                "of a pair (as in \\ud83d\\ude00): send the text as UTF-8, or a prompt as token ids",
+                param=param,
+            )
+
+
 def refuse_unsupported(body: Sampling) -> None:
-    """A 400 naming the first field specfleet cannot honour."""
+    """A 400 naming the first field specfleet cannot honour (after one that is not text at all)."""
+    refuse_lone_surrogates(body)
     unknown = sorted(body.model_extra or {})
     if unknown:
         raise unsupported(unknown[0])

@@ -2,10 +2,11 @@
 
     specfleet serve [--config FILE] [--port N]   everything on this machine, one process per service
     specfleet serve --ray [ADDRESS] [--config FILE]  verifier and drafters as Ray actors, placed by the config
-    specfleet generate [--server ADDR] [--stream] PROMPT
+    specfleet generate [--server ADDR] [--stream] [--domain LABEL] PROMPT
     specfleet verifier | drafter | router ...     one service, for multi-node deployments
     specfleet models build | matrix ...           the bundled demo models
     specfleet bench [compare|single-stream|run] ...  specfleet against the alternatives, side by side
+    specfleet --version                           the installed package's version
 
 The service subcommands run the services' own entry points; `serve` starts
 each of them as a child process (`python -m verifier_service ...`), so no
@@ -133,6 +134,14 @@ def _unusable_cores(commands: list[tuple[str, list[str], list[int]]]) -> str | N
     return None
 
 
+def _service_env(name: str) -> dict[str, str] | None:
+    """The environment of the process `name`: the router's is this one's; the verifier and drafters lose the
+    API key, which only the router checks (a process's environment is readable wherever it is: /proc, crash reports)."""
+    if name == "router":
+        return None
+    return {k: v for k, v in os.environ.items() if k != "SPECFLEET_API_KEY"}
+
+
 def _stop_all(supervisor, code: int) -> int:
     from specfleet.serving import ROUTER_DRAIN_S
 
@@ -164,7 +173,7 @@ def cmd_serve(argv: list[str]) -> int:
     if args.port is not None:
         cfg.router.port = args.port
     # The key reaches the router (here or under --ray) in its environment, not on its command
-    # line, which `ps` shows to every user.
+    # line, which `ps` shows to every user; the services here start without it (_service_env).
     os.environ["SPECFLEET_API_KEY"] = args.api_key
     if args.ray is None:
         # Every service runs here: a device this machine lacks is refused before anything starts.
@@ -200,7 +209,7 @@ def cmd_serve(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         for name, command, cpus in commands:
-            supervisor.start(name, command, cpus)
+            supervisor.start(name, command, cpus, _service_env(name))
         procs = [(c.name, c.proc) for c in supervisor.children]
         router_address = f"{cfg.router.host}:{cfg.router.port}"
         from specfleet.serving import wait_started, wait_until_serving
@@ -314,11 +323,31 @@ COMMANDS = {
 }
 
 
+# The distribution's name ([project] name in pyproject.toml), whose version `--version` prints.
+PACKAGE = "specfleet"
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(PACKAGE)
+    except PackageNotFoundError:  # a source tree run without installing it
+        return "unknown (not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+    if argv and argv[0] == "--version":
+        print(f"specfleet {_version()}")
+        return 0
+    if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+        return 0 if argv else 2
+    if argv[0] not in COMMANDS:
+        # As argparse words an invalid choice, with its exit code: a typo is named, not answered with the whole help.
+        print(f"specfleet: unknown command {argv[0]!r} (choose from {', '.join(COMMANDS)}; specfleet --help says what each does)", file=sys.stderr)
+        return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     return COMMANDS[argv[0]](argv[1:]) or 0
 

@@ -20,6 +20,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument(
+        "--domain", default="", help="the request's domain, a drafter's speciality label (e.g. code): replaces the router's guess from the prompt"
+    )
     parser.add_argument("--no-speculation", action="store_true", help="decode with the target alone")
     parser.add_argument(
         "--max-draft-tokens", type=int, default=0, help="at most this many draft tokens per round (0: the router's router.max_draft_tokens)"
@@ -57,6 +60,7 @@ def main(argv: list[str]) -> int:
         temperature=args.temperature,
         top_k=args.top_k,
         stop=args.stop,
+        domain=args.domain,
         speculation=generation_pb2.SpeculationOptions(disabled=args.no_speculation, max_draft_tokens=args.max_draft_tokens),
     )
     if args.top_p is not None:
@@ -96,7 +100,8 @@ def main(argv: list[str]) -> int:
         rate = stats.accepted_tokens / stats.draft_tokens if stats.draft_tokens else 0.0
         print(
             f"[finish: {reason}; rounds: {stats.rounds}; drafts accepted: {stats.accepted_tokens}/{stats.draft_tokens} ({rate:.0%}); "
-            f"{tokens} tokens, {tokens / max(1, stats.rounds):.2f} per round (target passes; 1.00 without drafts)]",
+            f"{tokens} tokens, {tokens / max(1, stats.rounds):.2f} per round (target passes; 1.00 without drafts); "
+            f"domain: {stats.domain or '-'}]",
             file=sys.stderr,
         )
         print(_timing(elapsed_s, first_token_s, tokens, stats), file=sys.stderr)

@@ -27,6 +27,7 @@ class Child:
     name: str
     command: list[str]
     cpus: list[int]
+    env: dict[str, str] | None = None  # None: this process's environment
     proc: subprocess.Popen | None = None
     crashes: collections.deque = field(default_factory=collections.deque)  # when it died, within the window
     start_at: float | None = None  # a restart is due then
@@ -53,8 +54,8 @@ class Supervisor:
         self.max_restarts = max_restarts
         self._clock = clock
 
-    def start(self, name: str, command: list[str], cpus: list[int]) -> Child:
-        child = Child(name, command, cpus)
+    def start(self, name: str, command: list[str], cpus: list[int], env: dict[str, str] | None = None) -> Child:
+        child = Child(name, command, cpus, env)
         self.children.append(child)
         self._spawn(child)
         if cpus:
@@ -64,7 +65,7 @@ class Supervisor:
     def _spawn(self, child: Child) -> None:
         # Its own process group: Ctrl-C in a terminal signals the whole foreground group at once, and
         # the services must stop only after the router has drained (stop), not with it.
-        child.proc = subprocess.Popen(child.command, preexec_fn=self._preexec(child.cpus), process_group=0)
+        child.proc = subprocess.Popen(child.command, preexec_fn=self._preexec(child.cpus), process_group=0, env=child.env)
         child.start_at = None
 
     def tend(self) -> None:

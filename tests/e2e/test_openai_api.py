@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import http.client
+import pathlib
 import re
 import shlex
 import shutil
@@ -21,6 +22,7 @@ from specfleet.tokenizer import load_tokenizer
 from specfleet.v1 import generation_pb2_grpc
 from tests.harness import Cluster, cluster_config, free_port
 from tests.helpers import greedy_request, target_greedy, target_logprobs
+from tests.operations import service_pid
 
 API_KEY = "test-key-123"
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
@@ -206,6 +208,61 @@ def test_unsupported_and_invalid_fields_are_refused_by_name(client, endpoint, fi
     assert param in err.value.body["message"]
 
 
+# Input that once failed inside the server (500, and uvicorn closed the connection): (endpoint, fields, param, in the message).
+NOT_TEXT = "lone UTF-16 surrogate"
+UNREPRESENTABLE = [
+    ("completions", {"max_tokens": 2**40}, "max_tokens", "max_tokens"),
+    ("completions", {"top_k": 2**40}, "top_k", "top_k"),
+    ("completions", {"prompt": [5, 2**40]}, "prompt", "outside the vocabulary"),
+    ("completions", {"speculation": {"max_draft_tokens": 2**40}}, "speculation", "max_draft_tokens"),
+    ("completions", {"prompt": "a\ud800b"}, "prompt", f"prompt, character 1: a {NOT_TEXT}"),
+    ("completions", {"prompt": ["ok", "\udfff"]}, "prompt", f"prompt[1], character 0: a {NOT_TEXT}"),
+    ("completions", {"stop": ["\ud800"]}, "stop", NOT_TEXT),
+    ("chat", {"messages": [{"role": "user", "content": "hi \ud800"}]}, "messages", f"messages[0].content, character 3: a {NOT_TEXT}"),
+    (
+        "chat",
+        {"messages": [{"role": "user", "content": "hi", "\ud800": 1}]},
+        "messages",
+        f"the name of messages[0].\\ud800, character 0: a {NOT_TEXT}",
+    ),
+]
+
+
+def _post(conn: http.client.HTTPConnection, path: str, body: dict) -> tuple[int, dict]:
+    # json.dumps writes a lone surrogate as the escape "\ud800", as a client in another language may send it.
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+    reply = conn.getresponse()
+    return reply.status, json.loads(reply.read())
+
+
+@pytest.mark.parametrize("endpoint,fields,param,says", UNREPRESENTABLE, ids=[f"{e}-{p}-{i}" for i, (e, _, p, _) in enumerate(UNREPRESENTABLE)])
+def test_numbers_and_strings_the_server_cannot_represent_are_a_400_on_a_connection_that_stays_open(api, endpoint, fields, param, says):
+    conn = http.client.HTTPConnection("127.0.0.1", api.config["router"]["http_port"], timeout=60)
+    base = {"model": "random-target", "max_tokens": 2}
+    base.update({"messages": [{"role": "user", "content": "hi"}]} if endpoint == "chat" else {"prompt": "hi"})
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    status, body = _post(conn, path, {**base, **fields})
+    assert status == 400, body
+    assert body["error"]["type"] == "invalid_request_error" and body["error"]["param"] == param
+    assert says in body["error"]["message"]
+    sock = conn.sock
+    status, body = _post(conn, path, base)  # the same connection serves the next request
+    assert status == 200 and body["usage"]["completion_tokens"] == 2
+    assert conn.sock is sock is not None
+    conn.close()
+
+
+def test_unknown_routes_are_a_404_in_openai_s_shape(api):
+    for method, path in (("GET", "/v1/nothing"), ("POST", "/completions")):
+        request = urllib.request.Request(api.base_url + path, method=method, headers={"Authorization": f"Bearer {API_KEY}"})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(request, timeout=10)
+        assert err.value.code == 404
+        error = json.loads(err.value.read())["error"]
+        assert error["type"] == "not_found_error" and f"{method} {path}: no such route" in error["message"]
+        assert "POST /v1/completions" in error["message"]
+
+
 def test_max_tokens_beyond_the_context_is_refused_with_the_room_left(client, tokenizer):
     room = 1024 - len(tokenizer.encode("hi", add_special_tokens=False))
     with pytest.raises(openai.BadRequestError) as err:
@@ -261,9 +318,24 @@ def test_a_wrong_or_missing_key_is_refused(api, client):
 
 def test_models_lists_the_served_name_and_unknown_models_are_404(client):
     assert [m.id for m in client.models.list()] == ["random-target"]
+    # Its root is the name too, as vLLM's: not the target's path on the server's disk.
+    assert [m.model_extra["root"] for m in client.models.list()] == ["random-target"]
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
     assert err.value.body["param"] == "model"
+
+
+def test_only_the_router_has_the_api_key_in_its_environment(api):
+    """The verifier and drafters never check the key: `specfleet serve` keeps it out of their environment."""
+
+    def environment(service: str) -> dict[str, str]:
+        raw = pathlib.Path(f"/proc/{service_pid(api, service)}/environ").read_bytes()
+        return dict(entry.split("=", 1) for entry in raw.decode(errors="replace").split("\0") if "=" in entry)
+
+    assert environment("router")["SPECFLEET_API_KEY"] == API_KEY
+    for service in ("verifier", "drafter"):
+        env = environment(service)  # compared as flags: a failing `in env` would print every secret in it
+        assert ("SPECFLEET_API_KEY" in env, "SPECFLEET_INTERNAL_TOKEN" in env) == (False, True), service
 
 
 def _metric(url: str, name: str) -> float:

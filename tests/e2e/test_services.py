@@ -244,6 +244,21 @@ def test_sigterm_lets_in_flight_requests_finish(random_family, tmp_path, monkeyp
     assert not left, f"processes left after serve exited: {left}"
 
 
+def test_cli_generate_sends_the_domain_it_is_given(cluster):
+    """--domain is GenerateRequest.domain: it replaces the router's guess from the prompt (router.use_domain_hint)."""
+
+    def domain(*flags: str) -> str:
+        command = [sys.executable, "-m", "specfleet.cli", "generate", "--server", cluster.router, "--max-tokens", "2", "--stats", *flags, PROMPTS[0]]
+        out = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert out.returncode == 0, out.stderr
+        return re.search(r"; domain: (\S+)\]", out.stderr).group(1)
+
+    guessed = domain()
+    assert guessed != "a-domain-no-prompt-suggests"
+    assert domain("--domain", "a-domain-no-prompt-suggests") == "a-domain-no-prompt-suggests"
+    assert "domain a-domain-no-prompt-suggests," in cluster.log_path.read_text()
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_cli_generate_prints_text(cluster, stream):
     """`specfleet generate` prints the completion (streamed or whole) on stdout, its stats on stderr."""
