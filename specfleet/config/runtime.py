@@ -95,11 +95,11 @@ def default_config(work_dir: pathlib.Path) -> Config:
             if (d / "config.json").exists()
         ]
         default = "general" if any(m.name == "general" for m in models) else models[0].name
-        # the demo family's specialists (one per language, code, structured text) are routed
-        # among by the prompt's domain; two cooperate while the best one's acceptance is low, the
-        # second proposing at the first two positions only (docs/benchmarks/fusion-depth.md: 4-10%
-        # more tokens/s than at every position on two cores, for 1.5% fewer tokens a verification)
-        router = RouterConfig(routing=RoutingConfig(default_drafter=default, fusion_width=2, fusion_depth=2))
+        # the demo family's specialists (one per language, code, structured text) are routed among by
+        # the prompt's domain, one drafter a request: fusion (two cooperating) measured slower than
+        # routing alone on both machines measured (docs/benchmarks/default-fusion.md), until the
+        # router chooses fusion by goodput (issue 27)
+        router = RouterConfig(routing=RoutingConfig(default_drafter=default, fusion_width=1))
     else:
         from specfleet.random_models import ensure_random_family
 
