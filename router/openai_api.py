@@ -24,20 +24,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import socket
 import time
 import uuid
 
 import uvicorn
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from router.api import Finished, GenerationError, GenerationParams
 from router.frontdoor import FrontDoor, Generation, interleave
+from router.http_gate import BodyGate
 from router.openai_schema import (
     FINISH_REASONS,
     ApiError,
@@ -289,17 +289,9 @@ def _add_health(app: FastAPI, front_door: FrontDoor) -> None:
             return {"version": "unknown"}
 
 
-def _v1(server: OpenAIServer, api_key: str) -> APIRouter:
-    # A dependency of the /v1 routes rather than an HTTP middleware: Starlette's middleware
-    # wraps `receive`, and a unary handler could then no longer see its client hang up.
-    async def check_key(request: Request) -> None:
-        given = request.headers.get("authorization", "")
-        if api_key and not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise ApiError(
-                401, "invalid API key: send Authorization: Bearer <the key given to --api-key or SPECFLEET_API_KEY>", code="invalid_api_key"
-            )
-
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
+def _v1(server: OpenAIServer) -> APIRouter:
+    # The API key is checked before this, by the gate (router/http_gate.py), before the body is read.
+    v1 = APIRouter(prefix="/v1")
 
     @v1.get("/models")
     async def models():
@@ -316,13 +308,14 @@ def _v1(server: OpenAIServer, api_key: str) -> APIRouter:
     return v1
 
 
-def create_app(front_door: FrontDoor, model_name: str, api_key: str = "") -> FastAPI:
-    """The ASGI app over `front_door`. api_key: when set, /v1/* needs it. /health answers 503 once the front door drains."""
+def create_app(front_door: FrontDoor, model_name: str, api_key: str = "", max_request_bytes: int = 4 * 1024 * 1024) -> BodyGate:
+    """The ASGI app over `front_door`, behind its gate. api_key: when set, /v1/* needs it; a body over
+    max_request_bytes is refused (both before the body is read). /health answers 503 once the front door drains."""
     app = FastAPI(title="specfleet", docs_url=None, redoc_url=None, openapi_url=None)
     _add_error_handlers(app)
     _add_health(app, front_door)
-    app.include_router(_v1(OpenAIServer(front_door, model_name), api_key))
-    return app
+    app.include_router(_v1(OpenAIServer(front_door, model_name)))
+    return BodyGate(app, max_request_bytes, api_key)
 
 
 class _Server(uvicorn.Server):
@@ -332,7 +325,7 @@ class _Server(uvicorn.Server):
         return contextlib.nullcontext()
 
 
-async def start(app: FastAPI, sock: socket.socket, **tls) -> tuple[_Server, asyncio.Task]:
+async def start(app: BodyGate, sock: socket.socket, **tls) -> tuple[_Server, asyncio.Task]:
     """Serve `app` on `sock` in this event loop; stop with `stop`. tls: uvicorn's ssl_* settings (Security.uvicorn_tls)."""
     server = _Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, timeout_graceful_shutdown=5, **tls))
     task = asyncio.create_task(server.serve(sockets=[sock]))

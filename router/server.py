@@ -331,7 +331,7 @@ async def start_http(cfg: config_mod.Config, host: str, front_door: FrontDoor, a
     if sock is None:
         return None
     model_name = cfg.router.served_model_name or pathlib.Path(cfg.verifier.model).name
-    app = openai_api.create_app(front_door, model_name, api_key)
+    app = openai_api.create_app(front_door, model_name, api_key, cfg.router.max_request_bytes)
     started = await openai_api.start(app, sock, **sec.uvicorn_tls())
     address = sock.getsockname()
     log.info(

@@ -107,7 +107,7 @@ class RouterConfig:
     tokenizer: str = knob("", "tokenizer for prompts and output text; empty: the verifier's model directory")
     max_request_bytes: int = knob(
         4 * 1024 * 1024,
-        "the largest request the public gRPC API reads (bytes); gRPC refuses a larger one with RESOURCE_EXHAUSTED before reading it",
+        "the largest request the public APIs read (bytes), refused before it is read: gRPC with RESOURCE_EXHAUSTED, HTTP with 413",
         check=at_least(1),
     )
     verifier_wait_s: float = knob(60.0, "how long a request waits for a live verifier replica before it fails with UNAVAILABLE", check=above(0))

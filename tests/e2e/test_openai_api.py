@@ -9,6 +9,7 @@ import pathlib
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import time
 import urllib.request
@@ -523,3 +524,51 @@ def test_logprobs_stop_where_the_output_stops(client, tokenizer, target_with_tem
         assert tokenizer.decode(_ids(tokens), skip_special_tokens=True).startswith(text + stop[:1])
         assert stop in tokenizer.decode(_ids(tokens), skip_special_tokens=True)
         assert stop not in tokenizer.decode(_ids(tokens)[:-1], skip_special_tokens=True)
+
+
+def _raw_response(api, head: bytes, body_chunks=(), timeout_s: float = 10.0) -> tuple[int, dict, float]:
+    """Sends `head` (request line and headers) and then `body_chunks` on a raw socket; the status, the error body
+    and the seconds from the end of the head to the status line. The socket's timeout fails a server that waits."""
+    port = int(api.base_url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
+        sock.sendall(head)
+        started = time.monotonic()
+        try:
+            for chunk in body_chunks:
+                sock.sendall(chunk)
+        except (BrokenPipeError, ConnectionResetError):  # refused while we were still sending: what the gate does
+            pass
+        response = sock.makefile("rb")
+        status = int(response.readline().split()[1])
+        seconds = time.monotonic() - started
+        length = 0
+        while (line := response.readline().strip()) != b"":
+            name, _, value = line.partition(b":")
+            if name.lower() == b"content-length":
+                length = int(value)
+        return status, json.loads(response.read(length)), seconds
+
+
+def _head(length_header: str, key: str | None) -> bytes:
+    auth = f"Authorization: Bearer {key}\r\n" if key else ""
+    return f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{auth}{length_header}\r\n".encode()
+
+
+def test_a_body_without_the_key_is_refused_401_before_it_is_read(api):
+    """A 200 MB body is announced and never sent: the 401 must come without it."""
+    status, body, seconds = _raw_response(api, _head("Content-Length: 209715200\r\n", None))
+    assert status == 401 and body["error"]["code"] == "invalid_api_key" and seconds < 5
+
+
+def test_a_body_over_max_request_bytes_is_refused_413_before_it_is_read(api):
+    status, body, seconds = _raw_response(api, _head("Content-Length: 209715200\r\n", API_KEY))
+    assert status == 413 and body["error"]["code"] == "request_too_large" and seconds < 5
+    assert "209715200 bytes" in body["error"]["message"] and "router.max_request_bytes" in body["error"]["message"]
+
+
+def test_a_chunked_body_is_refused_413_once_it_passes_max_request_bytes(api):
+    """No declared length: the gate reads up to the limit (4 MB), then refuses; 6 MB are offered."""
+    chunk = b"x" * (256 * 1024)
+    framed = b"%x\r\n%s\r\n" % (len(chunk), chunk)
+    status, body, _ = _raw_response(api, _head("Transfer-Encoding: chunked\r\n", API_KEY), [framed] * 24 + [b"0\r\n\r\n"])
+    assert status == 413 and body["error"]["code"] == "request_too_large"

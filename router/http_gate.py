@@ -1,0 +1,69 @@
+"""The HTTP API's gate: what a request must pass before its body is read (an ASGI app around the FastAPI one).
+
+A body is read into memory and parsed on the event loop the gRPC streams share, so the gate refuses what
+it can before reading a byte of it: without the API key (on /v1) with 401, and a declared Content-Length
+over `router.max_request_bytes` with 413. A body without a declared length (chunked) is read up to that
+limit and refused with 413 past it. The body read is handed to the app as it arrived, one message, and
+the client's later messages (its disconnect) after it, so a handler still sees its client go away.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+from router.openai_schema import ApiError
+
+KEY_HINT = "invalid API key: send Authorization: Bearer <the key given to --api-key or SPECFLEET_API_KEY>"
+
+
+class BodyGate:
+    def __init__(self, app, max_request_bytes: int, api_key: str = ""):
+        self.app, self.max_request_bytes, self.api_key = app, max_request_bytes, api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.api_key and scope["path"].startswith("/v1") and not self._key_ok(headers.get(b"authorization", b"")):
+            return await _refuse(send, ApiError(401, KEY_HINT, code="invalid_api_key"))
+        declared = headers.get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_request_bytes):
+            return await _refuse(send, self._too_large(declared.decode("latin-1")))
+        body, more = b"", True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before sending its body
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_request_bytes:
+                return await _refuse(send, self._too_large(f"more than {len(body)}"))
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    def _key_ok(self, given: bytes) -> bool:
+        return hmac.compare_digest(given, f"Bearer {self.api_key}".encode())
+
+    def _too_large(self, size: str) -> ApiError:
+        return ApiError(
+            413,
+            f"request body of {size} bytes is over this server's limit of {self.max_request_bytes} (router.max_request_bytes)",
+            code="request_too_large",
+        )
+
+
+async def _refuse(send, err: ApiError) -> None:
+    """The error in OpenAI's shape (ASCII-escaped JSON), closing the connection: the unread body cannot be skipped."""
+    payload = json.dumps(err.body(), separators=(",", ":")).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()), (b"connection", b"close")]
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
