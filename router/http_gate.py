@@ -12,6 +12,8 @@ from __future__ import annotations
 import hmac
 import json
 
+from fastapi.responses import JSONResponse
+
 from router.openai_schema import ApiError
 
 KEY_HINT = "invalid API key: send Authorization: Bearer <the key given to --api-key or SPECFLEET_API_KEY>"
@@ -26,11 +28,11 @@ class BodyGate:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         if self.api_key and scope["path"].startswith("/v1") and not self._key_ok(headers.get(b"authorization", b"")):
-            return await _refuse(send, ApiError(401, KEY_HINT, code="invalid_api_key"))
+            return await _refuse(scope, receive, send, ApiError(401, KEY_HINT, code="invalid_api_key"))
         declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_request_bytes):
-            return await _refuse(send, self._too_large(declared.decode("latin-1")))
-        body, more = b"", True
+            return await _refuse(scope, receive, send, self._too_large(declared.decode("latin-1")))
+        body, more = bytearray(), True
         while more:
             message = await receive()
             if message["type"] != "http.request":  # the client left before sending its body
@@ -38,14 +40,14 @@ class BodyGate:
             body += message.get("body", b"")
             more = message.get("more_body", False)
             if len(body) > self.max_request_bytes:
-                return await _refuse(send, self._too_large(f"more than {len(body)}"))
+                return await _refuse(scope, receive, send, self._too_large(f"more than {len(body)}"))
         replayed = False
 
         async def replay():
             nonlocal replayed
             if not replayed:
                 replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
             return await receive()
 
         await self.app(scope, replay, send)
@@ -61,9 +63,19 @@ class BodyGate:
         )
 
 
-async def _refuse(send, err: ApiError) -> None:
-    """The error in OpenAI's shape (ASCII-escaped JSON), closing the connection: the unread body cannot be skipped."""
-    payload = json.dumps(err.body(), separators=(",", ":")).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()), (b"connection", b"close")]
-    await send({"type": "http.response.start", "status": err.status, "headers": headers})
-    await send({"type": "http.response.body", "body": payload})
+class _ErrorResponse(JSONResponse):
+    """An error in JSON with every non-ASCII character escaped: a message may quote the client's input,
+    and a lone surrogate in it would make UTF-8 fail, turning the 400 into a 500."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode()
+
+
+def error_response(err: ApiError, headers: dict | None = None) -> JSONResponse:
+    """`err` in OpenAI's shape, as every answer of the HTTP API that is not a success."""
+    return _ErrorResponse(err.body(), status_code=err.status, headers=headers)
+
+
+async def _refuse(scope, receive, send, err: ApiError) -> None:
+    # Closing the connection: the unread body cannot be skipped.
+    await error_response(err, {"connection": "close"})(scope, receive, send)

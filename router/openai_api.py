@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import socket
 import time
 import uuid
@@ -37,7 +36,7 @@ from starlette.exceptions import HTTPException
 
 from router.api import Finished, GenerationError, GenerationParams
 from router.frontdoor import FrontDoor, Generation, interleave
-from router.http_gate import BodyGate
+from router.http_gate import BodyGate, error_response
 from router.openai_schema import (
     FINISH_REASONS,
     ApiError,
@@ -238,22 +237,10 @@ async def _run_unary(generations: list[Generation], request: Request) -> None:
 ROUTES = "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /version"
 
 
-class _ErrorResponse(JSONResponse):
-    """An error in JSON with every non-ASCII character escaped: a message may quote the client's input,
-    and a lone surrogate in it would make UTF-8 fail, turning the 400 into a 500."""
-
-    def render(self, content) -> bytes:
-        return json.dumps(content, separators=(",", ":")).encode()
-
-
-def _error(err: ApiError, headers: dict | None = None) -> JSONResponse:
-    return _ErrorResponse(err.body(), status_code=err.status, headers=headers)
-
-
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
-    async def api_error(_request: Request, err: ApiError):
-        return _error(err)
+    async def apierror_response(_request: Request, err: ApiError):
+        return error_response(err)
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(_request: Request, err: RequestValidationError):
@@ -261,14 +248,14 @@ def _add_error_handlers(app: FastAPI) -> None:
         loc = [str(p) for p in first.get("loc", ()) if p != "body" and not isinstance(p, int)]
         param = loc[0] if loc else None
         message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request body')}"
-        return _error(ApiError(400, message, param=param))
+        return error_response(ApiError(400, message, param=param))
 
     @app.exception_handler(HTTPException)
     async def no_route(request: Request, err: HTTPException):
         # Starlette's own answers (404 no route, 405 wrong method) in OpenAI's shape, as every other error.
         if err.status_code == 404:
-            return _error(ApiError(404, f"{request.method} {request.url.path}: no such route; this server serves {ROUTES}", code="not_found"))
-        return _error(ApiError(err.status_code, f"{request.method} {request.url.path}: {err.detail}"), err.headers)
+            return error_response(ApiError(404, f"{request.method} {request.url.path}: no such route; this server serves {ROUTES}", code="not_found"))
+        return error_response(ApiError(err.status_code, f"{request.method} {request.url.path}: {err.detail}"), err.headers)
 
 
 def _add_health(app: FastAPI, front_door: FrontDoor) -> None:
