@@ -44,57 +44,59 @@ class StartupError(RuntimeError):
     pass
 
 
-async def build(cfg: config_mod.Config, transports: tuple | None = None) -> tuple[FrontDoor, Scheduler, list]:
+async def build(cfg: config_mod.Config, verifiers: list | None = None, drafters: dict | None = None) -> tuple[FrontDoor, Scheduler, list]:
     """Connect to the verifier and drafters, check that they fit together, and build the scheduler and the front door.
 
-    transports: ([verifier replicas], {drafter service name: drafter}) already connected and ready,
-    e.g. Ray actors (`router.ray_transport.connect`); default: gRPC to the configured addresses.
+    verifiers: the verifier verifiers, already connected and ready (Ray actors from `router.ray_transport.connect`,
+    or the core in this process, `router.transport.InProcessVerifier`); drafters: {drafter service name: drafter},
+    the same (Ray actors). Each default: gRPC to the configured addresses.
     """
     rcfg = cfg.router
     timeout = rcfg.startup_timeout_s
-    if transports is None:
-        sec = security.load(cfg.security)
+    sec = security.load(cfg.security)
+    waits = []
+    if verifiers is None:
         addresses = cfg.verifier.addresses()
-        replicas = [GrpcVerifier(address, sec) for address in addresses]
+        verifiers = [GrpcVerifier(address, sec) for address in addresses]
+        log.info("waiting for %d verifier replica(s) at %s", len(addresses), ", ".join(addresses))
+        waits += [wait_until_serving(address, timeout, security=sec) for address in addresses]
+    if drafters is None:
         services = {svc.name: grpc_drafter_service(svc, sec) for svc in cfg.drafters}
-        log.info("waiting for %d verifier replica(s) at %s and %d drafter service(s)", len(addresses), ", ".join(addresses), len(services))
-        await asyncio.gather(
-            *(wait_until_serving(address, timeout, security=sec) for address in addresses),
-            *(wait_until_serving(address, timeout, security=sec) for svc in cfg.drafters for address in svc.addresses()),
-        )
+        log.info("waiting for %d drafter service(s)", len(services))
+        waits += [wait_until_serving(address, timeout, security=sec) for svc in cfg.drafters for address in svc.addresses()]
     else:
-        replicas, given = transports
-        services = {name: t if isinstance(t, DrafterService) else DrafterService(name, [t]) for name, t in given.items()}
-    infos = await asyncio.gather(*(replica.info(timeout_s=30) for replica in replicas))
+        services = {name: t if isinstance(t, DrafterService) else DrafterService(name, [t]) for name, t in drafters.items()}
+    await asyncio.gather(*waits)
+    infos = await asyncio.gather(*(replica.info(timeout_s=30) for replica in verifiers))
     target = infos[0]
-    for replica, info in zip(replicas[1:], infos[1:]):
+    for replica, info in zip(verifiers[1:], infos[1:]):
         # Requests move between replicas mid-generation: every replica must compute the same target.
         differs = [
             f for f in ("tokenizer_fingerprint", "vocab_size", "max_context", "eos_token_id", "parameters") if getattr(info, f) != getattr(target, f)
         ]
         if differs or pathlib.Path(info.path).name != pathlib.Path(target.path).name:
             raise StartupError(
-                f"verifier replica {replica.address} serves {info.path} and {replicas[0].address} serves {target.path}"
+                f"verifier replica {replica.address} serves {info.path} and {verifiers[0].address} serves {target.path}"
                 f" ({', '.join(differs) or 'path'} differ); every replica must host the same target model"
             )
-    verifier = VerifierPool(replicas, wait_s=rcfg.verifier_wait_s)
+    pool = VerifierPool(verifiers, wait_s=rcfg.verifier_wait_s)
     tokenizer = load_tokenizer(rcfg.tokenizer or cfg.verifier.model)
     if tokenizer_fingerprint(tokenizer) != target.tokenizer_fingerprint:
         raise StartupError(
             f"the router's tokenizer ({rcfg.tokenizer or cfg.verifier.model}) differs from the target's "
             f"({target.path}); set router.tokenizer to the target's tokenizer"
         )
-    drafters = await collect_drafters(cfg, services, target)
-    drafter_router = build_drafter_router(cfg, sorted(drafters))
+    served = await collect_drafters(cfg, services, target)
+    drafter_router = build_drafter_router(cfg, sorted(served))
     controller = SpeculationController(CostModel.configured(rcfg.speculation), rcfg.speculation)
     verify_limits, draft_limits = call_limits(cfg, target, await drafter_contexts(cfg, services))
     if not rcfg.speculation.pin_cost_model:
-        await profile_costs(verifier.first, drafters, controller.cost, target.eos_token_id, target.max_context, verify_limits)
-    depth = pipeline_depth(rcfg.scheduling.pipeline_depth, target, drafters)
-    scheduler = Scheduler(SchedulerConfig(rcfg.scheduling, depth, verify_limits, draft_limits), verifier, drafters, drafter_router, controller)
+        await profile_costs(pool.first, served, controller.cost, target.eos_token_id, target.max_context, verify_limits)
+    depth = pipeline_depth(rcfg.scheduling.pipeline_depth, target, served)
+    scheduler = Scheduler(SchedulerConfig(rcfg.scheduling, depth, verify_limits, draft_limits), pool, served, drafter_router, controller)
     limits = Limits(rcfg.requests, target.vocab_size, target.max_context, prompt_chars_bound(tokenizer, target.max_context))
     front_door = FrontDoor(scheduler, tokenizer, limits, target.eos_token_id, target)
-    return front_door, scheduler, [*replicas, *(t for service in services.values() for t in service.replicas)]
+    return front_door, scheduler, [*verifiers, *(t for service in services.values() for t in service.replicas)]
 
 
 def grpc_drafter_service(svc: config_mod.DrafterServiceConfig, sec: security.Security) -> DrafterService:
@@ -258,19 +260,21 @@ async def run(
     ray_namespace: str = "specfleet",
     config_path: str | None = None,
     api_key: str = "",
+    verifiers: list | None = None,
 ) -> None:
-    """Serve; with ray_address, reach the verifier and drafters as Ray actors (`specfleet serve --ray`) instead of gRPC.
+    """Serve; with ray_address, reach the verifier and drafters as Ray actors (`specfleet serve --ray`) instead of gRPC;
+    verifiers: the verifier replicas when they are not reached over gRPC (the core in this process: `specfleet.colocated`).
 
     api_key: when set, the gRPC Generation methods and the HTTP API's /v1/* need `authorization: Bearer api_key`.
     """
     sec = security.load(cfg.security)
     sec.check_binding("router", host, internal=False, api_key=api_key)
-    given = None
+    drafters = None
     if ray_address is not None:
         from router import ray_transport
 
-        given = await ray_transport.connect(cfg, ray_address, ray_namespace, cfg.router.startup_timeout_s)
-    front_door, scheduler, transports = await build(cfg, given)
+        verifiers, drafters = await ray_transport.connect(cfg, ray_address, ray_namespace, cfg.router.startup_timeout_s)
+    front_door, scheduler, transports = await build(cfg, verifiers, drafters)
     scheduler.start()
     metrics_server = None
     metrics_sock = listen(host, cfg.router.metrics_port, config_mod.DEFAULT_METRICS_PORTS["router"], "router metrics", "router.metrics_port")
@@ -279,7 +283,7 @@ async def run(
         metrics_server = await metrics.serve(metrics_sock, scheduler.context.telemetry.registry, **sec.metrics_options())
     http = await start_http(cfg, host, front_door, api_key, sec)
 
-    on_reload = (lambda: reload(front_door, scheduler, config_path, over_grpc=given is None)) if config_path else None
+    on_reload = (lambda: reload(front_door, scheduler, config_path, over_grpc=drafters is None)) if config_path else None
 
     def register(server):
         generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(front_door), server)
@@ -345,8 +349,8 @@ async def start_http(cfg: config_mod.Config, host: str, front_door: FrontDoor, a
     return (app, *started)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specfleet router", description="Serve specfleet.v1.Generation.")
+def parser(prog: str = "specfleet router") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Serve specfleet.v1.Generation.")
     parser.add_argument("--config", help="deployment YAML (default: bundled demo models)")
     parser.add_argument("--host", help="listen address (default: router.host)")
     parser.add_argument("--port", type=int, help="port (default: router.port)")
@@ -361,7 +365,15 @@ def main(argv: list[str] | None = None) -> int:
         default=os.environ.get("SPECFLEET_API_KEY", ""),
         help="require `authorization: Bearer KEY` on the gRPC API and the HTTP API's /v1/* (default: $SPECFLEET_API_KEY; unset: no key)",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+# What stops a router from starting, reported in one line (exit code 2).
+STARTUP_ERRORS = (StartupError, TimeoutError, OSError, config_mod.ConfigError, RedisAuthError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     setup_logging("router")
     cfg = config_mod.load(args.config) if args.config else config_mod.default_config(config_mod.REPO / ".cache")
     try:
@@ -376,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
                 api_key=args.api_key,
             )
         )
-    except (StartupError, TimeoutError, OSError, config_mod.ConfigError, RedisAuthError) as err:
+    except STARTUP_ERRORS as err:
         log.error("router cannot start: %s", err)
         return 2
     return 0

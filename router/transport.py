@@ -2,7 +2,7 @@
 
 The scheduler talks to these two small interfaces only, in the plain records of
 router/messages.py, so the transport underneath can change (gRPC, Ray actors,
-in-process calls) without touching scheduling. This module is where those
+a verifier in the router's own process) without touching scheduling. This module is where those
 records become proto/specfleet/v1 messages and replies become records again
 (`draft_request`, `draft_response`, `verify_request`, `verify_response`, shared
 with router/ray_transport.py). Every transport raises `TransportError` when a
@@ -11,8 +11,9 @@ call fails.
 
 from __future__ import annotations
 
+import asyncio
 import weakref
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 
@@ -193,3 +194,41 @@ class GrpcVerifier(_GrpcPeer):
 
     async def verify(self, sessions, timeout_s):
         return verify_response(await self._call("Verify", verify_request(sessions), timeout_s))
+
+
+# --- in process ----------------------------------------------------------------------------------------------------
+
+
+class InProcessVerifier:
+    """The verifier's core in the router's own process (`verifier.colocate`, `specfleet.colocated`).
+
+    The same messages as over gRPC, the same validation and the same batch queue, handed over by a
+    call instead of a socket: a round saves the two process hops of its Verify call. The core is any
+    object with the verifier core's methods (`verify`, `release`, `info`); the router does not import
+    the verifier service, the launcher hands it one. A request the core refuses raises a ValueError
+    (INVALID_ARGUMENT or RESOURCE_EXHAUSTED over gRPC), anything else fails the call as a dead replica's would.
+    """
+
+    def __init__(self, core: Any, address: str):
+        self.core = core
+        self.address = f"{address} (in process)"
+
+    async def verify(self, sessions, timeout_s):
+        try:
+            reply = await asyncio.wait_for(self.core.verify(verify_request(sessions)), timeout_s)
+        except ValueError as err:
+            raise TransportError(f"INVALID_ARGUMENT: {err}", invalid_argument=True) from None
+        except TimeoutError:
+            raise TransportError(f"DEADLINE_EXCEEDED: no answer within {timeout_s:g}s") from None
+        except Exception as err:  # the model thread's failure or a closing core: as a replica that went away
+            raise TransportError(f"UNAVAILABLE: {type(err).__name__}: {err}") from None
+        return verify_response(reply)
+
+    async def release(self, session_ids):
+        await self.core.release(common_pb2.ReleaseRequest(session_ids=session_ids))
+
+    async def info(self, timeout_s):
+        return self.core.info()
+
+    async def close(self):
+        pass  # the core is closed by the verifier's server, after the router has drained

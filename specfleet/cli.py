@@ -64,12 +64,13 @@ def _serve_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _service_commands(cfg, config_file: pathlib.Path) -> list[tuple[str, list[str], list[int]]]:
+def service_commands(cfg, config_file: pathlib.Path) -> list[tuple[str, list[str], list[int]]]:
     """Each process `serve` starts, in start order, as (name, command, cores): the verifier replicas, each
-    drafter service's replicas, the router."""
+    drafter service's replicas, the router (with the verifier in it, where `colocated`)."""
     py = sys.executable
     commands = []
-    for replica, address in enumerate(cfg.verifier.addresses()):
+    together = colocated(cfg)
+    for replica, address in enumerate([] if together else cfg.verifier.addresses()):
         name = "verifier" if replica == 0 else f"verifier replica {replica}"
         command = [py, "-m", "verifier_service", "--config", str(config_file), "--host", "127.0.0.1", "--replica", str(replica)]
         commands.append((name, command, cfg.verifier.cpus))
@@ -90,8 +91,18 @@ def _service_commands(cfg, config_file: pathlib.Path) -> list[tuple[str, list[st
                 str(replica),
             ]
             commands.append((name, command, svc.cpus))
-    commands.append(("router", [py, "-m", "router", "--config", str(config_file)], cfg.router.cpus))
+    if together:
+        # The verifier in the router's process (specfleet/colocated.py), on the cores of both.
+        cores = sorted(set(cfg.router.cpus) | set(cfg.verifier.cpus)) if cfg.router.cpus and cfg.verifier.cpus else []
+        commands.append(("router", [py, "-m", "specfleet.colocated", "--config", str(config_file)], cores))
+    else:
+        commands.append(("router", [py, "-m", "router", "--config", str(config_file)], cfg.router.cpus))
     return commands
+
+
+def colocated(cfg) -> bool:
+    """Whether `serve` runs the verifier in the router's process: `verifier.colocate` and one verifier."""
+    return cfg.verifier.colocate and not cfg.verifier.replicas
 
 
 def _print_ready(cfg, router_address: str) -> None:
@@ -125,10 +136,11 @@ def _reload(config_path: str | None, port: int | None, config_file: pathlib.Path
         os.kill(router, signal.SIGHUP)
 
 
-def _unusable_cores(commands: list[tuple[str, list[str], list[int]]]) -> str | None:
-    """What is wrong when a process is pinned to cores this machine does not let us use, else None."""
+def _unusable_cores(cfg) -> str | None:
+    """What is wrong when a section pins its process to cores this machine does not let us use, else None."""
     usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
-    for name, _, cpus in commands:
+    sections = [("verifier", cfg.verifier.cpus), *((f"drafter {svc.name}", svc.cpus) for svc in cfg.drafters), ("router", cfg.router.cpus)]
+    for name, cpus in sections:
         if cpus and not set(cpus) <= usable:
             return f"{name}: cpus {cpus} are not all usable here (usable: {sorted(usable)})"
     return None
@@ -197,8 +209,8 @@ def cmd_serve(argv: list[str]) -> int:
     config_file = pathlib.Path(tempfile.mkdtemp(prefix="specfleet-")) / "config.yaml"
     config_file.write_text(cfg.to_yaml())
 
-    commands = _service_commands(cfg, config_file)
-    unusable = _unusable_cores(commands)
+    commands = service_commands(cfg, config_file)
+    unusable = _unusable_cores(cfg)
     if unusable:
         print(f"specfleet serve: {unusable}", file=sys.stderr)
         return 2

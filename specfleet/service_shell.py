@@ -102,7 +102,7 @@ def parser(spec: ServiceSpec) -> argparse.ArgumentParser:
 
 
 @dataclass
-class _Started:
+class Started:
     section: Section
     sec: security.Security
     core: Core
@@ -116,14 +116,14 @@ def main(spec: ServiceSpec, argv: list[str] | None = None) -> int:
     setup_logging(spec.command)
     refused = (config_mod.ConfigError, security.InsecureBinding, OSError, *spec.errors)
     try:
-        started = _start(spec, args)
+        started = start(spec, args)
         asyncio.run(serve_core(spec, started.section.name, started.core, args.host, started.port, started.sec, started.metrics_sock))
     except refused as err:
         raise SystemExit(f"specfleet {spec.command}: {err}") from None
     return 0
 
 
-def _start(spec: ServiceSpec, args: argparse.Namespace) -> _Started:
+def start(spec: ServiceSpec, args: argparse.Namespace) -> Started:
     """Everything before serving: the config, the checks (before any model loads), the core, the metrics socket."""
     cfg = config_mod.load(args.config) if args.config else config_mod.default_config(config_mod.REPO / ".cache")
     section = spec.select(cfg, args.name if spec.name_help else None)
@@ -134,7 +134,7 @@ def _start(spec: ServiceSpec, args: argparse.Namespace) -> _Started:
     core = spec.load_core(section.config, threads=args.threads, **flags)
     port = args.port if args.port is not None else replica_port
     metrics_sock = listen(args.host, metrics_port, section.metrics_port, f"{section.name} metrics", f"{section.key}.metrics_port")
-    return _Started(section, sec, core, port, metrics_sock)
+    return Started(section, sec, core, port, metrics_sock)
 
 
 # --- the gRPC server ----------------------------------------------------------------------------------------------
@@ -149,9 +149,11 @@ async def serve_core(
     sec: security.Security,
     metrics_sock: socket.socket | None,
     grace_s: float = 10.0,
+    stop: asyncio.Event | None = None,
 ) -> None:
     """Serve `core` over gRPC as `name` until SIGTERM or SIGINT (in-flight calls get grace_s), and /metrics on metrics_sock
-    (None: off), both behind `sec`'s TLS and the internal token; the core is closed once the calls have drained."""
+    (None: off), both behind `sec`'s TLS and the internal token; the core is closed once the calls have drained.
+    stop: ends it instead of SIGTERM and SIGINT (`specfleet.serving.serve`)."""
     servicer = spec.servicer(core)
 
     def register(server: grpc.aio.Server) -> list[str]:
@@ -168,6 +170,7 @@ async def serve_core(
             on_stop=core.close,
             credentials=sec.server_credentials(),
             interceptors=sec.server_interceptors(),
+            stop=stop,
         )
 
 

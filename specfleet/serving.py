@@ -187,6 +187,7 @@ async def serve(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     max_request_bytes: int = MAX_MESSAGE_BYTES,
     on_drain: Callable[[], Awaitable[None]] | None = None,
+    stop: asyncio.Event | None = None,
 ) -> None:
     """Run a gRPC server until SIGTERM or SIGINT, then let in-flight calls finish (up to grace_s).
 
@@ -198,9 +199,16 @@ async def serve(
     request over max_request_bytes is refused by gRPC itself (RESOURCE_EXHAUSTED)
     before it is read into memory. `on_drain`, when given, runs beside the gRPC
     drain, within the same grace_s: the work other than gRPC calls that must
-    finish first (the router's HTTP requests).
+    finish first (the router's HTTP requests). `stop`, when given, ends it instead of the signals: a server
+    that shares its process with another (`specfleet.colocated`) leaves them to that one.
     """
-    options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", max_request_bytes)]
+    options = [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", max_request_bytes),
+        # gRPC binds with SO_REUSEPORT by default: a second server on a taken port would start, and the kernel would
+        # split connections between the two. A taken port is an error here.
+        ("grpc.so_reuseport", 0),
+    ]
     server = grpc.aio.server(options=options, interceptors=[UndecodableRequests(), *interceptors])
     service_names = list(register(server))
     health = health_aio.HealthServicer()
@@ -209,7 +217,10 @@ async def serve(
     reflection.enable_server_reflection(reflected, server)
     add_reflection_v1(reflected, server)
     address = f"{host}:{port}"
-    bound = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
+    try:
+        bound = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
+    except RuntimeError:  # how newer grpcio refuses an address it cannot bind
+        bound = 0
     if bound == 0:
         raise OSError(f"{name}: cannot listen on {host}:{port} (port in use?)")
     await server.start()
@@ -217,10 +228,11 @@ async def serve(
         await health.set(service, health_pb2.HealthCheckResponse.SERVING)
     log.info("%s listening on %s:%d%s", name, host, bound, " (TLS)" if credentials is not None else "")
 
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    if stop is None:
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
     if on_reload is not None:
         loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(_reload(name, on_reload)))
     watcher = asyncio.create_task(_follow_health(name, health, ["", *service_names], healthy)) if healthy else None

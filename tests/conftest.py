@@ -26,7 +26,10 @@ def random_family(tmp_path_factory) -> dict[str, pathlib.Path]:
 
 @pytest.fixture(scope="session")
 def cluster(random_family, tmp_path_factory):
-    """The default cluster: random target, a drafter that agrees with it part of the time."""
-    c = Cluster(cluster_config(random_family), tmp_path_factory.mktemp("cluster"), "default").start()
+    """The default cluster: random target, a drafter that agrees with it part of the time; the verifier in a process
+    of its own (the tests that use it pause the router and call the verifier meanwhile), where most other clusters
+    run it in the router's (verifier.colocate's default)."""
+    config = cluster_config(random_family, verifier={"colocate": False})
+    c = Cluster(config, tmp_path_factory.mktemp("cluster"), "default").start()
     yield c
     c.stop()

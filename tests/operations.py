@@ -16,7 +16,9 @@ import urllib.request
 
 from specfleet.v1 import common_pb2, drafter_pb2_grpc, verifier_pb2_grpc
 
-SERVICE_MODULES = {"verifier": "verifier_service", "drafter": "drafter_service", "router": "router"}
+# The router runs as `router`, or as `specfleet.colocated` with the verifier in its process (verifier.colocate, the default):
+# a test that pauses or kills the verifier alone sets colocate false.
+SERVICE_MODULES = {"verifier": ("verifier_service",), "drafter": ("drafter_service",), "router": ("router", "specfleet.colocated")}
 
 
 def children(pid: int) -> list[int]:
@@ -34,15 +36,25 @@ def children(pid: int) -> list[int]:
 def service_pid(cluster, service: str, also: str = "") -> int:
     """The pid of one service `specfleet serve` started: verifier, drafter or router (whose command
     line also holds `also`, e.g. "--name beta" for one of several drafter services)."""
-    wanted = f"-m {SERVICE_MODULES[service]} "
+    wanted = [f"-m {module} " for module in SERVICE_MODULES[service]]
     for pid in children(cluster.proc.pid):
         try:
             command = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:
             continue
-        if wanted in command and also in command:
+        if any(w in command for w in wanted) and also in command:
             return pid
     raise LookupError(f"no {service} process under specfleet serve (pid {cluster.proc.pid})")
+
+
+def host_pid(cluster, service: str) -> int:
+    """The pid of the process `service` runs in: the router's for a verifier in the router's process."""
+    try:
+        return service_pid(cluster, service)
+    except LookupError:
+        if service != "verifier":
+            raise
+        return service_pid(cluster, "router")
 
 
 @contextlib.contextmanager

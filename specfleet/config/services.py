@@ -118,6 +118,11 @@ GRAPH_SIZES = "a list of [sessions, tokens] pairs of positive integers"
 @dataclass
 class VerifierConfig(ServiceConfig):
     model: str = knob("", "the target model's directory", check=required("the target model directory is required"))
+    colocate: bool = knob(
+        True,
+        "where `specfleet serve` starts one verifier (no replicas, no --ray), run it in the router's process, which calls it "
+        "without a socket and still serves its gRPC address (a crash then restarts both); false: always a process of its own",
+    )
     cuda_graph_sizes: list[list[int]] = knob(
         doc="on a CUDA device: [sessions, tokens] buckets whose passes replay CUDA graphs (captured on first use), "
         "e.g. [[1, 1], [8, 5], [32, 5]]; other shapes and CPUs run eagerly",

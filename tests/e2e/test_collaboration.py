@@ -144,7 +144,7 @@ def test_saturation_every_request_finishes_or_reports_its_deadline(random_family
 
     from tests.operations import paused, service_pid
 
-    config = cluster_config(random_family)
+    config = cluster_config(random_family, verifier={"colocate": False})  # it pauses the verifier alone
     config["router"].update({"max_running": 2})
     cluster = Cluster(config, tmp_path, "saturated").start()
     reference = target_greedy(str(random_family["target"]), PROMPTS[2], 1000)

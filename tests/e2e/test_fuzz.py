@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2
 from specfleet.v1 import common_pb2, drafter_pb2, generation_pb2, verifier_pb2, verifier_pb2_grpc
 from tests.harness import INTERNAL_TOKEN, Cluster, cluster_config
 from tests.helpers import PROMPTS, greedy_request, target_greedy
-from tests.operations import service_pid
+from tests.operations import host_pid
 
 MESSAGES = int(os.environ.get("SPECFLEET_FUZZ_MESSAGES", "1500"))
 SEED = int(os.environ.get("SPECFLEET_FUZZ_SEED", "15"))
@@ -296,7 +296,7 @@ def test_fuzz_every_rpc(fuzz_cluster, random_family):
             [("/specfleet.v1.Drafter/Draft", False, fuzzers["drafter"].draft)] * 3 + internal(fuzzers["drafter"], "Drafter"),
         ),
     }
-    pids = {name: service_pid(cluster, name) for name in targets}
+    pids = {name: host_pid(cluster, name) for name in targets}
     codes: collections.Counter = collections.Counter()
     lock = threading.Lock()
     errors: list[BaseException] = []

@@ -220,12 +220,12 @@ def test_deadline_passing_mid_stream_is_reported_and_releases_its_sessions(clust
     """Through gRPC: the client's deadline passes while the verifier is paused after the first streamed round,
     so the request provably cannot finish in time. The client gets DEADLINE_EXCEEDED after a correct prefix;
     the router, told by the cancelled call, drops the request's sessions once the verifier resumes."""
-    from tests.operations import paused, service_pid, session_of, wait_released
+    from tests.operations import host_pid, paused, session_of, wait_released
 
     request = greedy_request(PROMPTS[6], 1000, 2, request_id="client-deadline", stop_at_eos=False)
     stream = stub.GenerateStream(request, timeout=6)
     tokens = list(next(stream).token_ids)
-    with paused(service_pid(cluster, "verifier")):
+    with paused(host_pid(cluster, "verifier")):  # the router's process too, where the verifier runs in it
         with pytest.raises(grpc.RpcError) as err:
             for chunk in stream:
                 tokens += chunk.token_ids

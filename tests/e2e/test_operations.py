@@ -37,6 +37,7 @@ def ops(random_family, tmp_path_factory):
         metrics_port=free_port(),
         rpc_timeout_s=600.0,  # a round waits out the verifier's pause rather than failing
     )
+    config["verifier"]["colocate"] = False  # the tests pause the verifier alone (SIGSTOP), not the router with it
     cluster = Cluster(config, tmp_path_factory.mktemp("ops"), "ops").start()
     yield cluster
     cluster.stop()

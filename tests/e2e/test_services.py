@@ -59,7 +59,7 @@ def test_drafter_with_another_tokenizer_is_refused_at_startup(random_family, tmp
 def test_ctrl_c_stops_every_service_even_when_started_as_a_background_job(random_family, tmp_path):
     cluster = Cluster(cluster_config(random_family), tmp_path, "bg").start(sigint_ignored=True)
     services = children(cluster.proc.pid)
-    assert len(services) == 3  # verifier, drafter, router
+    assert len(services) == 2  # the router with the verifier in its process, the drafter
     cluster.proc.send_signal(signal.SIGINT)
     assert cluster.proc.wait(timeout=20) == 0
     deadline = time.monotonic() + 10
@@ -74,7 +74,7 @@ def test_services_die_with_a_killed_serve(random_family, tmp_path):
     process group, go with it rather than running on unattended."""
     cluster = Cluster(cluster_config(random_family), tmp_path, "killed").start()
     services = children(cluster.proc.pid)
-    assert len(services) == 3
+    assert len(services) == 2  # the router with the verifier in its process, the drafter
     cluster.proc.kill()
     cluster.proc.wait(timeout=30)
     deadline = time.monotonic() + 30
@@ -97,7 +97,9 @@ def _alive(pid: int) -> bool:
 
 
 def test_each_service_runs_on_the_cores_its_config_names(random_family, tmp_path):
-    """verifier.cpus / drafters[].cpus / router.cpus pin the processes `specfleet serve` starts."""
+    """verifier.cpus / drafters[].cpus / router.cpus pin the processes `specfleet serve` starts; the router with the
+    verifier in its process (verifier.colocate, the default) runs on the cores of both (tests/specfleet/test_cli.py: the
+    processes of each setting)."""
     last = max(os.sched_getaffinity(0))
     config = cluster_config(random_family, verifier={"cpus": [last]}, drafter_service={"cpus": [0]}, router={"cpus": [0]})
     cluster = Cluster(config, tmp_path, "pinned").start()
@@ -105,9 +107,9 @@ def test_each_service_runs_on_the_cores_its_config_names(random_family, tmp_path
         pinned = {}
         for pid in children(cluster.proc.pid):
             command = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            service = next(name for name in ("verifier_service", "drafter_service", "router") if f"-m {name}" in command)
+            service = next(name for name in ("verifier_service", "drafter_service", "specfleet.colocated") if f"-m {name}" in command)
             pinned[service] = os.sched_getaffinity(pid)
-        assert pinned == {"verifier_service": {last}, "drafter_service": {0}, "router": {0}}
+        assert pinned == {"drafter_service": {0}, "specfleet.colocated": {0, last}}
         with cluster.channel() as channel:  # and it still serves
             reply = generation_pb2_grpc.GenerationStub(channel).Generate(greedy_request(PROMPTS[0], 8, 2), timeout=60)
         assert list(reply.token_ids) == target_greedy(str(random_family["target"]), PROMPTS[0], 8)
@@ -149,7 +151,8 @@ def test_sigterm_lets_in_flight_requests_finish(random_family, tmp_path, monkeyp
     from tests.operations import metrics, paused, service_pid
 
     http_port = free_port()
-    config = cluster_config(random_family, router={"metrics_port": free_port(), "http_port": http_port})
+    # The verifier in a process of its own: the test pauses it alone.
+    config = cluster_config(random_family, verifier={"colocate": False}, router={"metrics_port": free_port(), "http_port": http_port})
     cluster = Cluster(config, tmp_path, "graceful")
     with monkeypatch.context() as patch:
         # As from a terminal: serve leads its own process group, which Ctrl-C signals as a whole.

@@ -81,7 +81,7 @@ def test_killed_drafter_and_verifier_lose_no_request(random_family, tmp_path):
     serve restarts both, every stream finishes with the target's own greedy output, and the restarted
     drafter drafts again. (The verifier is stopped first, so the requests are surely mid-generation.)"""
     target = str(random_family["target"])
-    cluster = Cluster(cluster_config(random_family), tmp_path, "supervised").start()
+    cluster = Cluster(cluster_config(random_family, verifier={"colocate": False}), tmp_path, "supervised").start()  # kills the verifier alone
     try:
         streams = Streams([cluster.router], [PROMPTS[i % len(PROMPTS)] for i in range(16)], max_tokens=300)
         streams.start()
@@ -233,7 +233,7 @@ def test_router_health_follows_the_verifier(random_family, tmp_path):
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    cluster = Cluster(cluster_config(random_family), tmp_path, "health").start()
+    cluster = Cluster(cluster_config(random_family, verifier={"colocate": False}), tmp_path, "health").start()  # pauses the verifier alone
 
     def status_within(want: int, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s

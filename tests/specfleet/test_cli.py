@@ -1,12 +1,14 @@
-"""The `specfleet` command itself: --version, and a command it does not know."""
+"""The `specfleet` command itself: --version, a command it does not know, the processes `serve` starts."""
 
 from __future__ import annotations
 
 import importlib.metadata
+import pathlib
 import subprocess
 import sys
 
-from specfleet.cli import COMMANDS
+from specfleet import config as config_mod
+from specfleet.cli import COMMANDS, service_commands
 from tests.harness import REPO
 
 
@@ -24,3 +26,31 @@ def test_an_unknown_command_is_named_with_the_valid_ones():
     assert out.returncode == 2  # as argparse's invalid choice
     assert "unknown command 'serv'" in out.stderr and out.stdout == ""
     assert all(name in out.stderr for name in COMMANDS)
+
+
+def _processes(verifier: dict) -> dict[str, tuple[str, list[int]]]:
+    """What `specfleet serve` starts for a config with this verifier section: name -> (module, cores)."""
+    cfg = config_mod.parse(
+        {
+            "verifier": {"model": "target", **verifier},
+            "drafters": [{"name": "d", "models": [{"name": "m", "path": "m"}], "cpus": [0]}],
+            "router": {"cpus": [0]},
+        }
+    )
+    return {name: (command[command.index("-m") + 1], cpus) for name, command, cpus in service_commands(cfg, pathlib.Path("c.yaml"))}
+
+
+def test_serve_runs_one_verifier_in_the_router_s_process_unless_told_otherwise():
+    drafter = ("drafter_service", [0])
+    assert _processes({"cpus": [1]}) == {"drafter d": drafter, "router": ("specfleet.colocated", [0, 1])}
+    assert _processes({"cpus": [1], "colocate": False}) == {"verifier": ("verifier_service", [1]), "drafter d": drafter, "router": ("router", [0])}
+    # Replicas are processes of their own: the router moves requests off one that dies.
+    replicas = _processes({"replicas": ["127.0.0.1:50071"]})
+    assert replicas == {
+        "verifier": ("verifier_service", []),
+        "verifier replica 1": ("verifier_service", []),
+        "drafter d": drafter,
+        "router": ("router", [0]),
+    }
+    # The router's process unpinned where either of the two is.
+    assert _processes({})["router"] == ("specfleet.colocated", [])
