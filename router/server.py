@@ -33,7 +33,7 @@ from specfleet import config as config_mod
 from specfleet import limits, metrics, placement, security
 from router.telemetry import RouterTelemetry
 from specfleet.tokenizer import load_tokenizer, tokenizer_fingerprint
-from specfleet.ports import listen
+from specfleet.ports import listen, report
 from specfleet.serving import ROUTER_DRAIN_S, serve, setup_logging, wait_until_serving
 from specfleet.v1 import generation_pb2, generation_pb2_grpc
 
@@ -326,6 +326,7 @@ async def start_http(cfg: config_mod.Config, host: str, front_door: FrontDoor, a
     except ImportError as err:
         if cfg.router.http_port is None:
             log.warning("HTTP API off: it needs %s (pip install fastapi uvicorn pydantic); router.http_port: 0 turns it off", err.name)
+            report("HTTP API", None, f"it needs {err.name} (pip install fastapi uvicorn pydantic)")
             return None
         raise StartupError(
             f"router.http_port: the HTTP API needs {err.name}, which is not installed (pip install fastapi uvicorn pydantic), "

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import importlib.util
 import os
 import pathlib
 import secrets
@@ -29,7 +28,7 @@ import sys
 import tempfile
 import time
 
-from specfleet import generate
+from specfleet import generate, ports
 
 
 def _serve_parser() -> argparse.ArgumentParser:
@@ -105,15 +104,20 @@ def colocated(cfg) -> bool:
     return cfg.verifier.colocate and not cfg.verifier.replicas
 
 
-def _print_ready(cfg, router_address: str) -> None:
-    from specfleet import config as config_mod
-
+def _print_ready(cfg, router_address: str, side_ports: dict[str, dict]) -> None:
+    """The ready line, a command to try, and the side ports as the services reported them (`specfleet.ports.report`):
+    what listens, and what is off although its default was asked for, with the reason."""
     print(f"specfleet is ready: router listening on {router_address} (Ctrl-C stops everything)", flush=True)
     print(f"  try: {_this_command()} generate --server {router_address}{_tls_flags(cfg)} 'def fibonacci(n):'", flush=True)
-    if cfg.router.http_port != 0 and (cfg.router.http_port or all(importlib.util.find_spec(m) for m in ("fastapi", "uvicorn", "pydantic"))):
-        port = cfg.router.http_port or config_mod.DEFAULT_HTTP_PORT
-        unless = "" if cfg.router.http_port else " (unless that port was taken: see the router's log; router.http_port sets it)"
-        print(f"  OpenAI-compatible API: http://{cfg.router.host}:{port}/v1{unless}", flush=True)
+    scheme = "https" if cfg.security.tls else "http"
+    api = side_ports.get("HTTP API")
+    if api is not None:
+        where = f"{scheme}://{api['address']}/v1" if api["address"] else f"off: {api['why']}"
+        print(f"  OpenAI-compatible API: {where}", flush=True)
+    metrics = [(what.removesuffix(" metrics"), entry) for what, entry in sorted(side_ports.items()) if what.endswith(" metrics")]
+    if metrics:
+        listed = (f"{name} {scheme}://{e['address']}/metrics" if e["address"] else f"{name} off ({e['why']})" for name, e in metrics)
+        print(f"  metrics: {', '.join(listed)}", flush=True)
 
 
 def _reload(config_path: str | None, port: int | None, config_file: pathlib.Path, supervisor) -> None:
@@ -208,6 +212,8 @@ def cmd_serve(argv: list[str]) -> int:
     # Children read the exact effective config, including defaults chosen here.
     config_file = pathlib.Path(tempfile.mkdtemp(prefix="specfleet-")) / "config.yaml"
     config_file.write_text(cfg.to_yaml())
+    side_ports = config_file.parent / "side-ports.jsonl"
+    os.environ[ports.SIDE_PORTS_ENV] = str(side_ports)
 
     commands = service_commands(cfg, config_file)
     unusable = _unusable_cores(cfg)
@@ -231,7 +237,7 @@ def cmd_serve(argv: list[str]) -> int:
             return _stop_all(supervisor, 1)
 
         signal.signal(signal.SIGHUP, lambda *_: _reload(args.config, args.port, config_file, supervisor))
-        _print_ready(cfg, router_address)
+        _print_ready(cfg, router_address, ports.reported(str(side_ports)))
         while True:
             try:
                 supervisor.tend()

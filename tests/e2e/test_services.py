@@ -6,6 +6,7 @@ import os
 import pathlib
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from specfleet.config import DEFAULT_HTTP_PORT
 from specfleet.v1 import generation_pb2_grpc
 from tests.harness import REPO, Cluster, cluster_config, free_port
 from tests.helpers import PROMPTS, greedy_request, target_greedy
@@ -321,3 +323,24 @@ def test_cli_generate_prints_text(cluster, stream):
         cwd=REPO,
     )
     assert bad.returncode == 1 and "INVALID_ARGUMENT: temperature" in bad.stderr
+
+
+def test_the_ready_message_prints_what_listens_not_what_was_asked_for(random_family, tmp_path):
+    """The HTTP API's default port taken: `serve` says the API is off and why, rather than a URL that reaches
+    whoever holds the port; the router's metrics on the port the config names: that address."""
+    holder = socket.socket()
+    try:
+        holder.bind(("127.0.0.1", DEFAULT_HTTP_PORT))
+        holder.listen()
+    except OSError:
+        pass  # someone else holds it: as taken
+    metrics = free_port()
+    cluster = Cluster(cluster_config(random_family, router={"http_port": None, "metrics_port": metrics}), tmp_path, "ports").start()
+    try:
+        lines = [cluster.proc.stdout.readline().strip() for _ in range(3)]
+    finally:
+        cluster.stop()
+        holder.close()
+    assert lines[0].startswith("try: ")
+    assert lines[1] == f"OpenAI-compatible API: off: its default port {DEFAULT_HTTP_PORT} is in use; set router.http_port to another port"
+    assert lines[2] == f"metrics: router http://127.0.0.1:{metrics}/metrics"
