@@ -337,9 +337,9 @@ def test_the_ready_message_prints_what_listens_not_what_was_asked_for(random_fam
     metrics = free_port()
     cluster = Cluster(cluster_config(random_family, router={"http_port": None, "metrics_port": metrics}), tmp_path, "ports").start()
     try:
-        lines = [cluster.proc.stdout.readline().strip() for _ in range(3)]
-    finally:
         cluster.stop()
+        lines = [line.strip() for line in cluster.proc.stdout.read().splitlines()]  # what serve printed after its ready line
+    finally:
         holder.close()
     assert lines[0].startswith("try: ")
     assert lines[1] == f"OpenAI-compatible API: off: its default port {DEFAULT_HTTP_PORT} is in use; set router.http_port to another port"
