@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import pathlib
+import queue
 import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -336,11 +338,21 @@ def test_the_ready_message_prints_what_listens_not_what_was_asked_for(random_fam
         pass  # someone else holds it: as taken
     metrics = free_port()
     cluster = Cluster(cluster_config(random_family, router={"http_port": None, "metrics_port": metrics}), tmp_path, "ports").start()
+    # The lines after the ready line, read beside the test: a line that never comes fails the test after a minute,
+    # and serve is stopped only once they are in (a SIGINT between two of them would cut the message short).
+    printed: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [printed.put(line.strip()) for line in cluster.proc.stdout], daemon=True).start()
+    lines, deadline = [], time.monotonic() + 60
     try:
-        cluster.stop()
-        lines = [line.strip() for line in cluster.proc.stdout.read().splitlines()]  # what serve printed after its ready line
+        while len(lines) < 3 and time.monotonic() < deadline:
+            try:
+                lines.append(printed.get(timeout=max(0.1, deadline - time.monotonic())))
+            except queue.Empty:
+                break
     finally:
+        cluster.stop()
         holder.close()
+    assert len(lines) == 3, lines
     assert lines[0].startswith("try: ")
     assert lines[1] == f"OpenAI-compatible API: off: its default port {DEFAULT_HTTP_PORT} is in use; set router.http_port to another port"
     assert lines[2] == f"metrics: router http://127.0.0.1:{metrics}/metrics"
