@@ -58,8 +58,9 @@ class SessionMirror:
 
     def diff(self, tokens: list[int]) -> tuple[int, list[int]]:
         """(prefix_length, new_token_ids) that turn what the server holds into `tokens`."""
-        common = 0
         limit = min(len(self.held), len(tokens))
+        # Usually the server holds a prefix of the tokens: one comparison in C, not a loop in Python over the context.
+        common = limit if self.held[:limit] == tokens[:limit] else 0
         while common < limit and self.held[common] == tokens[common]:
             common += 1
         if common == 0:
@@ -86,6 +87,9 @@ class Chunk:
     final: bool = False
     logprobs: list = field(default_factory=list)  # the verifier's log-probabilities per token id, when asked (router/verifying.py)
 
+
+# Tokens decoded before the new ones when detokenizing incrementally (RequestState._detokenize).
+DETOKENIZE_CONTEXT = 4
 
 TIMINGS = ("draft_wall", "draft_compute", "draft_queue", "verify_wall", "verify_compute", "verify_queue", "router")
 
@@ -120,11 +124,14 @@ class RequestState:
     text: str = ""  # output text so far (stop strings removed)
     sent_text: int = 0  # characters of text already streamed
     sent_tokens: int = 0
+    decoded: str = ""  # text of tokens[:decoded_to], whose last character is complete
+    decoded_to: int = 0  # index into tokens (0: set to the prompt's end on creation)
     updates: asyncio.Queue = field(default_factory=asyncio.Queue)
     admitted_at: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
         self.tokens = list(self.spec.prompt_ids)
+        self.decoded_to = len(self.tokens)
 
     @property
     def output_ids(self) -> list[int]:
@@ -149,10 +156,25 @@ class RequestState:
         self.tokens.extend(new_tokens)
         if not self.finish_reason and self.remaining() <= 0:
             self.finish_reason = "length"
-        self.text = self.tokenizer.decode(self.output_ids, skip_special_tokens=True)
+        self._detokenize()
         if self.spec.stop:
             self._apply_stop(start)
         del self.logprobs[len(self.output_ids) :]  # what the end of sequence or a stop string cut
+
+    def _detokenize(self) -> None:
+        """self.text: the output decoded, as decoding all of it would give, at a cost that does not grow with
+        the output. The new tokens are decoded after a few tokens of context and the context's own text is cut
+        off the front (a token's leading space, say, decodes by what precedes it); text stays pending until its
+        last character is complete."""
+        start = max(len(self.spec.prompt_ids), self.decoded_to - DETOKENIZE_CONTEXT)
+        context = self.tokenizer.decode(self.tokens[start : self.decoded_to], skip_special_tokens=True)
+        window = self.tokenizer.decode(self.tokens[start:], skip_special_tokens=True)
+        if window.startswith(context):
+            self.text = self.decoded + window[len(context) :]
+        else:  # a decoder that rewrites text before the new tokens: decode the whole output
+            self.text = self.tokenizer.decode(self.output_ids, skip_special_tokens=True)
+        if not self.text.endswith("\ufffd"):
+            self.decoded, self.decoded_to = self.text, len(self.tokens)
 
     def _apply_stop(self, start: int) -> None:
         search_from = max(0, self.sent_text - max(len(s) for s in self.spec.stop))

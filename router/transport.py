@@ -202,11 +202,12 @@ class GrpcVerifier(_GrpcPeer):
 class InProcessVerifier:
     """The verifier's core in the router's own process (`verifier.colocate`, `specfleet.colocated`).
 
-    The same messages as over gRPC, the same validation and the same batch queue, handed over by a
-    call instead of a socket: a round saves the two process hops of its Verify call. The core is any
-    object with the verifier core's methods (`verify`, `release`, `info`); the router does not import
-    the verifier service, the launcher hands it one. A request the core refuses raises a ValueError
-    (INVALID_ARGUMENT or RESOURCE_EXHAUSTED over gRPC), anything else fails the call as a dead replica's would.
+    The same validation and the same batch queue as over gRPC, handed over by a call instead of a socket,
+    in the router's records instead of protobuf: a round saves the two process hops of its Verify call and
+    the encoding of its messages. The core is any object that verifies records (`verify(sessions) ->
+    messages.VerifyResponse`, `release(session_ids)`, `info()`); the router does not import the verifier
+    service, the launcher hands it one. A request the core refuses raises a ValueError (INVALID_ARGUMENT or
+    RESOURCE_EXHAUSTED over gRPC), anything else fails the call as a dead replica's would.
     """
 
     def __init__(self, core: Any, address: str):
@@ -215,17 +216,17 @@ class InProcessVerifier:
 
     async def verify(self, sessions, timeout_s):
         try:
-            reply = await asyncio.wait_for(self.core.verify(verify_request(sessions)), timeout_s)
+            async with asyncio.timeout(timeout_s):  # no task of its own, unlike wait_for
+                return await self.core.verify(sessions)
         except ValueError as err:
             raise TransportError(f"INVALID_ARGUMENT: {err}", invalid_argument=True) from None
         except TimeoutError:
             raise TransportError(f"DEADLINE_EXCEEDED: no answer within {timeout_s:g}s") from None
         except Exception as err:  # the model thread's failure or a closing core: as a replica that went away
             raise TransportError(f"UNAVAILABLE: {type(err).__name__}: {err}") from None
-        return verify_response(reply)
 
     async def release(self, session_ids):
-        await self.core.release(common_pb2.ReleaseRequest(session_ids=session_ids))
+        await self.core.release(session_ids)
 
     async def info(self, timeout_s):
         return self.core.info()

@@ -17,11 +17,25 @@ from specfleet.metrics import PassTelemetry
 from specfleet.engine import SessionStore, configure_torch, load_model
 from specfleet.sampling import SamplingParams
 from specfleet.service_shell import CoreServicer, InvalidArgument, Section, ServiceSpec
-from specfleet.batching import BatchQueue
+from specfleet.batching import BatchQueue, BatchStats
 from specfleet.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from verifier_service.verifier import Verifier, VerifyItem, validate_item
+from verifier_service.verifier import Verifier, VerifyItem, VerifyResult, validate_item
 
 log = logging.getLogger(__name__)
+
+
+def _item(s: verifier_pb2.VerifySession) -> VerifyItem:
+    return VerifyItem(
+        session_id=s.sync.session_id,
+        prefix_length=s.sync.prefix_length,
+        new_token_ids=list(s.sync.new_token_ids),
+        sampling=SamplingParams.from_proto(s.sampling),
+        tree_tokens=list(s.tree.token_ids),
+        tree_parents=list(s.tree.parents),
+        proposals=[(list(p.token_ids), list(p.probs)) for p in s.tree.proposals],
+        logprobs=s.logprobs,
+        top_logprobs=s.top_logprobs,
+    )
 
 
 class VerifierCore:
@@ -37,23 +51,20 @@ class VerifierCore:
         """Validate a request and convert it; raises InvalidArgument naming the problem, or CallTooLarge
         for a call over this verifier's per-call limits (checked here, before any forward pass)."""
         # Counted on the message, before anything is converted: a huge call costs no more than its parse.
-        limits_mod.check_sessions(len(request.sessions), self.limits)
-        limits_mod.check_tokens(sum(limits_mod.verify_tokens(s) for s in request.sessions), self.limits)
+        self.check_size(len(request.sessions), sum(limits_mod.verify_tokens(s) for s in request.sessions))
+        return self.validated([_item(s) for s in request.sessions])
+
+    def check_size(self, sessions: int, tokens: int) -> None:
+        """Raise CallTooLarge for a call over this verifier's per-call limits."""
+        limits_mod.check_sessions(sessions, self.limits)
+        limits_mod.check_tokens(tokens, self.limits)
+
+    def validated(self, items: list[VerifyItem]) -> list[VerifyItem]:
+        """The items, each checked against the model (ids in its vocabulary, context within its positions, a
+        tree whose parents precede their children); raises InvalidArgument naming the first problem."""
         loaded = self.verifier.loaded
-        items = []
         seen = set()
-        for s in request.sessions:
-            item = VerifyItem(
-                session_id=s.sync.session_id,
-                prefix_length=s.sync.prefix_length,
-                new_token_ids=list(s.sync.new_token_ids),
-                sampling=SamplingParams.from_proto(s.sampling),
-                tree_tokens=list(s.tree.token_ids),
-                tree_parents=list(s.tree.parents),
-                proposals=[(list(p.token_ids), list(p.probs)) for p in s.tree.proposals],
-                logprobs=s.logprobs,
-                top_logprobs=s.top_logprobs,
-            )
+        for item in items:
             try:
                 if not item.session_id:
                     raise ValueError("sync.session_id is required")
@@ -63,14 +74,18 @@ class VerifierCore:
             except ValueError as err:
                 raise InvalidArgument(str(err)) from None
             seen.add(item.session_id)
-            items.append(item)
         return items
 
-    async def verify(self, request: verifier_pb2.VerifyRequest) -> verifier_pb2.VerifyResponse:
-        items = self.items(request)
+    async def verify_items(self, items: list[VerifyItem]) -> tuple[list[VerifyResult], BatchStats | None]:
+        """Validated items (`items`, `validated`) through the batch queue, merged with other calls' into passes."""
         if not items:
+            return [], None
+        return await self.batcher.submit(items)
+
+    async def verify(self, request: verifier_pb2.VerifyRequest) -> verifier_pb2.VerifyResponse:
+        results, stats = await self.verify_items(self.items(request))
+        if stats is None:
             return verifier_pb2.VerifyResponse()
-        results, stats = await self.batcher.submit(items)
         return verifier_pb2.VerifyResponse(
             sessions=[
                 verifier_pb2.VerifiedSession(

@@ -12,6 +12,7 @@ import pytest
 from router import messages
 from router.transport import InProcessVerifier, TransportError
 from specfleet import config as config_mod
+from specfleet.colocated import RecordVerifier
 from specfleet.sampling import SamplingParams
 from tests.helpers import load_target, target_greedy
 from verifier_service.server import load_core
@@ -22,7 +23,7 @@ PROMPT = "def fibonacci(n):"
 @pytest.fixture(scope="module")
 def verifier(random_family):
     core = load_core(config_mod.VerifierConfig(model=str(random_family["target"])), threads=1)
-    yield InProcessVerifier(core, "127.0.0.1:50061")
+    yield InProcessVerifier(RecordVerifier(core), "127.0.0.1:50061")
     core.close()
 
 
@@ -57,3 +58,55 @@ def test_a_request_the_core_refuses_is_a_refusal_not_a_dead_replica(verifier):
     with pytest.raises(TransportError) as err:
         asyncio.run(verifier.verify([_session("", 0, [1, 2])], timeout_s=30))
     assert err.value.invalid_argument and "INVALID_ARGUMENT: sync.session_id is required" in str(err.value)
+
+
+def test_the_core_in_process_keeps_the_verifiers_call_limits(random_family):
+    """A call over verifier.max_call_sessions is refused in process as over gRPC, before any pass."""
+    core = load_core(config_mod.VerifierConfig(model=str(random_family["target"]), max_call_sessions=1), threads=1)
+    try:
+        verifier = InProcessVerifier(RecordVerifier(core), "127.0.0.1:50062")
+        with pytest.raises(TransportError) as err:
+            asyncio.run(verifier.verify([_session("a", 0, [1, 2]), _session("b", 0, [3])], timeout_s=30))
+        assert err.value.invalid_argument and "2 sessions" in str(err.value)
+    finally:
+        core.close()
+
+
+def test_the_record_path_carries_every_field_both_ways():
+    """Each field of the router's VerifySession reaches the verifier's item, and each of its result the router's
+    VerifiedSession: a field added to either side and forgotten here would be dropped without a word."""
+    import dataclasses
+
+    from specfleet.batching import BatchStats
+    from verifier_service.verifier import VerifyItem, VerifyResult
+
+    class Core:  # the core's record methods, recording what reaches its batch queue
+        def check_size(self, sessions, tokens):
+            self.size = (sessions, tokens)
+
+        def validated(self, items):
+            return items
+
+        async def verify_items(self, items):
+            self.items = items
+            result = VerifyResult("s", True, [0], [7, 8], [-0.5, -0.25], [7, 3], [-0.5, -1.5])
+            return [result], BatchStats(compute_ms=3.0, batch_size=4, queue_ms=0.5)
+
+    sampling = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=123, drafter_invariant=True)
+    proposal = type("Proposal", (), {"token_ids": [7, 9], "probs": [0.75, 0.25]})()
+    session = messages.VerifySession(
+        sync=messages.SessionSync("s", 3, [1, 2]),
+        tree=messages.TokenTree([7], [-1], [proposal]),
+        sampling=sampling,
+        logprobs=True,
+        top_logprobs=1,
+    )
+    core = Core()
+    reply = asyncio.run(RecordVerifier(core).verify([session]))
+    (item,) = core.items
+    assert core.size == (1, 3 + 2 + 1)
+    assert all(getattr(item, f.name) != VerifyItem.__dataclass_fields__[f.name].default for f in dataclasses.fields(VerifyItem))
+    assert item == VerifyItem("s", 3, [1, 2], sampling, [7], [-1], [([7, 9], [0.75, 0.25])], True, 1)
+    (verified,) = reply.sessions
+    assert verified == messages.VerifiedSession(True, [0], [7, 8], [-0.5, -0.25], [7, 3], [-0.5, -1.5])
+    assert (reply.compute_ms, reply.batch_size, reply.queue_ms) == (3.0, 4, 0.5)
