@@ -18,7 +18,6 @@ a probe answers.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import logging
 import time
@@ -28,7 +27,7 @@ from dataclasses import dataclass
 from router import messages
 from router.breaker import Breaker
 from router.request import RequestState, SessionMirror
-from router.rounds import PREFILL_TOKENS_PER_S, RequestPlan, RoundContext, RoundPlan
+from router.rounds import PREFILL_TOKENS_PER_S, RequestPlan, RoundContext, RoundPlan, concurrently
 from router.transport import DrafterTransport, TransportError
 from router.trees import DraftTree
 from specfleet import limits
@@ -192,7 +191,7 @@ class Drafting:
             for name, outgoing in by_replica.items()
             for part in limits.split(units(outgoing), lambda entry: limits.draft_tokens(entry.session), call_limits(outgoing))
         ]
-        results = await asyncio.gather(*(self._call(transports[name], part, plan) for name, part in parts))
+        results = await concurrently([self._call(transports[name], part, plan) for name, part in parts])
         return [r for part in results for r in part]
 
     async def _call(self, transport: DrafterTransport, part: list[_Outgoing], plan: RoundPlan | None) -> list[DraftResult]:

@@ -14,7 +14,9 @@ counts only among rounds of its own kind.
 
 from __future__ import annotations
 
+import asyncio
 import collections
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
 from router.drafters import DrafterService
@@ -27,6 +29,14 @@ from specfleet.config import SchedulingConfig
 # A call's deadline grows by a second per this many new tokens it sends (prefilled there): a prefill
 # rate no drafter or verifier falls below, so a call that catches a long context up is not cut short.
 PREFILL_TOKENS_PER_S = 64.0
+
+
+async def concurrently(calls: list[Awaitable]) -> list:
+    """The calls' results, run concurrently as asyncio.gather runs them; a lone call (one replica, one part: the
+    usual round) is awaited in place, without the task and the event-loop steps gather spends on it."""
+    if len(calls) == 1:
+        return [await calls[0]]
+    return await asyncio.gather(*calls)
 
 
 @dataclass

@@ -193,7 +193,7 @@ class Scheduler:
         for state in batch:
             state.timing_ms["router"] += router_ms
         if self.context.telemetry is not None:
-            self.context.telemetry.round_phase.labels(phase="router").observe(router_ms / 1e3)
+            self.context.telemetry.phases["router"].observe(router_ms / 1e3)
 
     def _publish(self, state: RequestState) -> None:
         if state.published_final:

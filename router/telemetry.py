@@ -76,8 +76,8 @@ class RouterTelemetry:
             buckets=PASS_BUCKETS,
             registry=r,
         )
-        for phase in ROUND_PHASES:  # every phase is exported from the start, at zero
-            self.round_phase.labels(phase=phase)
+        # Every phase is exported from the start, at zero; its child is looked up once (labels() locks and hashes, every call).
+        self.phases = {phase: self.round_phase.labels(phase=phase) for phase in ROUND_PHASES}
         up = Gauge(
             "specfleet:verifier_replica_up", "1 while the router sends rounds to this verifier replica, 0 while it skips it.", ["replica"], registry=r
         )
@@ -92,10 +92,10 @@ class RouterTelemetry:
     def call_phases(self, stage: str, wall_ms: float, compute_ms: float, queue_ms: float) -> None:
         """One draft or verify call (stage) took wall_ms at the router, of which the server reported compute_ms
         in its pass and queue_ms in its batch queue; the rest is transport."""
-        self.round_phase.labels(phase=f"{stage}_compute").observe(compute_ms / 1e3)
-        self.round_phase.labels(phase=f"{stage}_queue").observe(queue_ms / 1e3)
+        self.phases[f"{stage}_compute"].observe(compute_ms / 1e3)
+        self.phases[f"{stage}_queue"].observe(queue_ms / 1e3)
         # Never below zero: the server's float32 milliseconds may round past the router's own measure.
-        self.round_phase.labels(phase=f"{stage}_transport").observe(max(0.0, wall_ms - compute_ms - queue_ms) / 1e3)
+        self.phases[f"{stage}_transport"].observe(max(0.0, wall_ms - compute_ms - queue_ms) / 1e3)
 
     def published(self, state, chunk) -> None:
         """A chunk went to the client (Scheduler._publish)."""

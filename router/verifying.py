@@ -23,7 +23,7 @@ import grpc
 
 from router import messages
 from router.request import DrafterCounts
-from router.rounds import PREFILL_TOKENS_PER_S, RequestPlan, RoundContext, RoundPlan
+from router.rounds import PREFILL_TOKENS_PER_S, RequestPlan, RoundContext, RoundPlan, concurrently
 from router.transport import TransportError
 from router.trees import DraftTree
 from router.verifiers import VerifierPool
@@ -76,7 +76,7 @@ class Verifying:
         for request in plan.requests:
             replica = self.verifiers.place(request.state)
             (by_replica[replica] if replica is not None else waiting).append(request)
-        await asyncio.gather(*(self._on(replica, requests, trees, plan) for replica, requests in by_replica.items()))
+        await concurrently([self._on(replica, requests, trees, plan) for replica, requests in by_replica.items()])
         for request in waiting:
             if self.verifiers.waited_too_long(request.state):
                 request.state.error = (
@@ -112,7 +112,7 @@ class Verifying:
             )
             units.append([VerifyCall(request, tree, session)])
         parts = limits.split(units, lambda call: limits.verify_tokens(call.session), self.context.config.verify_limits)
-        await asyncio.gather(*(self._call(replica, part, plan) for part in parts))
+        await concurrently([self._call(replica, part, plan) for part in parts])
 
     async def _call(self, replica: str, part: list[VerifyCall], plan: RoundPlan) -> None:
         metrics, cost, telemetry = self.context.metrics, self.context.controller.cost, self.context.telemetry
