@@ -17,12 +17,25 @@ from specfleet.metrics import PassTelemetry
 from specfleet.engine import SessionStore, configure_torch, load_model
 from specfleet.sampling import SamplingParams
 from specfleet.service_shell import CoreServicer, InvalidArgument, Section, ServiceSpec
-from specfleet.batching import BatchQueue
+from specfleet.batching import BatchQueue, BatchStats
 from specfleet.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
-from drafter_service.drafter import DraftItem, DraftModel, draft_batch, stack_draft_models
+from drafter_service.drafter import DraftItem, DraftModel, DraftResult, draft_batch, stack_draft_models
 from drafter_service.ngram import NgramModel, load_source
 
 log = logging.getLogger(__name__)
+
+
+def _item(s: drafter_pb2.DraftSession) -> DraftItem:
+    return DraftItem(
+        s.sync.session_id,
+        s.sync.prefix_length,
+        list(s.sync.new_token_ids),
+        s.num_draft_tokens,
+        SamplingParams.from_proto(s.sampling),
+        s.stop_below_confidence,
+        s.score_context,
+        s.lockstep_group,
+    )
 
 
 class IncompatibleModels(ValueError):
@@ -44,59 +57,57 @@ class DrafterCore:
         """Validate a request and convert it to (model name, item) pairs; raises InvalidArgument naming the problem,
         or CallTooLarge for a call over this service's per-call limits (checked here, before any forward pass)."""
         # Counted on the message, before anything is converted: a huge call costs no more than its parse.
-        limits_mod.check_sessions(len(request.sessions), self.limits)
-        limits_mod.check_tokens(sum(limits_mod.draft_tokens(s) for s in request.sessions), self.limits)
-        items = []
+        self.check_size(len(request.sessions), sum(limits_mod.draft_tokens(s) for s in request.sessions))
+        return self.validated([(s.model, _item(s)) for s in request.sessions])
+
+    def check_size(self, sessions: int, tokens: int) -> None:
+        """Raise CallTooLarge for a call over this service's per-call limits."""
+        limits_mod.check_sessions(sessions, self.limits)
+        limits_mod.check_tokens(tokens, self.limits)
+
+    def validated(self, items: list[tuple[str, DraftItem]]) -> list[tuple[str, DraftItem]]:
+        """The (model name, item) pairs, each checked against its model; raises InvalidArgument naming the first problem."""
         seen = set()
-        for s in request.sessions:
-            sid = s.sync.session_id
-            sampling = SamplingParams.from_proto(s.sampling)
-            problem = None
-            if not sid:
-                problem = "sync.session_id is required"
-            elif s.model not in self.models:
-                problem = f"session {sid}: unknown draft model {s.model!r}; this server hosts {sorted(self.models)}"
-            elif (s.model, sid) in seen:
-                problem = f"session {sid} appears twice for model {s.model!r} in one call"
-            elif not 0 <= s.num_draft_tokens <= 64:
-                problem = f"session {sid}: num_draft_tokens must be in [0, 64], got {s.num_draft_tokens}"
-            elif s.sync.prefix_length < 0 or (s.sync.prefix_length == 0 and not s.sync.new_token_ids):
-                problem = f"session {sid}: a new session needs at least one token (sync.prefix_length = 0)"
-            else:
-                loaded = self.models[s.model].loaded
-                if any(not 0 <= t < loaded.vocab_size for t in s.sync.new_token_ids):
-                    problem = f"session {sid}: sync.new_token_ids has ids outside the vocabulary [0, {loaded.vocab_size})"
-                elif s.sync.prefix_length + len(s.sync.new_token_ids) + s.num_draft_tokens > loaded.max_context:
-                    problem = f"session {sid}: context plus drafts exceeds the draft model's {loaded.max_context} positions"
-                elif sampling.problem():
-                    problem = f"session {sid}: {sampling.problem()}"
-                elif not 0 <= s.stop_below_confidence <= 1:
-                    problem = f"session {sid}: stop_below_confidence must be in [0, 1], got {s.stop_below_confidence}"
+        for model, item in items:
+            problem = self._problem(model, item, seen)
             if problem:
                 raise InvalidArgument(problem)
-            seen.add((s.model, sid))
-            items.append(
-                (
-                    s.model,
-                    DraftItem(
-                        sid,
-                        s.sync.prefix_length,
-                        list(s.sync.new_token_ids),
-                        s.num_draft_tokens,
-                        sampling,
-                        s.stop_below_confidence,
-                        s.score_context,
-                        s.lockstep_group,
-                    ),
-                )
-            )
+            seen.add((model, item.session_id))
         return items
 
-    async def draft(self, request: drafter_pb2.DraftRequest) -> drafter_pb2.DraftResponse:
-        items = self.items(request)
+    def _problem(self, model: str, item: DraftItem, seen: set) -> str | None:
+        sid = item.session_id
+        if not sid:
+            return "sync.session_id is required"
+        if model not in self.models:
+            return f"session {sid}: unknown draft model {model!r}; this server hosts {sorted(self.models)}"
+        if (model, sid) in seen:
+            return f"session {sid} appears twice for model {model!r} in one call"
+        if not 0 <= item.num_draft_tokens <= 64:
+            return f"session {sid}: num_draft_tokens must be in [0, 64], got {item.num_draft_tokens}"
+        if item.prefix_length < 0 or (item.prefix_length == 0 and not item.new_token_ids):
+            return f"session {sid}: a new session needs at least one token (sync.prefix_length = 0)"
+        loaded = self.models[model].loaded
+        if any(not 0 <= t < loaded.vocab_size for t in item.new_token_ids):
+            return f"session {sid}: sync.new_token_ids has ids outside the vocabulary [0, {loaded.vocab_size})"
+        if item.prefix_length + len(item.new_token_ids) + item.num_draft_tokens > loaded.max_context:
+            return f"session {sid}: context plus drafts exceeds the draft model's {loaded.max_context} positions"
+        if item.sampling.problem():
+            return f"session {sid}: {item.sampling.problem()}"
+        if not 0 <= item.stop_below_confidence <= 1:
+            return f"session {sid}: stop_below_confidence must be in [0, 1], got {item.stop_below_confidence}"
+        return None
+
+    async def draft_items(self, items: list[tuple[str, DraftItem]]) -> tuple[list[DraftResult], BatchStats | None]:
+        """Validated (model name, item) pairs (`items`, `validated`) through the batch queue."""
         if not items:
+            return [], None
+        return await self.batcher.submit(items)
+
+    async def draft(self, request: drafter_pb2.DraftRequest) -> drafter_pb2.DraftResponse:
+        results, stats = await self.draft_items(self.items(request))
+        if stats is None:
             return drafter_pb2.DraftResponse()
-        results, stats = await self.batcher.submit(items)
         return drafter_pb2.DraftResponse(
             sessions=[
                 drafter_pb2.DraftedSession(

@@ -47,9 +47,9 @@ class StartupError(RuntimeError):
 async def build(cfg: config_mod.Config, verifiers: list | None = None, drafters: dict | None = None) -> tuple[FrontDoor, Scheduler, list]:
     """Connect to the verifier and drafters, check that they fit together, and build the scheduler and the front door.
 
-    verifiers: the verifier verifiers, already connected and ready (Ray actors from `router.ray_transport.connect`,
+    verifiers: the verifier replicas, already connected and ready (Ray actors from `router.ray_transport.connect`,
     or the core in this process, `router.transport.InProcessVerifier`); drafters: {drafter service name: drafter},
-    the same (Ray actors). Each default: gRPC to the configured addresses.
+    the same (Ray actors, or cores in this process, `InProcessDrafter`). The rest: gRPC to the configured addresses.
     """
     rcfg = cfg.router
     timeout = rcfg.startup_timeout_s
@@ -60,12 +60,13 @@ async def build(cfg: config_mod.Config, verifiers: list | None = None, drafters:
         verifiers = [GrpcVerifier(address, sec) for address in addresses]
         log.info("waiting for %d verifier replica(s) at %s", len(addresses), ", ".join(addresses))
         waits += [wait_until_serving(address, timeout, security=sec) for address in addresses]
-    if drafters is None:
-        services = {svc.name: grpc_drafter_service(svc, sec) for svc in cfg.drafters}
-        log.info("waiting for %d drafter service(s)", len(services))
-        waits += [wait_until_serving(address, timeout, security=sec) for svc in cfg.drafters for address in svc.addresses()]
-    else:
-        services = {name: t if isinstance(t, DrafterService) else DrafterService(name, [t]) for name, t in drafters.items()}
+    given = drafters or {}
+    services = {name: t if isinstance(t, DrafterService) else DrafterService(name, [t]) for name, t in given.items()}
+    over_grpc = [svc for svc in cfg.drafters if svc.name not in given]
+    if over_grpc:
+        services |= {svc.name: grpc_drafter_service(svc, sec) for svc in over_grpc}
+        log.info("waiting for %d drafter service(s)", len(over_grpc))
+        waits += [wait_until_serving(address, timeout, security=sec) for svc in over_grpc for address in svc.addresses()]
     await asyncio.gather(*waits)
     infos = await asyncio.gather(*(replica.info(timeout_s=30) for replica in verifiers))
     target = infos[0]
@@ -210,6 +211,7 @@ async def reload(front_door: FrontDoor, scheduler: Scheduler, config_path: str, 
         services = {}
         for svc in cfg.drafters:
             old = existing.get(svc.name)
+            # A service in this process (specfleet.colocated) stays: its core is the one at its address.
             same = old is not None and [r.address for r in old.replicas] == svc.addresses()
             services[svc.name] = old if same else grpc_drafter_service(svc, sec)
             for address in svc.addresses():
@@ -261,15 +263,15 @@ async def run(
     config_path: str | None = None,
     api_key: str = "",
     verifiers: list | None = None,
+    drafters: dict | None = None,
 ) -> None:
     """Serve; with ray_address, reach the verifier and drafters as Ray actors (`specfleet serve --ray`) instead of gRPC;
-    verifiers: the verifier replicas when they are not reached over gRPC (the core in this process: `specfleet.colocated`).
+    verifiers, drafters: those not reached over gRPC (cores in this process: `specfleet.colocated`), as `build` takes them.
 
     api_key: when set, the gRPC Generation methods and the HTTP API's /v1/* need `authorization: Bearer api_key`.
     """
     sec = security.load(cfg.security)
     sec.check_binding("router", host, internal=False, api_key=api_key)
-    drafters = None
     if ray_address is not None:
         from router import ray_transport
 

@@ -199,25 +199,23 @@ class GrpcVerifier(_GrpcPeer):
 # --- in process ----------------------------------------------------------------------------------------------------
 
 
-class InProcessVerifier:
-    """The verifier's core in the router's own process (`verifier.colocate`, `specfleet.colocated`).
-
-    The same validation and the same batch queue as over gRPC, handed over by a call instead of a socket,
-    in the router's records instead of protobuf: a round saves the two process hops of its Verify call and
-    the encoding of its messages. The core is any object that verifies records (`verify(sessions) ->
-    messages.VerifyResponse`, `release(session_ids)`, `info()`); the router does not import the verifier
+class _InProcess:
+    """A service's core in the router's own process (`specfleet.colocated`): the same validation and batch queue as
+    over gRPC, handed over by a call instead of a socket, in the router's records instead of protobuf. The core is
+    any object that answers records (`call(sessions)`, `release(session_ids)`, `info()`); the router imports no
     service, the launcher hands it one. A request the core refuses raises a ValueError (INVALID_ARGUMENT or
-    RESOURCE_EXHAUSTED over gRPC), anything else fails the call as a dead replica's would.
-    """
+    RESOURCE_EXHAUSTED over gRPC); anything else fails the call as a dead replica's would."""
+
+    in_process = True
 
     def __init__(self, core: Any, address: str):
         self.core = core
-        self.address = f"{address} (in process)"
+        self.address = address  # where its service's gRPC server listens for everyone else
 
-    async def verify(self, sessions, timeout_s):
+    async def _call(self, sessions, timeout_s):
         try:
             async with asyncio.timeout(timeout_s):  # no task of its own, unlike wait_for
-                return await self.core.verify(sessions)
+                return await self.core.call(sessions)
         except ValueError as err:
             raise TransportError(f"INVALID_ARGUMENT: {err}", invalid_argument=True) from None
         except TimeoutError:
@@ -232,4 +230,23 @@ class InProcessVerifier:
         return self.core.info()
 
     async def close(self):
-        pass  # the core is closed by the verifier's server, after the router has drained
+        pass  # the core is closed by its service's server, after the router has drained
+
+
+class InProcessVerifier(_InProcess):
+    """The verifier's core in the router's process (`verifier.colocate`): a round saves the two process hops of its
+    Verify call and the encoding of its messages."""
+
+    async def verify(self, sessions, timeout_s):
+        return await self._call(sessions, timeout_s)
+
+
+class InProcessDrafter(_InProcess):
+    """A drafter service's core in the router's process (`drafters[].colocate`), as one replica named `name`."""
+
+    def __init__(self, name: str, core: Any, address: str):
+        super().__init__(core, address)
+        self.name = name
+
+    async def draft(self, sessions, timeout_s):
+        return await self._call(sessions, timeout_s)

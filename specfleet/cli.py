@@ -73,7 +73,10 @@ def service_commands(cfg, config_file: pathlib.Path) -> list[tuple[str, list[str
         name = "verifier" if replica == 0 else f"verifier replica {replica}"
         command = [py, "-m", "verifier_service", "--config", str(config_file), "--host", "127.0.0.1", "--replica", str(replica)]
         commands.append((name, command, cfg.verifier.cpus))
+    joining = colocated_drafters(cfg)
     for svc in cfg.drafters:
+        if svc in joining:
+            continue
         for replica, _ in enumerate(svc.addresses()):
             name = f"drafter {svc.name}" if replica == 0 else f"drafter {svc.name} replica {replica}"
             command = [
@@ -91,8 +94,10 @@ def service_commands(cfg, config_file: pathlib.Path) -> list[tuple[str, list[str
             ]
             commands.append((name, command, svc.cpus))
     if together:
-        # The verifier in the router's process (specfleet/colocated.py), on the cores of both.
-        cores = sorted(set(cfg.router.cpus) | set(cfg.verifier.cpus)) if cfg.router.cpus and cfg.verifier.cpus else []
+        # The verifier (and the drafter services joining it) in the router's process (specfleet/colocated.py), on the
+        # cores of them all; unpinned if any of them is.
+        pinned = [cfg.router.cpus, cfg.verifier.cpus, *(svc.cpus for svc in joining)]
+        cores = sorted(set().union(*pinned)) if all(pinned) else []
         commands.append(("router", [py, "-m", "specfleet.colocated", "--config", str(config_file)], cores))
     else:
         commands.append(("router", [py, "-m", "router", "--config", str(config_file)], cfg.router.cpus))
@@ -102,6 +107,11 @@ def service_commands(cfg, config_file: pathlib.Path) -> list[tuple[str, list[str
 def colocated(cfg) -> bool:
     """Whether `serve` runs the verifier in the router's process: `verifier.colocate` and one verifier."""
     return cfg.verifier.colocate and not cfg.verifier.replicas
+
+
+def colocated_drafters(cfg) -> list:
+    """The drafter services `serve` runs in the router's process beside the verifier: `colocate` and no replicas."""
+    return [svc for svc in cfg.drafters if svc.colocate and not svc.replicas] if colocated(cfg) else []
 
 
 def _print_ready(cfg, router_address: str, side_ports: dict[str, dict]) -> None:

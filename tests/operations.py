@@ -16,8 +16,8 @@ import urllib.request
 
 from specfleet.v1 import common_pb2, drafter_pb2_grpc, verifier_pb2_grpc
 
-# The router runs as `router`, or as `specfleet.colocated` with the verifier in its process (verifier.colocate, the default):
-# a test that pauses or kills the verifier alone sets colocate false.
+# The router runs as `router`, or as `specfleet.colocated` with the verifier and drafter services in its process
+# (verifier.colocate, drafters[].colocate, the defaults): a test that pauses or kills one of them alone sets its colocate false.
 SERVICE_MODULES = {"verifier": ("verifier_service",), "drafter": ("drafter_service",), "router": ("router", "specfleet.colocated")}
 
 
@@ -48,11 +48,11 @@ def service_pid(cluster, service: str, also: str = "") -> int:
 
 
 def host_pid(cluster, service: str) -> int:
-    """The pid of the process `service` runs in: the router's for a verifier in the router's process."""
+    """The pid of the process `service` runs in: the router's for a verifier or drafter service in the router's process."""
     try:
         return service_pid(cluster, service)
     except LookupError:
-        if service != "verifier":
+        if service == "router":
             raise
         return service_pid(cluster, "router")
 

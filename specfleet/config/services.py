@@ -162,3 +162,8 @@ class DrafterServiceConfig(ServiceConfig):
     models: list[DraftModelConfig] = knob(doc="the draft models it hosts", factory=list, check=required("a drafter service needs at least one model"))
     proposal_top_k: int = knob(16, "entries kept in a sampled proposal's sparse distribution", check=at_least(1))
     stack_models: bool = knob(True, "draft models of one shape draft in one forward pass a step (specfleet/engine/stack.py)")
+    colocate: bool = knob(
+        True,
+        "where `specfleet serve` runs the verifier in the router's process (verifier.colocate) and this service has no "
+        "replicas, run this service there too, called without a socket, still serving its gRPC address",
+    )

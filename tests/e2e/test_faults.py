@@ -80,6 +80,7 @@ def test_a_stopped_drafter_does_not_stall_requests_drafted_by_others(random_fami
             "address": f"127.0.0.1:{free_port()}",
             "models": [{"name": "drafter-copy", "path": str(random_family["drafter-copy"])}],
             "metrics_port": 0,
+            "colocate": False,  # a process of its own, to stop
         },
     ]
     # Every round draws each request's drafter at random, so most rounds have requests on both services.

@@ -45,7 +45,12 @@ def target_with_template(random_family, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def api(random_family, target_with_template, tmp_path_factory):
-    config = cluster_config(random_family, router={"http_port": free_port(), "metrics_port": free_port(), "served_model_name": "random-target"})
+    # The drafter service a process of its own: its environment is checked for the API key (test_only_the_router_...).
+    config = cluster_config(
+        random_family,
+        router={"http_port": free_port(), "metrics_port": free_port(), "served_model_name": "random-target"},
+        drafter_service={"colocate": False},
+    )
     config["verifier"]["model"] = str(target_with_template)
     config["verifier"]["metrics_port"] = free_port()
     # `specfleet serve` reads it (as `--api-key`); the gRPC API needs it too (cluster.channel() sends it).
@@ -329,14 +334,17 @@ def test_models_lists_the_served_name_and_unknown_models_are_404(client):
 def test_only_the_router_has_the_api_key_in_its_environment(api):
     """The verifier and drafters never check the key: `specfleet serve` keeps it out of their environment."""
 
-    def environment(service: str) -> dict[str, str]:
-        raw = pathlib.Path(f"/proc/{service_pid(api, service)}/environ").read_bytes()
+    def environment(pid: int) -> dict[str, str]:
+        raw = pathlib.Path(f"/proc/{pid}/environ").read_bytes()
         return dict(entry.split("=", 1) for entry in raw.decode(errors="replace").split("\0") if "=" in entry)
 
-    assert environment("router")["SPECFLEET_API_KEY"] == API_KEY
-    # A verifier in the router's process (verifier.colocate, the default) shares the router's environment.
-    for service in ("verifier", "drafter") if host_pid(api, "verifier") != service_pid(api, "router") else ("drafter",):
-        env = environment(service)  # compared as flags: a failing `in env` would print every secret in it
+    router = service_pid(api, "router")
+    assert environment(router)["SPECFLEET_API_KEY"] == API_KEY
+    # A service in the router's process (verifier.colocate, drafters[].colocate) shares the router's environment.
+    apart = [service for service in ("verifier", "drafter") if host_pid(api, service) != router]
+    assert "drafter" in apart
+    for service in apart:
+        env = environment(host_pid(api, service))  # compared as flags: a failing `in env` would print every secret in it
         assert ("SPECFLEET_API_KEY" in env, "SPECFLEET_INTERNAL_TOKEN" in env) == (False, True), service
 
 

@@ -61,7 +61,8 @@ def test_drafter_with_another_tokenizer_is_refused_at_startup(random_family, tmp
 
 
 def test_ctrl_c_stops_every_service_even_when_started_as_a_background_job(random_family, tmp_path):
-    cluster = Cluster(cluster_config(random_family), tmp_path, "bg").start(sigint_ignored=True)
+    # The drafter service a process of its own: two processes to stop.
+    cluster = Cluster(cluster_config(random_family, drafter_service={"colocate": False}), tmp_path, "bg").start(sigint_ignored=True)
     services = children(cluster.proc.pid)
     assert len(services) == 2  # the router with the verifier in its process, the drafter
     cluster.proc.send_signal(signal.SIGINT)
@@ -76,7 +77,7 @@ def test_ctrl_c_stops_every_service_even_when_started_as_a_background_job(random
 def test_services_die_with_a_killed_serve(random_family, tmp_path):
     """`specfleet serve` killed outright (no chance to stop anything): its services, each in its own
     process group, go with it rather than running on unattended."""
-    cluster = Cluster(cluster_config(random_family), tmp_path, "killed").start()
+    cluster = Cluster(cluster_config(random_family, drafter_service={"colocate": False}), tmp_path, "killed").start()
     services = children(cluster.proc.pid)
     assert len(services) == 2  # the router with the verifier in its process, the drafter
     cluster.proc.kill()
@@ -105,7 +106,7 @@ def test_each_service_runs_on_the_cores_its_config_names(random_family, tmp_path
     verifier in its process (verifier.colocate, the default) runs on the cores of both (tests/specfleet/test_cli.py: the
     processes of each setting)."""
     last = max(os.sched_getaffinity(0))
-    config = cluster_config(random_family, verifier={"cpus": [last]}, drafter_service={"cpus": [0]}, router={"cpus": [0]})
+    config = cluster_config(random_family, verifier={"cpus": [last]}, drafter_service={"cpus": [0], "colocate": False}, router={"cpus": [0]})
     cluster = Cluster(config, tmp_path, "pinned").start()
     try:
         pinned = {}

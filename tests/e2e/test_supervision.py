@@ -118,8 +118,9 @@ def test_serve_gives_up_on_a_service_that_keeps_crashing(random_family, tmp_path
     import yaml
 
     config_path = tmp_path / "c.yaml"
-    config_path.write_text(yaml.safe_dump(cluster_config(random_family)))
-    cluster = Cluster(cluster_config(random_family), tmp_path, "crashing")
+    config = cluster_config(random_family, drafter_service={"colocate": False})  # a process of its own, to kill
+    config_path.write_text(yaml.safe_dump(config))
+    cluster = Cluster(config, tmp_path, "crashing")
     cluster.config_path = config_path
     cluster.router = f"127.0.0.1:{yaml.safe_load(config_path.read_text())['router']['port']}"
     log = open(tmp_path / "crashing.log", "w")

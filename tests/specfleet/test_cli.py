@@ -28,12 +28,16 @@ def test_an_unknown_command_is_named_with_the_valid_ones():
     assert all(name in out.stderr for name in COMMANDS)
 
 
-def _processes(verifier: dict) -> dict[str, tuple[str, list[int]]]:
-    """What `specfleet serve` starts for a config with this verifier section: name -> (module, cores)."""
+def _processes(verifier: dict, drafter: dict | None = None) -> dict[str, tuple[str, list[int]]]:
+    """What `specfleet serve` starts for a config with this verifier section and drafter service d's settings (default:
+    a process of its own; service e always is): name -> (module, cores)."""
     cfg = config_mod.parse(
         {
             "verifier": {"model": "target", **verifier},
-            "drafters": [{"name": "d", "models": [{"name": "m", "path": "m"}], "cpus": [0]}],
+            "drafters": [
+                {"name": "d", "models": [{"name": "m", "path": "m"}], "cpus": [0], **(drafter or {"colocate": False})},
+                {"name": "e", "models": [{"name": "n", "path": "n"}], "cpus": [2], "colocate": False},
+            ],
             "router": {"cpus": [0]},
         }
     )
@@ -41,16 +45,29 @@ def _processes(verifier: dict) -> dict[str, tuple[str, list[int]]]:
 
 
 def test_serve_runs_one_verifier_in_the_router_s_process_unless_told_otherwise():
-    drafter = ("drafter_service", [0])
-    assert _processes({"cpus": [1]}) == {"drafter d": drafter, "router": ("specfleet.colocated", [0, 1])}
-    assert _processes({"cpus": [1], "colocate": False}) == {"verifier": ("verifier_service", [1]), "drafter d": drafter, "router": ("router", [0])}
+    drafter, other = ("drafter_service", [0]), ("drafter_service", [2])
+    assert _processes({"cpus": [1]}) == {"drafter d": drafter, "drafter e": other, "router": ("specfleet.colocated", [0, 1])}
+    separate = _processes({"cpus": [1], "colocate": False})
+    assert separate == {"verifier": ("verifier_service", [1]), "drafter d": drafter, "drafter e": other, "router": ("router", [0])}
     # Replicas are processes of their own: the router moves requests off one that dies.
     replicas = _processes({"replicas": ["127.0.0.1:50071"]})
     assert replicas == {
         "verifier": ("verifier_service", []),
         "verifier replica 1": ("verifier_service", []),
         "drafter d": drafter,
+        "drafter e": other,
         "router": ("router", [0]),
     }
     # The router's process unpinned where either of the two is.
     assert _processes({})["router"] == ("specfleet.colocated", [])
+
+
+def test_a_drafter_service_joins_the_router_s_process_where_it_colocates_beside_the_verifier():
+    joined = _processes({"cpus": [1]}, {"cpus": [3]})  # drafters[].colocate's default
+    assert joined == {"drafter e": ("drafter_service", [2]), "router": ("specfleet.colocated", [0, 1, 3])}
+    # Not where the verifier is a process of its own, nor where the service has replicas.
+    assert "drafter d" in _processes({"colocate": False}, {"colocate": True})
+    replicated = _processes({}, {"colocate": True, "replicas": ["127.0.0.1:50072"]})
+    assert replicated["drafter d"] == ("drafter_service", [0]) and "drafter d replica 1" in replicated
+    # The process unpinned where any of them is.
+    assert _processes({"cpus": [1]}, {"colocate": True, "cpus": []})["router"] == ("specfleet.colocated", [])

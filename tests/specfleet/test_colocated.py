@@ -10,9 +10,9 @@ import asyncio
 import pytest
 
 from router import messages
-from router.transport import InProcessVerifier, TransportError
+from router.transport import InProcessDrafter, InProcessVerifier, TransportError
 from specfleet import config as config_mod
-from specfleet.colocated import RecordVerifier
+from specfleet.colocated import RecordDrafter, RecordVerifier
 from specfleet.sampling import SamplingParams
 from tests.helpers import load_target, target_greedy
 from verifier_service.server import load_core
@@ -49,7 +49,7 @@ def test_the_core_in_process_verifies_as_the_target_decodes(verifier, random_fam
 
     assert asyncio.run(decode()) == expected
     assert asyncio.run(verifier.info(timeout_s=5)).path == path
-    assert verifier.address == "127.0.0.1:50061 (in process)"
+    assert verifier.address == "127.0.0.1:50061" and verifier.in_process
 
 
 def test_a_request_the_core_refuses_is_a_refusal_not_a_dead_replica(verifier):
@@ -102,7 +102,7 @@ def test_the_record_path_carries_every_field_both_ways():
         top_logprobs=1,
     )
     core = Core()
-    reply = asyncio.run(RecordVerifier(core).verify([session]))
+    reply = asyncio.run(RecordVerifier(core).call([session]))
     (item,) = core.items
     assert core.size == (1, 3 + 2 + 1)
     assert all(getattr(item, f.name) != VerifyItem.__dataclass_fields__[f.name].default for f in dataclasses.fields(VerifyItem))
@@ -110,3 +110,73 @@ def test_the_record_path_carries_every_field_both_ways():
     (verified,) = reply.sessions
     assert verified == messages.VerifiedSession(True, [0], [7, 8], [-0.5, -0.25], [7, 3], [-0.5, -1.5])
     assert (reply.compute_ms, reply.batch_size, reply.queue_ms) == (3.0, 4, 0.5)
+
+
+# --- a drafter service in the router's process ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def drafter_core(random_family):
+    from drafter_service.server import load_core as load_drafter
+
+    svc = config_mod.DrafterServiceConfig(name="d", models=[config_mod.DraftModelConfig(name="m", path=str(random_family["drafter-noisy"]))])
+    core = load_drafter(svc, threads=1)
+    yield core
+    core.close()
+
+
+def _draft(session_id: str, tokens: list[int], model: str = "m") -> messages.DraftSession:
+    return messages.DraftSession(sync=messages.SessionSync(session_id, 0, tokens), model=model, num_draft_tokens=4, sampling=SamplingParams())
+
+
+def test_the_drafter_in_process_drafts_what_it_drafts_over_its_messages(drafter_core):
+    """The same draft, proposals and confidences through the records as through the contract's messages."""
+    from router import transport
+
+    prompt = [5, 9, 17, 33, 2, 8]
+    drafter = InProcessDrafter("d", RecordDrafter(drafter_core), "127.0.0.1:50063")
+    by_record = asyncio.run(drafter.draft([_draft("by-record", prompt)], timeout_s=30)).sessions[0]
+    by_message = transport.draft_response(asyncio.run(drafter_core.draft(transport.draft_request([_draft("by-message", prompt)])))).sessions[0]
+    assert by_record.known and len(by_record.token_ids) == 4
+    assert (by_record.token_ids, by_record.confidences) == (by_message.token_ids, by_message.confidences)
+    assert [(list(p.token_ids), list(p.probs)) for p in by_record.proposals] == [(list(p.token_ids), list(p.probs)) for p in by_message.proposals]
+    assert drafter.name == "d" and drafter.in_process and asyncio.run(drafter.info(timeout_s=5)).models[0].name == "m"
+
+
+def test_a_draft_the_core_refuses_is_a_refusal(drafter_core):
+    drafter = InProcessDrafter("d", RecordDrafter(drafter_core), "127.0.0.1:50063")
+    with pytest.raises(TransportError) as err:
+        asyncio.run(drafter.draft([_draft("s", [1, 2], model="absent")], timeout_s=30))
+    assert err.value.invalid_argument and "unknown draft model 'absent'" in str(err.value)
+
+
+def test_the_drafter_record_path_carries_every_field_both_ways():
+    import dataclasses
+
+    from drafter_service.drafter import DraftItem, DraftResult
+    from specfleet.batching import BatchStats
+
+    class Core:  # the core's record methods, recording what reaches its batch queue
+        def check_size(self, sessions, tokens):
+            self.size = (sessions, tokens)
+
+        def validated(self, items):
+            return items
+
+        async def draft_items(self, items):
+            self.items = items
+            return [DraftResult("s", True, [7, 8], [([7, 9], [0.75, 0.25]), ([8], [1.0])], [0.75, 1.0], -1.5, 3)], BatchStats(2.0, 1, 0.25)
+
+    sampling = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=123, drafter_invariant=True)
+    session = messages.DraftSession(messages.SessionSync("s", 3, [1, 2]), "m", 2, sampling, 0.25, True, "g")
+    core = Core()
+    reply = asyncio.run(RecordDrafter(core).call([session]))
+    ((model, item),) = core.items
+    assert core.size == (1, 3 + 2 + 2)
+    assert model == "m" and item == DraftItem("s", 3, [1, 2], 2, sampling, 0.25, True, "g")
+    assert all(getattr(item, f.name) != f.default for f in dataclasses.fields(DraftItem) if f.default is not dataclasses.MISSING)
+    (drafted,) = reply.sessions
+    assert (drafted.known, drafted.token_ids, drafted.confidences) == (True, [7, 8], [0.75, 1.0])
+    assert (drafted.context_log_prob, drafted.context_tokens) == (-1.5, 3)
+    assert [(list(p.token_ids), list(p.probs)) for p in drafted.proposals] == [([7, 9], [0.75, 0.25]), ([8], [1.0])]
+    assert (reply.compute_ms, reply.queue_ms) == (2.0, 0.25)
