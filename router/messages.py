@@ -2,7 +2,8 @@
 
 The router builds and reads these; its transports (router/transport.py, router/ray_transport.py)
 turn them into proto/specfleet/v1 messages and the replies back into them, so protobuf stays at
-that edge; a service in the router's process takes them as they are (specfleet/colocated.py). Records and fields are named as the contract's messages are (drafter.proto,
+that edge; a service in the router's process takes them as they are (specfleet/colocated.py).
+Records and fields are named as the contract's messages are (drafter.proto,
 verifier.proto, common.proto), with one difference: a session's status is `known` (the server
 still held it), not an enum.
 
