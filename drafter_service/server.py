@@ -25,13 +25,15 @@ from drafter_service.ngram import NgramModel, load_source
 log = logging.getLogger(__name__)
 
 
-def _item(s: drafter_pb2.DraftSession) -> DraftItem:
-    return DraftItem(
+def session_item(s, sampling: SamplingParams) -> tuple[str, DraftItem]:
+    """A DraftSession as (model name, the drafter's item): the contract's message or the router's record, whose fields
+    have the same names (router/messages.py); sampling: its parameters, already read."""
+    return s.model, DraftItem(
         s.sync.session_id,
         s.sync.prefix_length,
         list(s.sync.new_token_ids),
         s.num_draft_tokens,
-        SamplingParams.from_proto(s.sampling),
+        sampling,
         s.stop_below_confidence,
         s.score_context,
         s.lockstep_group,
@@ -58,7 +60,7 @@ class DrafterCore:
         or CallTooLarge for a call over this service's per-call limits (checked here, before any forward pass)."""
         # Counted on the message, before anything is converted: a huge call costs no more than its parse.
         self.check_size(len(request.sessions), sum(limits_mod.draft_tokens(s) for s in request.sessions))
-        return self.validated([(s.model, _item(s)) for s in request.sessions])
+        return self.validated([session_item(s, SamplingParams.from_proto(s.sampling)) for s in request.sessions])
 
     def check_size(self, sessions: int, tokens: int) -> None:
         """Raise CallTooLarge for a call over this service's per-call limits."""

@@ -18,7 +18,6 @@ import logging
 import sys
 
 from drafter_service import server as drafter_server
-from drafter_service.drafter import DraftItem
 from router import messages
 from router import server as router_server
 from router.transport import InProcessDrafter, InProcessVerifier
@@ -27,36 +26,33 @@ from specfleet import config as config_mod
 from specfleet.serving import setup_logging, wait_until_serving
 from specfleet.v1 import common_pb2
 from verifier_service import server as verifier_server
-from verifier_service.verifier import VerifyItem
 
 log = logging.getLogger(__name__)
 
 
-class RecordVerifier:
+class _RecordCore:
+    """A service's core as the router's in-process transports call it (`router.transport.InProcessVerifier`,
+    `InProcessDrafter`): `call` in records, and the shell's release and info."""
+
+    def __init__(self, core):
+        self.core = core
+
+    async def release(self, session_ids: list[str]) -> None:
+        await self.core.release(common_pb2.ReleaseRequest(session_ids=session_ids))
+
+    def info(self):
+        return self.core.info()
+
+
+class RecordVerifier(_RecordCore):
     """The verifier's core (`verifier_service.server.VerifierCore`) in the router's records: the router's
     sessions become the verifier's items, and its results the router's, field by field, with the checks and
     the batch queue a Verify call over gRPC meets. This launcher imports both services; they import neither
     each other nor this."""
 
-    def __init__(self, core: verifier_server.VerifierCore):
-        self.core = core
-
     async def call(self, sessions: list[messages.VerifySession]) -> messages.VerifyResponse:
         self.core.check_size(len(sessions), sum(limits.verify_tokens(s) for s in sessions))
-        items = [
-            VerifyItem(
-                session_id=s.sync.session_id,
-                prefix_length=s.sync.prefix_length,
-                new_token_ids=list(s.sync.new_token_ids),
-                sampling=s.sampling,
-                tree_tokens=list(s.tree.token_ids),
-                tree_parents=list(s.tree.parents),
-                proposals=[(list(p.token_ids), list(p.probs)) for p in s.tree.proposals],
-                logprobs=s.logprobs,
-                top_logprobs=s.top_logprobs,
-            )
-            for s in sessions
-        ]
+        items = [verifier_server.session_item(s, s.sampling) for s in sessions]
         results, stats = await self.core.verify_items(self.core.validated(items))
         if stats is None:
             return messages.VerifyResponse(sessions=[], compute_ms=0.0, batch_size=0)
@@ -73,39 +69,15 @@ class RecordVerifier:
         ]
         return messages.VerifyResponse(sessions=verified, compute_ms=stats.compute_ms, batch_size=stats.batch_size, queue_ms=stats.queue_ms)
 
-    async def release(self, session_ids: list[str]) -> None:
-        await self.core.release(common_pb2.ReleaseRequest(session_ids=session_ids))
 
-    def info(self) -> common_pb2.ModelInfo:
-        return self.core.info()
-
-
-class RecordDrafter:
+class RecordDrafter(_RecordCore):
     """A drafter service's core (`drafter_service.server.DrafterCore`) in the router's records, as `RecordVerifier`
     is the verifier's. Proposals go back in the transport's form (router/messages.py): the verifier, in this
     process or over gRPC, takes them as a drafter's reply carries them."""
 
-    def __init__(self, core: drafter_server.DrafterCore):
-        self.core = core
-
     async def call(self, sessions: list[messages.DraftSession]) -> messages.DraftResponse:
         self.core.check_size(len(sessions), sum(limits.draft_tokens(s) for s in sessions))
-        items = [
-            (
-                s.model,
-                DraftItem(
-                    session_id=s.sync.session_id,
-                    prefix_length=s.sync.prefix_length,
-                    new_token_ids=list(s.sync.new_token_ids),
-                    num_draft_tokens=s.num_draft_tokens,
-                    sampling=s.sampling,
-                    stop_below_confidence=s.stop_below_confidence,
-                    score_context=s.score_context,
-                    lockstep_group=s.lockstep_group,
-                ),
-            )
-            for s in sessions
-        ]
+        items = [drafter_server.session_item(s, s.sampling) for s in sessions]
         results, stats = await self.core.draft_items(self.core.validated(items))
         if stats is None:
             return messages.DraftResponse(sessions=[], compute_ms=0.0)
@@ -121,12 +93,6 @@ class RecordDrafter:
             for r in results
         ]
         return messages.DraftResponse(sessions=drafted, compute_ms=stats.compute_ms, queue_ms=stats.queue_ms)
-
-    async def release(self, session_ids: list[str]) -> None:
-        await self.core.release(common_pb2.ReleaseRequest(session_ids=session_ids))
-
-    def info(self):
-        return self.core.info()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,9 +140,9 @@ async def serve(cfg: config_mod.Config, args, started: list[tuple]) -> None:
             raise OSError(f"the {service.section.name} server stopped before it served {address}")
         listening.result()
         servers.append(server)
-        cores.append((spec, service, address))
-    (_, verifier, verifier_address), joined = cores[0], cores[1:]
-    drafters = {s.section.config.name: InProcessDrafter(s.section.config.name, RecordDrafter(s.core), address) for _, s, address in joined}
+        cores.append((service, address))
+    (verifier, verifier_address), joined = cores[0], cores[1:]
+    drafters = {s.section.config.name: InProcessDrafter(s.section.config.name, RecordDrafter(s.core), address) for s, address in joined}
     try:
         await router_server.run(
             cfg,

@@ -24,12 +24,14 @@ from verifier_service.verifier import Verifier, VerifyItem, VerifyResult, valida
 log = logging.getLogger(__name__)
 
 
-def _item(s: verifier_pb2.VerifySession) -> VerifyItem:
+def session_item(s, sampling: SamplingParams) -> VerifyItem:
+    """A VerifySession as the verifier's item: the contract's message or the router's record, whose fields have the
+    same names (router/messages.py); sampling: its parameters, already read."""
     return VerifyItem(
         session_id=s.sync.session_id,
         prefix_length=s.sync.prefix_length,
         new_token_ids=list(s.sync.new_token_ids),
-        sampling=SamplingParams.from_proto(s.sampling),
+        sampling=sampling,
         tree_tokens=list(s.tree.token_ids),
         tree_parents=list(s.tree.parents),
         proposals=[(list(p.token_ids), list(p.probs)) for p in s.tree.proposals],
@@ -52,7 +54,7 @@ class VerifierCore:
         for a call over this verifier's per-call limits (checked here, before any forward pass)."""
         # Counted on the message, before anything is converted: a huge call costs no more than its parse.
         self.check_size(len(request.sessions), sum(limits_mod.verify_tokens(s) for s in request.sessions))
-        return self.validated([_item(s) for s in request.sessions])
+        return self.validated([session_item(s, SamplingParams.from_proto(s.sampling)) for s in request.sessions])
 
     def check_size(self, sessions: int, tokens: int) -> None:
         """Raise CallTooLarge for a call over this verifier's per-call limits."""
