@@ -110,8 +110,13 @@ def colocated(cfg) -> bool:
 
 
 def colocated_drafters(cfg) -> list:
-    """The drafter services `serve` runs in the router's process beside the verifier: `colocate` and no replicas."""
-    return [svc for svc in cfg.drafters if svc.colocate and not svc.replicas] if colocated(cfg) else []
+    """The drafter services `serve` runs in the router's process beside the verifier: `colocate`, no replicas, and no
+    cores of its own. A service pinned to cores the router and verifier do not have drafts there in parallel with
+    them; in their process it would wait for the process's lock (GIL) between its kernels, as one process's services do."""
+    if not colocated(cfg):
+        return []
+    shared = set(cfg.router.cpus) | set(cfg.verifier.cpus)
+    return [svc for svc in cfg.drafters if svc.colocate and not svc.replicas and set(svc.cpus) <= shared]
 
 
 def _print_ready(cfg, router_address: str, side_ports: dict[str, dict]) -> None:

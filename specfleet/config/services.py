@@ -165,5 +165,6 @@ class DrafterServiceConfig(ServiceConfig):
     colocate: bool = knob(
         True,
         "where `specfleet serve` runs the verifier in the router's process (verifier.colocate) and this service has no "
-        "replicas, run this service there too, called without a socket, still serving its gRPC address",
+        "replicas and no cores of its own (its `cpus` empty or among the router's and verifier's), run this service there "
+        "too, called without a socket, still serving its gRPC address",
     )

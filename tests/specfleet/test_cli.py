@@ -63,11 +63,15 @@ def test_serve_runs_one_verifier_in_the_router_s_process_unless_told_otherwise()
 
 
 def test_a_drafter_service_joins_the_router_s_process_where_it_colocates_beside_the_verifier():
-    joined = _processes({"cpus": [1]}, {"cpus": [3]})  # drafters[].colocate's default
-    assert joined == {"drafter e": ("drafter_service", [2]), "router": ("specfleet.colocated", [0, 1, 3])}
+    joined = _processes({"cpus": [1]}, {"cpus": [1]})  # drafters[].colocate's default
+    assert joined == {"drafter e": ("drafter_service", [2]), "router": ("specfleet.colocated", [0, 1])}
+    # A service with cores of its own drafts there, in parallel with the router's process.
+    assert _processes({"cpus": [1]}, {"cpus": [3]})["drafter d"] == ("drafter_service", [3])
+    assert _processes({"cpus": [1]}, {"cpus": [1, 3]})["drafter d"] == ("drafter_service", [1, 3])
     # Not where the verifier is a process of its own, nor where the service has replicas.
     assert "drafter d" in _processes({"colocate": False}, {"colocate": True})
     replicated = _processes({}, {"colocate": True, "replicas": ["127.0.0.1:50072"]})
     assert replicated["drafter d"] == ("drafter_service", [0]) and "drafter d replica 1" in replicated
     # The process unpinned where any of them is.
     assert _processes({"cpus": [1]}, {"colocate": True, "cpus": []})["router"] == ("specfleet.colocated", [])
+    assert "drafter d" not in _processes({}, {"colocate": True, "cpus": []})
