@@ -4,12 +4,14 @@ Plan: the drafter router picks each request's drafters (one, or several that
 cooperate) and the speculation controller its draft length k (0 means plain
 decoding this round); `plan` returns both as a `RoundPlan` (router/rounds.py),
 which drafting and verification take as an argument. Draft: a request with one
-drafter gets a chain from one call; cooperating drafters (hosted by one service)
-draft in lockstep inside that service, in the same call: at each position each
+drafter gets a chain from one call. Cooperating drafters hosted by the lead's
+service draft in lockstep inside it, in the same call: at each position each
 proposes a token, the most confident proposal (`specfleet.fusion.lead`)
 continues the main branch and is fed back to all of them, the others become
-side branches. Either way the result is a token tree whose every node carries
-the distribution it was drawn from. All sessions of one drafter service go in
+side branches. Cooperating drafters on other services (other cores, nodes or
+GPUs) each draft a chain of their own, concurrently, and the router merges the
+chains into the tree. Either way the result is a token tree whose every node
+carries the distribution it was drawn from. All sessions of one drafter service go in
 one call (split to the service's per-call limits); all services are called
 concurrently. A drafter that fails, or lost a session, costs only that round's
 drafts: the request decodes plainly, and the service's breaker skips it until
@@ -69,6 +71,31 @@ class DraftResult:
     drafted: messages.DraftedSession
 
 
+def request_tree(request: RequestPlan, replies: dict[str, messages.DraftedSession]) -> DraftTree:
+    """A request's tree from its drafters' replies: the lockstep positions fused, then every other drafter's
+    chain merged in, in routing order (the order the verifier tries siblings in, fixed before drafting)."""
+    tree = DraftTree()
+    state = request.state
+    if request.lockstep:
+        for position in range(request.k):
+            tree.fuse_position(request.lockstep, replies, position)
+        # Each lockstep session continued from the lead tokens, the main branch, for as many positions as it drafted.
+        for drafter in request.lockstep:
+            if drafter in replies:
+                drafted = [tree.tokens[i] for i in tree.main[: len(replies[drafter].token_ids)]]
+                state.drafter_mirrors[drafter].held = state.tokens + drafted
+    for drafter in request.drafters:
+        if drafter in replies and drafter not in request.lockstep:
+            tree.add_chain(drafter, replies[drafter])
+    return tree
+
+
+def _lockstep(drafters: list[str], services: dict) -> list[str]:
+    """The drafters that draft in lockstep with the lead, in its service's call: those its service hosts, if two or more."""
+    together = [d for d in drafters if services[d] is services[drafters[0]]] if drafters else []
+    return together if len(together) > 1 else []
+
+
 def _depths(members: int, k: int, fusion_depth: int) -> list[int]:
     """Draft positions per drafter: the first in routing order drafts all k; the others the first fusion_depth (0: all)."""
     return [k if i == 0 or fusion_depth == 0 else min(fusion_depth, k) for i in range(members)]
@@ -89,8 +116,6 @@ class Drafting:
         for state in batch:
             bound = max(0, min(state.spec.max_draft_tokens, state.remaining() - 1))
             drafters = router.choose(state.routing) if bound > 0 else []
-            # Cooperating drafters draft in lockstep inside one service: keep those hosted with the lead.
-            drafters = [d for d in drafters if services[d] is services[drafters[0]]]
             chosen.append(drafters)
             bounds.append(bound if drafters else 0)
             if drafters:
@@ -102,7 +127,7 @@ class Drafting:
         fusion_depth = self.context.router.config.fusion_depth
         return RoundPlan(
             [
-                RequestPlan(state, drafters, _depths(len(drafters), k, fusion_depth)) if k > 0 else RequestPlan(state)
+                RequestPlan(state, drafters, _depths(len(drafters), k, fusion_depth), _lockstep(drafters, services)) if k > 0 else RequestPlan(state)
                 for state, drafters, k in zip(batch, chosen, ks)
             ]
         )
@@ -111,30 +136,15 @@ class Drafting:
         """Draft trees for every request that drafts this round, keyed by session id."""
         drafting = plan.drafting()
         calls = [
-            DraftCall(r.state, drafter, r.state.tokens, depth, group=r.state.spec.session_id if r.fused else "")
+            DraftCall(r.state, drafter, r.state.tokens, depth, group=r.state.spec.session_id if drafter in r.lockstep else "")
             for r in drafting
             for drafter, depth in zip(r.drafters, r.depths)
         ]
         replies: dict[str, dict[str, messages.DraftedSession]] = collections.defaultdict(dict)
         for result in await self._calls(calls, plan):
             replies[result.call.state.spec.session_id][result.call.drafter] = result.drafted
-        trees = {r.state.spec.session_id: self._tree(r, replies[r.state.spec.session_id]) for r in drafting}
+        trees = {r.state.spec.session_id: request_tree(r, replies[r.state.spec.session_id]) for r in drafting}
         return {sid: tree for sid, tree in trees.items() if tree.tokens}
-
-    def _tree(self, request: RequestPlan, replies: dict[str, messages.DraftedSession]) -> DraftTree:
-        """A request's tree from its drafters' replies: a chain, or the lockstep positions fused."""
-        tree = DraftTree()
-        if not request.fused:
-            for drafter, drafted in replies.items():
-                tree.add_chain(drafter, drafted)
-            return tree
-        for position in range(request.k):
-            tree.fuse_position(request.drafters, replies, position)
-        # Each drafter's session continued from the lead tokens, the main branch, for as many positions as it drafted.
-        state = request.state
-        for drafter, drafted in replies.items():
-            state.drafter_mirrors[drafter].held = state.tokens + [tree.tokens[i] for i in tree.main[: len(drafted.token_ids)]]
-        return tree
 
     async def score_prompts(self, batch: list[RequestState]) -> None:
         """Before a request's first round: every specialist prefills and scores its prompt; the best one sets its domain."""

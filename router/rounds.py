@@ -78,21 +78,21 @@ class RoundContext:
 class RequestPlan:
     """One request's part of a round: who drafts for it, and how many positions each drafts.
 
-    One drafter drafts a chain of k tokens. Cooperating drafters (one service) draft in
-    lockstep: the first in routing order all k positions, the others their depth, the
-    first positions only (router.fusion_depth). No drafters: plain decoding this round."""
+    One drafter drafts a chain of k tokens. Cooperating drafters: the first in routing order
+    drafts all k positions, the others their depth, the first positions only
+    (router.fusion_depth). Those hosted by the first's service draft in lockstep with it, in
+    its call (`lockstep`); each of the others drafts a chain of its own on its own service,
+    concurrently, and the router merges the chains into the request's tree (router/trees.py).
+    No drafters: plain decoding this round."""
 
     state: RequestState
     drafters: list[str] = field(default_factory=list)  # routing order; the first leads
     depths: list[int] = field(default_factory=list)  # draft positions per drafter, the first's is k
+    lockstep: list[str] = field(default_factory=list)  # the lead and the drafters its service hosts, if two or more
 
     @property
     def k(self) -> int:
         return self.depths[0] if self.depths else 0
-
-    @property
-    def fused(self) -> bool:
-        return len(self.drafters) > 1
 
 
 @dataclass

@@ -1,11 +1,16 @@
 """A request's draft tree for one round: built from drafters' replies, sent to the verifier, scored after.
 
-One drafter gives a chain. Cooperating drafters draft in lockstep (one call, one
-service): at each position every member proposes, the most confident proposal
-(`specfleet.fusion.lead`, the same rule the drafter service follows) continues
-the main branch and the rest become its siblings, in routing order, never in the
-order of the drawn tokens, which the verification proof needs. Every node
-carries the distribution its token was drawn from.
+One drafter gives a chain. Cooperating drafters on the lead's service draft in
+lockstep (one call): at each position every member proposes, the most confident
+proposal (`specfleet.fusion.lead`, the same rule the drafter service follows)
+continues the main branch and the rest become its siblings. Cooperating drafters
+on other services each draft a chain from the request's context; the tree takes
+each chain from the root, sharing a node where the chain's token is an identical
+point mass already there, and branching off where it differs. Siblings come in
+routing order, never in the order of the drawn tokens, which the verification
+proof needs (verifier_service/verification.py: each node's token is drawn from
+the distribution it carries, given the node's path, independently of other
+drafters' draws). Every node carries the distribution its token was drawn from.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ class DraftTree:
     # Per drafter, its proposal at each position of the main branch (scored after verification).
     proposed: dict[str, list[int]] = field(default_factory=dict)
     main: list[int] = field(default_factory=list)  # node index of the main branch at each position
+    chains: set[str] = field(default_factory=set)  # drafters that drafted a chain of their own (not in lockstep)
 
     def add(self, token: int, parent: int, proposal, owner: str) -> int:
         self.tokens.append(token)
@@ -36,12 +42,24 @@ class DraftTree:
         return len(self.tokens) - 1
 
     def add_chain(self, drafter: str, drafted: DraftedSession) -> None:
-        """One drafter's chain: the main branch."""
-        parent = -1
+        """One drafter's chain, drafted from the request's context: the main branch in an empty tree, else merged
+        in from the root. A node is shared only where both proposals are the same point mass: then both drafters
+        chose that token deterministically and the node's distribution is each one's."""
+        parent, first = -1, not self.tokens
         for token, proposal in zip(drafted.token_ids, drafted.proposals):
-            parent = self.add(token, parent, proposal, drafter)
-            self.main.append(parent)
+            same = [i for i in self.children(parent) if self.tokens[i] == token and _point_mass(self.proposals[i]) and _point_mass(proposal)]
+            if same:
+                parent = same[0]
+                self.owners[parent].append(drafter)
+            else:
+                parent = self.add(token, parent, proposal, drafter)
+            if first:
+                self.main.append(parent)
         self.proposed[drafter] = list(drafted.token_ids)
+        self.chains.add(drafter)
+
+    def children(self, parent: int) -> list[int]:
+        return [i for i, p in enumerate(self.parents) if p == parent]
 
     def fuse_position(self, members_in_routing_order: list[str], replies: dict[str, DraftedSession], position: int) -> None:
         """Add one position's lockstep proposals: siblings in routing order, the lead's node continues the main branch."""
@@ -68,11 +86,13 @@ class DraftTree:
         return TokenTree(token_ids=self.tokens, parents=self.parents, proposals=self.proposals)
 
     def outcomes(self, accepted_nodes: list[int], emitted: list[int]) -> dict[str, tuple[int, int]]:
-        """Per drafter, (hits, missed): how many of its main-branch proposals the target emitted in a row,
-        and whether it then missed one (the routing evidence).
+        """Per drafter, (hits, missed): how many of its proposals the target emitted in a row, and whether it
+        then missed one (the routing evidence).
 
-        Position j of the main branch was drafted given emitted[:j]; that holds while the accepted
-        path follows the main branch, so each drafter is scored there, up to its first miss."""
+        A chain's position j was drafted given its own tokens before j, which are emitted[:j] while it hits, so a
+        chain is scored along itself. A lockstep member's position j was drafted given the main branch's tokens
+        before j; that holds while the accepted path follows the main branch, so it is scored there, up to its
+        first miss."""
         comparable = 0
         while comparable < len(self.main) and comparable < len(emitted):
             comparable += 1
@@ -80,10 +100,11 @@ class DraftTree:
                 break
         outcomes = {}
         for drafter, proposals in self.proposed.items():
+            scored = min(len(emitted) if drafter in self.chains else comparable, len(proposals))
             hits = 0
-            while hits < min(comparable, len(proposals)) and proposals[hits] == emitted[hits]:
+            while hits < scored and proposals[hits] == emitted[hits]:
                 hits += 1
-            outcomes[drafter] = (hits, 1 if hits < min(comparable, len(proposals)) else 0)
+            outcomes[drafter] = (hits, 1 if hits < scored else 0)
         return outcomes
 
 

@@ -151,3 +151,13 @@ def cluster_config(family, drafter: str = "drafter-noisy", **overrides) -> dict:
         else:
             config[section].update(values)
     return config
+
+
+def split_drafters(config: dict, family, first: list[str], second: list[str]) -> dict:
+    """The first drafter service hosts the draft models `first`, a second one ("chains", a service of its own)
+    `second`: cooperating drafters then span two services, whose chains the router merges into one tree."""
+    service = config["drafters"][0]
+    service["models"] = [{"name": d, "path": str(family[d])} for d in first]
+    models = [{"name": d, "path": str(family[d])} for d in second]
+    config["drafters"].append({**service, "name": "chains", "address": f"127.0.0.1:{free_port()}", "models": models})
+    return config

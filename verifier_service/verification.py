@@ -34,6 +34,14 @@ Proof obligations, each checked by tests/verifier_service/test_verification.py:
     Applied recursively down the accepted path, every emitted token is
     distributed as the target's next-token distribution given all tokens
     before it, so whole outputs are distributed as the target's.
+    The router's trees (router/trees.py) meet the proviso however many
+    drafters made them: lockstep siblings are drawn by different drafters
+    given the same path; a chain from another service is drawn by its own
+    drafter given its own tokens, which are the node's path in the tree (a
+    chain shares a node only where both proposals are the same point mass,
+    so the node's q is each one's); siblings come in routing order, fixed
+    before drafting. Siblings ordered by their drawn tokens would break it
+    (tests/mutants/lossless.yaml: cross-service-chains-in-confidence-order).
  2. Greedy equality: when p is a point mass on the target's argmax, a token is
     accepted iff it is the argmax, and the emitted token is the argmax.
  3. Point-mass proposals: q = delta_x accepts x with probability p(x) and

@@ -1,4 +1,5 @@
-"""Several drafters behind one router, through real gRPC: fusion stays lossless, k adapts, nothing starves."""
+"""Several drafters behind one router, through real gRPC: fusion in lockstep and across services stays lossless, k adapts,
+nothing starves."""
 
 from __future__ import annotations
 
@@ -9,16 +10,21 @@ import grpc
 import pytest
 
 from specfleet.v1 import generation_pb2_grpc
-from tests.harness import Cluster, cluster_config
+from tests.harness import Cluster, cluster_config, split_drafters
 from tests.helpers import PROMPTS, greedy_request, target_greedy
 
 MAX_TOKENS = 48
 DRAFTERS = ["drafter-noisy", "drafter-random", "drafter-copy"]
 
 
-def multi_drafter_config(family, **router):
+def multi_drafter_config(family, across_services: bool = True, **router):
+    """The copy and random on one drafter service (in lockstep where either leads, the copy most often), noisy on a
+    second (a chain of its own); across_services False: all three on one service."""
     config = cluster_config(family)
-    config["drafters"][0]["models"] = [{"name": d, "path": str(family[d])} for d in DRAFTERS]
+    if across_services:
+        split_drafters(config, family, ["drafter-copy", "drafter-random"], ["drafter-noisy"])
+    else:
+        config["drafters"][0]["models"] = [{"name": d, "path": str(family[d])} for d in DRAFTERS]
     config["router"].update({"default_drafter": "drafter-noisy", **router})
     return config
 
@@ -84,7 +90,7 @@ def test_lockstep_drafters_continue_from_the_lead_proposal(fused_cluster, random
 
     context = load_tokenizer(random_family["target"]).encode(PROMPTS[2], add_special_tokens=False)
     greedy = common_pb2.SamplingParams(temperature=0.0, top_p=1.0)
-    members = ["drafter-random", "drafter-noisy"]
+    members = ["drafter-random", "drafter-copy"]
 
     def session(sid, model, tokens, k, group=""):
         sync = common_pb2.SessionSync(session_id=sid, prefix_length=0, new_token_ids=tokens)
@@ -95,7 +101,7 @@ def test_lockstep_drafters_continue_from_the_lead_proposal(fused_cluster, random
         reply = stub.Draft(drafter_pb2.DraftRequest(sessions=[session("ls", m, context, 4, "g") for m in members]), timeout=60)
         own = {m: list(s.token_ids) for m, s in zip(members, reply.sessions)}
         leads = [own[members[lead([s.confidences[j] for s in reply.sessions])]][j] for j in range(4)]
-        assert own["drafter-random"] != own["drafter-noisy"]  # they disagree, so the lead matters
+        assert own["drafter-random"] != own["drafter-copy"]  # they disagree, so the lead matters
         for j in range(4):
             alone = drafter_pb2.DraftRequest(sessions=[session(f"alone-{m}-{j}", m, context + leads[:j], 1) for m in members])
             for m, s in zip(members, stub.Draft(alone, timeout=60).sessions):

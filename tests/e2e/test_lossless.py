@@ -1,9 +1,11 @@
 """Sampled output through `specfleet serve` is distributed exactly as the target model's, end to end.
 
 Three disagreeing drafters (a copy of the target, a perturbed copy, a random model) fuse
-into token trees of depth 4; proposals are truncated to their 4 most likely tokens, so
-that even the copy's drafts are often rejected and the residual draws carry real mass.
-Each request samples 5 tokens; the router's per-request draft length is fixed at 4.
+into token trees of depth 4: the copy and the perturbed copy share a drafter service and
+draft in lockstep, the random model drafts a chain of its own on a second service, merged
+into the same tree; proposals are truncated to their 4 most likely tokens, so that even
+the copy's drafts are often rejected and the residual draws carry real mass. Each request
+samples 5 tokens; the router's per-request draft length is fixed at 4.
 
 The statistic is exact for any number of tokens: for every sample and position j, with
 p_j = p(. | prompt, x_<j) the target's shaped conditional (a plain `transformers`
@@ -44,7 +46,7 @@ import pytest
 import torch
 
 from specfleet.v1 import generation_pb2, generation_pb2_grpc
-from tests.harness import Cluster, cluster_config
+from tests.harness import Cluster, cluster_config, split_drafters
 from tests.helpers import PROMPTS, load_target
 from tests.mutation import mutated_copy
 
@@ -87,8 +89,9 @@ def tolerance(n: int) -> float:
 
 
 def lossless_config(family) -> dict:
-    config = cluster_config(family, drafter_service={"proposal_top_k": PROPOSAL_TOP_K})
-    config["drafters"][0]["models"] = [{"name": d, "path": str(family[d])} for d in DRAFTERS]
+    """Two drafter services: the first hosts the copy and the perturbed copy (lockstep), the second the random model
+    (a chain of its own, merged into the tree by the router)."""
+    config = split_drafters(cluster_config(family, drafter_service={"proposal_top_k": PROPOSAL_TOP_K}), family, DRAFTERS[:2], DRAFTERS[2:])
     config["router"].update(
         default_drafter=DRAFTERS[0],
         fusion_width=len(DRAFTERS),
@@ -133,6 +136,7 @@ class Samples:
     single_round: int  # requests whose whole output came from one round: 4 drafts accepted in a row
     two_rounds: int  # requests done in two rounds: 3 drafts accepted, 2 or 3 of them in a row
     seconds: float
+    across: int = 0  # requests drafted for by both drafter services: trees merged across services
 
 
 def sample(cluster: Cluster, setting: str, seeded: bool, samples: int = SAMPLES) -> Samples:
@@ -167,6 +171,8 @@ def sample(cluster: Cluster, setting: str, seeded: bool, samples: int = SAMPLES)
                 out.rounds += reply.speculation.rounds
                 out.single_round += reply.speculation.rounds == 1
                 out.two_rounds += reply.speculation.rounds == 2
+                drafted_by = {d.drafter for d in reply.speculation.drafters if d.draft_tokens > 0}
+                out.across += bool(drafted_by & set(DRAFTERS[:2])) and bool(drafted_by & set(DRAFTERS[2:]))
     out.seconds = time.monotonic() - started
     return out
 
@@ -265,6 +271,7 @@ def test_sampled_output_is_distributed_as_target(real_cluster, control_cluster, 
     # The setup exercises what it should: rejections and residual draws, and accepted paths deeper than 1.
     assert rejected > 0.5 and real.rounds > 2 * SAMPLES, (real.draft_tokens, real.accepted_tokens, real.rounds)
     assert real.single_round + real.two_rounds > 0.01 * SAMPLES, (real.single_round, real.two_rounds)
+    assert real.across > 0.5 * SAMPLES, real.across
 
     control = sample(control_cluster(seeded), setting, seeded, CONTROL_SAMPLES)
     control_verdict = exact_pit(random_family, control, setting, seed=2)

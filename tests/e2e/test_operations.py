@@ -29,6 +29,7 @@ MAX_QUEUED = 4
 def ops(random_family, tmp_path_factory):
     config = multi_drafter_config(
         random_family,
+        across_services=False,
         routing_policy="fixed",
         default_drafter="drafter-noisy",
         fusion_width=1,

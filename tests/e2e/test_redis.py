@@ -62,7 +62,7 @@ def generate(address: str, n: int, prompt_offset: int = 0):
 
 def test_two_routers_share_expertise_and_survive_redis_restarts(random_family, tmp_path):
     server = RedisServer(free_port()).start()
-    config = multi_drafter_config(random_family, redis_url=server.url, fusion_width=1, pipeline_depth=1)
+    config = multi_drafter_config(random_family, across_services=False, redis_url=server.url, fusion_width=1, pipeline_depth=1)
     config["drafters"][0]["models"] = [m for m in config["drafters"][0]["models"] if m["name"] in ("drafter-copy", "drafter-random")]
     config["router"]["default_drafter"] = "drafter-copy"
     cluster = Cluster(config, tmp_path, "redis").start()

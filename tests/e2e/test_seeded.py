@@ -16,7 +16,7 @@ import torch
 
 from specfleet.engine.sampling import race, race_keys, race_noise
 from specfleet.v1 import generation_pb2, generation_pb2_grpc
-from tests.harness import Cluster, cluster_config
+from tests.harness import Cluster, cluster_config, split_drafters
 from tests.helpers import PROMPTS
 from verifier_service.verification import TreeBatch, verify_trees_greedy
 
@@ -122,9 +122,9 @@ MAX_TOKENS = 24
 
 
 def fleet_config(family, **router) -> dict:
-    """Several drafters, expertise routing, fusion when the best drafter is unsure, adaptive k."""
-    config = cluster_config(family)
-    config["drafters"][0]["models"] = [{"name": d, "path": str(family[d])} for d in DRAFTERS]
+    """Several drafters on two services, expertise routing, fusion (in lockstep and across the services) when the best
+    drafter is unsure, adaptive k."""
+    config = split_drafters(cluster_config(family), family, DRAFTERS[:2], DRAFTERS[2:])
     config["router"].update({"default_drafter": "drafter-noisy", "routing_policy": "expertise", "fusion_width": 2, **router})
     return config
 

@@ -101,5 +101,5 @@ def test_the_plan_gives_each_drafter_its_depth():
     assert _depths(3, 4, 0) == [4, 4, 4]  # 0: every position
     assert _depths(2, 1, 2) == [1, 1]
     plan = RoundPlan([RequestPlan(state=None, drafters=["a", "b"], depths=[4, 2]), RequestPlan(state=None)])
-    assert [(r.k, r.fused) for r in plan.requests] == [(4, True), (0, False)]
+    assert [r.k for r in plan.requests] == [4, 0]
     assert plan.drafting() == plan.requests[:1]
