@@ -67,7 +67,7 @@ PART_STEPS = {
 # Greedy outputs are checked against transformers generate in every run of every bench: (bench, system, load).
 PART_RUNS = {
     "1": [("serve", label, load) for label in ("specfleet-fleet", "specfleet-off") for load in ("c1", "c2")],
-    "2": [("collaboration", label, "c2") for label in ("general", "expertise", "expertise+fusion")]
+    "2": [("collaboration", label, "c2") for label in ("general", "expertise", "expertise+fusion", "fusion-lockstep")]
     + [("pipelining", label, "c2") for label in ("coupled", "pipelined")],
 }
 
