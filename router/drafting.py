@@ -52,7 +52,7 @@ class DraftCall:
     tokens: list[int]  # what the drafter's session holds before it drafts (its mirror decides what travels)
     k: int  # positions to draft
     group: str = ""  # the lockstep group (the request's session id) when the request's drafters cooperate
-    score: bool = False  # also score the context it prefills (before a request's first round)
+    score: bool = False  # also score the context it prefills (in a request's first round)
 
 
 @dataclass
@@ -115,7 +115,8 @@ class Drafting:
         chosen, bounds, acceptance = [], [], []
         for state in batch:
             bound = max(0, min(state.spec.max_draft_tokens, state.remaining() - 1))
-            drafters = router.choose(state.routing) if bound > 0 else []
+            # A prompt still being scored has no domain to route by: it decodes plainly this round.
+            drafters = router.choose(state.routing) if bound > 0 and not state.routing.needs_scores else []
             chosen.append(drafters)
             bounds.append(bound if drafters else 0)
             if drafters:
@@ -147,9 +148,10 @@ class Drafting:
         return {sid: tree for sid, tree in trees.items() if tree.tokens}
 
     async def score_prompts(self, batch: list[RequestState]) -> None:
-        """Before a request's first round: every specialist prefills and scores its prompt; the best one sets its domain."""
+        """In a request's first round, beside its verification: every specialist prefills and scores its prompt; the
+        best one sets its domain. Each call holds a copy of the tokens it sends, as the round commits to the request's."""
         router = self.context.router
-        calls = [DraftCall(s, d, s.tokens, 0, score=True) for s in batch for d in router.scorers()]
+        calls = [DraftCall(s, d, list(s.tokens), 0, score=True) for s in batch for d in router.scorers()]
         scores: dict[str, dict[str, float]] = collections.defaultdict(dict)
         for result in await self._calls(calls):
             if result.drafted.context_tokens > 0:
@@ -230,8 +232,12 @@ class Drafting:
         if self.context.telemetry is not None:
             self.context.telemetry.draft_call.labels(drafter_service=transport.name).observe(wall / 1e3)
             self.context.telemetry.call_phases("draft", wall, reply.compute_ms, reply.queue_ms)
-        cost.observe_draft(max((s.num_draft_tokens for s in sessions), default=0), reply.compute_ms)
-        cost.observe_calls(draft_overhead_ms=wall - reply.compute_ms)
+        depth = max((s.num_draft_tokens for s in sessions), default=0)
+        if depth > 0:
+            # A call that only scores prompts (depth 0) runs beside a round's verification and costs what prefill
+            # costs: the cost model plans drafting, so it learns from draft calls alone.
+            cost.observe_draft(depth, reply.compute_ms)
+            cost.observe_calls(draft_overhead_ms=wall - reply.compute_ms)
         out = []
         for entry, drafted in zip(part, reply.sessions):
             call = entry.call

@@ -6,7 +6,8 @@ before it):
 1. The prior: a new request's domain. Each drafter declares specialities
    (labels) and a few exemplar texts. By default every specialist scores the
    prompt while prefilling it (its mean log-probability of the prompt's
-   tokens, one call before the first round) and the best one's speciality is
+   tokens, one call in the request's first round, beside the target's
+   prefill, while the request decodes plainly) and the best one's speciality is
    the domain: the drafter that predicts the prompt best is the one most
    likely to be accepted on its continuation. `DomainClassifier` is the
    model-free fallback (and the `exemplars` prior): the speciality whose

@@ -36,7 +36,7 @@ import grpc
 from router.drafters import DrafterService
 from router.drafting import Drafting
 from router.request import RequestState
-from router.rounds import LaneKinds, RoundContext, SchedulerConfig
+from router.rounds import LaneKinds, RoundContext, RoundPlan, SchedulerConfig, concurrently
 from router.routing import DrafterRouter
 from router.speculation import SpeculationController
 from router.verifiers import VerifierPool
@@ -171,21 +171,21 @@ class Scheduler:
         batch = [s for s in batch if not s.finished]
         if not batch:
             return
-        unscored = [s for s in batch if s.routing.needs_scores]
-        if unscored:
-            await self.drafting.score_prompts(unscored)
         started, before, running = time.perf_counter(), sum(len(s.tokens) for s in batch), self.running
-        # Drafting hides behind verification only while another lane has requests to verify.
+        # Drafting hides behind verification only while another lane has requests to verify. A new request
+        # whose specialists still score its prompt decodes plainly in this round, which verifies its prompt while
+        # they score it (in the same round, beside its draft and verify calls), not after.
         plan = self.drafting.plan(batch, overlap=sum(1 for lane in self._lanes if lane) > 1, running=running)
         drafted = bool(plan.drafting())
         clean = self._kinds.start(index, drafted)
-        trees = await self.drafting.draft(plan)
-        await self.verifying.verify(plan, trees)
+        unscored = [s for s in batch if s.routing.needs_scores]
+        ended = await concurrently([self._draft_and_verify(plan), *([self.drafting.score_prompts(unscored)] if unscored else [])])
         self.context.metrics.rounds += 1
         # What the round delivered in its wall time, for the controller's check that drafting pays; it
-        # measures a way of decoding only among rounds of that way, beside it and before it (LaneKinds).
-        clean = clean and self._kinds.beside_own_kind(index, drafted)
-        wall_ms = (time.perf_counter() - started) * 1e3
+        # measures a way of decoding only among rounds of that way, beside it and before it (LaneKinds), and
+        # without prompt scoring beside it.
+        clean = clean and self._kinds.beside_own_kind(index, drafted) and not unscored
+        wall_ms = (ended[0] - started) * 1e3
         committed = sum(len(s.tokens) for s in batch) - before
         self.context.controller.observe_round(len(batch), committed, wall_ms, drafted, clean, running)
         # Every request of the round waited for the router's own part of it.
@@ -194,6 +194,12 @@ class Scheduler:
             state.timing_ms["router"] += router_ms
         if self.context.telemetry is not None:
             self.context.telemetry.phases["router"].observe(router_ms / 1e3)
+
+    async def _draft_and_verify(self, plan: RoundPlan) -> float:
+        """The round's draft and verify stages; returns when they ended (time.perf_counter)."""
+        trees = await self.drafting.draft(plan)
+        await self.verifying.verify(plan, trees)
+        return time.perf_counter()
 
     def _publish(self, state: RequestState) -> None:
         if state.published_final:

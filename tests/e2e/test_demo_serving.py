@@ -63,11 +63,15 @@ def test_greedy_with_routing_and_fusion_equals_target(demo_cluster, domain):
 
 
 def test_specialists_scoring_the_prompt_find_its_domain(demo_cluster):
-    """The default domain prior: each specialist scores the prompt; the best one's speciality is the domain."""
+    """The default domain prior: each specialist scores the prompt; the best one's speciality is the domain. They
+    score it in the request's first round, which decodes plainly (no drafter is chosen before the domain is known),
+    and two tokens leave no room to draft after it."""
     with demo_cluster.channel() as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         cases = [(domain, text) for domain in DOMAINS for text in prompts(domain, 4, offset=3)]
         futures = [stub.Generate.future(greedy_request(text, 2, 1), timeout=300) for _, text in cases]
-        guessed = [future.result().speculation.domain for future in futures]
+        replies = [future.result() for future in futures]
+    guessed = [reply.speculation.domain for reply in replies]
+    assert all(reply.speculation.draft_tokens == 0 for reply in replies), [r.speculation.draft_tokens for r in replies]
     right = sum(1 for (domain, _), guess in zip(cases, guessed) if guess == domain)
     assert right >= 0.8 * len(cases), list(zip([d for d, _ in cases], guessed))
