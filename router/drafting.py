@@ -51,7 +51,7 @@ class DraftCall:
     drafter: str
     tokens: list[int]  # what the drafter's session holds before it drafts (its mirror decides what travels)
     k: int  # positions to draft
-    group: str = ""  # the lockstep group (the request's session id) when the request's drafters cooperate
+    group: str = ""  # the lockstep group (the request's session id) when it drafts in lockstep with the lead
     score: bool = False  # also score the context it prefills (in a request's first round)
 
 

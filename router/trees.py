@@ -47,12 +47,7 @@ class DraftTree:
         chose that token deterministically and the node's distribution is each one's."""
         parent, first = -1, not self.tokens
         for token, proposal in zip(drafted.token_ids, drafted.proposals):
-            same = [i for i in self.children(parent) if self.tokens[i] == token and _point_mass(self.proposals[i]) and _point_mass(proposal)]
-            if same:
-                parent = same[0]
-                self.owners[parent].append(drafter)
-            else:
-                parent = self.add(token, parent, proposal, drafter)
+            parent = self._node(self.children(parent), token, parent, proposal, drafter)
             if first:
                 self.main.append(parent)
         self.proposed[drafter] = list(drafted.token_ids)
@@ -60,6 +55,16 @@ class DraftTree:
 
     def children(self, parent: int) -> list[int]:
         return [i for i, p in enumerate(self.parents) if p == parent]
+
+    def _node(self, candidates: list[int], token: int, parent: int, proposal, drafter: str) -> int:
+        """The node for the drafter's proposal under parent: a candidate holding the same point mass, which it then
+        shares, else a new node. Identical point masses are one proposal; sampled duplicates stay separate siblings."""
+        if _point_mass(proposal):
+            for i in candidates:
+                if self.tokens[i] == token and _point_mass(self.proposals[i]):
+                    self.owners[i].append(drafter)
+                    return i
+        return self.add(token, parent, proposal, drafter)
 
     def fuse_position(self, members_in_routing_order: list[str], replies: dict[str, DraftedSession], position: int) -> None:
         """Add one position's lockstep proposals: siblings in routing order, the lead's node continues the main branch."""
@@ -72,13 +77,7 @@ class DraftTree:
         for drafter, drafted in members:  # a fixed order, never the drawn tokens' order
             token, proposal = drafted.token_ids[position], drafted.proposals[position]
             self.proposed.setdefault(drafter, []).append(token)
-            # Identical point masses are one proposal; sampled duplicates stay separate siblings.
-            same = [i for i in member_nodes if self.tokens[i] == token and _point_mass(self.proposals[i]) and _point_mass(proposal)]
-            if same:
-                self.owners[same[0]].append(drafter)
-                member_nodes.append(same[0])
-            else:
-                member_nodes.append(self.add(token, parent, proposal, drafter))
+            member_nodes.append(self._node(member_nodes, token, parent, proposal, drafter))
         self.main.append(member_nodes[leader])
 
     def token_tree(self) -> TokenTree:
