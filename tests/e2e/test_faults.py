@@ -90,15 +90,20 @@ def test_a_stopped_drafter_does_not_stall_requests_drafted_by_others(random_fami
     tokens: dict[str, list[int]] = {p: [] for p in prompts}
     chunks = threading.Semaphore(0)
     started = threading.Barrier(len(prompts) + 1)
+    done = threading.Event()  # progress shown: the clients hang up, and what they received is checked
 
     def client(prompt: str) -> None:
         request = greedy_request(prompt, max_tokens, 2, stop_at_eos=False)
         with cluster.channel() as channel:
-            for i, chunk in enumerate(generation_pb2_grpc.GenerationStub(channel).GenerateStream(request, timeout=900)):
+            stream = generation_pb2_grpc.GenerationStub(channel).GenerateStream(request, timeout=900)
+            for i, chunk in enumerate(stream):
                 tokens[prompt] += chunk.token_ids
                 chunks.release()
                 if i == 0:
                     started.wait(timeout=300)
+                if done.is_set():
+                    stream.cancel()
+                    break
 
     threads = [threading.Thread(target=client, args=(p,)) for p in prompts]
     try:
@@ -114,13 +119,16 @@ def test_a_stopped_drafter_does_not_stall_requests_drafted_by_others(random_fami
             progressed = all(chunks.acquire(timeout=60) for _ in range(50))
         finally:
             os.kill(beta, signal.SIGCONT)
+        chunks.acquire(timeout=60)  # a round after beta is back
+        done.set()
         for t in threads:
             t.join(timeout=900)
     finally:
         cluster.stop()
     assert progressed, "the streams stalled while one drafter service was stopped"
     for prompt in prompts:
-        assert tokens[prompt] == target_greedy(str(random_family["target"]), prompt, max_tokens), prompt
+        assert 0 < len(tokens[prompt]) < max_tokens, len(tokens[prompt])
+        assert tokens[prompt] == target_greedy(str(random_family["target"]), prompt, len(tokens[prompt])), prompt
     assert "drafter service beta: skipped" in cluster.log_path.read_text()
 
 
