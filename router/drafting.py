@@ -101,6 +101,53 @@ def _depths(members: int, k: int, fusion_depth: int) -> list[int]:
     return [k if i == 0 or fusion_depth == 0 else min(fusion_depth, k) for i in range(members)]
 
 
+def most_models(chosen: list[list[str]], services: dict) -> int:
+    """The most distinct draft models any one drafter service runs for these requests' drafters."""
+    per_service: dict[int, set[str]] = collections.defaultdict(set)
+    for drafters in chosen:
+        for drafter in drafters:
+            per_service[id(services[drafter])].add(drafter)
+    return max((len(models) for models in per_service.values()), default=0)
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens a round commits for a request drafting k tokens, each accepted with probability `acceptance`."""
+    return sum(acceptance**i for i in range(k + 1))
+
+
+def consolidate(chosen: list[list[str]], means: list[dict[str, float]], bounds: list[int], services: dict, cost) -> list[list[str]]:
+    """Fewer distinct draft models in the round, where that raises its expected goodput.
+
+    A drafter service runs each distinct model's layers in turn at every position of a stacked step, so each model
+    a round adds costs a step per position (`CostModel.draft_ms`), while a request moved to the best of the models
+    that stay loses only the difference in expected tokens (`means`: each drafter's expected acceptance for the
+    request). Models leave one at a time, the one whose leaving raises goodput most, while one does; requests whose
+    drafters cooperate (fusion) keep theirs, and so do the models they use."""
+    chosen = [list(drafters) for drafters in chosen]
+    depth, n = max(bounds, default=0), len(chosen)
+    verify_ms = cost.verify_ms(n, n + sum(bounds))
+
+    def goodput(assignment: list[list[str]]) -> float:
+        tokens = sum(expected_tokens(means[i][d[0]], bounds[i]) if d else 1.0 for i, d in enumerate(assignment))
+        return tokens / (verify_ms + cost.draft_ms(depth, most_models(assignment, services)))
+
+    fused = {d for drafters in chosen if len(drafters) > 1 for d in drafters}
+    while True:
+        best, best_goodput = None, goodput(chosen)
+        leads = {d[0] for d in chosen if len(d) == 1}
+        for model in sorted(leads - fused):
+            rest = leads - {model} | fused
+            if not rest:
+                continue
+            trial = [[max(sorted(rest), key=means[i].get)] if d == [model] else d for i, d in enumerate(chosen)]
+            trial_goodput = goodput(trial)
+            if trial_goodput > best_goodput:
+                best, best_goodput = trial, trial_goodput
+        if best is None:
+            return chosen
+        chosen = best
+
+
 class Drafting:
     def __init__(self, context: RoundContext, in_background: Callable):
         self.context = context
@@ -111,20 +158,20 @@ class Drafting:
         """Who drafts for each request this round, and how many positions.
 
         overlap: another lane's verification runs while this one drafts. running: requests in all lanes."""
-        router, services = self.context.router, self.context.drafters
-        chosen, bounds, acceptance = [], [], []
+        router, services, controller = self.context.router, self.context.drafters, self.context.controller
+        chosen, bounds = [], []
         for state in batch:
             bound = max(0, min(state.spec.max_draft_tokens, state.remaining() - 1))
             # A prompt still being scored has no domain to route by: it decodes plainly this round.
             drafters = router.choose(state.routing) if bound > 0 and not state.routing.needs_scores else []
             chosen.append(drafters)
             bounds.append(bound if drafters else 0)
-            if drafters:
-                a, r = router.posterior(state.routing, drafters[0])
-                acceptance.append(a / (a + r))
-            else:
-                acceptance.append(0.0)
-        ks = self.context.controller.plan(acceptance, bounds, [s.rounds for s in batch], overlap, running)
+        means = [{d: router.mean(s.routing, d) for d in router.drafters} if drafters else {} for s, drafters in zip(batch, chosen)]
+        if controller.adaptive and router.config.routing_policy == "expertise" and router.config.fewer_models:
+            chosen = consolidate(chosen, means, bounds, services, controller.cost)
+        acceptance = [means[i][drafters[0]] if drafters else 0.0 for i, drafters in enumerate(chosen)]
+        models = most_models(chosen, services)
+        ks = controller.plan(acceptance, bounds, [s.rounds for s in batch], overlap, running, models)
         fusion_depth = self.context.router.config.fusion_depth
         return RoundPlan(
             [
@@ -236,7 +283,7 @@ class Drafting:
         if depth > 0:
             # A call that only scores prompts (depth 0) runs beside a round's verification and costs what prefill
             # costs: the cost model plans drafting, so it learns from draft calls alone.
-            cost.observe_draft(depth, reply.compute_ms)
+            cost.observe_draft(depth, reply.compute_ms, len({s.model for s in sessions if s.num_draft_tokens > 0}))
             cost.observe_calls(draft_overhead_ms=wall - reply.compute_ms)
         out = []
         for entry, drafted in zip(part, reply.sessions):
@@ -259,7 +306,8 @@ class Drafting:
         drafter holds a round (and every request in it) for a moment, not for rpc_timeout_s. What a call
         prefills (a new prompt, a context to score or catch up) is not modelled: its new tokens add a
         second per PREFILL_TOKENS_PER_S."""
-        expected_ms = self.context.controller.cost.draft_ms(max(s.num_draft_tokens for s in sessions))
+        models = len({s.model for s in sessions if s.num_draft_tokens > 0})
+        expected_ms = self.context.controller.cost.draft_ms(max(s.num_draft_tokens for s in sessions), models)
         deadline = max(DRAFT_DEADLINE_FLOOR_S, DRAFT_DEADLINE_FACTOR * expected_ms / 1e3)
         deadline += sum(len(s.sync.new_token_ids) for s in sessions) / PREFILL_TOKENS_PER_S
         return min(self.context.config.settings.rpc_timeout_s, deadline)

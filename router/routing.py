@@ -386,6 +386,11 @@ class DrafterRouter:
             prior_r + scale * shared.rejected + w * mine.rejected,
         )
 
+    def mean(self, routing: RequestRouting, drafter: str) -> float:
+        """The drafter's expected per-token acceptance for this request."""
+        a, r = self.posterior(routing, drafter)
+        return a / (a + r)
+
     def choose(self, routing: RequestRouting) -> list[str]:
         """The drafters for this round, best first."""
         if not self.drafters:

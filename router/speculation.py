@@ -24,7 +24,7 @@ gain while they raise goodput. A request planned at k = 0 still drafts one token
 `probe_every` rounds, so its acceptance estimate can recover.
 
 The model's prediction is then checked against what rounds deliver
-(`MeasuredGoodput`). The model leaves costs out (the router's own work per
+(`MeasuredGoodput`, router/measured_goodput.py). The model leaves costs out (the router's own work per
 round, serialisation, a drafter slower in traffic than profiled, contention),
 and with them it drafted where plain decoding was faster: 0.82x the tokens/s of
 speculation off at 1 client and 0.69x at 16 on an H200 with a small target,
@@ -52,9 +52,9 @@ accepted, falls below `stop_below`.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
+from router.measured_goodput import MeasuredGoodput
 from specfleet.config import SpeculationConfig
 
 # The configured starting point's one default (specfleet/config/router.py), not a copy of it.
@@ -92,11 +92,13 @@ class CostModel:
     follows the ratio of measured to modelled time (this machine's speed drifts, shared or
     contended).
 
-    Drafting: a call's time is fitted online as base + per_token * depth by least squares
-    over recent calls (`LinearFit`). Its base (catching the sessions up on the tokens
-    committed since their last call, the call's own overhead) must not be charged per
-    token: divided by a small depth it would make drafting look dear, the plan would draft
-    less, and the next estimate would look dearer still.
+    Drafting: a call's time is fitted online as base + per_token * depth * models by least
+    squares over recent calls (`LinearFit`), where models is the number of distinct draft
+    models in the call: a stacked step runs each one's layers in turn, so each costs its own
+    step at every position. Its base (catching the sessions up on the tokens committed since
+    their last call, the call's own overhead) must not be charged per token: divided by a
+    small depth it would make drafting look dear, the plan would draft less, and the next
+    estimate would look dearer still.
     """
 
     verify_base: float = _CONFIGURED.verify_base_ms
@@ -152,14 +154,14 @@ class CostModel:
                 self.verify_scale = 1.0
                 return
 
-    def draft_ms(self, depth: int) -> float:
-        """One draft call `depth` tokens deep (none when nothing is drafted)."""
-        return self.draft_call + self.draft_base + self.draft_per_token * depth if depth > 0 else 0.0
+    def draft_ms(self, depth: int, models: int = 1) -> float:
+        """One draft call `depth` tokens deep with `models` distinct draft models (none when nothing is drafted)."""
+        return self.draft_call + self.draft_base + self.draft_per_token * depth * max(1, models) if depth > 0 else 0.0
 
-    def round_ms(self, ks: list[int]) -> float:
+    def round_ms(self, ks: list[int], models: int = 1) -> float:
         if not ks:
             return 0.0
-        return self.verify_ms(len(ks), sum(k + 1 for k in ks)) + self.draft_ms(max(ks))
+        return self.verify_ms(len(ks), sum(k + 1 for k in ks)) + self.draft_ms(max(ks), models)
 
     def observe_calls(self, draft_overhead_ms: float | None = None, verify_overhead_ms: float | None = None) -> None:
         """What a call cost beyond the server's compute (wall minus compute), as moving averages."""
@@ -178,11 +180,11 @@ class CostModel:
             return
         self.verify_scale += (1 - self.forget) * (compute_ms / modelled - self.verify_scale)
 
-    def observe_draft(self, depth: int, compute_ms: float) -> None:
-        """One draft call `depth` tokens deep took compute_ms."""
+    def observe_draft(self, depth: int, compute_ms: float, models: int = 1) -> None:
+        """One draft call `depth` tokens deep with `models` distinct draft models took compute_ms."""
         if self.pinned or depth == 0:
             return
-        self._draft.observe(depth, compute_ms)
+        self._draft.observe(depth * max(1, models), compute_ms)
         self.draft_base, self.draft_per_token = self._draft.base, self._draft.slope
 
 
@@ -201,111 +203,6 @@ def _least_squares(rows: list[list[float]], ys: list[float]) -> list[float] | No
                 f = a[r][col] / a[col][col]
                 a[r] = [x - f * y for x, y in zip(a[r], a[col])]
     return [a[i][m] / a[i][i] for i in range(m)]
-
-
-# A way of decoding is judged from this many rounds at least: one has no spread to judge by.
-MIN_ROUNDS = 2
-# Drafting loses when plain decoding's goodput exceeds drafting's by this many standard errors of the difference.
-LOSES_BY_SE = 2.0
-
-
-@dataclass
-class _Rounds:
-    """Decayed sums over the rounds of one kind at one load: each older round weighs `forget` times less per newer
-    one. Enough to give tokens per request per millisecond, the ratio of the sums, and its standard error."""
-
-    rounds: int = 0
-    weight: float = 0.0
-    weight_sq: float = 0.0  # sum of squared weights: the effective count is weight^2 / weight_sq
-    tokens: float = 0.0  # tokens committed per request
-    ms: float = 0.0
-    tokens_sq: float = 0.0
-    ms_sq: float = 0.0
-    tokens_ms: float = 0.0
-
-    def add(self, forget: float, tokens: float, ms: float) -> None:
-        self.rounds += 1
-        self.weight = self.weight * forget + 1
-        self.weight_sq = self.weight_sq * forget * forget + 1
-        self.tokens = self.tokens * forget + tokens
-        self.ms = self.ms * forget + ms
-        self.tokens_sq = self.tokens_sq * forget + tokens * tokens
-        self.ms_sq = self.ms_sq * forget + ms * ms
-        self.tokens_ms = self.tokens_ms * forget + tokens * ms
-
-    @property
-    def goodput(self) -> float:
-        return self.tokens / self.ms
-
-    @property
-    def count(self) -> float:
-        """The effective number of rounds measured."""
-        return self.weight * self.weight / self.weight_sq
-
-    def variance(self) -> float:
-        """The goodput's variance (the delta method for a ratio of means): rounds that commit 1 to k + 1 tokens
-        a request make drafting's far larger than plain decoding's. Infinite below MIN_ROUNDS rounds."""
-        if self.rounds < MIN_ROUNDS:
-            return math.inf
-        n = self.count
-        w, ratio = self.weight, self.goodput
-        mean_ms = self.ms / w
-        var_tokens = self.tokens_sq / w - (self.tokens / w) ** 2
-        var_ms = self.ms_sq / w - mean_ms**2
-        cov = self.tokens_ms / w - (self.tokens / w) * mean_ms
-        spread = max(0.0, var_tokens - 2 * ratio * cov + ratio * ratio * var_ms) * n / (n - 1)
-        return spread / (mean_ms * mean_ms * n)
-
-
-class MeasuredGoodput:
-    """What rounds deliver, per load: tokens committed per request per millisecond of round
-    wall time, for rounds that drafted and for rounds that did not (plain decoding).
-
-    The load is the number of requests running in the router, grouped by powers of two (1, 2-3,
-    4-7, 8-15, ...): passes over more sessions take longer, so drafting and plain decoding are
-    compared at comparable loads only, and every lane's rounds at one load share one decision.
-    Each estimate is a ratio of decayed sums (`_Rounds`: an older round weighs `forget` times less
-    per newer one, about 19 rounds in effect at 0.9), so no single slow round decides. Drafting
-    loses only when plain decoding is ahead by LOSES_BY_SE standard errors: a round that drafts
-    commits 1 to k + 1 tokens a request, and at one client a few unlucky rounds in a row would
-    otherwise send every request to plain decoding for `remeasure_every` rounds although drafting
-    pays on average (docs/benchmarks/measured-fallback.md)."""
-
-    def __init__(self, forget: float = 0.9):
-        self.forget = forget
-        self._rounds: dict[tuple[int, bool], _Rounds] = {}  # (load, drafted) -> the rounds measured
-        self._since: dict[tuple[int, bool], int] = {}  # (load, drafted) -> rounds at that load since one of that kind was measured
-
-    @staticmethod
-    def load(running: int) -> int:
-        return running.bit_length()
-
-    def observe(self, running: int, sessions: int, tokens: int, wall_ms: float, drafted: bool, clean: bool = True) -> None:
-        if sessions <= 0 or tokens <= 0 or wall_ms <= 0:
-            return  # nothing committed (a failed call, no live verifier): a fault, not what a way of decoding costs
-        load = self.load(running)
-        for kind in (False, True):
-            self._since[load, kind] = self._since.get((load, kind), 0) + 1
-        if not clean:
-            return  # it ran beside or right after rounds of the other kind: it measures neither way cleanly
-        self._rounds.setdefault((load, drafted), _Rounds()).add(self.forget, tokens / sessions, wall_ms)
-        self._since[load, drafted] = 0
-
-    def goodput(self, running: int, drafted: bool) -> float | None:
-        """Tokens per request per millisecond of rounds at this load that drafted (or not); None until measured."""
-        rounds = self._rounds.get((self.load(running), drafted))
-        return rounds.goodput if rounds else None
-
-    def drafting_loses(self, running: int) -> bool:
-        """Whether plain decoding is measured ahead of drafting at this load, beyond the measurements' noise."""
-        drafting, plain = self._rounds.get((self.load(running), True)), self._rounds.get((self.load(running), False))
-        if drafting is None or plain is None:
-            return False
-        return plain.goodput - drafting.goodput > LOSES_BY_SE * math.sqrt(drafting.variance() + plain.variance())
-
-    def rounds_since(self, running: int, drafted: bool) -> int:
-        """Rounds at this load since one that drafted (or not) was measured."""
-        return self._since.get((self.load(running), drafted), 0)
 
 
 @dataclass
@@ -347,7 +244,13 @@ class SpeculationController:
         return self.measured.rounds_since(running, drafted=False) < every
 
     def plan(
-        self, acceptance: list[float], max_draft_tokens: list[int], rounds: list[int], overlap: bool = False, running: int | None = None
+        self,
+        acceptance: list[float],
+        max_draft_tokens: list[int],
+        rounds: list[int],
+        overlap: bool = False,
+        running: int | None = None,
+        models: int = 1,
     ) -> list[int]:
         """Draft lengths (num_draft_tokens) for one round's requests, from each one's acceptance a_i,
         max_draft_tokens and rounds so far.
@@ -355,6 +258,7 @@ class SpeculationController:
         overlap: another group's verification runs while this group drafts (pipelined lanes
         with work in more than one), so a round lasts max(draft, verify), not their sum.
         running: requests running in the router, all lanes (default: this round's).
+        models: the most distinct draft models any one drafter service runs this round.
         """
         if not self.adaptive:
             return list(max_draft_tokens)
@@ -366,7 +270,7 @@ class SpeculationController:
         # for a given D, adding a draft token with gain g pays iff it raises sum E / T.
         for depth in range(1, max(max_draft_tokens, default=0) + 1):
             trial, expected, drafted = [0] * n, float(n), 0
-            drafting = self.cost.draft_ms(depth)
+            drafting = self.cost.draft_ms(depth, models)
 
             def round_ms(drafted: int) -> float:
                 verifying = self.cost.verify_ms(n, n + drafted)

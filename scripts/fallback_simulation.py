@@ -1,4 +1,4 @@
-"""The measured fallback to plain decoding (router/speculation.py `MeasuredGoodput`) on a simulated lane.
+"""The measured fallback to plain decoding (router/measured_goodput.py) on a simulated lane.
 
 One client; a drafting round drafts 4 tokens, each accepted with probability `acceptance` until the first
 rejection, and takes 15 ms (14 where acceptance is lower: shorter drafts stop early); a plain round commits one
@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import random
 
-import router.speculation as speculation
-from router.speculation import CostModel, MeasuredGoodput, SpeculationController
+import router.measured_goodput as measured
+from router.measured_goodput import MeasuredGoodput
+from router.speculation import CostModel, SpeculationController
 
 RULES = {"point estimates, forget 0.75 (before)": (0.0, 0.75), "two standard errors, forget 0.9 (now)": (2.0, 0.9)}
 CASES = [(0.7, 15.0), (0.6, 14.0), (0.5, 14.0), (0.3, 14.0), (0.2, 14.0)]  # (acceptance, drafting round ms)
@@ -24,7 +25,7 @@ PLAIN_MS, CATCH_UP_MS, ROUNDS, SEEDS = 8.0, 5.0, 4000, 5
 
 
 def lane(loses_by_se: float, forget: float, acceptance: float, drafting_ms: float, seed: int) -> tuple[float, float]:
-    speculation.LOSES_BY_SE = loses_by_se
+    measured.LOSES_BY_SE = loses_by_se
     rng = random.Random(seed)
     cost = CostModel(verify_base=5.0, verify_per_token=0.05, draft_per_token=0.3, verify_call=0.0, draft_call=0.0, pinned=True)
     controller = SpeculationController(cost=cost, measured=MeasuredGoodput(forget))
@@ -44,7 +45,7 @@ def lane(loses_by_se: float, forget: float, acceptance: float, drafting_ms: floa
 
 
 def main() -> None:
-    saved = speculation.LOSES_BY_SE
+    saved = measured.LOSES_BY_SE
     print("| acceptance | drafting over plain decoding | " + " | ".join(f"{name}: rounds drafted, tok/ms" for name in RULES) + " |")
     print("|---|---|" + "---|" * len(RULES))
     for acceptance, drafting_ms in CASES:
@@ -55,7 +56,7 @@ def main() -> None:
             share, goodput = (sum(x) / SEEDS for x in zip(*runs))
             cells.append(f"{share:.0%}, {goodput:.4f} ({goodput / max(drafting_goodput, 1 / PLAIN_MS):.2f}x the better way)")
         print(f"| {acceptance} | {drafting_goodput * PLAIN_MS:.2f}x | " + " | ".join(cells) + " |")
-    speculation.LOSES_BY_SE = saved
+    measured.LOSES_BY_SE = saved
 
 
 if __name__ == "__main__":

@@ -60,6 +60,12 @@ class RoutingConfig:
         "prompt while prefilling it) or exemplars (n-gram similarity to the exemplars)",
         check=one_of(DOMAIN_PRIORS),
     )
+    fewer_models: bool = knob(
+        True,
+        "with expertise routing and adaptive speculation, a round moves requests to fewer distinct draft models where the "
+        "cost model says that raises its goodput (each distinct model costs a step at every position); false: every request "
+        "keeps the drafter routing chose",
+    )
     fusion_width: int = knob(1, "cooperating drafters per request at most (1: no fusion)", check=at_least(1))
     fusion_below: float = knob(0.75, "the best drafter's expected acceptance below which it asks for help")
     fusion_depth: int = knob(
