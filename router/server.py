@@ -282,7 +282,8 @@ async def run(
     metrics_sock = listen(host, cfg.router.metrics_port, config_mod.DEFAULT_METRICS_PORTS["router"], "router metrics", "router.metrics_port")
     if metrics_sock is not None:
         scheduler.context.telemetry = RouterTelemetry(scheduler)
-        metrics_server = await metrics.serve(metrics_sock, scheduler.context.telemetry.registry, **sec.metrics_options())
+        labels = {"model_name": config_mod.served_model_name(cfg)}  # as vLLM's metrics, and the name /v1/models serves
+        metrics_server = await metrics.serve(metrics_sock, scheduler.context.telemetry.registry, labels=labels, **sec.metrics_options())
     http = await start_http(cfg, host, front_door, api_key, sec)
 
     on_reload = (lambda: reload(front_door, scheduler, config_path, over_grpc=drafters is None)) if config_path else None
@@ -337,7 +338,7 @@ async def start_http(cfg: config_mod.Config, host: str, front_door: FrontDoor, a
     sock = listen(host, cfg.router.http_port, config_mod.DEFAULT_HTTP_PORT, "HTTP API", "router.http_port")
     if sock is None:
         return None
-    model_name = cfg.router.served_model_name or pathlib.Path(cfg.verifier.model).name
+    model_name = config_mod.served_model_name(cfg)
     app = openai_api.create_app(front_door, model_name, api_key, cfg.router.max_request_bytes)
     started = await openai_api.start(app, sock, **sec.uvicorn_tls())
     address = sock.getsockname()

@@ -1,7 +1,8 @@
 """Prometheus metrics of every service (`prometheus_client`), each on its own /metrics port.
 
 Names follow vLLM's where the meaning is the same (prefix `specfleet:` for
-`vllm:`), so dashboards and autoscalers written for vLLM read specfleet:
+`vllm:`), and the router's series carry `model_name` (the served model's name), so
+dashboards and autoscalers written for vLLM read specfleet:
 
     router    specfleet:num_requests_running, :num_requests_waiting,
               :time_to_first_token_seconds, :inter_token_latency_seconds,
@@ -37,6 +38,7 @@ import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.metrics_core import Metric
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +87,21 @@ async def _read_request(reader: asyncio.StreamReader) -> tuple[str, bytes]:
     raise _BadRequest("431 Request Header Fields Too Large")
 
 
+class Labelled:
+    """A registry's samples, each with the same labels added: vLLM labels every metric with the served model's
+    `model_name`, and dashboards written for vLLM filter on it."""
+
+    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]):
+        self.registry, self.labels = registry, labels
+
+    def collect(self):
+        for family in self.registry.collect():
+            labelled = Metric(family.name, family.documentation, family.type, family.unit)
+            for sample in family.samples:
+                labelled.add_sample(sample.name, {**self.labels, **sample.labels}, sample.value, sample.timestamp, sample.exemplar)
+            yield labelled
+
+
 async def serve(
     sock: socket.socket,
     registry: CollectorRegistry,
@@ -92,12 +109,14 @@ async def serve(
     token: str = "",
     deadline_s: float = REQUEST_DEADLINE_S,
     max_connections: int = MAX_CONNECTIONS,
+    labels: dict[str, str] | None = None,
 ) -> asyncio.Server:
-    """GET /metrics on `sock` (specfleet.ports.listen): the registry's samples.
+    """GET /metrics on `sock` (specfleet.ports.listen): the registry's samples, with `labels` added to each.
 
     ssl_context: serve HTTPS; token: answer 401 unless the request has `Authorization: Bearer token`
     (specfleet.security.Security.metrics_options gives both).
     """
+    exposed = Labelled(registry, labels) if labels else registry
     expected = f"bearer {token}".encode()
     open_connections = 0
 
@@ -131,7 +150,7 @@ async def serve(
             if not authorized:
                 respond(writer, "401 Unauthorized", b"unauthorized: send Authorization: Bearer <the metrics token>\n")
             elif len(parts) >= 2 and parts[0] == "GET" and parts[1].split("?")[0] == "/metrics":
-                body = generate_latest(registry)
+                body = generate_latest(exposed)
                 respond(writer, "200 OK", body, "text/plain; version=0.0.4; charset=utf-8")
             else:
                 respond(writer, "404 Not Found", b"not found: try /metrics\n")

@@ -52,7 +52,7 @@ from specfleet.config.router import (
     SchedulingConfig,
     SpeculationConfig,
 )
-from specfleet.config.runtime import DEMO_MODELS, check_devices, default_config, exemplars_of, replica_ports, resolve_device
+from specfleet.config.runtime import DEMO_MODELS, check_devices, default_config, exemplars_of, replica_ports, resolve_device, served_model_name
 from specfleet.config.services import (
     ATTENTION_MODES,
     DEVICE_PATTERN,
@@ -118,6 +118,7 @@ __all__ = [
     "replica_ports",
     "required",
     "resolve_device",
+    "served_model_name",
     "section",
     "validate",
 ]

@@ -114,3 +114,8 @@ def default_config(work_dir: pathlib.Path) -> Config:
     )
     validate(config)
     return config
+
+
+def served_model_name(cfg) -> str:
+    """The model's name to clients (/v1/models, the metrics' model_name): router.served_model_name, else the target's directory name."""
+    return cfg.router.served_model_name or pathlib.Path(cfg.verifier.model).name

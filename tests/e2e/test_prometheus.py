@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pathlib
 import re
 import shutil
 import subprocess
@@ -108,6 +109,10 @@ def test_prometheus_scrapes_every_service_and_reads_back_tokens_and_latency(mete
 
     tokens = wait_for(prometheus, "specfleet:generation_tokens_total", lambda r: r.get("router") == generated)
     assert tokens == {"router": generated}
+    # Every router series carries the served model's name, as vLLM's do (dashboards written for vLLM filter on it).
+    model_name = pathlib.Path(metered.config["verifier"]["model"]).name
+    assert query(prometheus, f'specfleet:generation_tokens_total{{model_name="{model_name}"}}') == {"router": generated}
+    assert query(prometheus, '{job="router", model_name="", __name__=~"specfleet:.*"}') == {}
     ttft = wait_for(prometheus, "specfleet:time_to_first_token_seconds_count", lambda r: r.get("router") == 4)
     assert ttft == {"router": 4}
     # A latency histogram answers a quantile query: the median end-to-end latency is a time.

@@ -547,3 +547,18 @@ def test_ray_launcher_config_asks_for_resources_the_node_types_declare():
         actors = sum(1 for _, p, _ in services if set(p.resources) & custom)
         assert node_type.get("min_workers", 0) == node_type.get("max_workers", 0) == actors, f"{type_name}: {actors} actor(s)"
     assert launcher["max_workers"] == len(services)
+
+
+def test_the_k8s_steps_create_every_secret_the_pods_mount_before_applying():
+    """A pod that mounts a Secret which does not exist waits forever: deploy/README.md's k8s steps create each one the
+    manifests mount (not marked optional) before the first `kubectl apply -k deploy/k8s/...`."""
+    mounted = set()
+    for path in sorted((DEPLOY / "k8s").rglob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            text = json.dumps(doc)
+            mounted |= set(re.findall(r'"secretName": "([^"]+)"', text))
+    assert "specfleet-internal-token" in mounted
+    readme = (DEPLOY / "README.md").read_text()
+    applied = readme.index("kubectl apply -k deploy/k8s")
+    created = set(re.findall(r"kubectl create secret generic (\S+)", readme[:applied]))
+    assert mounted <= created, f"created after `kubectl apply`, or never: {sorted(mounted - created)}"
