@@ -11,6 +11,7 @@ import contextlib
 import os
 import pathlib
 import signal
+import re
 import time
 import urllib.request
 
@@ -87,9 +88,20 @@ def wait_released(cluster, session_id: str, timeout_s: float = 30.0) -> dict[str
         time.sleep(0.2)
 
 
+def without_model_name(text: str) -> str:
+    """Prometheus text with the router's `model_name` label (on every series, tests/e2e/test_prometheus.py) left out,
+    so that tests name a sample by its own labels."""
+
+    def labels(match: re.Match) -> str:
+        kept = [f'{name}="{value}"' for name, value in re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', match.group(1)) if name != "model_name"]
+        return "{" + ",".join(kept) + "}" if kept else ""
+
+    return "\n".join(line if line.startswith("#") else re.sub(r"\{([^}]*)\}", labels, line) for line in text.split("\n"))
+
+
 def metrics(port: int) -> dict[str, float]:
-    """The router's Prometheus text as {sample name with labels: value}."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    """The router's Prometheus text as {sample name with labels (but model_name): value}."""
+    text = without_model_name(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode())
     samples = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):

@@ -198,6 +198,8 @@ def test_config_reload_and_metrics(random_family, tmp_path):
 
     import yaml
 
+    from tests.operations import without_model_name
+
     from tests.harness import free_port
 
     config = multi_drafter_config(random_family, routing_policy="fixed", default_drafter="drafter-random", metrics_port=free_port())
@@ -224,7 +226,9 @@ def test_config_reload_and_metrics(random_family, tmp_path):
                 stub.Generate(greedy_request(PROMPTS[0], 4, 5), timeout=120)
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "speculation.max_draft_tokens: must be between 0 and 4, got 5" in refused.value.details()
-        metrics = urllib.request.urlopen(f"http://127.0.0.1:{config['router']['metrics_port']}/metrics", timeout=10).read().decode()
+        metrics = without_model_name(
+            urllib.request.urlopen(f"http://127.0.0.1:{config['router']['metrics_port']}/metrics", timeout=10).read().decode()
+        )
     finally:
         cluster.stop()
     assert "reloaded" in cluster.log_path.read_text()

@@ -23,7 +23,7 @@ from specfleet.tokenizer import load_tokenizer
 from specfleet.v1 import generation_pb2_grpc
 from tests.harness import Cluster, cluster_config, free_port
 from tests.helpers import greedy_request, target_greedy, target_logprobs
-from tests.operations import host_pid, service_pid
+from tests.operations import host_pid, service_pid, without_model_name
 
 API_KEY = "test-key-123"
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
@@ -349,7 +349,7 @@ def test_only_the_router_has_the_api_key_in_its_environment(api):
 
 
 def _metric(url: str, name: str) -> float:
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    text = without_model_name(urllib.request.urlopen(url, timeout=10).read().decode())
     match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
     assert match, f"{name} not in {url}"
     return float(match.group(1))
