@@ -1,6 +1,6 @@
 """Expertise routing: which drafters draft for a request.
 
-Three parts, read top to bottom (kept in one file, a little over 400 lines, because each reads the one
+Three parts, read top to bottom (kept in one file, about 450 lines, because each reads the one
 before it):
 
 1. The prior: a new request's domain. Each drafter declares specialities
@@ -129,8 +129,8 @@ class ExpertiseStore:
         with self._lock:
             return {k: Evidence(v.accepted, v.rejected) for k, v in self._local.items()}
 
-    def sync(self) -> None:
-        """Exchange state with other routers; nothing to do in process."""
+    def sync(self, pairs: list[tuple[str, str]]) -> None:
+        """Exchange the evidence of these (domain, drafter) pairs with other routers; nothing to do in process."""
 
     @property
     def backend(self) -> str:
@@ -204,6 +204,11 @@ def redacted(url: str) -> str:
     return f"{scheme}://{user}{':***' if colon else ''}@{host}"
 
 
+# The shared hash expires this long after the last update any router pushed: a fleet idle for a week starts afresh,
+# and a hash nobody uses does not stay in Redis for ever.
+EXPERTISE_TTL_S = 7 * 24 * 3600
+
+
 class RedisExpertiseStore(ExpertiseStore):
     """The same counts, shared through one Redis hash.
 
@@ -250,14 +255,19 @@ class RedisExpertiseStore(ExpertiseStore):
         with self._lock:
             self._pending.append((domain, drafter, accepted, rejected))
 
-    def sync(self) -> None:
+    def sync(self, pairs: list[tuple[str, str]]) -> None:
+        """Push what this router learned, then pull the evidence of `pairs` only: whatever else the hash holds (other
+        routers' domains, or anything written into it) costs this router neither memory nor time."""
         with self._lock:
             pending, self._pending = self._pending, []
+        names = [f"{domain}\x1f{drafter}".encode() for domain, drafter in pairs]
         try:
             # Updates from one round apply one decay each, as they would locally.
             for domain, drafter, accepted, rejected in pending:
                 self._script(keys=[self.key], args=[self.decay, f"{domain}\x1f{drafter}", accepted, rejected])
-            shared = self._client.hgetall(self.key)
+            if pending:
+                self._client.expire(self.key, EXPERTISE_TTL_S)
+            shared = dict(zip(names, self._client.hmget(self.key, names))) if names else {}
         except Exception as err:
             with self._lock:
                 self._pending = pending + self._pending
@@ -270,6 +280,8 @@ class RedisExpertiseStore(ExpertiseStore):
             self._down_since = None
         with self._lock:
             for name, value in shared.items():
+                if value is None:
+                    continue  # nobody has learned it yet
                 parsed = _parse_evidence(name, value)
                 if parsed is None:
                     if name not in self._warned:
@@ -285,6 +297,10 @@ class RedisExpertiseStore(ExpertiseStore):
 
 
 # --- 3. the policy -----------------------------------------------------------------------------------------------
+
+
+# Domains requests may name beyond the drafters' specialities (`DrafterRouter.admits`).
+MAX_EXTRA_DOMAINS = 64
 
 
 @dataclass
@@ -342,14 +358,33 @@ class DrafterRouter:
         self.config = config  # the router's routing section, replaced whole on reload
         self.tuning = tuning or RoutingTuning()
         self.drafters = {d.name: d for d in drafters}
+        self.domains = {domain for d in drafters for domain in d.specialities}
+        self.extra_domains: set[str] = set()  # named by requests (`admits`), at most MAX_EXTRA_DOMAINS
         self.classifier = classifier
         self.store = store
         self.rng = random.Random(seed)
         # (domain, drafter) -> rounds in which the drafter led (was chosen first).
         self.led: collections.Counter[tuple[str, str]] = collections.Counter()
 
+    def admits(self, domain: str) -> bool:
+        """Whether a request may name this domain (GenerateRequest.domain): a drafter's speciality, or one of the
+        first MAX_EXTRA_DOMAINS others named. Each domain is a label on the router's metrics and a field per drafter
+        in the shared Redis hash, so clients must not add them without bound; past the budget a request's domain
+        comes from its prompt, as if it named none."""
+        if domain in self.domains or domain in self.extra_domains:
+            return True
+        if len(self.extra_domains) >= MAX_EXTRA_DOMAINS:
+            return False
+        self.extra_domains.add(domain)
+        return True
+
+    def pairs(self) -> list[tuple[str, str]]:
+        """Every (domain, drafter) whose evidence the router uses: what it shares with other routers. The domain ""
+        is that of requests nothing classifies (drafters without specialities)."""
+        return [(domain, drafter) for domain in sorted(self.domains | self.extra_domains | {""}) for drafter in self.drafters]
+
     def start(self, prompt: str, domain_hint: str = "") -> RequestRouting:
-        hint = domain_hint if self.config.use_domain_hint else ""
+        hint = domain_hint if self.config.use_domain_hint and domain_hint and self.admits(domain_hint) else ""
         if hint:
             return RequestRouting(domain=hint)
         if self.config.routing_policy == "expertise" and self.config.domain_prior == "likelihood" and self.scorers():

@@ -151,7 +151,8 @@ class Scheduler:
         while True:
             await asyncio.sleep(0.25)
             try:
-                await asyncio.to_thread(self.context.router.store.sync)
+                router = self.context.router
+                await asyncio.to_thread(router.store.sync, router.pairs())
             except Exception:
                 log.exception("routing state sync failed")
 

@@ -369,7 +369,7 @@ def redis_server(args: list[str], **client_options):
 def check_shared(store, client) -> None:
     """What the router learns reaches Redis through this store."""
     store.add("code", "drafter-copy", 5.0, 1.0)
-    store.sync()
+    store.sync([("code", "drafter-copy")])
     assert store.backend == "redis"
     assert client.hgetall("specfleet:expertise") == {b"code\x1fdrafter-copy": b"5.000000,1.000000"}
 

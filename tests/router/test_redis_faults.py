@@ -9,7 +9,7 @@ import threading
 import pytest
 import redis
 
-from router.routing import RedisExpertiseStore
+from router.routing import EXPERTISE_TTL_S, RedisExpertiseStore
 from tests.harness import free_port
 from tests.e2e.test_redis import RedisServer
 from tests.router.test_routing import make_router
@@ -33,7 +33,8 @@ def test_bad_values_in_redis_are_ignored_and_routing_keeps_answering(redis_url):
     client.hset("specfleet:expertise", "code\x1fgood", b"4.0,1.0")
     client.hset("specfleet:expertise", b"\xff\xfe-not-utf8", b"1,1")
     store = RedisExpertiseStore(redis_url, decay=0.98)
-    store.sync()
+    pairs = [("code", "good"), *((("code", f"d{i}") for i in range(len(POISON))))]
+    store.sync(pairs)
     snapshot = store.snapshot()
     assert set(snapshot) == {("code", "good")}
     assert (snapshot[("code", "good")].accepted, snapshot[("code", "good")].rejected) == (4.0, 1.0)
@@ -41,7 +42,7 @@ def test_bad_values_in_redis_are_ignored_and_routing_keeps_answering(redis_url):
     # Updates to a poisoned field start it afresh instead of failing the script (and every later push).
     store.add("code", "d0", 2.0, 1.0)
     store.add("code", "good", 1.0, 0.0)
-    store.sync()
+    store.sync(pairs)
     assert store.backend == "redis"
     fresh = client.hget("specfleet:expertise", "code\x1fd0").decode().split(",")
     assert [float(x) for x in fresh] == [2.0, 1.0]
@@ -51,7 +52,7 @@ def test_bad_values_in_redis_are_ignored_and_routing_keeps_answering(redis_url):
     router = make_router()
     router.store = store
     client.hset("specfleet:expertise", "code\x1fcode", b"nan,nan")
-    store.sync()
+    store.sync(router.pairs())
     routing = router.start("def f(x):\n    return x\n", "code")
     chosen: list = []
     worker = threading.Thread(target=lambda: chosen.extend(router.choose(routing) for _ in range(100)), daemon=True)
@@ -61,3 +62,20 @@ def test_bad_values_in_redis_are_ignored_and_routing_keeps_answering(redis_url):
     assert len(chosen) == 100
     a, r = router.posterior(routing, "code")
     assert math.isfinite(a) and math.isfinite(r)
+
+
+def test_junk_in_the_shared_hash_costs_the_router_nothing_and_the_hash_expires(redis_url):
+    """200,000 fields of domains no drafter declares and no request named: the router reads only the pairs it routes
+    by, so its state stays what it learned; the hash expires a week after the last update, so it is not kept for ever."""
+    client = redis.Redis.from_url(redis_url)
+    with client.pipeline(transaction=False) as pipe:
+        for start in range(0, 200_000, 10_000):
+            pipe.hset("specfleet:expertise", mapping={f"probe-{i}\x1fcode": "1.0,1.0" for i in range(start, start + 10_000)})
+        pipe.execute()
+    router = make_router()
+    router.store = store = RedisExpertiseStore(redis_url, decay=0.98)
+    store.add("code", "code", 3.0, 1.0)
+    store.sync(router.pairs())
+    assert set(store.snapshot()) == {("code", "code")}
+    assert len(router.pairs()) == (len(router.domains) + 1) * len(router.drafters)
+    assert 0 < client.ttl("specfleet:expertise") <= EXPERTISE_TTL_S

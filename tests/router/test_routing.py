@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from router.routing import DomainClassifier, DrafterProfile, DrafterRouter, ExpertiseStore
+from router.routing import MAX_EXTRA_DOMAINS, DomainClassifier, DrafterProfile, DrafterRouter, ExpertiseStore
 from specfleet.config import RoutingConfig
 from router.speculation import CostModel, SpeculationController
 
@@ -229,3 +229,14 @@ def test_a_call_overhead_makes_drafting_deeper_not_shallower():
     cheap_calls = SpeculationController(cost=CostModel(**cost, verify_call=0.0, draft_call=0.0)).plan([0.75], [8], [0])
     costly_calls = SpeculationController(cost=CostModel(**cost, verify_call=3.0, draft_call=3.0)).plan([0.75], [8], [0])
     assert costly_calls[0] > cheap_calls[0] >= 1
+
+
+def test_the_domains_requests_may_name_are_bounded():
+    """Each domain is a metrics label and a Redis field per drafter: past MAX_EXTRA_DOMAINS new names, a request's domain
+    comes from its prompt, as if it named none; the drafters' specialities and names already admitted always count."""
+    router = make_router()
+    named = [router.start("some text", f"probe-{i}").domain for i in range(MAX_EXTRA_DOMAINS + 10)]
+    assert named[:MAX_EXTRA_DOMAINS] == [f"probe-{i}" for i in range(MAX_EXTRA_DOMAINS)]
+    assert not any(domain.startswith("probe-") for domain in named[MAX_EXTRA_DOMAINS:])
+    assert router.start("some text", "probe-3").domain == "probe-3" and router.start("x", "code").domain == "code"
+    assert len(router.pairs()) == (len(router.domains) + MAX_EXTRA_DOMAINS + 1) * len(router.drafters)
