@@ -28,6 +28,7 @@ are released; what was streamed stays delivered.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -43,6 +44,13 @@ from router.verifiers import VerifierPool
 from router.verifying import Verifying
 
 log = logging.getLogger(__name__)
+
+# A failed release (a server stalled, restarting or unreachable) is retried for this long, backing off from the first
+# delay to the largest: a server that stalls for 20 s would otherwise hold the requests' sessions, and their KV,
+# until it needs the room.
+RELEASE_RETRY_S = 300.0
+RELEASE_FIRST_RETRY_S = 1.0
+RELEASE_MAX_BACKOFF_S = 30.0
 
 
 class Overloaded(Exception):
@@ -63,6 +71,7 @@ class Scheduler:
         self.drafting = Drafting(self.context, self._in_background)
         self.verifying = Verifying(self.context, verifiers)
         self._background: set[asyncio.Task] = set()
+        self._stopping = asyncio.Event()  # set by stop(): background releases stop retrying
         self._waiting: list[RequestState] = []
         self._lanes: list[list[RequestState]] = [[] for _ in range(max(1, config.pipeline_depth))]
         self._kinds = LaneKinds(len(self._lanes))
@@ -86,6 +95,7 @@ class Scheduler:
         self._tasks.append(asyncio.create_task(self.verifiers.watch(), name="verifier-health"))
 
     async def stop(self) -> None:
+        self._stopping.set()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -240,7 +250,22 @@ class Scheduler:
         replicas = {r for s in finished for r in s.verifier_replicas}
         # Every replica of a used service: a request may have moved, and a replica that only stalled keeps its sessions.
         drafting = {t.name: t for service in services.values() for t in service.replicas}
-        calls = [self.verifiers.replicas[r].release(ids) for r in replicas] + [t.release(ids) for t in drafting.values()]
-        for result in await asyncio.gather(*calls, return_exceptions=True):
-            if isinstance(result, Exception):
-                log.debug("release failed: %s", result)
+        pending = {f"verifier {r}": self.verifiers.replicas[r] for r in replicas} | {f"drafter service {n}": t for n, t in drafting.items()}
+        delay, started = RELEASE_FIRST_RETRY_S, time.monotonic()
+        while pending:
+            names = list(pending)
+            results = await asyncio.gather(*(pending[name].release(ids) for name in names), return_exceptions=True)
+            failed = {name: pending[name] for name, result in zip(names, results) if isinstance(result, Exception)}
+            if not failed:
+                if delay > RELEASE_FIRST_RETRY_S:
+                    log.info("released %d sessions after %.0fs of retries", len(ids), time.monotonic() - started)
+                return
+            errors = "; ".join(f"{name}: {result}" for name, result in zip(names, results) if isinstance(result, Exception))
+            if self._stopping.is_set() or time.monotonic() - started + delay > RELEASE_RETRY_S:
+                log.warning("giving up releasing %d sessions (%s); each server evicts them when it needs the room", len(ids), errors)
+                return
+            if delay == RELEASE_FIRST_RETRY_S:
+                log.warning("releasing %d sessions failed (%s); retrying for up to %.0fs", len(ids), errors, RELEASE_RETRY_S)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), delay)  # a stopping router tries once more, then gives up
+            delay, pending = min(RELEASE_MAX_BACKOFF_S, 2 * delay), failed

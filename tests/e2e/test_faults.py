@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 from router.breaker import Breaker
 from router.drafters import DrafterService
@@ -158,3 +159,29 @@ def test_pipelining_needs_a_drafter_that_can_run_beside_the_verifier():
     service.placement = info(host="other")
     assert pipeline_depth(0, one_core, {"general": service}, router) == 2
     assert pipeline_depth(0, one_core, {}, router) == 2
+
+
+def test_sessions_are_released_once_a_stalled_drafter_answers_again(random_family, tmp_path):
+    """A request ends while its drafter service is stopped (SIGSTOP) for longer than a release call's 10 s deadline:
+    the router retries the release, so once the service answers again it holds none of the request's sessions,
+    instead of keeping them (and their KV) until it needs the room."""
+    from tests.operations import held_sessions, paused, session_of, wait_released
+
+    config = cluster_config(random_family, drafter_service={"colocate": False})  # a process of its own, to stop
+    config["router"].update({"adaptive_speculation": False})
+    cluster = Cluster(config, tmp_path, "stalled-release").start()
+    try:
+        request = greedy_request(PROMPTS[2], 900, 2, request_id="stalled-release", stop_at_eos=False)
+        with cluster.channel() as channel:
+            stream = generation_pb2_grpc.GenerationStub(channel).GenerateStream(request, timeout=120)
+            next(stream)
+            session_id = session_of(cluster, request.request_id)
+            assert session_id in held_sessions(cluster)["drafter"]  # it drafted: the drafter holds its session
+            with paused(service_pid(cluster, "drafter")):
+                stream.cancel()  # the request ends; its release to the stopped drafter times out
+                time.sleep(15.0)  # a release call's deadline is 10 s
+        held = wait_released(cluster, session_id, timeout_s=30.0)
+    finally:
+        cluster.stop()
+    assert session_id not in held["drafter"], held
+    assert "releasing 1 sessions failed" in cluster.log_path.read_text()
