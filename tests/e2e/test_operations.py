@@ -169,7 +169,9 @@ def test_a_cancelled_request_stops_and_counts_as_cancelled(ops, stub):
     held = wait_released(ops, session_id)
     assert session_id not in held["verifier"] | held["drafter"], held
     after = metrics(_port(ops))
-    assert after["specfleet:rounds_total"] - rounds <= 1
+    # At most two rounds end after the verifier stopped: one whose verify reply was already on its way to the router,
+    # and the one in flight when the router saw the cancellation. A request that kept running would make hundreds.
+    assert after["specfleet:rounds_total"] - rounds <= 2
     assert after["specfleet:request_cancelled_total"] - before.get("specfleet:request_cancelled_total", 0) == 1
     finished = lambda sample: sum(v for k, v in sample.items() if k.startswith("specfleet:request_success_total{"))  # noqa: E731
     assert finished(after) == finished(before)
