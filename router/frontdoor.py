@@ -63,6 +63,10 @@ _FAILURES = {
 }
 
 
+# Each kind's gRPC status name: the label of specfleet:request_failure_total, whichever transport the request came by.
+_STATUS_NAMES = {kind: name for name, kind in _FAILURES.items()} | {ErrorKind.SHUTTING_DOWN: "UNAVAILABLE", ErrorKind.INTERNAL: "INTERNAL"}
+
+
 def _float32(x: float) -> float:
     """x as the float32 the verifier and drafters are sent (an overflow is infinite): what the router checks is what they get."""
     try:
@@ -283,15 +287,21 @@ class FrontDoor:
         deadline: time.monotonic() by which the client wants the answer (DEADLINE_EXCEEDED after it);
         via: the transport, for the log. Tokenizing a long prompt takes a while, so it never runs on
         the event loop, which serves every other client (one worker: the tokenizer is shared)."""
-        self.check_open()
-        spec, prompt_text = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._validate, params)
-        state = RequestState(
-            spec=spec, tokenizer=self.tokenizer, eos_token_id=self.eos_token_id, max_context=self.limits.max_context, deadline=deadline
-        )
         try:
-            self.scheduler.submit(state, prompt_text, spec.domain)
-        except Overloaded as err:
-            raise GenerationError(ErrorKind.OVERLOADED, str(err)) from None
+            self.check_open()
+            spec, prompt_text = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._validate, params)
+            state = RequestState(
+                spec=spec, tokenizer=self.tokenizer, eos_token_id=self.eos_token_id, max_context=self.limits.max_context, deadline=deadline
+            )
+            try:
+                self.scheduler.submit(state, prompt_text, spec.domain)
+            except Overloaded as err:
+                raise GenerationError(ErrorKind.OVERLOADED, str(err)) from None
+        except GenerationError as err:
+            telemetry = self.scheduler.context.telemetry
+            if telemetry is not None:  # refused before it ran: a failure the metrics count too, by its gRPC status
+                telemetry.failed.labels(code=_STATUS_NAMES[err.kind]).inc()
+            raise
         log.info(
             "request %s (session %s, %s): %d prompt tokens, max_tokens %d, temperature %g, domain %s, max_draft_tokens %d",
             spec.request_id,

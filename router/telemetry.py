@@ -39,7 +39,7 @@ class RouterTelemetry:
         )
         self.e2e = Histogram("specfleet:e2e_request_latency_seconds", "Time from admission to the last token.", buckets=E2E_BUCKETS, registry=r)
         self.success = Counter("specfleet:request_success", "Requests finished, by reason (eos, length, stop).", ["finished_reason"], registry=r)
-        self.failed = Counter("specfleet:request_failure", "Requests that ended with an error, by gRPC status.", ["code"], registry=r)
+        self.failed = Counter("specfleet:request_failure", "Requests refused or ended with an error, by gRPC status.", ["code"], registry=r)
         self.cancelled = Counter("specfleet:request_cancelled", "Requests whose client went away before the end.", registry=r)
         self.prompt_tokens = Counter("specfleet:prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter("specfleet:generation_tokens", "Output tokens streamed.", registry=r)

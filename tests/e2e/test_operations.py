@@ -228,3 +228,14 @@ def test_bad_config_on_sighup_is_refused_and_the_old_one_kept(ops, stub):
     finally:
         ops.config_path.write_text(original)
     assert "reloaded" not in ops.log_path.read_text()
+
+
+def test_refused_requests_count_as_failures_by_status(ops, stub):
+    """A request the router refuses before running it (here: max_tokens 0) is a failure in the metrics, under its
+    gRPC status, as much as one that fails later."""
+    name = 'specfleet:request_failure_total{code="INVALID_ARGUMENT"}'
+    before = metrics(_port(ops)).get(name, 0.0)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Generate(greedy_request(PROMPTS[0], 0, 2), timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert metrics(_port(ops)).get(name, 0.0) - before == 1
