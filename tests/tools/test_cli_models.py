@@ -15,6 +15,7 @@ def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 def test_each_models_action_prints_its_own_help():
     build = run("models", "build", "--help")
     assert build.returncode == 0 and "usage: specfleet models build" in build.stdout and "--quick" in build.stdout
+    assert "training-time budget for the target (default: 0)" in " ".join(build.stdout.split())  # defaults are shown
     matrix = run("models", "matrix", "--help")
     assert matrix.returncode == 0 and "usage: specfleet models matrix" in matrix.stdout and "--models" in matrix.stdout
     parent = run("models", "--help")
@@ -30,3 +31,10 @@ def test_a_quick_build_refuses_to_replace_the_bundled_demo_models(tmp_path):
     assert result.returncode == 2
     assert "--overwrite-demo" in result.stderr and "--out" in result.stderr
     assert (target.stat().st_mtime_ns if target.exists() else None) == before
+
+
+def test_the_bench_lists_every_command_it_has():
+    bench = run("bench", "--help")
+    assert bench.returncode == 0 and "{run,compare,single-stream,engine,workload,vllm-setup,docs}" in bench.stdout
+    engine = run("bench", "engine", "--help")
+    assert engine.returncode == 0 and "usage: specfleet bench engine" in engine.stdout

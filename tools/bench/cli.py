@@ -245,7 +245,7 @@ def add_run_options(p: argparse.ArgumentParser, preset: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specfleet bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", metavar="{run,compare,single-stream,workload,vllm-setup,docs}")
+    sub = parser.add_subparsers(dest="command", metavar="{run,compare,single-stream,engine,workload,vllm-setup,docs}")
     for name, help_text in (
         ("run", "any systems x any load points"),
         ("compare", "preset: the side-by-side table on the mixed workload"),
@@ -253,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         sp = sub.add_parser(name, help=help_text, description=help_text)
         add_run_options(sp, name)
+    # `engine` has a parser of its own (tools/bench/engine.py); main() hands it the arguments before this one parses.
+    sub.add_parser("engine", help="one forward pass for given shapes (specfleet bench engine --help)", add_help=False)
     wp = sub.add_parser("workload", help="build the committed prompt files, or show/save a workload")
     wp.add_argument("action", choices=["build", "show"])
     wp.add_argument("--corpus", default=str(REPO / ".cache" / "demo_models" / "corpus"), help="demo corpora (for build)")

@@ -191,8 +191,12 @@ def token_maps(streams: dict, size: int, companion_share: float = 0.0) -> dict[s
     return maps
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Each option's default in --help, the description as written."""
+
+
 def build_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="specfleet models build", description=__doc__)
+    ap = argparse.ArgumentParser(prog="specfleet models build", description=__doc__, formatter_class=_HelpFormatter)
     ap.add_argument("--out", default="models/demo", help="where the final models go")
     ap.add_argument("--work", default=".cache/demo_models", help="work dir (corpora, checkpoints)")
     ap.add_argument("--quick", action="store_true", help="tiny models and corpora, stdlib only, no network")
