@@ -101,6 +101,11 @@ def _depths(members: int, k: int, fusion_depth: int) -> list[int]:
     return [k if i == 0 or fusion_depth == 0 else min(fusion_depth, k) for i in range(members)]
 
 
+def _drafting_models(sessions: list[messages.DraftSession]) -> int:
+    """The distinct draft models a call drafts with (a session that only scores its prompt runs no draft step)."""
+    return len({s.model for s in sessions if s.num_draft_tokens > 0})
+
+
 def most_models(chosen: list[list[str]], services: dict) -> int:
     """The most distinct draft models any one drafter service runs for these requests' drafters."""
     per_service: dict[int, set[str]] = collections.defaultdict(set)
@@ -166,10 +171,11 @@ class Drafting:
             drafters = router.choose(state.routing) if bound > 0 and not state.routing.needs_scores else []
             chosen.append(drafters)
             bounds.append(bound if drafters else 0)
-        means = [{d: router.mean(s.routing, d) for d in router.drafters} if drafters else {} for s, drafters in zip(batch, chosen)]
         if controller.adaptive and router.config.routing_policy == "expertise" and router.config.fewer_models:
+            # Every drafter's expected acceptance for every request: only consolidating needs more than the lead's.
+            means = [{d: router.mean(s.routing, d) for d in router.drafters} if drafters else {} for s, drafters in zip(batch, chosen)]
             chosen = consolidate(chosen, means, bounds, services, controller.cost)
-        acceptance = [means[i][drafters[0]] if drafters else 0.0 for i, drafters in enumerate(chosen)]
+        acceptance = [router.mean(s.routing, drafters[0]) if drafters else 0.0 for s, drafters in zip(batch, chosen)]
         models = most_models(chosen, services)
         ks = controller.plan(acceptance, bounds, [s.rounds for s in batch], overlap, running, models)
         fusion_depth = self.context.router.config.fusion_depth
@@ -283,7 +289,7 @@ class Drafting:
         if depth > 0:
             # A call that only scores prompts (depth 0) runs beside a round's verification and costs what prefill
             # costs: the cost model plans drafting, so it learns from draft calls alone.
-            cost.observe_draft(depth, reply.compute_ms, len({s.model for s in sessions if s.num_draft_tokens > 0}))
+            cost.observe_draft(depth, reply.compute_ms, _drafting_models(sessions))
             cost.observe_calls(draft_overhead_ms=wall - reply.compute_ms)
         out = []
         for entry, drafted in zip(part, reply.sessions):
@@ -306,8 +312,7 @@ class Drafting:
         drafter holds a round (and every request in it) for a moment, not for rpc_timeout_s. What a call
         prefills (a new prompt, a context to score or catch up) is not modelled: its new tokens add a
         second per PREFILL_TOKENS_PER_S."""
-        models = len({s.model for s in sessions if s.num_draft_tokens > 0})
-        expected_ms = self.context.controller.cost.draft_ms(max(s.num_draft_tokens for s in sessions), models)
+        expected_ms = self.context.controller.cost.draft_ms(max(s.num_draft_tokens for s in sessions), _drafting_models(sessions))
         deadline = max(DRAFT_DEADLINE_FLOOR_S, DRAFT_DEADLINE_FACTOR * expected_ms / 1e3)
         deadline += sum(len(s.sync.new_token_ids) for s in sessions) / PREFILL_TOKENS_PER_S
         return min(self.context.config.settings.rpc_timeout_s, deadline)

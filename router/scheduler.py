@@ -255,12 +255,12 @@ class Scheduler:
         while pending:
             names = list(pending)
             results = await asyncio.gather(*(pending[name].release(ids) for name in names), return_exceptions=True)
-            failed = {name: pending[name] for name, result in zip(names, results) if isinstance(result, Exception)}
+            failed = {name: result for name, result in zip(names, results) if isinstance(result, Exception)}
             if not failed:
                 if delay > RELEASE_FIRST_RETRY_S:
                     log.info("released %d sessions after %.0fs of retries", len(ids), time.monotonic() - started)
                 return
-            errors = "; ".join(f"{name}: {result}" for name, result in zip(names, results) if isinstance(result, Exception))
+            errors = "; ".join(f"{name}: {error}" for name, error in failed.items())
             if self._stopping.is_set() or time.monotonic() - started + delay > RELEASE_RETRY_S:
                 log.warning("giving up releasing %d sessions (%s); each server evicts them when it needs the room", len(ids), errors)
                 return
@@ -268,4 +268,4 @@ class Scheduler:
                 log.warning("releasing %d sessions failed (%s); retrying for up to %.0fs", len(ids), errors, RELEASE_RETRY_S)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), delay)  # a stopping router tries once more, then gives up
-            delay, pending = min(RELEASE_MAX_BACKOFF_S, 2 * delay), failed
+            delay, pending = min(RELEASE_MAX_BACKOFF_S, 2 * delay), {name: pending[name] for name in failed}

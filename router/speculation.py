@@ -158,10 +158,10 @@ class CostModel:
         """One draft call `depth` tokens deep with `models` distinct draft models (none when nothing is drafted)."""
         return self.draft_call + self.draft_base + self.draft_per_token * depth * max(1, models) if depth > 0 else 0.0
 
-    def round_ms(self, ks: list[int], models: int = 1) -> float:
+    def round_ms(self, ks: list[int]) -> float:
         if not ks:
             return 0.0
-        return self.verify_ms(len(ks), sum(k + 1 for k in ks)) + self.draft_ms(max(ks), models)
+        return self.verify_ms(len(ks), sum(k + 1 for k in ks)) + self.draft_ms(max(ks))
 
     def observe_calls(self, draft_overhead_ms: float | None = None, verify_overhead_ms: float | None = None) -> None:
         """What a call cost beyond the server's compute (wall minus compute), as moving averages."""
