@@ -292,11 +292,14 @@ class Drafting:
             cost.observe_draft(depth, reply.compute_ms, _drafting_models(sessions))
             cost.observe_calls(draft_overhead_ms=wall - reply.compute_ms)
         out = []
+        # The call's time counts once for each request it served, however many of its sessions (specialists
+        # scoring a prompt, drafters in lockstep) the request had in it.
+        for state in {id(entry.call.state): entry.call.state for entry in part}.values():
+            state.timing_ms["draft_wall"] += wall
+            state.timing_ms["draft_compute"] += reply.compute_ms
+            state.timing_ms["draft_queue"] += reply.queue_ms
         for entry, drafted in zip(part, reply.sessions):
             call = entry.call
-            call.state.timing_ms["draft_wall"] += wall
-            call.state.timing_ms["draft_compute"] += reply.compute_ms
-            call.state.timing_ms["draft_queue"] += reply.queue_ms
             mirror = call.state.drafter_mirrors[call.drafter]
             if not drafted.known:
                 metrics.session_misses += 1

@@ -76,6 +76,13 @@ def test_fusion_depth_limits_siblings_and_stays_lossless(random_family, tmp_path
                 spec = reply.speculation
                 assert 4 * (spec.rounds - 1) < spec.draft_tokens <= (4 + 2) * spec.rounds, prompt
                 assert {d.drafter for d in spec.drafters} == set(DRAFTERS)
+            # A request alone counts each draft call that served it once, though it has two sessions in the first
+            # service's calls: its draft time is what the router's metrics saw every draft call take meanwhile.
+            draft_compute = 'specfleet:round_phase_seconds_sum{phase="draft_compute"}'
+            before = metrics(config["router"]["metrics_port"])[draft_compute]
+            alone = stub.Generate(greedy_request(PROMPTS[6], MAX_TOKENS, 4), timeout=300)
+            calls_ms = 1e3 * (metrics(config["router"]["metrics_port"])[draft_compute] - before)
+            assert calls_ms > 0 and alone.speculation.draft_compute_ms <= calls_ms * (1 + 1e-4) + 1e-3, (alone.speculation, calls_ms)
         assert metrics(config["router"]["metrics_port"])["specfleet:session_misses_total"] == 0
     finally:
         cluster.stop()
