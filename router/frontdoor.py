@@ -281,6 +281,13 @@ class FrontDoor:
         spec = validate(params, self.tokenizer, self.limits)
         return spec, params.prompt or self.tokenizer.decode(spec.prompt_ids)
 
+    def refused(self, code: str) -> None:
+        """A request refused before it ran: a failure the metrics count too, under its gRPC status name (a transport's
+        own refusals, such as HTTP's unknown model, count here as the front door's do)."""
+        telemetry = self.scheduler.context.telemetry
+        if telemetry is not None:
+            telemetry.failed.labels(code=code).inc()
+
     async def submit(self, params: GenerationParams, deadline: float | None = None, via: str = "") -> Generation:
         """Validate `params` and queue the request; raises GenerationError (INVALID_ARGUMENT, OVERLOADED, SHUTTING_DOWN).
 
@@ -298,9 +305,7 @@ class FrontDoor:
             except Overloaded as err:
                 raise GenerationError(ErrorKind.OVERLOADED, str(err)) from None
         except GenerationError as err:
-            telemetry = self.scheduler.context.telemetry
-            if telemetry is not None:  # refused before it ran: a failure the metrics count too, by its gRPC status
-                telemetry.failed.labels(code=_STATUS_NAMES[err.kind]).inc()
+            self.refused(_STATUS_NAMES[err.kind])
             raise
         log.info(
             "request %s (session %s, %s): %d prompt tokens, max_tokens %d, temperature %g, domain %s, max_draft_tokens %d",

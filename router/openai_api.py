@@ -73,6 +73,15 @@ class OpenAIServer:
         self.model_name = model_name
         self.created = int(time.time())
 
+    @contextlib.contextmanager
+    def _refusals(self):
+        """What HTTP refuses before a request reaches the front door counts as a failure, as the front door's refusals do."""
+        try:
+            yield
+        except ApiError as err:
+            self.front_door.refused(GRPC_STATUS_NAMES.get(err.status, "INTERNAL"))
+            raise
+
     def _check(self, body: Sampling) -> None:
         """Open, fields specfleet implements, the model it serves: in that order."""
         try:
@@ -115,9 +124,11 @@ class OpenAIServer:
         }
 
     async def completions(self, body: CompletionRequest, request: Request):
-        self._check(body)
-        prompts, n = completion_prompts(body), body.n
-        generations = await self._submit([params_of(body, body.max_tokens, p, i * n + c, c) for i, p in enumerate(prompts) for c in range(n)])
+        with self._refusals():
+            self._check(body)
+            prompts, n = completion_prompts(body), body.n
+            params = [params_of(body, body.max_tokens, p, i * n + c, c) for i, p in enumerate(prompts) for c in range(n)]
+        generations = await self._submit(params)
         name = self._name(body)
         offsets = [0] * len(generations)  # text_offset of each choice's next streamed token
 
@@ -140,10 +151,12 @@ class OpenAIServer:
         }
 
     async def chat(self, body: ChatRequest, request: Request):
-        self._check(body)
-        max_tokens = chat_max_tokens(body)
-        prompt = render_chat(self.front_door.tokenizer, body.messages)
-        generations = await self._submit([params_of(body, max_tokens, prompt, c, c) for c in range(body.n)])
+        with self._refusals():
+            self._check(body)
+            max_tokens = chat_max_tokens(body)
+            prompt = render_chat(self.front_door.tokenizer, body.messages)
+            params = [params_of(body, max_tokens, prompt, c, c) for c in range(body.n)]
+        generations = await self._submit(params)
         name = self._name(body)
 
         def logprobs_of(logprobs: list) -> dict | None:
@@ -237,13 +250,20 @@ async def _run_unary(generations: list[Generation], request: Request) -> None:
 ROUTES = "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /version"
 
 
-def _add_error_handlers(app: FastAPI) -> None:
+# An HTTP refusal's gRPC status name: the label it counts under in specfleet:request_failure_total.
+GRPC_STATUS_NAMES = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE"}
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
+
+
+def _add_error_handlers(app: FastAPI, front_door: FrontDoor) -> None:
     @app.exception_handler(ApiError)
     async def apierror_response(_request: Request, err: ApiError):
         return error_response(err)
 
     @app.exception_handler(RequestValidationError)
-    async def bad_body(_request: Request, err: RequestValidationError):
+    async def bad_body(request: Request, err: RequestValidationError):
+        if request.url.path in GENERATION_ROUTES:
+            front_door.refused("INVALID_ARGUMENT")
         first = err.errors()[0] if err.errors() else {}
         loc = [str(p) for p in first.get("loc", ()) if p != "body" and not isinstance(p, int)]
         param = loc[0] if loc else None
@@ -299,7 +319,7 @@ def create_app(front_door: FrontDoor, model_name: str, api_key: str = "", max_re
     """The ASGI app over `front_door`, behind its gate. api_key: when set, /v1/* needs it; a body over
     max_request_bytes is refused (both before the body is read). /health answers 503 once the front door drains."""
     app = FastAPI(title="specfleet", docs_url=None, redoc_url=None, openapi_url=None)
-    _add_error_handlers(app)
+    _add_error_handlers(app, front_door)
     _add_health(app, front_door)
     app.include_router(_v1(OpenAIServer(front_door, model_name)))
     return BodyGate(app, max_request_bytes, api_key)

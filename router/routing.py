@@ -383,9 +383,11 @@ class DrafterRouter:
         is that of requests nothing classifies (drafters without specialities)."""
         return [(domain, drafter) for domain in sorted(self.domains | self.extra_domains | {""}) for drafter in self.drafters]
 
-    def start(self, prompt: str, domain_hint: str = "") -> RequestRouting:
+    def start(self, prompt: str, domain_hint: str = "", drafts: bool = True) -> RequestRouting:
+        """What routing knows of a new request. One that never drafts (speculation off) needs no drafter: no
+        specialist scores its prompt and no classifier reads it; its domain is the one it names, if any."""
         hint = domain_hint if self.config.use_domain_hint and domain_hint and self.admits(domain_hint) else ""
-        if hint:
+        if hint or not drafts:
             return RequestRouting(domain=hint)
         if self.config.routing_policy == "expertise" and self.config.domain_prior == "likelihood" and self.scorers():
             return RequestRouting(domain="", needs_scores=True, prompt=prompt)

@@ -85,7 +85,7 @@ class Scheduler:
         self._waiting = [s for s in self._waiting if not s.cancelled]
         if len(self._waiting) >= self.context.config.settings.max_queued:
             raise Overloaded(f"{self.running} requests running and {len(self._waiting)} queued (router.max_queued); retry later")
-        state.routing = self.context.router.start(prompt_text, domain_hint)
+        state.routing = self.context.router.start(prompt_text, domain_hint, drafts=state.spec.max_draft_tokens > 0)
         self._waiting.append(state)
         self._wake.set()
 

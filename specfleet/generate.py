@@ -104,8 +104,22 @@ def main(argv: list[str]) -> int:
             f"domain: {stats.domain or '-'}]",
             file=sys.stderr,
         )
+        print(_drafters(stats), file=sys.stderr)
         print(_timing(elapsed_s, first_token_s, tokens, stats), file=sys.stderr)
+        if stats.draft_wall_ms + stats.verify_wall_ms > elapsed_s * 1e3:
+            print(
+                "[draft and verify overlap, so they add up to more than the time: the specialists score a new prompt beside its "
+                "first verification, and pipelined lanes draft beside another lane's verification]",
+                file=sys.stderr,
+            )
     return 0
+
+
+def _drafters(stats) -> str:
+    """Which drafters drafted for the request, most rounds first: rounds, and accepted of proposed tokens."""
+    drafters = sorted(stats.drafters, key=lambda d: (-d.rounds, d.drafter))
+    listed = ", ".join(f"{d.drafter} {d.rounds} rounds {d.accepted_tokens}/{d.draft_tokens} accepted" for d in drafters)
+    return f"[drafters: {listed or 'none'}]"
 
 
 def _timing(elapsed_s: float, first_token_s: float | None, tokens: int, stats) -> str:

@@ -8,7 +8,7 @@ import pytest
 
 from tools.bench.workload import DOMAINS
 from specfleet.config import DEMO_MODELS
-from specfleet.v1 import generation_pb2_grpc
+from specfleet.v1 import generation_pb2, generation_pb2_grpc
 from tests.harness import Cluster, free_port
 from tests.helpers import greedy_request, target_greedy
 
@@ -75,3 +75,18 @@ def test_specialists_scoring_the_prompt_find_its_domain(demo_cluster):
     assert all(reply.speculation.draft_tokens == 0 for reply in replies), [r.speculation.draft_tokens for r in replies]
     right = sum(1 for (domain, _), guess in zip(cases, guessed) if guess == domain)
     assert right >= 0.8 * len(cases), list(zip([d for d, _ in cases], guessed))
+
+
+def test_a_request_that_never_drafts_is_not_scored(demo_cluster):
+    """Speculation off: no drafter will draft for the request, so no specialist prefills and scores its prompt (the
+    drafters spend nothing on it) and its output is the target's."""
+    target = str(DEMO_MODELS / "target")
+    text = prompts("de", 1)[0]
+    request = generation_pb2.GenerateRequest(prompt=text, max_tokens=8, temperature=0.0, speculation=generation_pb2.SpeculationOptions(disabled=True))
+    with demo_cluster.channel() as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        replies = [stub.Generate(request, timeout=300) for _ in range(2)]
+    for reply in replies:
+        assert list(reply.token_ids) == target_greedy(target, text, 8)
+        spec = reply.speculation
+        assert spec.draft_tokens == 0 and spec.draft_wall_ms == 0 and spec.domain == "", spec

@@ -23,7 +23,7 @@ from specfleet.tokenizer import load_tokenizer
 from specfleet.v1 import generation_pb2_grpc
 from tests.harness import Cluster, cluster_config, free_port
 from tests.helpers import greedy_request, target_greedy, target_logprobs
-from tests.operations import host_pid, service_pid, without_model_name
+from tests.operations import host_pid, metrics, service_pid, without_model_name
 
 API_KEY = "test-key-123"
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
@@ -256,6 +256,24 @@ def test_numbers_and_strings_the_server_cannot_represent_are_a_400_on_a_connecti
     assert status == 200 and body["usage"]["completion_tokens"] == 2
     assert conn.sock is sock is not None
     conn.close()
+
+
+def test_what_http_refuses_itself_counts_as_a_failure_by_status(api, client):
+    """A body the schema refuses, a field specfleet does not implement and a model it does not serve never reach the
+    front door; each counts in specfleet:request_failure_total under its gRPC status, as the front door's refusals do.
+    An unknown route is not a request, and counts nowhere."""
+    port = api.config["router"]["metrics_port"]
+    name = 'specfleet:request_failure_total{{code="{}"}}'.format
+    before = metrics(port)
+    conn = http.client.HTTPConnection("127.0.0.1", api.config["router"]["http_port"], timeout=60)
+    assert _post(conn, "/v1/completions", {"model": "random-target", "prompt": "hi", "max_tokens": "lots"})[0] == 400
+    assert _post(conn, "/v1/chat/completions", {"model": "random-target", "messages": [], "best_of": 2})[0] == 400
+    assert _post(conn, "/v1/completions", {"model": "gpt-4", "prompt": "hi", "max_tokens": 2})[0] == 404
+    assert _post(conn, "/v1/nothing", {})[0] == 404
+    conn.close()
+    after = metrics(port)
+    moved = {code: after.get(name(code), 0.0) - before.get(name(code), 0.0) for code in ("INVALID_ARGUMENT", "NOT_FOUND")}
+    assert moved == {"INVALID_ARGUMENT": 2, "NOT_FOUND": 1}, moved
 
 
 def test_unknown_routes_are_a_404_in_openai_s_shape(api):

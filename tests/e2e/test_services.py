@@ -295,6 +295,9 @@ def test_cli_generate_prints_text(cluster, stream):
     assert out.returncode == 0, out.stderr
     assert out.stdout == expected.text + "\n"
     assert "finish: length; rounds: " in out.stderr and "8 tokens, " in out.stderr
+    # Which drafters drafted (the cluster has one; none if the router drafted in no round), rounds and accepted tokens.
+    drafter = cluster.config["drafters"][0]["models"][0]["name"]
+    assert re.search(rf"\[drafters: (none|{drafter} \d+ rounds \d+/\d+ accepted)\]", out.stderr), out.stderr
     # Where the time went: the whole call, the router's draft and verify calls (wall = compute + queue + transport)
     # and the router's own time.
     timing = re.search(
