@@ -31,13 +31,26 @@ import time
 from specfleet import generate, ports
 
 
-def _serve_parser() -> argparse.ArgumentParser:
+def serve_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specfleet serve", description="Start the verifier, the drafters and the router on this machine.")
-    parser.add_argument("--config", help="deployment YAML (default: bundled demo models, else small random models)")
+    parser.add_argument(
+        "--config",
+        help="deployment YAML (default: bundled demo models, else small random models); a file that names no target and no "
+        "drafters changes the default's keys, such as `router: {http_port: 8100}`",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="change one config key (repeatable), after --config: router.http_port=8100, drafters.0.attention=per-session (--config-keys lists them)",
+    )
     parser.add_argument(
         "--config-keys", action="store_true", help="list every key of the config file (type, default, what it accepts and means) and exit"
     )
     parser.add_argument("--port", type=int, help="router port (default: router.port, 50051)")
+    parser.add_argument("--http-port", type=int, help="the OpenAI-compatible API's port (default: router.http_port, 8000; 0: off)")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for all services")
     parser.add_argument(
         "--max-restarts",
@@ -135,20 +148,30 @@ def _print_ready(cfg, router_address: str, side_ports: dict[str, dict]) -> None:
         print(f"  metrics: {', '.join(listed)}", flush=True)
 
 
-def _reload(config_path: str | None, port: int | None, config_file: pathlib.Path, supervisor) -> None:
-    """SIGHUP: the router re-reads its config; refresh the copy it reads first."""
+def serve_config(args):
+    """The config `serve` runs: --config (or the default), then --set, then the port flags."""
     from specfleet import config as config_mod
 
-    if not config_path:
+    cfg = config_mod.effective(args.config, args.overrides, config_mod.REPO / ".cache")
+    if args.port is not None:
+        cfg.router.port = args.port
+    if args.http_port is not None:
+        cfg.router.http_port = args.http_port
+    return cfg
+
+
+def _reload(args, config_file: pathlib.Path, supervisor) -> None:
+    """SIGHUP: the router re-reads its config (the file, then the same --set and flags); refresh the copy it reads first."""
+    from specfleet import config as config_mod
+
+    if not args.config:
         print("specfleet serve: SIGHUP ignored: there is no --config file to reload", file=sys.stderr)
         return
     try:
-        new = config_mod.load(config_path)
+        new = serve_config(args)
     except config_mod.ConfigError as err:
         print(f"specfleet serve: reload refused, keeping the running config: {err}", file=sys.stderr)
         return
-    if port is not None:
-        new.router.port = port
     config_file.write_text(new.to_yaml())
     router = supervisor.pid_of("router")
     if router is not None:
@@ -186,7 +209,7 @@ def _stop_all(supervisor, code: int) -> int:
 
 
 def cmd_serve(argv: list[str]) -> int:
-    args = _serve_parser().parse_args(argv)
+    args = serve_parser().parse_args(argv)
 
     from specfleet import config as config_mod
     from specfleet import security
@@ -196,13 +219,11 @@ def cmd_serve(argv: list[str]) -> int:
         return 0
 
     try:
-        cfg = config_mod.load(args.config) if args.config else config_mod.default_config(config_mod.REPO / ".cache")
+        cfg = serve_config(args)
         sec = security.load(cfg.security)  # a missing or bad certificate is refused before anything starts
     except config_mod.ConfigError as err:
         print(f"specfleet serve: {err}", file=sys.stderr)
         return 2
-    if args.port is not None:
-        cfg.router.port = args.port
     # The key reaches the router (here or under --ray) in its environment, not on its command
     # line, which `ps` shows to every user; the services here start without it (_service_env).
     os.environ["SPECFLEET_API_KEY"] = args.api_key
@@ -251,7 +272,7 @@ def cmd_serve(argv: list[str]) -> int:
         if not ready:
             return _stop_all(supervisor, 1)
 
-        signal.signal(signal.SIGHUP, lambda *_: _reload(args.config, args.port, config_file, supervisor))
+        signal.signal(signal.SIGHUP, lambda *_: _reload(args, config_file, supervisor))
         _print_ready(cfg, router_address, ports.reported(str(side_ports)))
         while True:
             try:

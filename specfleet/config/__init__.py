@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import pathlib
 
-from specfleet.config.deployment import Config, SecurityConfig, TLS_CLIENT_AUTH, TlsConfig, load, parse, port_of, validate
+from specfleet.config.deployment import Config, SecurityConfig, TLS_CLIENT_AUTH, TlsConfig, load, load_data, parse, port_of, validate
 from specfleet.config.fields import Check, ConfigError, at_least, build, check_fields, describe, knob, one_of, required, section
 from specfleet.config.router import (
     DOMAIN_PRIORS,
@@ -52,7 +52,18 @@ from specfleet.config.router import (
     SchedulingConfig,
     SpeculationConfig,
 )
-from specfleet.config.runtime import DEMO_MODELS, check_devices, default_config, exemplars_of, replica_ports, resolve_device, served_model_name
+from specfleet.config.runtime import (
+    DEMO_MODELS,
+    check_devices,
+    default_config,
+    effective,
+    exemplars_of,
+    parse_override,
+    replica_ports,
+    resolve_device,
+    served_model_name,
+    set_key,
+)
 from specfleet.config.services import (
     ATTENTION_MODES,
     DEVICE_PATTERN,
@@ -108,17 +119,21 @@ __all__ = [
     "check_fields",
     "default_config",
     "describe",
+    "effective",
     "exemplars_of",
     "keys_help",
     "knob",
     "load",
+    "load_data",
     "one_of",
     "parse",
+    "parse_override",
     "port_of",
     "replica_ports",
     "required",
     "resolve_device",
     "served_model_name",
     "section",
+    "set_key",
     "validate",
 ]

@@ -86,7 +86,8 @@ def parse(data: dict, source: str = "config") -> Config:
     return config
 
 
-def load(path: str | pathlib.Path) -> Config:
+def load_data(path: str | pathlib.Path) -> dict:
+    """The file's YAML, a mapping (an empty file is an empty one)."""
     path = pathlib.Path(path)
     try:
         data = yaml.safe_load(path.read_text())
@@ -94,7 +95,15 @@ def load(path: str | pathlib.Path) -> Config:
         raise ConfigError(f"config file {path} does not exist") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
-    return parse(data, str(path))
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    return data
+
+
+def load(path: str | pathlib.Path) -> Config:
+    return parse(load_data(path), str(path))
 
 
 def validate(config: Config) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pathlib
 
-from specfleet.config.deployment import Config, port_of, validate
-from specfleet.config.fields import ConfigError
+from specfleet.config.deployment import Config, load_data, parse, port_of, validate
+from specfleet.config.fields import ConfigError, flat_dict
 from specfleet.config.router import RouterConfig, RoutingConfig
 from specfleet.config.services import DEVICE_PATTERN, DraftModelConfig, DrafterServiceConfig, ServiceConfig, VerifierConfig
 
@@ -119,3 +119,55 @@ def default_config(work_dir: pathlib.Path) -> Config:
 def served_model_name(cfg) -> str:
     """The model's name to clients (/v1/models, the metrics' model_name): router.served_model_name, else the target's directory name."""
     return cfg.router.served_model_name or pathlib.Path(cfg.verifier.model).name
+
+
+def effective(path: str | pathlib.Path | None, overrides: list[str], work_dir: pathlib.Path) -> Config:
+    """What `specfleet serve` runs: the file at `path` (none: the default config), then each `--set KEY=VALUE`.
+
+    A file that names no target (`verifier.model`) and no drafters starts from the default config: its keys
+    replace the default's one by one (`router: {http_port: 8100}` alone serves the demo family on port 8100).
+    A file that names either describes a deployment of its own, and the defaults are each key's own."""
+    data = load_data(path) if path else {}
+    own = "drafters" in data or "model" in (data.get("verifier") or {})
+    if not own:
+        base = flat_dict(default_config(work_dir))
+        for section in ("verifier", "router", "security"):
+            if data.get(section) is not None and not isinstance(data[section], dict):
+                raise ConfigError(f"{path}: {section}: expected a mapping")
+            base[section] = {**base.get(section, {}), **(data.get(section) or {})}
+        data = {**data, **base}
+    for item in overrides:
+        key, value = parse_override(item)
+        set_key(data, key, value)
+    return parse(data, str(path) if path else "the default config")
+
+
+def parse_override(item: str) -> tuple[str, object]:
+    """KEY=VALUE, VALUE read as YAML (`router.http_port=8100`, `drafters.0.attention=per-session`)."""
+    import yaml
+
+    key, sep, value = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {item!r}: expected KEY=VALUE, such as router.http_port=8100")
+    try:
+        return key.strip(), yaml.safe_load(value)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--set {key.strip()}: the value is not valid YAML: {err}") from None
+
+
+def set_key(data: dict, key: str, value) -> None:
+    """Set a dotted key in the config's YAML form: sections' keys by name, list items by index (drafters.0.name)."""
+    node, parts = data, key.split(".")
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        where = ".".join(parts[: i + 1])
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError(f"--set {key}: {where}: no such item (the list has {len(node)})")
+            part = int(part)
+        elif not isinstance(node, dict):
+            raise ConfigError(f"--set {key}: {'.'.join(parts[:i])} is not a section")
+        if last:
+            node[part] = value
+        else:
+            node = node[part] if isinstance(node, list) else node.setdefault(part, {})

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from specfleet import config as config_mod
-from specfleet.cli import COMMANDS, service_commands
+from specfleet.cli import COMMANDS, serve_parser, serve_config, service_commands
 from tests.harness import REPO
 
 
@@ -75,3 +75,14 @@ def test_a_drafter_service_joins_the_router_s_process_where_it_colocates_beside_
     # The process unpinned where any of them is.
     assert _processes({"cpus": [1]}, {"colocate": True, "cpus": []})["router"] == ("specfleet.colocated", [])
     assert "drafter d" not in _processes({}, {"colocate": True, "cpus": []})
+
+
+def test_serve_takes_set_and_port_flags_over_its_config_and_refuses_a_bad_key_before_starting(tmp_path):
+    few = tmp_path / "few.yaml"
+    few.write_text("router: {http_port: 8100, max_running: 8}\n")
+    args = serve_parser().parse_args(["--config", str(few), "--set", "router.max_running=3", "--http-port", "8123", "--port", "50099"])
+    cfg = serve_config(args)
+    assert (cfg.router.scheduling.max_running, cfg.router.http_port, cfg.router.port) == (3, 8123, 50099)
+    assert cfg.verifier.model == config_mod.default_config(tmp_path).verifier.model  # the rest is the default's
+    out = _specfleet("serve", "--config", str(few), "--set", "router.nope=1")
+    assert out.returncode == 2 and "router: unknown key(s) ['nope']" in out.stderr, out.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 import dataclasses
 
 import pytest
@@ -212,3 +213,43 @@ def test_one_default_per_knob():
     controller = SpeculationController(CostModel())
     assert controller.adaptive is config_mod.SpeculationConfig().adaptive_speculation
     assert controller.stop_below == config_mod.SpeculationConfig().stop_below_confidence
+
+
+# --- what `specfleet serve` runs: a file that changes a few keys of the default, and --set ---
+
+
+def test_a_file_that_names_no_target_or_drafters_changes_the_default_config(tmp_path):
+    default = config_mod.default_config(tmp_path)
+    few = tmp_path / "few.yaml"
+    few.write_text("router: {http_port: 8100, max_running: 8}\nverifier: {max_wait_ms: 0}\n")
+    cfg = config_mod.effective(few, [], tmp_path)
+    assert (cfg.router.http_port, cfg.router.scheduling.max_running, cfg.verifier.max_wait_ms) == (8100, 8, 0)
+    # Everything else is the default's: its target, drafters and routing.
+    assert cfg.verifier.model == default.verifier.model and cfg.drafters == default.drafters
+    assert cfg.router.routing == default.router.routing
+    # A file that names its target (or its drafters) is a deployment of its own: nothing comes from the default's.
+    own = tmp_path / "own.yaml"
+    own.write_text(yaml.safe_dump({"verifier": {"model": "t"}, "drafters": [{"name": "d", "models": [{"name": "m", "path": "m"}]}]}))
+    cfg = config_mod.effective(own, [], tmp_path)
+    assert cfg.verifier.model == "t" and [m.name for m in cfg.drafters[0].models] == ["m"] and cfg.router.routing.default_drafter == ""
+    no_target = tmp_path / "no-target.yaml"
+    no_target.write_text(yaml.safe_dump({"drafters": [{"name": "d", "models": [{"name": "m", "path": "m"}]}]}))
+    with pytest.raises(config_mod.ConfigError, match="verifier.model"):
+        config_mod.effective(no_target, [], tmp_path)
+
+
+def test_set_changes_one_key_after_the_file_and_names_what_is_wrong(tmp_path):
+    cfg = config_mod.effective(None, ["router.http_port=8200", "drafters.0.attention=per-session", "router.fusion_width=2"], tmp_path)
+    assert (cfg.router.http_port, cfg.drafters[0].attention, cfg.router.routing.fusion_width) == (8200, "per-session", 2)
+    few = tmp_path / "few.yaml"
+    few.write_text("router: {http_port: 8100}\n")
+    assert config_mod.effective(few, ["router.http_port=8300"], tmp_path).router.http_port == 8300
+    for bad, says in (
+        ("router.http_port", "expected KEY=VALUE"),
+        ("drafters.4.attention=per-session", "drafters.4: no such item"),
+        ("router.nope=1", "router: unknown key(s) ['nope']"),
+        ("router.http_port=[1", "not valid YAML"),
+        ("router.fusion_width=0", "router.fusion_width"),
+    ):
+        with pytest.raises(config_mod.ConfigError, match=re.escape(says)):
+            config_mod.effective(None, [bad], tmp_path)

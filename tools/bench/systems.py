@@ -273,29 +273,11 @@ def parse_prometheus(text: str, prefix: str) -> dict[str, float]:
     return out
 
 
-def _set_dotted(config: dict, key: str, value) -> None:
-    node = config
-    parts = key.split(".")
-    for p in parts[:-1]:
-        node = node[int(p)] if isinstance(node, list) else node.setdefault(p, {})
-    last = parts[-1]
-    if isinstance(node, list):
-        node[int(last)] = value
-    else:
-        node[last] = value
-
-
 def parse_overrides(items: list[str]) -> list[tuple[str, object]]:
-    """KEY=VALUE with VALUE parsed as YAML (router.num_draft_tokens=6, verifier.max_wait_ms=0)."""
-    import yaml
+    """KEY=VALUE with VALUE parsed as YAML (router.num_draft_tokens=6, verifier.max_wait_ms=0), as `serve --set` reads them."""
+    from specfleet import config as config_mod
 
-    out = []
-    for item in items:
-        if "=" not in item:
-            raise ValueError(f"override {item!r}: expected KEY=VALUE")
-        k, v = item.split("=", 1)
-        out.append((k.strip(), yaml.safe_load(v)))
-    return out
+    return [config_mod.parse_override(item) for item in items]
 
 
 class Specfleet(System):
@@ -340,7 +322,7 @@ class Specfleet(System):
             # the router's Prometheus counters give the verifier's exact busy time per load point
             cfg["router"]["metrics_port"] = free_port()
         for key, value in self.overrides:
-            _set_dotted(cfg, key, value)
+            config_mod.set_key(cfg, key, value)
         return cfg
 
     def counters(self) -> dict:
