@@ -17,7 +17,7 @@ from specfleet.metrics import PassTelemetry
 from specfleet.engine import SessionStore, configure_torch, load_model
 from specfleet.sampling import SamplingParams
 from specfleet.service_shell import CoreServicer, InvalidArgument, Section, ServiceSpec
-from specfleet.batching import BatchQueue, BatchStats
+from specfleet.batching import BatchQueue, BatchStats, housekeeping_every
 from specfleet.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from drafter_service.drafter import DraftItem, DraftModel, DraftResult, draft_batch, stack_draft_models
 from drafter_service.ngram import NgramModel, load_source
@@ -160,7 +160,7 @@ def load_core(svc: config_mod.DrafterServiceConfig, threads: int | None = None) 
     device = config_mod.resolve_device(svc.device, f"drafters[{svc.name}].device")
     models = {}
     for m in svc.models:
-        store = SessionStore(max_cache_bytes=int(svc.max_cache_mb * 2**20), max_sessions=svc.max_sessions)
+        store = SessionStore(max_cache_bytes=int(svc.max_cache_mb * 2**20), max_sessions=svc.max_sessions, idle_s=svc.session_idle_s)
         if m.kind == "ngram":
             models[m.name] = NgramModel(load_source(m.name, m.path), store, m.ngram_max, m.ngram_min, m.ngram_matches)
             continue
@@ -177,7 +177,12 @@ def load_core(svc: config_mod.DrafterServiceConfig, threads: int | None = None) 
             m.loaded.prepare(m.store.max_cache_bytes, m.store.max_sessions)
     telemetry = PassTelemetry("drafter", lambda: [m.store for m in models.values()], {"drafter_service": svc.name})
     batcher = BatchQueue(
-        f"drafter-{svc.name}", telemetry.timed(lambda tagged: draft_batch(models, tagged)), svc.max_batch_size, svc.max_wait_ms / 1e3
+        f"drafter-{svc.name}",
+        telemetry.timed(lambda tagged: draft_batch(models, tagged)),
+        svc.max_batch_size,
+        svc.max_wait_ms / 1e3,
+        housekeeping=lambda: [m.store.expire_idle() for m in models.values()],
+        housekeeping_every_s=housekeeping_every(svc.session_idle_s),
     )
     return DrafterCore(models, batcher, telemetry, limits_mod.CallLimits(svc.max_call_sessions, svc.max_call_tokens, f"drafters[{svc.name}]"))
 

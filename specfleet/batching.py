@@ -31,6 +31,11 @@ class BatchStats:
     queue_ms: float = 0.0
 
 
+def housekeeping_every(idle_s: float) -> float:
+    """How often to look for sessions idle longer than idle_s: a tenth of it, between 0.1 s and a minute."""
+    return min(60.0, max(0.1, idle_s / 10)) if idle_s > 0 else 60.0
+
+
 class BatchQueue:
     """Merges concurrent calls into one batch for a model thread.
 
@@ -42,11 +47,24 @@ class BatchQueue:
     caller in that batch gets the exception; the worker keeps serving.
     """
 
-    def __init__(self, name: str, process: Callable[[list], list], max_batch_items: int, max_wait_s: float):
+    def __init__(
+        self,
+        name: str,
+        process: Callable[[list], list],
+        max_batch_items: int,
+        max_wait_s: float,
+        housekeeping: Callable[[], None] | None = None,
+        housekeeping_every_s: float = 10.0,
+    ):
         self.name = name
         self.process = process
         self.max_batch_items = max_batch_items
         self.max_wait_s = max_wait_s
+        # Run on the worker thread (which owns the model and its sessions) at most every housekeeping_every_s,
+        # between batches or while idle: expiring the sessions of clients that went away.
+        self.housekeeping = housekeeping
+        self.housekeeping_every_s = housekeeping_every_s
+        self._next_housekeeping = time.monotonic() + housekeeping_every_s
         self._queue: list[_Pending] = []
         self._cond = threading.Condition()
         self._closed = False
@@ -69,9 +87,13 @@ class BatchQueue:
             self._cond.notify()
 
     def _take_batch(self) -> list[_Pending] | None:
+        """The next batch; [] when housekeeping is due while no call waits; None once closed."""
         with self._cond:
             while not self._queue and not self._closed:
-                self._cond.wait()
+                if self.housekeeping is None:
+                    self._cond.wait()
+                elif not self._cond.wait(max(0.0, self._next_housekeeping - time.monotonic())):
+                    return []
             if not self._queue:
                 return None
             deadline = self._queue[0].enqueued + self.max_wait_s
@@ -87,8 +109,20 @@ class BatchQueue:
                 count += len(pending.items)
             return batch
 
+    def _housekeep(self) -> None:
+        if self.housekeeping is None or time.monotonic() < self._next_housekeeping:
+            return
+        try:
+            self.housekeeping()
+        except Exception:  # housekeeping never stops the serving
+            log.exception("%s: housekeeping failed", self.name)
+        self._next_housekeeping = time.monotonic() + self.housekeeping_every_s
+
     def _run(self) -> None:
         while (batch := self._take_batch()) is not None:
+            self._housekeep()
+            if not batch:
+                continue
             items = [item for pending in batch for item in pending.items]
             started = time.perf_counter()
             try:

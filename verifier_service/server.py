@@ -17,7 +17,7 @@ from specfleet.metrics import PassTelemetry
 from specfleet.engine import SessionStore, configure_torch, load_model
 from specfleet.sampling import SamplingParams
 from specfleet.service_shell import CoreServicer, InvalidArgument, Section, ServiceSpec
-from specfleet.batching import BatchQueue, BatchStats
+from specfleet.batching import BatchQueue, BatchStats, housekeeping_every
 from specfleet.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from verifier_service.verifier import Verifier, VerifyItem, VerifyResult, validate_item
 
@@ -142,11 +142,18 @@ def load_core(vcfg: config_mod.VerifierConfig, model: str | None = None, threads
         cuda_graph_sizes=vcfg.cuda_graph_sizes,
         linear=vcfg.linear,
     )
-    store = SessionStore(max_cache_bytes=int(vcfg.max_cache_mb * 2**20), max_sessions=vcfg.max_sessions)
+    store = SessionStore(max_cache_bytes=int(vcfg.max_cache_mb * 2**20), max_sessions=vcfg.max_sessions, idle_s=vcfg.session_idle_s)
     loaded.prepare(store.max_cache_bytes, store.max_sessions)
     verifier = Verifier(loaded, store)
     telemetry = PassTelemetry("verifier", lambda: [store])
-    batcher = BatchQueue("verifier", telemetry.timed(verifier.verify_batch), vcfg.max_batch_size, vcfg.max_wait_ms / 1e3)
+    batcher = BatchQueue(
+        "verifier",
+        telemetry.timed(verifier.verify_batch),
+        vcfg.max_batch_size,
+        vcfg.max_wait_ms / 1e3,
+        housekeeping=store.expire_idle,
+        housekeeping_every_s=housekeeping_every(vcfg.session_idle_s),
+    )
     return VerifierCore(verifier, batcher, telemetry, limits_mod.CallLimits(vcfg.max_call_sessions, vcfg.max_call_tokens, "verifier"))
 
 

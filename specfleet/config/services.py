@@ -89,6 +89,12 @@ class ServiceConfig:
     max_wait_ms: float = knob(0.0, "how long a batch waits after its first call (0: only what arrived while the previous ran)", check=at_least(0))
     max_cache_mb: float = knob(1024.0, "KV cache budget; least recently used caches are dropped (rebuilt on use) past it", check=at_least(0))
     max_sessions: int = knob(4096, "sessions whose token ids are kept at all; past it the oldest are forgotten", check=at_least(1))
+    session_idle_s: float = knob(
+        600.0,
+        "a session no call has used for this long is forgotten, KV and token ids, so that a router that died without "
+        "releasing its sessions leaves nothing held for long; a router that comes back resends them (0: never)",
+        check=at_least(0),
+    )
     max_call_sessions: int = knob(256, "sessions one call may carry (specfleet/limits.py); the router splits its calls to fit", check=at_least(1))
     max_call_tokens: int = knob(
         32768, "context tokens summed over one call's sessions (kept prefix, new tokens, tree, drafts): bounds its compute and KV", check=at_least(1)

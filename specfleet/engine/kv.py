@@ -10,13 +10,17 @@ changes output.
 from __future__ import annotations
 
 import heapq
+import logging
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
 from specfleet.engine.llama import LlamaModel
+
+log = logging.getLogger(__name__)
 
 
 class KVPool:
@@ -132,11 +136,14 @@ class SessionStore:
     SESSION_UNKNOWN and resend the full token ids).
     """
 
-    def __init__(self, max_cache_bytes: int, max_sessions: int):
+    def __init__(self, max_cache_bytes: int, max_sessions: int, idle_s: float = 0.0):
         self.max_cache_bytes = max_cache_bytes
         self.max_sessions = max_sessions
+        self.idle_s = idle_s  # `expire_idle` forgets sessions no call has used for this long (0: never)
         self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self._used: dict[str, float] = {}  # session id -> time.monotonic() of its last sync
         self.evictions = 0
+        self.expired = 0
         # Held by the model thread for a whole batch, so a release never races a batch using the session.
         self.lock = threading.RLock()
 
@@ -157,7 +164,25 @@ class SessionStore:
             session.truncate(prefix_length)
         session.token_ids.extend(new_token_ids)
         self._sessions.move_to_end(session_id)
+        self._used[session_id] = time.monotonic()
         return session
+
+    def expire_idle(self, now: float | None = None) -> int:
+        """Forget the sessions no call has used for idle_s: a client that died without releasing its sessions
+        (a router killed) leaves nothing held for longer. A client that comes back gets SESSION_UNKNOWN and
+        resends the full token ids. Returns how many it forgot."""
+        if self.idle_s <= 0:
+            return 0
+        cutoff = (time.monotonic() if now is None else now) - self.idle_s
+        with self.lock:
+            stale = [sid for sid in self._sessions if self._used.get(sid, 0.0) < cutoff]
+            for sid in stale:
+                self._sessions.pop(sid).evict_kv()
+                self._used.pop(sid, None)
+            self.expired += len(stale)
+        if stale:
+            log.info("forgot %d sessions that no call used for %.0f s (their client went away without releasing them)", len(stale), self.idle_s)
+        return len(stale)
 
     def get(self, session_id: str) -> Session | None:
         return self._sessions.get(session_id)
@@ -176,6 +201,7 @@ class SessionStore:
             session.evict_kv()
             if not keep_tokens:
                 del self._sessions[sid]
+                self._used.pop(sid, None)
         return released
 
     def enforce_budget(self, protect: set[str] = frozenset()) -> None:
@@ -185,6 +211,7 @@ class SessionStore:
             if victim is None:
                 break
             self._sessions.pop(victim).evict_kv()
+            self._used.pop(victim, None)
             self.evictions += 1
         total = sum(s.kv_bytes() for s in self._sessions.values())
         for sid, session in self._sessions.items():

@@ -185,3 +185,34 @@ def test_sessions_are_released_once_a_stalled_drafter_answers_again(random_famil
         cluster.stop()
     assert session_id not in held["drafter"], held
     assert "releasing 1 sessions failed" in cluster.log_path.read_text()
+
+
+def test_a_router_that_stops_calling_leaves_no_session_held_past_the_idle_time_and_finishes_when_it_returns(random_family, tmp_path):
+    """The router stops (SIGSTOP, as a router killed or cut off would) mid-request, holding the request's sessions on
+    the verifier and the drafter service: each forgets them once no call has used them for its session_idle_s, and
+    the router, let go on, resends what they lost and finishes the request with the target's own output."""
+    from tests.operations import held_sessions, paused, session_of
+
+    idle = {"session_idle_s": 1.0}
+    config = cluster_config(random_family, verifier={"colocate": False, **idle}, drafter_service={"colocate": False, **idle})
+    config["router"].update({"adaptive_speculation": False})
+    cluster = Cluster(config, tmp_path, "idle-expiry").start()
+    prompt, max_tokens = PROMPTS[2], 120
+    try:
+        request = greedy_request(prompt, max_tokens, 2, request_id="idle-expiry", stop_at_eos=False)
+        with cluster.channel() as channel:
+            stream = generation_pb2_grpc.GenerationStub(channel).GenerateStream(request, timeout=120)
+            tokens = list(next(stream).token_ids)
+            session_id = session_of(cluster, request.request_id)
+            with paused(service_pid(cluster, "router")):
+                deadline, held = time.monotonic() + 30, held_sessions(cluster)
+                while any(session_id in ids for ids in held.values()) and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                    held = held_sessions(cluster)
+                assert not any(session_id in ids for ids in held.values()), held
+            tokens += [t for chunk in stream for t in chunk.token_ids]
+    finally:
+        cluster.stop()
+    assert tokens == target_greedy(str(random_family["target"]), prompt, max_tokens)
+    log = cluster.log_path.read_text()
+    assert "forgot 1 sessions that no call used for 1 s" in log, log[-3000:]

@@ -47,3 +47,37 @@ def test_a_call_queued_behind_a_pass_reports_its_wait_and_the_first_call_its_own
     # Its wait and its own pass lie within its wall time as its caller saw it.
     assert stats2.queue_ms + stats2.compute_ms <= second_wall_ms
     assert (stats1.batch_size, stats2.batch_size) == (1, 1)
+
+
+def test_housekeeping_runs_on_the_model_thread_while_idle_and_between_batches_and_a_failure_keeps_serving():
+    """A service's housekeeping (forgetting the sessions of clients that went away) runs on the thread that owns the
+    model and its sessions, so it never races a batch: while no call comes, and between batches under load."""
+    threads, calls = [], []
+
+    def housekeeping() -> None:
+        threads.append(threading.current_thread().name)
+        if len(threads) == 2:
+            raise RuntimeError("a failing housekeeping pass")
+
+    def process(items: list) -> list:
+        calls.append(threading.current_thread().name)
+        return items
+
+    queue = BatchQueue("hk", process, max_batch_items=4, max_wait_s=0.0, housekeeping=housekeeping, housekeeping_every_s=0.02)
+    try:
+        deadline = time.monotonic() + 10
+        while len(threads) < 3 and time.monotonic() < deadline:  # idle: no call at all
+            time.sleep(0.01)
+        assert len(threads) >= 3
+        idle = len(threads)
+
+        async def load():
+            for i in range(40):
+                assert await queue.submit([i]) is not None
+                await asyncio.sleep(0.005)
+
+        asyncio.run(load())  # served after the failing pass, with housekeeping between its batches
+        assert len(threads) > idle and len(calls) == 40
+        assert set(threads) == set(calls) == {"hk-batcher"}
+    finally:
+        queue.close()
