@@ -43,11 +43,17 @@ def load_target(path: str):
 
 def target_greedy(path: str, prompt: str, max_new_tokens: int) -> list[int]:
     """The target's own greedy `generate` (stops after end of sequence)."""
+    return list(_target_greedy(str(path), prompt, max_new_tokens))
+
+
+@functools.lru_cache(maxsize=None)
+def _target_greedy(path: str, prompt: str, max_new_tokens: int) -> tuple[int, ...]:
+    # Deterministic, and asked for again by many tests of one worker (the same prompts, lengths and models).
     model, tokenizer = load_target(path)
     ids = tokenizer.encode(prompt, add_special_tokens=False, return_tensors="pt")
     with torch.inference_mode():
         out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-    return out[0, ids.shape[1] :].tolist()
+    return tuple(out[0, ids.shape[1] :].tolist())
 
 
 def target_logprobs(path: str, prompt_ids: list[int], output_ids: list[int], top: int = 0) -> tuple[list[float], list[list[int]], list[list[float]]]:
