@@ -288,7 +288,7 @@ class FrontDoor:
         if telemetry is not None:
             telemetry.failed.labels(code=code).inc()
 
-    async def submit(self, params: GenerationParams, deadline: float | None = None, via: str = "") -> Generation:
+    async def submit(self, params: GenerationParams, deadline: float | None = None, via: str = "", group: str = "") -> Generation:
         """Validate `params` and queue the request; raises GenerationError (INVALID_ARGUMENT, OVERLOADED, SHUTTING_DOWN).
 
         deadline: time.monotonic() by which the client wants the answer (DEADLINE_EXCEEDED after it);
@@ -298,7 +298,12 @@ class FrontDoor:
             self.check_open()
             spec, prompt_text = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._validate, params)
             state = RequestState(
-                spec=spec, tokenizer=self.tokenizer, eos_token_id=self.eos_token_id, max_context=self.limits.max_context, deadline=deadline
+                spec=spec,
+                tokenizer=self.tokenizer,
+                eos_token_id=self.eos_token_id,
+                max_context=self.limits.max_context,
+                deadline=deadline,
+                group=group or spec.session_id,
             )
             try:
                 self.scheduler.submit(state, prompt_text, spec.domain)
@@ -323,9 +328,10 @@ class FrontDoor:
     async def submit_all(self, params: list[GenerationParams], deadline: float | None = None, via: str = "") -> list[Generation]:
         """All of them or none: a refusal cancels those admitted before it, and is raised."""
         generations: list[Generation] = []
+        group = uuid.uuid4().hex  # they take their turns at admission as one call
         try:
             for p in params:
-                generations.append(await self.submit(p, deadline, via))
+                generations.append(await self.submit(p, deadline, via, group))
         except GenerationError:
             for admitted in generations:
                 admitted.cancel("a request submitted with it was refused")

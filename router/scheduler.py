@@ -4,7 +4,8 @@ The running requests are split into `pipeline_depth` groups (lanes), each a
 loop of rounds, so that while the verifier checks one group the drafters
 draft the next: drafters and verifier run on different machines and neither
 should wait. New requests join the least loaded lane between its rounds,
-earliest deadline first, up to `max_running`; past `max_queued` waiting ones
+earliest deadline first (then taking turns between the calls that submitted them),
+up to `max_running`; past `max_queued` waiting ones
 a new request is refused (Overloaded).
 
 A round of one group (`_round`; the stages share one `rounds.RoundContext`):
@@ -28,6 +29,7 @@ are released; what was streamed stays delivered.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -73,6 +75,7 @@ class Scheduler:
         self._background: set[asyncio.Task] = set()
         self._stopping = asyncio.Event()  # set by stop(): background releases stop retrying
         self._waiting: list[RequestState] = []
+        self._turns: collections.Counter[str] = collections.Counter()  # requests admitted per call that still has some waiting
         self._lanes: list[list[RequestState]] = [[] for _ in range(max(1, config.pipeline_depth))]
         self._kinds = LaneKinds(len(self._lanes))
         self._wake = asyncio.Event()
@@ -120,18 +123,29 @@ class Scheduler:
     # --- lanes ---------------------------------------------------------------------------------------------------
 
     def _admit(self, lane: list[RequestState]) -> None:
-        """Move waiting requests into this lane: earliest deadline first, least loaded lane first."""
+        """Move waiting requests into this lane: earliest deadline first, calls taking turns, least loaded lane first."""
         if not self._waiting:
             return
         self._expire(self._waiting)
         for state in [s for s in self._waiting if s.finished]:
             self._waiting.remove(state)
             self._publish(state)  # ended before it ran: nothing was sent to a server, nothing to release
-        self._waiting.sort(key=lambda s: (s.deadline if s.deadline is not None else float("inf"), s.admitted_at))
+
+        # Earliest deadline first; among equal deadlines (none, say), the call that has had the fewest of its requests
+        # admitted while some wait, so that one call of a thousand prompts takes turns with a one-prompt call rather
+        # than running all of its prompts first; then first come, first served.
+        def turn(state: RequestState) -> tuple:
+            return (state.deadline if state.deadline is not None else float("inf"), self._turns[state.group], state.admitted_at)
+
         while self._waiting and self.running < self.context.config.settings.max_running:
             if len(lane) > min(len(other) for other in self._lanes):
                 break
-            lane.append(self._waiting.pop(0))
+            state = min(self._waiting, key=turn)
+            self._waiting.remove(state)
+            lane.append(state)
+            self._turns[state.group] += 1
+        waiting_calls = {s.group for s in self._waiting}
+        self._turns = collections.Counter({group: n for group, n in self._turns.items() if group in waiting_calls})
 
     async def _lane(self, index: int) -> None:
         lane = self._lanes[index]

@@ -16,6 +16,7 @@ import grpc
 import pytest
 import yaml
 
+from specfleet.tokenizer import load_tokenizer
 from specfleet.v1 import generation_pb2_grpc
 from tests.harness import Cluster, free_port
 from tests.helpers import PROMPTS, greedy_request, target_greedy
@@ -36,6 +37,7 @@ def ops(random_family, tmp_path_factory):
         max_running=1,
         max_queued=MAX_QUEUED,
         metrics_port=free_port(),
+        http_port=free_port(),
         rpc_timeout_s=600.0,  # a round waits out the verifier's pause rather than failing
     )
     config["verifier"]["colocate"] = False  # the tests pause the verifier alone (SIGSTOP), not the router with it
@@ -84,6 +86,33 @@ def test_admission_is_earliest_deadline_first(ops, stub, random_family):
         assert list(future.result().token_ids) == reference
     finished = re.findall(r"request (edf-\d+) finished", ops.log_path.read_text())
     assert finished == [f"edf-{t}" for t in sorted(timeouts)]
+
+
+def test_admission_takes_turns_between_calls(ops, stub, random_family):
+    """Queued behind a running request: one HTTP call of three prompts, then a one-prompt gRPC request, none with a
+    deadline. The lone request runs right after the call's first prompt, not after all three: admission takes turns
+    between calls (one at a time here: max_running 1), and every output is the target's."""
+    import concurrent.futures
+
+    import openai
+
+    reference = target_greedy(str(random_family["target"]), PROMPTS[1], 4)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{ops.config['router']['http_port']}/v1", api_key="-", max_retries=0, timeout=600)
+    model = client.models.list().data[0].id
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with _slot_taken(ops, stub, "turns-blocker") as blocker:
+            waiting = metrics(_port(ops))["specfleet:num_requests_waiting"]
+            call = pool.submit(client.completions.create, model=model, prompt=[PROMPTS[1]] * 3, max_tokens=4, temperature=0)
+            wait_for_metric(_port(ops), "specfleet:num_requests_waiting", waiting + 3)
+            lone = _queue(ops, stub, greedy_request(PROMPTS[1], 4, 2, request_id="turns-lone"), None)
+        assert blocker.result().finish_reason
+        assert list(lone.result().token_ids) == reference
+        texts = [choice.text for choice in call.result().choices]
+    tokenizer = load_tokenizer(str(random_family["target"]))
+    assert texts == [tokenizer.decode(reference, skip_special_tokens=True)] * 3
+    log = ops.log_path.read_text()
+    finished = re.findall(r"request (\S+) finished", log[log.index("request turns-blocker finished") :])
+    assert len(finished) == 5 and finished.index("turns-lone") == 2, finished
 
 
 def test_past_max_queued_is_resource_exhausted(ops, stub, random_family):
