@@ -5,34 +5,39 @@
 
 docs/benchmarks/admission-turns.md has the numbers."""
 
-import json, sys, threading, time, urllib.request
+from __future__ import annotations
 
-port = sys.argv[1]
-
-
-def post(body):
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
-    return json.loads(urllib.request.urlopen(req, timeout=3600).read())
-
-
-model = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models").read())["data"][0]["id"]
-big_done = {}
+import json
+import sys
+import threading
+import time
+import urllib.request
 
 
-def big():
-    t = time.monotonic()
-    r = post({"model": model, "prompt": ["The quick brown fox"] * 1000, "max_tokens": 16, "temperature": 0})
-    big_done["s"] = time.monotonic() - t
-    big_done["n"] = len(r["choices"])
+def post(port: str, body: dict) -> dict:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    return json.loads(urllib.request.urlopen(request, timeout=3600).read())
 
 
-th = threading.Thread(target=big)
-th.start()
-time.sleep(3)
-t = time.monotonic()
-r = post({"model": model, "prompt": "Das Debian-System ist", "max_tokens": 16, "temperature": 0})
-lone = time.monotonic() - t
-th.join()
-print(
-    f"lone 16-token request: {lone:.1f} s (tokens {r['usage']['completion_tokens']}); the 1,000-prompt call: {big_done['s']:.1f} s, {big_done['n']} choices"
-)
+def main(port: str) -> None:
+    model = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models").read())["data"][0]["id"]
+    big: dict = {}
+
+    def call() -> None:
+        started = time.monotonic()
+        reply = post(port, {"model": model, "prompt": ["The quick brown fox"] * 1000, "max_tokens": 16, "temperature": 0})
+        big.update(seconds=time.monotonic() - started, choices=len(reply["choices"]))
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    time.sleep(3)
+    started = time.monotonic()
+    reply = post(port, {"model": model, "prompt": "Das Debian-System ist", "max_tokens": 16, "temperature": 0})
+    lone = time.monotonic() - started
+    thread.join()
+    print(f"lone 16-token request: {lone:.1f} s ({reply['usage']['completion_tokens']} tokens)")
+    print(f"the 1,000-prompt call: {big['seconds']:.1f} s, {big['choices']} choices")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
