@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 
 # A failed release (a server stalled, restarting or unreachable) is retried for this long, backing off from the first
 # delay to the largest: a server that stalls for 20 s would otherwise hold the requests' sessions, and their KV,
-# until it needs the room.
+# until it needs the room or they sit idle for its session_idle_s.
 RELEASE_RETRY_S = 300.0
 RELEASE_FIRST_RETRY_S = 1.0
 RELEASE_MAX_BACKOFF_S = 30.0
@@ -276,7 +276,8 @@ class Scheduler:
                 return
             errors = "; ".join(f"{name}: {error}" for name, error in failed.items())
             if self._stopping.is_set() or time.monotonic() - started + delay > RELEASE_RETRY_S:
-                log.warning("giving up releasing %d sessions (%s); each server evicts them when it needs the room", len(ids), errors)
+                why = "each server forgets them when it needs the room or after its session_idle_s"
+                log.warning("giving up releasing %d sessions (%s); %s", len(ids), errors, why)
                 return
             if delay == RELEASE_FIRST_RETRY_S:
                 log.warning("releasing %d sessions failed (%s); retrying for up to %.0fs", len(ids), errors, RELEASE_RETRY_S)

@@ -10,6 +10,7 @@ changes output.
 from __future__ import annotations
 
 import heapq
+import itertools
 import logging
 import threading
 import time
@@ -88,6 +89,7 @@ class Session:
     # Positions [0, kv_len) of the pool's slot `slot` hold the KV of token_ids[:kv_len]; no slot, no cache.
     pool: KVPool | None = None
     slot: int | None = None
+    used_at: float = 0.0  # time.monotonic() of the last call that synced it (SessionStore.expire_idle)
 
     @property
     def kv(self) -> torch.Tensor | None:
@@ -140,8 +142,7 @@ class SessionStore:
         self.max_cache_bytes = max_cache_bytes
         self.max_sessions = max_sessions
         self.idle_s = idle_s  # `expire_idle` forgets sessions no call has used for this long (0: never)
-        self._sessions: OrderedDict[str, Session] = OrderedDict()
-        self._used: dict[str, float] = {}  # session id -> time.monotonic() of its last sync
+        self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently synced first
         self.evictions = 0
         self.expired = 0
         # Held by the model thread for a whole batch, so a release never races a batch using the session.
@@ -164,7 +165,7 @@ class SessionStore:
             session.truncate(prefix_length)
         session.token_ids.extend(new_token_ids)
         self._sessions.move_to_end(session_id)
-        self._used[session_id] = time.monotonic()
+        session.used_at = time.monotonic()
         return session
 
     def expire_idle(self, now: float | None = None) -> int:
@@ -175,10 +176,10 @@ class SessionStore:
             return 0
         cutoff = (time.monotonic() if now is None else now) - self.idle_s
         with self.lock:
-            stale = [sid for sid in self._sessions if self._used.get(sid, 0.0) < cutoff]
+            # In sync order: the idle ones are the first, up to the first one used since the cutoff.
+            stale = list(itertools.takewhile(lambda sid: self._sessions[sid].used_at < cutoff, self._sessions))
             for sid in stale:
                 self._sessions.pop(sid).evict_kv()
-                self._used.pop(sid, None)
             self.expired += len(stale)
         if stale:
             log.info("forgot %d sessions that no call used for %.0f s (their client went away without releasing them)", len(stale), self.idle_s)
@@ -201,7 +202,6 @@ class SessionStore:
             session.evict_kv()
             if not keep_tokens:
                 del self._sessions[sid]
-                self._used.pop(sid, None)
         return released
 
     def enforce_budget(self, protect: set[str] = frozenset()) -> None:
@@ -211,7 +211,6 @@ class SessionStore:
             if victim is None:
                 break
             self._sessions.pop(victim).evict_kv()
-            self._used.pop(victim, None)
             self.evictions += 1
         total = sum(s.kv_bytes() for s in self._sessions.values())
         for sid, session in self._sessions.items():
