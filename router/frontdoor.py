@@ -288,11 +288,12 @@ class FrontDoor:
         if telemetry is not None:
             telemetry.failed.labels(code=code).inc()
 
-    async def submit(self, params: GenerationParams, deadline: float | None = None, via: str = "", group: str = "") -> Generation:
+    async def submit(self, params: GenerationParams, deadline: float | None = None, via: str = "", client: str = "") -> Generation:
         """Validate `params` and queue the request; raises GenerationError (INVALID_ARGUMENT, OVERLOADED, SHUTTING_DOWN).
 
         deadline: time.monotonic() by which the client wants the answer (DEADLINE_EXCEEDED after it);
-        via: the transport, for the log. Tokenizing a long prompt takes a while, so it never runs on
+        via: the transport, for the log; client: who sent it, the transport's name for its connection (admission
+        takes turns between clients; a request is its own client when empty). Tokenizing a long prompt takes a while, so it never runs on
         the event loop, which serves every other client (one worker: the tokenizer is shared)."""
         try:
             self.check_open()
@@ -303,7 +304,7 @@ class FrontDoor:
                 eos_token_id=self.eos_token_id,
                 max_context=self.limits.max_context,
                 deadline=deadline,
-                group=group or spec.session_id,
+                client=client or spec.session_id,
             )
             try:
                 self.scheduler.submit(state, prompt_text, spec.domain)
@@ -325,22 +326,24 @@ class FrontDoor:
         )
         return Generation(state)
 
-    async def submit_all(self, params: list[GenerationParams], deadline: float | None = None, via: str = "") -> list[Generation]:
+    async def submit_all(self, params: list[GenerationParams], deadline: float | None = None, via: str = "", client: str = "") -> list[Generation]:
         """All of them or none: a refusal cancels those admitted before it, and is raised."""
         generations: list[Generation] = []
-        group = uuid.uuid4().hex  # they take their turns at admission as one call
+        client = client or uuid.uuid4().hex  # they take their turns at admission as one client
         try:
             for p in params:
-                generations.append(await self.submit(p, deadline, via, group))
+                generations.append(await self.submit(p, deadline, via, client))
         except GenerationError:
             for admitted in generations:
                 admitted.cancel("a request submitted with it was refused")
             raise
         return generations
 
-    async def generate(self, params: GenerationParams, deadline: float | None = None, via: str = "") -> AsyncIterator[Delta | Finished]:
+    async def generate(
+        self, params: GenerationParams, deadline: float | None = None, via: str = "", client: str = ""
+    ) -> AsyncIterator[Delta | Finished]:
         """Submit `params` and stream its events; a consumer that stops early (or is cancelled) cancels the request."""
-        generation = await self.submit(params, deadline, via)
+        generation = await self.submit(params, deadline, via, client=client)
         try:
             async for event in generation.events():
                 yield event

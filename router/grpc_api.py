@@ -121,7 +121,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
         try:
-            generation = await self.front_door.submit(params_of(request), deadline, via="gRPC")
+            # A channel's calls share its connection, and so its turns at admission.
+            generation = await self.front_door.submit(params_of(request), deadline, via="gRPC", client=context.peer())
         except GenerationError as err:
             await context.abort(STATUS[err.kind], err.message)
         # However the call ends: a client that cancelled it, or whose deadline passed, stops the request.

@@ -97,9 +97,12 @@ class OpenAIServer:
                 code="model_not_found",
             )
 
-    async def _submit(self, params: list[GenerationParams]) -> list[Generation]:
+    async def _submit(self, params: list[GenerationParams], request: Request) -> list[Generation]:
+        # A connection's calls share their turns at admission (a keep-alive client's requests, one after another).
+        peer = request.scope.get("client")
+        client = f"http:{peer[0]}:{peer[1]}" if peer else ""
         try:
-            return await self.front_door.submit_all(params, via="HTTP")
+            return await self.front_door.submit_all(params, via="HTTP", client=client)
         except GenerationError as err:
             raise ApiError.of(err) from None
 
@@ -128,7 +131,7 @@ class OpenAIServer:
             self._check(body)
             prompts, n = completion_prompts(body), body.n
             params = [params_of(body, body.max_tokens, p, i * n + c, c) for i, p in enumerate(prompts) for c in range(n)]
-        generations = await self._submit(params)
+        generations = await self._submit(params, request)
         name = self._name(body)
         offsets = [0] * len(generations)  # text_offset of each choice's next streamed token
 
@@ -156,7 +159,7 @@ class OpenAIServer:
             max_tokens = chat_max_tokens(body)
             prompt = render_chat(self.front_door.tokenizer, body.messages)
             params = [params_of(body, max_tokens, prompt, c, c) for c in range(body.n)]
-        generations = await self._submit(params)
+        generations = await self._submit(params, request)
         name = self._name(body)
 
         def logprobs_of(logprobs: list) -> dict | None:

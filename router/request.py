@@ -101,9 +101,9 @@ class RequestState:
     eos_token_id: int
     max_context: int
     deadline: float | None  # time.monotonic() by which the client wants an answer
-    # The call that submitted it (requests submitted together, an HTTP call's prompts and choices, share it):
-    # admission takes turns between calls.
-    group: str = ""
+    # Who sent it: the transport's connection (one gRPC channel's calls share it, as do an HTTP call's prompts and
+    # choices), else the call that submitted it. Admission takes turns between clients.
+    client: str = ""
     tokens: list[int] = field(default_factory=list)  # prompt followed by output
     verifier_mirror: SessionMirror = field(default_factory=SessionMirror)
     # Every verifier replica that was sent this request's sessions (released on all of them at the end:

@@ -4,7 +4,7 @@ The running requests are split into `pipeline_depth` groups (lanes), each a
 loop of rounds, so that while the verifier checks one group the drafters
 draft the next: drafters and verifier run on different machines and neither
 should wait. New requests join the least loaded lane between its rounds,
-earliest deadline first (then taking turns between the calls that submitted them),
+clients taking turns (a client is a connection), each client's earliest deadline first,
 up to `max_running`; past `max_queued` waiting ones
 a new request is refused (Overloaded).
 
@@ -75,7 +75,7 @@ class Scheduler:
         self._background: set[asyncio.Task] = set()
         self._stopping = asyncio.Event()  # set by stop(): background releases stop retrying
         self._waiting: list[RequestState] = []
-        self._turns: collections.Counter[str] = collections.Counter()  # requests admitted per call that still has some waiting
+        self._turns: collections.Counter[str] = collections.Counter()  # requests admitted per client that still has some waiting
         self._lanes: list[list[RequestState]] = [[] for _ in range(max(1, config.pipeline_depth))]
         self._kinds = LaneKinds(len(self._lanes))
         self._wake = asyncio.Event()
@@ -123,7 +123,7 @@ class Scheduler:
     # --- lanes ---------------------------------------------------------------------------------------------------
 
     def _admit(self, lane: list[RequestState]) -> None:
-        """Move waiting requests into this lane: earliest deadline first, calls taking turns, least loaded lane first."""
+        """Move waiting requests into this lane: clients taking turns, each's earliest deadline first, least loaded lane first."""
         if not self._waiting:
             return
         self._expire(self._waiting)
@@ -131,11 +131,12 @@ class Scheduler:
             self._waiting.remove(state)
             self._publish(state)  # ended before it ran: nothing was sent to a server, nothing to release
 
-        # Earliest deadline first; among equal deadlines (none, say), the call that has had the fewest of its requests
-        # admitted while some wait, so that one call of a thousand prompts takes turns with a one-prompt call rather
-        # than running all of its prompts first; then first come, first served.
+        # Clients take turns: the one that has had the fewest of its requests admitted while some wait goes next, so
+        # that a client sending a thousand prompts (in one call or in many) does not run them all before another
+        # client's one, whatever deadlines it sets. Within a client, earliest deadline first, then first come, first
+        # served.
         def turn(state: RequestState) -> tuple:
-            return (state.deadline if state.deadline is not None else float("inf"), self._turns[state.group], state.admitted_at)
+            return (self._turns[state.client], state.deadline if state.deadline is not None else float("inf"), state.admitted_at)
 
         while self._waiting and self.running < self.context.config.settings.max_running:
             if len(lane) > min(len(other) for other in self._lanes):
@@ -143,9 +144,9 @@ class Scheduler:
             state = min(self._waiting, key=turn)
             self._waiting.remove(state)
             lane.append(state)
-            self._turns[state.group] += 1
-        waiting_calls = {s.group for s in self._waiting}
-        self._turns = collections.Counter({group: n for group, n in self._turns.items() if group in waiting_calls})
+            self._turns[state.client] += 1
+        waiting_clients = {s.client for s in self._waiting}
+        self._turns = collections.Counter({client: n for client, n in self._turns.items() if client in waiting_clients})
 
     async def _lane(self, index: int) -> None:
         lane = self._lanes[index]

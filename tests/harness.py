@@ -106,10 +106,12 @@ class Cluster:
         self.stop()
         raise RuntimeError(f"cluster did not start; log:\n{self.log_path.read_text()[-4000:]}")
 
-    def channel(self, address: str | None = None) -> grpc.Channel:
-        """A channel carrying the router's API key when it has one, else the internal token (which the router ignores)."""
+    def channel(self, address: str | None = None, own_connection: bool = False) -> grpc.Channel:
+        """A channel carrying the router's API key when it has one, else the internal token (which the router ignores).
+        own_connection: a connection no other channel of this process shares (gRPC shares them by default)."""
         address = address or self.router
-        channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)] if own_connection else CHANNEL_OPTIONS
+        channel = grpc.insecure_channel(address, options=options)
         if address == self.router and self.env.get("SPECFLEET_API_KEY"):
             return grpc.intercept_channel(channel, WithToken(self.env["SPECFLEET_API_KEY"]))
         return grpc.intercept_channel(channel, WithToken(self.env.get("SPECFLEET_INTERNAL_TOKEN", INTERNAL_TOKEN)))

@@ -115,6 +115,25 @@ def test_admission_takes_turns_between_calls(ops, stub, random_family):
     assert len(finished) == 5 and finished.index("turns-lone") == 2, finished
 
 
+def test_admission_takes_turns_between_clients(ops, stub, random_family):
+    """Queued behind a running request: three one-prompt requests on one gRPC channel (one client, three calls),
+    each with a deadline, then one on a channel of its own without. The second client's request runs right after the
+    first client's first, not after all three: admission takes turns between clients (their connections), whatever
+    number of calls and deadlines each sends; every output is the target's."""
+    reference = target_greedy(str(random_family["target"]), PROMPTS[1], 4)
+    with ops.channel(own_connection=True) as channel:
+        other = generation_pb2_grpc.GenerationStub(channel)
+        with _slot_taken(ops, stub, "clients-blocker") as blocker:
+            busy = [_queue(ops, stub, greedy_request(PROMPTS[1], 4, 2, request_id=f"clients-busy-{i}"), 600) for i in range(3)]
+            lone = _queue(ops, other, greedy_request(PROMPTS[1], 4, 2, request_id="clients-lone"), None)
+        assert blocker.result().finish_reason
+        for future in [*busy, lone]:
+            assert list(future.result().token_ids) == reference
+    log = ops.log_path.read_text()
+    finished = re.findall(r"request (\S+) finished", log[log.index("request clients-blocker finished") :])
+    assert len(finished) == 5 and finished.index("clients-lone") == 2, finished
+
+
 def test_past_max_queued_is_resource_exhausted(ops, stub, random_family):
     """A full queue refuses the next request with RESOURCE_EXHAUSTED naming router.max_queued; the queued
     ones and the running one finish correctly once the verifier resumes."""
