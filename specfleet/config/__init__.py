@@ -67,6 +67,7 @@ from specfleet.config.runtime import (
 from specfleet.config.services import (
     ATTENTION_MODES,
     DEVICE_PATTERN,
+    LINEAR_MODES,
     DraftModelConfig,
     DrafterServiceConfig,
     RayPlacement,
@@ -97,6 +98,7 @@ __all__ = [
     "DEFAULT_METRICS_PORTS",
     "DEMO_MODELS",
     "DEVICE_PATTERN",
+    "LINEAR_MODES",
     "DOMAIN_PRIORS",
     "DraftModelConfig",
     "DrafterServiceConfig",

@@ -12,7 +12,7 @@ DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?|auto")
 # specfleet.engine.llama.ATTENTION_MODES, spelled out so that reading a config does not import torch.
 ATTENTION_MODES = ("auto", "per-session", "batched")
 # specfleet.engine.cpu_linear.LINEAR_MODES, likewise.
-LINEAR_MODES = ("auto", "plain")
+LINEAR_MODES = ("auto", "transposed", "packed", "plain")
 RESERVED_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 
 DEVICE_CHECK = Check(lambda v: DEVICE_PATTERN.fullmatch(v), "must be cpu, cuda, cuda:N or auto, got {value!r}")
@@ -80,8 +80,10 @@ class ServiceConfig:
     linear: str = knob(
         "auto",
         "linear layers on a CPU: auto lays each weight out for the CPU's kernels at load (a transposed copy for passes of "
-        "1-2 rows, oneDNN's blocked layout for wider ones; float32; a second copy of the weights in memory: "
-        "docs/benchmarks/engine-forward-pass.md), plain runs F.linear on the checkpoint's layout; ignored on a GPU",
+        "up to the row count where it measured faster on this CPU, timed per weight shape at load, oneDNN's blocked "
+        "layout for wider ones; float32; a second copy of the weights in memory: docs/benchmarks/engine-forward-pass.md); "
+        "transposed or packed lays them out and always takes that one; plain runs F.linear on the checkpoint's layout; "
+        "ignored on a GPU",
         check=one_of(LINEAR_MODES),
     )
     threads: int = knob(1, "torch threads of the service", check=at_least(1))

@@ -72,20 +72,25 @@ class LoadedModel:
     pool: KVPool = field(init=False)
     # CUDA graphs of batched passes (`graphs.CudaGraphs`), or None: every pass eager.
     graphs: object | None = None
-    # How linear layers run on a CPU (`cpu_linear.LINEAR_MODES`): auto lays them out for its kernels in `prepare`.
+    # How linear layers run on a CPU (`cpu_linear.LINEAR_MODES`): all but plain lay them out for its kernels in `prepare`.
     linear: str = "plain"
 
     def __post_init__(self):
         self.pool = KVPool(self.model, self.max_context)
 
     def prepare(self, max_cache_bytes: int, max_sessions: int) -> None:
-        """Before serving, once: on a CPU with `linear: auto`, lay the linear weights out for its kernels
+        """Before serving, once: on a CPU with `linear` other than plain, lay the linear weights out for its kernels
         (`cpu_linear.py`); with CUDA graphs, size the KV pool for the cache budget (its tensor then
         stays, so the graphs stay valid) and capture every graph. A stack's members are not prepared
         (their weights are views of the stack's)."""
-        if self.linear == "auto" and self.model.device.type == "cpu" and cpu_linear.available(self.model.dtype):
-            added = cpu_linear.lay_out(self.model)
-            log.info("model %s: linear layers laid out for the CPU's kernels (%.1f MB more memory)", self.name, added / 2**20)
+        if self.linear != "plain" and self.model.device.type == "cpu" and cpu_linear.available(self.model.dtype):
+            added, rows = cpu_linear.lay_out(self.model, self.linear)
+            log.info(
+                "model %s: linear layers laid out for the CPU's kernels (%.1f MB more memory); W^T serves up to %s rows, oneDNN's layout more",
+                self.name,
+                added / 2**20,
+                ", ".join(f"{r} ({'x'.join(map(str, shape))})" for shape, r in rows.items()),
+            )
         if self.graphs is None:
             return
         slots = min(max_sessions, max_cache_bytes // self.pool.slot_bytes)

@@ -1,6 +1,7 @@
 """specfleet/engine/cpu_linear.py: a weight laid out for a CPU's kernels computes what F.linear computes, at
-every number of rows (both layouts), with and without a bias; `LoadedModel.prepare` lays out what `linear: auto`
-asks for and nothing else. Whole passes against transformers: tests/engine/test_llama.py."""
+every number of rows (both layouts), with and without a bias; the layout a call takes follows the timings of
+the calibration; `LoadedModel.prepare` lays out what `linear: auto` asks for and nothing else. Whole passes
+against transformers: tests/engine/test_llama.py."""
 
 from __future__ import annotations
 
@@ -9,21 +10,56 @@ import torch
 import torch.nn.functional as F
 
 from specfleet.engine import cpu_linear, load_model
-from specfleet.engine.cpu_linear import CpuWeight
+from specfleet.engine.cpu_linear import CpuWeight, calibrate
 
 pytestmark = pytest.mark.skipif(not cpu_linear.available(torch.float32), reason="this torch build has no oneDNN")
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 80])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
-def test_both_layouts_compute_f_linear(rows, with_bias):
+@pytest.mark.parametrize("layout", ["transposed", "packed"])
+def test_both_layouts_compute_f_linear(rows, with_bias, layout):
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(300, 64, generator=gen)
     bias = torch.randn(300, generator=gen) if with_bias else None
     x = torch.randn(1, rows, 64, generator=gen)  # [B, N, E], as a pass hands it
     laid_out = CpuWeight.of(weight)
+    laid_out.transposed_rows = 1 << 20 if layout == "transposed" else 0
     torch.testing.assert_close(laid_out(x, bias), F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
     assert laid_out.weight.shape == weight.shape and torch.equal(laid_out.weight, weight)
+
+
+def test_a_call_takes_the_transposed_copy_up_to_its_weight_s_row_count():
+    """Each copy made from a different weight, so the answer says which one served the call."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(96, 32, generator=gen), torch.randn(96, 32, generator=gen)
+    mixed = CpuWeight(a.t().contiguous(), CpuWeight.of(b).packed, transposed_rows=5)
+    for rows, served_by in [(1, a), (5, a), (6, b), (40, b)]:
+        x = torch.randn(1, rows, 32, generator=gen)
+        torch.testing.assert_close(mixed(x, None), F.linear(x, served_by), atol=1e-4, rtol=1e-5)
+
+
+def test_the_transposed_copy_serves_up_to_the_most_rows_it_was_faster_at():
+    """`choose` reads the calibration's timings: the transposed copy up to the largest row count it won (even past a
+    row count it lost by noise), oneDNN's layout beyond, and never the transposed copy where it never won."""
+    assert cpu_linear.choose({1: (1.0, 2.0), 2: (1.0, 2.0), 4: (3.0, 2.0), 8: (3.0, 2.0)}) == 2
+    assert cpu_linear.choose({1: (1.0, 2.0), 2: (3.0, 2.0), 4: (1.0, 2.0), 8: (3.0, 2.0)}) == 4
+    assert cpu_linear.choose({1: (1.0, 2.0), 16: (1.0, 2.0)}) == 16
+    assert cpu_linear.choose({1: (3.0, 2.0), 2: (3.0, 2.0)}) == 0
+
+
+def test_calibration_times_both_layouts_and_lay_out_applies_it_per_shape():
+    weight = CpuWeight.of(torch.randn(512, 64))
+    assert calibrate(weight) in (0, *cpu_linear.CALIBRATION_ROWS)
+    loaded = load_model("t", "models/demo/target", linear="plain")
+    _, rows = cpu_linear.lay_out(loaded.model)
+    head, qkv = loaded.model.lm_head, loaded.model.layers[0].qkv
+    assert set(rows) == {
+        tuple(head.weight.shape),
+        *(tuple(getattr(loaded.model.layers[0], n).weight.shape) for n in ("qkv", "out", "gate_up", "down")),
+    }
+    assert head.transposed_rows == rows[tuple(head.weight.shape)] and qkv.transposed_rows == rows[tuple(qkv.weight.shape)]
+    assert all(layer.qkv.transposed_rows == qkv.transposed_rows for layer in loaded.model.layers)
 
 
 def test_prepare_lays_out_with_auto_only(tmp_path):

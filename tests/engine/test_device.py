@@ -98,9 +98,10 @@ def test_model_info_names_device_and_dtype(dtype):
 
 
 def test_attention_mode_is_a_checked_setting_spelt_as_the_engine_spells_it():
-    from specfleet.engine import llama
+    from specfleet.engine import cpu_linear, llama
 
     assert config_mod.ATTENTION_MODES == llama.ATTENTION_MODES
+    assert config_mod.LINEAR_MODES == cpu_linear.LINEAR_MODES
     data = _config()
     data["verifier"]["attention"] = "batched"
     assert config_mod.parse(data).verifier.attention == "batched"
