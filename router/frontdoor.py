@@ -293,8 +293,9 @@ class FrontDoor:
 
         deadline: time.monotonic() by which the client wants the answer (DEADLINE_EXCEEDED after it);
         via: the transport, for the log; client: who sent it, the transport's name for its connection (admission
-        takes turns between clients; a request is its own client when empty). Tokenizing a long prompt takes a while, so it never runs on
-        the event loop, which serves every other client (one worker: the tokenizer is shared)."""
+        takes turns between clients; a request is its own client when empty). Tokenizing a long prompt takes a
+        while, so it never runs on the event loop, which serves every other client (one worker: the tokenizer is
+        shared)."""
         try:
             self.check_open()
             spec, prompt_text = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._validate, params)
@@ -339,11 +340,9 @@ class FrontDoor:
             raise
         return generations
 
-    async def generate(
-        self, params: GenerationParams, deadline: float | None = None, via: str = "", client: str = ""
-    ) -> AsyncIterator[Delta | Finished]:
+    async def generate(self, params: GenerationParams, deadline: float | None = None, via: str = "") -> AsyncIterator[Delta | Finished]:
         """Submit `params` and stream its events; a consumer that stops early (or is cancelled) cancels the request."""
-        generation = await self.submit(params, deadline, via, client=client)
+        generation = await self.submit(params, deadline, via)
         try:
             async for event in generation.events():
                 yield event

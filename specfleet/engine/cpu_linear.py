@@ -9,9 +9,10 @@ fastest; `torch.compile` of the dense parts of a layer, weights passed as argume
 faster than eager. So each weight is laid out both ways once, at load, and each call takes the layout
 for its number of rows. That costs a second copy of every linear weight in memory; float32 only.
 
-Where one layout stops being the faster one depends on the CPU (an AMD EPYC: from 3 rows; an Intel Xeon
-with AVX-512: from about 16), so `lay_out` times both on each of the model's weight shapes at load and
-keeps, per shape, the most rows the transposed copy served faster (`calibrate`, `choose`).
+Where one layout stops being the faster one depends on the CPU (an AMD EPYC: oneDNN's from 3 rows; an Intel
+Xeon with AVX-512: W^T up to the 128 rows timed, docs/benchmarks/linear-calibrated.md), so `lay_out` times
+both on each of the model's weight shapes at load and keeps, per shape, the most rows the transposed copy
+served faster (`calibrate`, `choose`).
 
 The math is a matrix product either way: rows of a pass never mix, and a row's result does not
 depend on which layout computed it beyond float rounding, which greedy tests against transformers'
@@ -63,8 +64,11 @@ class CpuWeight:
         if rows <= self.transposed_rows:
             y = x @ self.transposed
             return y if bias is None else y + bias
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, width), self.packed, bias, "none", [], "")
-        return y.view(*x.shape[:-1], y.shape[-1])
+        return self.by_packed(x.reshape(rows, width), bias).view(*x.shape[:-1], -1)
+
+    def by_packed(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [rows, in] through oneDNN's layout."""
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
 
 def lay_out(model, mode: str = "auto") -> tuple[int, dict[tuple[int, ...], int]]:
@@ -105,7 +109,7 @@ def calibrate(weight: CpuWeight) -> int:
         rows_x = x[:rows]
         paths = {
             "transposed": lambda: rows_x @ weight.transposed,
-            "packed": lambda: torch.ops.mkldnn._linear_pointwise(rows_x, weight.packed, None, "none", [], ""),
+            "packed": lambda: weight.by_packed(rows_x),
         }
         best = dict.fromkeys(paths, float("inf"))
         deadline = time.perf_counter() + CALIBRATION_BUDGET_S
