@@ -39,7 +39,8 @@ def demo_config(**router) -> dict:
 
 @pytest.fixture(scope="module")
 def demo_cluster(tmp_path_factory):
-    config = demo_config(fusion_width=2, fusion_below=0.9)
+    # Every prompt scored (exemplar_margin 0): the scoring tests need the specialists to score each one.
+    config = demo_config(fusion_width=2, fusion_below=0.9, exemplar_margin=0)
     cluster = Cluster(config, tmp_path_factory.mktemp("demo"), "demo").start(timeout_s=300)
     yield cluster
     cluster.stop()

@@ -23,12 +23,17 @@ ACCEPTANCE = {
 }
 
 
-def make_router(policy="expertise", specialities=True, decay=0.98, fusion_width=1, fusion_below=0.75) -> DrafterRouter:
+def make_router(
+    policy="expertise", specialities=True, decay=0.98, fusion_width=1, fusion_below=0.75, exemplar_margin=0.02, exemplars=EXEMPLARS
+) -> DrafterRouter:
     profiles = [DrafterProfile(d, [d] if specialities and d != "general" else []) for d in ("code", "prose", "structured", "general")]
+    config = RoutingConfig(
+        routing_policy=policy, default_drafter="general", fusion_width=fusion_width, fusion_below=fusion_below, exemplar_margin=exemplar_margin
+    )
     return DrafterRouter(
-        RoutingConfig(routing_policy=policy, default_drafter="general", fusion_width=fusion_width, fusion_below=fusion_below),
+        config,
         profiles,
-        DomainClassifier(EXEMPLARS),
+        DomainClassifier(exemplars),
         ExpertiseStore(decay=decay),
         seed=1,
     )
@@ -209,7 +214,7 @@ def test_pipelined_rounds_hide_drafting_so_k_can_be_deeper():
 
 
 def test_specialists_scores_set_the_domain_and_the_classifier_is_the_fallback():
-    router = make_router()
+    router = make_router(exemplar_margin=0)  # every prompt is scored
     routing = router.start("The old man looked out over the sea and remembered")
     assert routing.needs_scores and routing.domain == ""  # undecided until the specialists score it
     assert set(router.scorers()) == {"code", "prose", "structured"}  # the general drafter declares nothing
@@ -221,6 +226,22 @@ def test_specialists_scores_set_the_domain_and_the_classifier_is_the_fallback():
     # A declared domain, or another policy, needs no scoring.
     assert not router.start("anything", domain_hint="prose").needs_scores
     assert not make_router(policy="random").start("def f(): pass").needs_scores
+
+
+def test_a_prompt_the_exemplars_place_clearly_is_not_scored():
+    # "prose" and "code" share an exemplar, so a prompt like it is no closer to one than to the other.
+    exemplars = {
+        "prose": ["The river ran past the mill.", "It rained all night."],
+        "code": ["The river ran past the mill."],
+        **{"structured": EXEMPLARS["structured"]},
+    }
+    router = make_router(exemplars=exemplars)
+    clear = router.start('{"key": "value", "items": [1, 2, 3]}')
+    assert clear.domain == "structured" and not clear.needs_scores
+    tied = router.start("The river ran past the mill.")
+    assert tied.needs_scores and tied.domain == ""
+    assert router.classifier.scores("The river ran past the mill.")["prose"] == pytest.approx(1.0)  # one exemplar is the prompt
+    assert make_router(exemplars=exemplars, exemplar_margin=0).start('{"key": "value", "items": [1, 2, 3]}').needs_scores
 
 
 def test_a_call_overhead_makes_drafting_deeper_not_shallower():
