@@ -166,6 +166,8 @@ class Drafting:
         router, services, controller = self.context.router, self.context.drafters, self.context.controller
         chosen, bounds = [], []
         for state in batch:
+            if state.routing.needs_scores:
+                router.place(state.routing)
             bound = max(0, min(state.spec.max_draft_tokens, state.remaining() - 1))
             # A prompt still being scored has no domain to route by: it decodes plainly this round.
             drafters = router.choose(state.routing) if bound > 0 and not state.routing.needs_scores else []

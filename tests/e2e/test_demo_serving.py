@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from router.routing import DomainClassifier
 from tools.bench.workload import DOMAINS
 from specfleet.config import DEMO_MODELS
 from specfleet.v1 import generation_pb2, generation_pb2_grpc
@@ -14,6 +15,12 @@ from tests.helpers import greedy_request, target_greedy
 
 WORKLOADS = DEMO_MODELS.parent.parent / "tools" / "bench" / "workloads"
 MAX_TOKENS = 32
+# What the router's exemplar classifier reads: every specialist's exemplars, under its speciality.
+EXEMPLARS = {
+    d.name: [json.loads(line)["text"] for line in (d / "exemplars.jsonl").read_text().splitlines() if line.strip()]
+    for d in (DEMO_MODELS / "drafters").iterdir()
+    if (d / "exemplars.jsonl").exists() and d.name != "general"
+}
 
 
 def prompts(domain: str, n: int, offset: int = 0, chars: int = 300) -> list[str]:
@@ -39,8 +46,8 @@ def demo_config(**router) -> dict:
 
 @pytest.fixture(scope="module")
 def demo_cluster(tmp_path_factory):
-    # Every prompt scored (exemplar_margin 0): the scoring tests need the specialists to score each one.
-    config = demo_config(fusion_width=2, fusion_below=0.9, exemplar_margin=0)
+    # k as asked every round (no adaptive speculation), so that a request drafts in any round it has a drafter for.
+    config = demo_config(fusion_width=2, fusion_below=0.9, adaptive_speculation=False)
     cluster = Cluster(config, tmp_path_factory.mktemp("demo"), "demo").start(timeout_s=300)
     yield cluster
     cluster.stop()
@@ -63,19 +70,28 @@ def test_greedy_with_routing_and_fusion_equals_target(demo_cluster, domain):
     assert accepted > 0
 
 
-def test_specialists_scoring_the_prompt_find_its_domain(demo_cluster):
-    """The default domain prior: each specialist scores the prompt; the best one's speciality is the domain. They
-    score it in the request's first round, which decodes plainly (no drafter is chosen before the domain is known),
-    and two tokens leave no room to draft after it."""
+def test_the_exemplars_or_the_specialists_scoring_the_prompt_find_its_domain(demo_cluster):
+    """The default domain prior: a prompt the exemplars place clearly (router.exemplar_margin) takes their label and
+    drafts in its first round; each specialist scores any other, in the request's first round, which decodes it
+    plainly (no drafter is chosen before the domain is known), and the best one's speciality is the domain. Two
+    tokens leave room to draft in the first round only."""
+    classifier = DomainClassifier(EXEMPLARS)
     with demo_cluster.channel() as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
-        cases = [(domain, text) for domain in DOMAINS for text in prompts(domain, 4, offset=3)]
-        futures = [stub.Generate.future(greedy_request(text, 2, 1), timeout=300) for _, text in cases]
+        cases = [(domain, text, classifier.sure(text, 0.02)) for domain in DOMAINS for text in prompts(domain, 4, offset=3)]
+        futures = [stub.Generate.future(greedy_request(text, 2, 1), timeout=300) for _, text, _ in cases]
         replies = [future.result() for future in futures]
-    guessed = [reply.speculation.domain for reply in replies]
-    assert all(reply.speculation.draft_tokens == 0 for reply in replies), [r.speculation.draft_tokens for r in replies]
-    right = sum(1 for (domain, _), guess in zip(cases, guessed) if guess == domain)
-    assert right >= 0.8 * len(cases), list(zip([d for d, _ in cases], guessed))
+    placed = [(case, reply) for case, reply in zip(cases, replies) if case[2]]
+    scored = [(case, reply) for case, reply in zip(cases, replies) if not case[2]]
+    assert len(placed) >= 8 and len(scored) >= 8, [case[2] for case in cases]
+    outcome = [(sure, r.speculation.domain, r.speculation.draft_tokens) for (_, _, sure), r in placed]
+    assert all(domain == sure and drafted >= 1 for sure, domain, drafted in outcome), outcome  # two drafters with fusion
+    # Scoring is drafting time that drafts nothing.
+    assert all(r.speculation.draft_tokens == 0 and r.speculation.draft_wall_ms > 0 for _, r in scored), [
+        (r.speculation.draft_tokens, r.speculation.draft_wall_ms) for _, r in scored
+    ]
+    guessed = [(domain, reply.speculation.domain) for (domain, _, _), reply in zip(cases, replies)]
+    assert sum(1 for domain, guess in guessed if guess == domain) >= 0.8 * len(cases), guessed
 
 
 def test_a_request_that_never_drafts_is_not_scored(demo_cluster):

@@ -236,12 +236,17 @@ def test_a_prompt_the_exemplars_place_clearly_is_not_scored():
         **{"structured": EXEMPLARS["structured"]},
     }
     router = make_router(exemplars=exemplars)
-    clear = router.start('{"key": "value", "items": [1, 2, 3]}')
+    clear, tied = router.start('{"key": "value", "items": [1, 2, 3]}'), router.start("The river ran past the mill.")
+    assert clear.needs_scores and tied.needs_scores  # decided in the first round (`place`), not at submission
+    router.place(clear)
+    router.place(tied)
     assert clear.domain == "structured" and not clear.needs_scores
-    tied = router.start("The river ran past the mill.")
     assert tied.needs_scores and tied.domain == ""
     assert router.classifier.scores("The river ran past the mill.")["prose"] == pytest.approx(1.0)  # one exemplar is the prompt
-    assert make_router(exemplars=exemplars, exemplar_margin=0).start('{"key": "value", "items": [1, 2, 3]}').needs_scores
+    always = make_router(exemplars=exemplars, exemplar_margin=0)
+    scored = always.start('{"key": "value", "items": [1, 2, 3]}')
+    always.place(scored)
+    assert scored.needs_scores
 
 
 def test_a_call_overhead_makes_drafting_deeper_not_shallower():
