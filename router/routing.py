@@ -78,8 +78,8 @@ class DomainClassifier:
     """The speciality of the exemplar most similar to the prompt (nearest neighbour).
 
     The exemplars' vectors are kept as an inverted index (feature -> the exemplars that have it), so a
-    prompt costs the postings of its own features, not a pass over every exemplar: about 4 ms a prompt
-    of 2,000 characters against the demo family's 336 exemplars, where comparing with each took 12."""
+    prompt costs the postings of its own features, not a pass over every exemplar (its cost:
+    docs/benchmarks/exemplar-margin.md)."""
 
     def __init__(self, exemplars: dict[str, list[str]]):
         self.labels: list[str] = []  # each exemplar's label, by exemplar index
@@ -419,7 +419,7 @@ class DrafterRouter:
     def place(self, routing: RequestRouting) -> None:
         """Before a request's prompt is scored: where the exemplars place it clearly, their label is its domain and no
         specialist spends a prefill on it. In the request's first round, not at submission, so that a call of many
-        prompts costs the event loop one classification (about 4 ms) per request admitted, not all of them at once."""
+        prompts costs the event loop one classification per request admitted, not all of them at once."""
         sure = self.classifier.sure(routing.prompt, self.config.exemplar_margin)
         if sure:
             routing.domain, routing.needs_scores, routing.prompt = sure, False, ""

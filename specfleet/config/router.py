@@ -63,8 +63,8 @@ class RoutingConfig:
     exemplar_margin: float = knob(
         0.02,
         "with the likelihood prior, a prompt whose nearest exemplar's domain leads every other domain's by at least this "
-        "cosine similarity takes that domain without specialists scoring it (0: every prompt is scored); at 0.02 the demo "
-        "family's exemplars place about 37% of held-out workload prompts, 97% of them right",
+        "cosine similarity takes that domain without specialists scoring it (0: every prompt is scored); how often the "
+        "demo family's exemplars place prompts, and how rightly, at each margin: docs/benchmarks/exemplar-margin.md",
         check=Check(lambda v: 0 <= v <= 1, "a cosine similarity between 0 and 1, got {value}"),
     )
     fewer_models: bool = knob(
