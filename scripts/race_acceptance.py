@@ -45,7 +45,7 @@ def main() -> None:
     torch.set_num_threads(1)
     target = load_model("target", DEMO_MODELS / "target")
     drafters = {name: load_model(name, DEMO_MODELS / "drafters" / name, use_token_map=True) for name in ("general", *DOMAINS)}
-    print(f"| domain | drafter | shape | positions | rejection sampling | race | race / rejection |")
+    print("| domain | drafter | shape | positions | rejection sampling | race | race / rejection |")
     print("|---|---|---|---|---|---|---|")
     for domain in DOMAINS:
         _, rows = resolve_source(domain)

@@ -47,7 +47,7 @@ def main() -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 12000) for _ in range(120)] for _ in range(4)]
     greedy = SamplingParams()
-    print(f"| call | per model (ms) | stacked (ms) | ratio |\n|---|---|---|---|")
+    print("| call | per model (ms) | stacked (ms) | ratio |\n|---|---|---|---|")
     for label, assign in CASES.items():
         times = {name: [] for name in layouts}
         drafts = {name: [] for name in layouts}
