@@ -23,7 +23,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from router import messages
@@ -120,13 +120,17 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return sum(acceptance**i for i in range(k + 1))
 
 
-def consolidate(chosen: list[list[str]], means: list[dict[str, float]], bounds: list[int], services: dict, cost) -> list[list[str]]:
+def consolidate(
+    chosen: list[list[str]], means: list[dict[str, float]], bounds: list[int], services: dict, cost, usable: Iterable[str] = ()
+) -> list[list[str]]:
     """Fewer distinct draft models in the round, where that raises its expected goodput.
 
     A drafter service runs each distinct model's layers in turn at every position of a stacked step, so each model
     a round adds costs a step per position (`CostModel.draft_ms`), while a request moved to the best of the models
     that stay loses only the difference in expected tokens (`means`: each drafter's expected acceptance for the
-    request). Models leave one at a time, the one whose leaving raises goodput most, while one does; requests whose
+    request). Models leave one at a time, the one whose leaving raises goodput most, while one does. A model of
+    `usable` that no request leads with may also take every request at once: four requests routed to four
+    specialists can be served better by the general drafter alone than by any three of them. Requests whose
     drafters cooperate (fusion) keep theirs, and so do the models they use."""
     chosen = [list(drafters) for drafters in chosen]
     depth, n = max(bounds, default=0), len(chosen)
@@ -145,6 +149,11 @@ def consolidate(chosen: list[list[str]], means: list[dict[str, float]], bounds: 
             if not rest:
                 continue
             trial = [[max(sorted(rest), key=means[i].get)] if d == [model] else d for i, d in enumerate(chosen)]
+            trial_goodput = goodput(trial)
+            if trial_goodput > best_goodput:
+                best, best_goodput = trial, trial_goodput
+        for model in sorted(set(usable) - leads - fused):
+            trial = [[model] if len(d) == 1 else d for d in chosen]
             trial_goodput = goodput(trial)
             if trial_goodput > best_goodput:
                 best, best_goodput = trial, trial_goodput
@@ -176,7 +185,7 @@ class Drafting:
         if controller.adaptive and router.config.routing_policy == "expertise" and router.config.fewer_models:
             # Every drafter's expected acceptance for every request: only consolidating needs more than the lead's.
             means = [{d: router.mean(s.routing, d) for d in router.drafters} if drafters else {} for s, drafters in zip(batch, chosen)]
-            chosen = consolidate(chosen, means, bounds, services, controller.cost)
+            chosen = consolidate(chosen, means, bounds, services, controller.cost, self.usable())
         acceptance = [router.mean(s.routing, drafters[0]) if drafters else 0.0 for s, drafters in zip(batch, chosen)]
         models = most_models(chosen, services)
         ks = controller.plan(acceptance, bounds, [s.rounds for s in batch], overlap, running, models)
@@ -187,6 +196,12 @@ class Drafting:
                 for state, drafters, k in zip(batch, chosen, ks)
             ]
         )
+
+    def usable(self) -> list[str]:
+        """The drafters a round may move requests to: those whose service has a replica the breaker lets rounds call
+        (a request moved to a skipped service would go without drafts)."""
+        services = self.context.drafters
+        return [d for d in self.context.router.drafters if any(self.breaker.allow(r.name) for r in services[d].replicas)]
 
     async def draft(self, plan: RoundPlan) -> dict[str, DraftTree]:
         """Draft trees for every request that drafts this round, keyed by session id."""

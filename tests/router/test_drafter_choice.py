@@ -5,8 +5,14 @@ on this machine."""
 
 from __future__ import annotations
 
-from router.drafting import consolidate, expected_tokens, most_models
-from router.speculation import CostModel
+from types import SimpleNamespace
+
+from router.drafters import DrafterService
+from router.drafting import Drafting, consolidate, expected_tokens, most_models
+from router.rounds import RoundContext, SchedulerConfig
+from router.routing import DomainClassifier, DrafterProfile, DrafterRouter, ExpertiseStore
+from router.speculation import CostModel, SpeculationController
+from specfleet.config import RoutingConfig
 
 # One service hosting every specialist, as the bundled demo drafters are served.
 SERVICE = object()
@@ -44,6 +50,31 @@ def test_dear_steps_send_every_request_to_the_model_most_of_them_share():
         return tokens / (model.verify_ms(4, 20) + model.draft_ms(4, most_models(assignment, SERVICES)))
 
     assert goodput(out) > goodput(chosen)
+
+
+def test_a_model_no_request_leads_with_may_take_the_whole_round():
+    """Three requests routed to three specialists a little better than the general drafter, steps dear: the general
+    drafter alone serves the round better, though no request chose it; never one the breaker skips (not usable), and
+    not where steps are cheap."""
+    chosen = [["code"], ["german"], ["french"]]
+    acceptance = [means("code", 0.7, 0.6), means("german", 0.7, 0.6), means("french", 0.7, 0.6)]
+    assert consolidate(chosen, acceptance, [4] * 3, SERVICES, cost(3.0), usable=SERVICES) == [["general"]] * 3
+    without = consolidate(chosen, acceptance, [4] * 3, SERVICES, cost(3.0), usable=["code", "german", "french"])
+    assert all(d != ["general"] for d in without)
+    assert consolidate(chosen, acceptance, [4] * 3, SERVICES, cost(0.05), usable=SERVICES) == chosen
+
+
+def test_a_round_moves_no_request_to_a_drafter_whose_service_is_skipped():
+    """Drafting.usable: the drafters on a service whose every replica the breaker skips are not candidates."""
+    replicas = {"left": [SimpleNamespace(name="left-0")], "right": [SimpleNamespace(name="right-0"), SimpleNamespace(name="right-1")]}
+    services = {name: DrafterService(name, replicas[name]) for name in replicas}
+    hosted = {"general": services["left"], "code": services["right"], "german": services["right"]}
+    router = DrafterRouter(RoutingConfig(), [DrafterProfile(name) for name in hosted], DomainClassifier({}), ExpertiseStore(0.99))
+    drafting = Drafting(RoundContext(SchedulerConfig(), hosted, router, SpeculationController(cost(1.0))), in_background=lambda coroutine: None)
+    assert drafting.usable() == ["general", "code", "german"]
+    drafting.breaker.failed("left-0")
+    drafting.breaker.failed("right-0")
+    assert drafting.usable() == ["code", "german"]  # right-1 still answers
 
 
 def test_cheap_steps_or_much_better_specialists_keep_the_routing():
