@@ -8,7 +8,7 @@ import pytest
 
 from router.routing import DomainClassifier
 from tools.bench.workload import DOMAINS
-from specfleet.config import DEMO_MODELS
+from specfleet.config import DEMO_MODELS, RoutingConfig
 from specfleet.v1 import generation_pb2, generation_pb2_grpc
 from tests.harness import Cluster, free_port
 from tests.helpers import greedy_request, target_greedy
@@ -78,7 +78,8 @@ def test_the_exemplars_or_the_specialists_scoring_the_prompt_find_its_domain(dem
     classifier = DomainClassifier(EXEMPLARS)
     with demo_cluster.channel() as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
-        cases = [(domain, text, classifier.sure(text, 0.02)) for domain in DOMAINS for text in prompts(domain, 4, offset=3)]
+        margin = RoutingConfig().exemplar_margin  # the cluster's: the default
+        cases = [(domain, text, classifier.sure(text, margin)) for domain in DOMAINS for text in prompts(domain, 4, offset=3)]
         futures = [stub.Generate.future(greedy_request(text, 2, 1), timeout=300) for _, text, _ in cases]
         replies = [future.result() for future in futures]
     placed = [(case, reply) for case, reply in zip(cases, replies) if case[2]]

@@ -233,7 +233,7 @@ def test_a_prompt_the_exemplars_place_clearly_is_not_scored():
     exemplars = {
         "prose": ["The river ran past the mill.", "It rained all night."],
         "code": ["The river ran past the mill."],
-        **{"structured": EXEMPLARS["structured"]},
+        "structured": EXEMPLARS["structured"],
     }
     router = make_router(exemplars=exemplars)
     clear, tied = router.start('{"key": "value", "items": [1, 2, 3]}'), router.start("The river ran past the mill.")
