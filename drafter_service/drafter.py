@@ -91,7 +91,7 @@ def stack_draft_models(models: dict[str, DraftModel]) -> list[Stack]:
     """Stack the service's same-shape draft models (before any session exists); returns the stacks.
 
     The members of a stack share one KV pool, so they share one lock too: a release on one
-    member never races a batch taking a slot of that pool through another."""
+    member never races a batch taking blocks of that pool through another."""
     by_loaded = {id(m.loaded): m for m in models.values()}
     stacks = stack_models([m.loaded for m in models.values()])
     for stack in stacks:

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 
 import torch
 
-from specfleet.engine.loading import MAX_POSITIONS
 from specfleet.engine.sampling import generator_for, race, race_keys, race_noise, sample_sparse
 from specfleet.sampling import STREAM_DRAFT, SamplingParams
 from specfleet.tokenizer import load_tokenizer, tokenizer_fingerprint
@@ -45,7 +44,8 @@ class NgramSource:
     fingerprint: str
     vocab_size: int
     eos_token_id: int
-    max_context: int = MAX_POSITIONS
+    # No model of positions: it reads any context (GetInfo's field is an int32).
+    max_context: int = 2**31 - 1
 
     def info(self):
         from specfleet.v1 import common_pb2

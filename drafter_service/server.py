@@ -164,7 +164,17 @@ def load_core(svc: config_mod.DrafterServiceConfig, threads: int | None = None) 
         if m.kind == "ngram":
             models[m.name] = NgramModel(load_source(m.name, m.path), store, m.ngram_max, m.ngram_min, m.ngram_matches)
             continue
-        loaded = load_model(m.name, m.path, dtype=svc.dtype, device=device, use_token_map=True, attention=svc.attention, linear=svc.linear)
+        loaded = load_model(
+            m.name,
+            m.path,
+            dtype=svc.dtype,
+            device=device,
+            use_token_map=True,
+            attention=svc.attention,
+            linear=svc.linear,
+            max_model_len=svc.max_model_len,
+            kv_block_size=svc.kv_block_size,
+        )
         models[m.name] = DraftModel(loaded, store, svc.proposal_top_k)
     fingerprints = {m.loaded.fingerprint for m in models.values()}
     if len(fingerprints) > 1:
@@ -184,7 +194,7 @@ def load_core(svc: config_mod.DrafterServiceConfig, threads: int | None = None) 
         housekeeping=lambda: [m.store.expire_idle() for m in models.values()],
         housekeeping_every_s=housekeeping_every(svc.session_idle_s),
     )
-    return DrafterCore(models, batcher, telemetry, limits_mod.CallLimits(svc.max_call_sessions, svc.max_call_tokens, f"drafters[{svc.name}]"))
+    return DrafterCore(models, batcher, telemetry, limits_mod.drafter_limits(svc.max_call_sessions, svc.max_call_tokens, f"drafters[{svc.name}]"))
 
 
 class DrafterServicer(CoreServicer, drafter_pb2_grpc.DrafterServicer):

@@ -176,22 +176,24 @@ def call_limits(cfg: config_mod.Config, target, drafter_contexts: dict[str, int]
     lockstep group (router.fusion_width sessions) per Draft call: a service whose limits refuse
     even that would refuse requests, so the router does not start."""
     v = cfg.verifier
-    if v.max_call_tokens < target.max_context:
+    if v.max_call_tokens and v.max_call_tokens < target.max_context:
         raise StartupError(
             f"verifier.max_call_tokens ({v.max_call_tokens}) is below the target's context ({target.max_context} tokens): "
-            "a long request would be refused; raise it"
+            "a long request would be refused; raise it (or 0: sized to the context)"
         )
-    verify = limits.CallLimits(v.max_call_sessions, v.max_call_tokens, "verifier")
+    verify = limits.CallLimits(v.max_call_sessions, limits.call_tokens(v.max_call_tokens, target.max_context), "verifier")
     width = cfg.router.routing.fusion_width
     draft = {}
     for svc in cfg.drafters:
         where = f"drafters[{svc.name}]"
-        if svc.max_call_sessions < width or svc.max_call_tokens < width * drafter_contexts[svc.name]:
+        # A session drafts no further than the target's context (an n-gram drafter has no limit of its own).
+        context = min(drafter_contexts[svc.name], target.max_context)
+        if svc.max_call_sessions < width or (svc.max_call_tokens and svc.max_call_tokens < width * context):
             raise StartupError(
                 f"{where}.max_call_sessions ({svc.max_call_sessions}) and max_call_tokens ({svc.max_call_tokens}) must hold "
-                f"router.fusion_width ({width}) sessions of its models' full context ({drafter_contexts[svc.name]} tokens) in one call; raise them"
+                f"router.fusion_width ({width}) sessions of its models' full context ({context} tokens) in one call; raise them"
             )
-        draft[svc.name] = limits.CallLimits(svc.max_call_sessions, svc.max_call_tokens, where)
+        draft[svc.name] = limits.CallLimits(svc.max_call_sessions, limits.call_tokens(svc.max_call_tokens, width * context), where)
     return verify, draft
 
 

@@ -55,7 +55,7 @@ chead = torch.compile(head, dynamic=True)
 
 
 @torch.inference_mode()
-def fwd(input_ids, positions, kv, slots, kv_lens, new_lens, attends, compiled):
+def fwd(input_ids, positions, kv, places, kv_lens, new_lens, attends, compiled):
     batch, width = input_ids.shape
     H, KV, D = m.heads, m.kv_heads, m.head_dim
     x = m.embed[input_ids]
@@ -68,9 +68,9 @@ def fwd(input_ids, positions, kv, slots, kv_lens, new_lens, attends, compiled):
         outs = []
         for b in range(batch):
             kv_len, n = kv_lens[b], new_lens[b]
-            cache = kv[i, :, slots[b]]
-            cache[:, :, kv_len : kv_len + n] = new_kv[b, :, :, :n]
-            keys, values = cache[:, None, :, : kv_len + n].unbind(0)
+            cache = kv[i, :, :, places[b] : places[b] + kv_len + n]  # consecutive blocks (a fresh pool)
+            cache[:, :, kv_len:] = new_kv[b, :, :, :n]
+            keys, values = cache[:, None].unbind(0)
             out = F.scaled_dot_product_attention(q[b : b + 1, :, :n], keys, values, attn_mask=masks[b])
             outs.append(out)
         attn = torch.cat(outs)
@@ -85,14 +85,14 @@ def setup(b, n):
     ss = []
     for _ in range(b):
         s = Session(token_ids=[1] * CTX)
-        s.reserve(loaded.pool, CTX + n)
+        s.reserve(loaded.pool, CTX + n, loaded.max_context)
         s.kv_len = CTX
         ss.append(s)
     ids = torch.randint(0, 12000, (b, n))
     pos = torch.arange(CTX, CTX + n).expand(b, n).contiguous()
-    slots = [s.slot for s in ss]
+    places = [s.place() for s in ss]
     attends = [None if n == 1 else torch.ones(n, n, dtype=torch.bool).tril() for _ in range(b)]
-    return ss, (ids, pos, loaded.pool.kv, slots, [CTX] * b, [n] * b, attends)
+    return ss, (ids, pos, loaded.pool.kv, places, [CTX] * b, [n] * b, attends)
 
 
 shapes = [(1, 1), (1, 5), (4, 1), (4, 5), (16, 1), (16, 5)]

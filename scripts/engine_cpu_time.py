@@ -1,6 +1,6 @@
 """CPU time of one forward pass of the demo target, B sessions x n new tokens after 128 cached positions.
 
-    PYTHONPATH=. .venv/bin/python scripts/engine_cpu_time.py per-session|batched
+    PYTHONPATH=. .venv/bin/python scripts/engine_cpu_time.py per-session|batched|auto
 
 Measures `time.thread_time()` (this thread's CPU time, torch on one thread), not wall time, so
 that other processes' load on a shared machine inflates it far less than `specfleet bench
@@ -9,6 +9,7 @@ predates `specfleet/engine/` (its `specfleet.runtime`), to compare with the code
 `cd OLD && PYTHONPATH=OLD python NEW/scripts/engine_cpu_time.py per-session`.
 """
 
+import inspect
 import json
 import pathlib
 import statistics
@@ -39,7 +40,12 @@ def main() -> None:
         sessions = []
         for _ in range(b):
             session = Session(token_ids=[1] * CONTEXT)
-            session.reserve(loaded.pool if POOL else loaded.model, CONTEXT + n)
+            if not POOL:  # a checkout from before the KV pool
+                session.reserve(loaded.model, CONTEXT + n)
+            elif "limit" in inspect.signature(Session.reserve).parameters:  # the paged pool
+                session.reserve(loaded.pool, CONTEXT + n, loaded.max_context)
+            else:  # a checkout with fixed slots
+                session.reserve(loaded.pool, CONTEXT + n)
             session.kv_len = CONTEXT
             sessions.append(session)
         items = [ForwardItem(s, [2] * n, list(range(CONTEXT, CONTEXT + n))) for s in sessions]

@@ -29,7 +29,7 @@ def pass_ms(loaded, b: int, n: int) -> float:
     sessions = []
     for _ in range(b):
         session = Session(token_ids=[1] * CONTEXT)
-        session.reserve(loaded.pool, CONTEXT + n)
+        session.reserve(loaded.pool, CONTEXT + n, loaded.max_context)
         session.kv_len = CONTEXT
         sessions.append(session)
     items = [ForwardItem(s, [2] * n, list(range(CONTEXT, CONTEXT + n))) for s in sessions]

@@ -18,6 +18,24 @@ class CallTooLarge(ValueError):
     """A call over a service's per-call limits: RESOURCE_EXHAUSTED over gRPC."""
 
 
+# The tokens a call carries at most when the config leaves max_call_tokens at 0 (the router splits
+# its calls there, or at one session of the full context where that is more): 1 GB of the demo
+# target's KV.
+DEFAULT_CALL_TOKENS = 32768
+
+
+def call_tokens(configured: int, full_call: int) -> int:
+    """The router's token limit for a service's calls: `configured`, or with 0 the larger of
+    DEFAULT_CALL_TOKENS and `full_call` (what the longest request needs in one call)."""
+    return configured or max(DEFAULT_CALL_TOKENS, full_call)
+
+
+def drafter_limits(sessions: int, tokens: int, section: str) -> "CallLimits":
+    """What a drafter service refuses: its configured limits; with max_call_tokens 0, calls over sessions alone
+    (what a call needs depends on the router's fusion width, which the service does not know)."""
+    return CallLimits(sessions, tokens or CallLimits.tokens, section)
+
+
 @dataclass
 class CallLimits:
     sessions: int = 1 << 30

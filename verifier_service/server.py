@@ -141,6 +141,8 @@ def load_core(vcfg: config_mod.VerifierConfig, model: str | None = None, threads
         attention=vcfg.attention,
         cuda_graph_sizes=vcfg.cuda_graph_sizes,
         linear=vcfg.linear,
+        max_model_len=vcfg.max_model_len,
+        kv_block_size=vcfg.kv_block_size,
     )
     store = SessionStore(max_cache_bytes=int(vcfg.max_cache_mb * 2**20), max_sessions=vcfg.max_sessions, idle_s=vcfg.session_idle_s)
     loaded.prepare(store.max_cache_bytes, store.max_sessions)
@@ -154,7 +156,12 @@ def load_core(vcfg: config_mod.VerifierConfig, model: str | None = None, threads
         housekeeping=store.expire_idle,
         housekeeping_every_s=housekeeping_every(vcfg.session_idle_s),
     )
-    return VerifierCore(verifier, batcher, telemetry, limits_mod.CallLimits(vcfg.max_call_sessions, vcfg.max_call_tokens, "verifier"))
+    return VerifierCore(
+        verifier,
+        batcher,
+        telemetry,
+        limits_mod.CallLimits(vcfg.max_call_sessions, limits_mod.call_tokens(vcfg.max_call_tokens, loaded.max_context), "verifier"),
+    )
 
 
 class VerifierServicer(CoreServicer, verifier_pb2_grpc.VerifierServicer):

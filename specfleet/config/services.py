@@ -73,8 +73,8 @@ class ServiceConfig:
     dtype: str = knob("float32", "the models' dtype on their device")
     attention: str = knob(
         "auto",
-        "attention of a forward pass: batched (one call per layer for the whole batch), per-session, or auto: batched "
-        "on a GPU and on a CPU when a pass's KV slots are adjacent, else per session (docs/benchmarks/engine-forward-pass.md)",
+        "attention of a forward pass: batched (one call per layer for the whole batch, its KV gathered), per-session, or "
+        "auto: batched on a GPU, per session on a CPU (docs/benchmarks/engine-forward-pass.md)",
         check=one_of(ATTENTION_MODES),
     )
     linear: str = knob(
@@ -89,7 +89,16 @@ class ServiceConfig:
     threads: int = knob(1, "torch threads of the service", check=at_least(1))
     max_batch_size: int = knob(64, "dynamic batching: concurrent calls merged up to this many sessions", check=at_least(1))
     max_wait_ms: float = knob(0.0, "how long a batch waits after its first call (0: only what arrived while the previous ran)", check=at_least(0))
-    max_cache_mb: float = knob(1024.0, "KV cache budget; least recently used caches are dropped (rebuilt on use) past it", check=at_least(0))
+    max_cache_mb: float = knob(
+        1024.0, "KV cache budget, counted in KV blocks; least recently used caches are dropped (rebuilt on use) past it", check=at_least(0)
+    )
+    max_model_len: int = knob(
+        0,
+        "positions a session may use (prompt, output and drafts), at most what each model allows; 0: all it allows. "
+        "A session's KV takes blocks as it grows, so a long context costs only the sessions that use it",
+        check=at_least(0),
+    )
+    kv_block_size: int = knob(16, "positions of a KV block: a session's KV memory is rounded up to whole blocks", check=at_least(1))
     max_sessions: int = knob(4096, "sessions whose token ids are kept at all; past it the oldest are forgotten", check=at_least(1))
     session_idle_s: float = knob(
         600.0,
@@ -99,7 +108,11 @@ class ServiceConfig:
     )
     max_call_sessions: int = knob(256, "sessions one call may carry (specfleet/limits.py); the router splits its calls to fit", check=at_least(1))
     max_call_tokens: int = knob(
-        32768, "context tokens summed over one call's sessions (kept prefix, new tokens, tree, drafts): bounds its compute and KV", check=at_least(1)
+        0,
+        "context tokens summed over one call's sessions (kept prefix, new tokens, tree, drafts): bounds its compute and KV. "
+        "0: 32768, or one session of the model's full context where that is more (a drafter service: the router keeps "
+        "its calls within that, times router.fusion_width, and the service refuses only past max_call_sessions)",
+        check=at_least(0),
     )
     cpus: list[int] = knob(
         doc="cores `specfleet serve` pins it to on this machine (empty: any); under --ray use `ray`",

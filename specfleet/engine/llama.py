@@ -15,11 +15,14 @@ Face checkpoint of a supported family, loaded by `transformers`.
 
 One pass serves many sessions with ragged contexts: B sessions, each feeding
 n_b new tokens (N = max n_b) at its own positions, after its own kv_b cached
-positions. Every session's keys and values live in its slot of one KV pool
-[layers, 2, slots, KV, P, D] (`kv.KVPool`); the pass writes the new tokens' KV
-at [kv_b, kv_b + n_b) of each slot in place. Linear layers run on all B x N
-rows at once. Attention runs per session over [0, kv_b + n_b) of its slot, or
-batched: one call per layer over the sessions' slots, with a mask for the
+positions. Every session's keys and values live in blocks of one KV pool
+[layers, 2, KV, C, D] (`kv.KVPool`, C positions on one token axis), where its
+place says where its positions lie: a range of the axis (its blocks are
+consecutive) or a list of indices. The pass writes the new tokens' KV at
+positions [kv_b, kv_b + n_b) of each session in place. Linear layers run on all
+B x N rows at once. Attention runs per session over its [0, kv_b + n_b) (a view
+of a range, or those positions gathered), or batched: one call per layer over
+the sessions' positions gathered into [B, KV, T, D], with a mask for the
 ragged lengths and patterns. `attend` [n_b, n_b] says which new tokens see
 which (causal for a chain, ancestors for a tree); every new token sees the
 whole cached prefix.
@@ -32,7 +35,7 @@ all rows. A row's result is its own model's: no operation mixes rows.
 
 Shapes: B sessions, N new tokens per session (padded), E hidden size, H query
 heads, KV key/value heads, D head dim, V vocabulary, T cached + new positions,
-P positions of a pool slot, G stacked models.
+C positions of the pool, G stacked models.
 """
 
 from __future__ import annotations
@@ -46,12 +49,12 @@ import torch.nn.functional as F
 from specfleet.engine.cpu_linear import CpuWeight
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-# auto: batched on a GPU; on a CPU batched when a pass's slots are adjacent, else per session (on a
-#   CPU batched attention over scattered slots reads idle rows or copies, which costs more than the
-#   per-session calls it saves: docs/benchmarks/engine-forward-pass.md).
-# per-session: one attention call per session and layer over its own slot, nothing padded or copied.
-# batched: one call per layer for all sessions, over their slots of the KV pool (a view of a range of
-#   slots, or the slots gathered) with an additive mask (padding, ragged lengths, tree patterns).
+# auto: batched on a GPU, per session on a CPU (there gathering every session's keys and values into
+#   one padded tensor costs more than the per-session calls it saves: docs/benchmarks/engine-forward-pass.md).
+# per-session: one attention call per session and layer over its own positions (a view where its blocks
+#   are consecutive), nothing padded.
+# batched: one call per layer for all sessions, their positions gathered from the KV pool, with an
+#   additive mask (padding, ragged lengths, tree patterns).
 ATTENTION_MODES = ("auto", "per-session", "batched")
 # RoPE variants computed here (`rope_frequencies`); the others (yarn, dynamic, longrope, ...) are refused.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -255,10 +258,10 @@ def forward(
     model: LlamaModel,
     input_ids: torch.Tensor,  # [B, N] long
     positions: torch.Tensor,  # [B, N] long
-    kv: torch.Tensor,  # the KV pool, [layers, 2, slots, KV, P, D] (`kv.KVPool`)
-    slots: list[int],  # each session's slot, distinct
+    kv: torch.Tensor,  # the KV pool, [layers, 2, KV, C, D] (`kv.KVPool`)
+    places: list[int | torch.Tensor],  # each session's `Session.place()`: a range's start, or its positions' indices
     kv_lens: list[int],  # kv_b
-    new_lens: list[int],  # n_b; kv_b + n_b <= P
+    new_lens: list[int],  # n_b; the session's place holds kv_b + n_b positions
     attends: list[torch.Tensor | None],  # per session [n_b, n_b] bool, or None when n_b == 1
     logits: bool = True,
     plan: _BatchPlan | None = None,
@@ -269,9 +272,9 @@ def forward(
     With `runs`, `model` is a stack (`stack.py`) and row b runs model `runs.members[b]`.
 
     With `plan` (a CUDA graph's static one, `graphs.py`), attention is batched as it says and
-    slots, lengths and patterns are not read.
+    places, lengths and patterns are not read.
 
-    Writes each session's new keys and values into its slot at [kv_b, kv_b + n_b) (batched:
+    Writes each session's new keys and values at its positions [kv_b, kv_b + n_b) (batched:
     all sessions in one indexed write per layer).
     """
     batch, width = input_ids.shape
@@ -281,11 +284,15 @@ def forward(
     x = model.embed[input_ids] if runs is None else model.embed[runs.members[:, None], input_ids]  # [B, N, E]
     cos = model.cos[positions].to(model.dtype).unsqueeze(1)  # [B, 1, N, D]
     sin = model.sin[positions].to(model.dtype).unsqueeze(1)
-    batched = plan is not None or (batch > 1 and runs_batched(model, slots))
+    batched = plan is not None or (batch > 1 and runs_batched(model))
     if not batched:
         masks = _session_masks(model, kv_lens, new_lens, attends)
+        # Built once a pass: each consecutive session's keys and values as a view over every layer,
+        # [layers, 2, 1, KV, T, D] (None: scattered, gathered per layer), and where the new tokens' KV goes.
+        views = [kv[:, :, None, :, p : p + k + n] if isinstance(p, int) else None for p, k, n in zip(places, kv_lens, new_lens)]
+        writes = _writes(model, places, kv_lens, new_lens) if batch > 1 else None
     elif plan is None:
-        plan = _batch_plan(model, slots, kv_lens, new_lens, attends, width)
+        plan = _batch_plan(model, places, kv_lens, new_lens, attends, width)
     for i, layer in enumerate(model.layers):
         h = _norm(x, layer.input_norm, model.eps, runs)
         qkv = _linear(h, layer.qkv, layer.qkv_bias, runs)  # [B, N, (H + 2 KV) D]
@@ -299,19 +306,24 @@ def forward(
         v = v.view(batch, width, KV, D).transpose(1, 2)
         new_kv = torch.stack([k, v], dim=1)  # [B, 2, KV, N, D]
         if batched:
-            # One indexed write for every session: [2, slots, KV, P, D] at (slot, position) pairs.
-            kv[i][:, plan.write_slot, :, plan.write_pos] = new_kv[plan.write_b, :, :, plan.write_j]
+            # One indexed write for every session: [2, KV, C, D] at the new tokens' indices.
+            kv[i][:, :, plan.write_index] = new_kv[plan.write_b, :, :, plan.write_j].permute(1, 2, 0, 3)
             attn = _attend_batched(q, kv[i], plan, KV != H)
         else:
             # Per session, as few tensor ops as possible: at 32 sessions and 16 layers this loop
             # runs 512 times a pass, and each op costs about a microsecond of dispatch.
+            if writes is None:
+                kv[i][:, :, _positions(places[0], kv_lens[0], new_lens[0])] = new_kv[0, :, :, : new_lens[0]]
+            else:  # every session's new KV in one indexed write
+                kv[i][:, :, writes[2]] = new_kv[writes[0], :, :, writes[1]].permute(1, 2, 0, 3)
             outs = []
             for b in range(batch):
-                kv_len, n = kv_lens[b], new_lens[b]
-                cache = kv[i, :, slots[b]]  # [2, KV, P, D]
-                cache[:, :, kv_len : kv_len + n] = new_kv[b, :, :, :n]
-                # 4-D operands: the 3-D form falls back to a slower kernel on CPU.
-                keys, values = cache[:, None, :, : kv_len + n].unbind(0)
+                kv_len, n, place = kv_lens[b], new_lens[b], places[b]
+                # 4-D operands, [1, KV, T, D]: the 3-D form falls back to a slower kernel on CPU.
+                if views[b] is not None:  # a range of the token axis: a view
+                    keys, values = views[b][i]
+                else:  # scattered blocks: gathered by index
+                    keys, values = kv[i][:, None, :, place[: kv_len + n]]
                 out = F.scaled_dot_product_attention(q[b : b + 1, :, :n], keys, values, attn_mask=masks[b], enable_gqa=KV != H)
                 outs.append(out if n == width else F.pad(out, (0, 0, 0, width - n)))
             attn = torch.cat(outs)  # [B, H, N, D]
@@ -324,11 +336,27 @@ def forward(
     return _linear(_norm(x, model.norm, model.eps, runs), model.lm_head, None, runs)
 
 
-def runs_batched(model: LlamaModel, slots: list[int]) -> bool:
-    """Whether a pass of several sessions over these (distinct) slots attends in one call per layer."""
+def runs_batched(model: LlamaModel) -> bool:
+    """Whether a pass of several sessions attends in one call per layer."""
     if model.attention != "auto":
         return model.attention == "batched"
-    return model.device.type != "cpu" or max(slots) - min(slots) + 1 == len(slots)
+    return model.device.type != "cpu"
+
+
+def _positions(place: int | torch.Tensor, kv_len: int, n: int) -> slice | torch.Tensor:
+    """Where positions [kv_len, kv_len + n) of a session lie on the pool's token axis: a range, or indices."""
+    return slice(place + kv_len, place + kv_len + n) if isinstance(place, int) else place[kv_len : kv_len + n]
+
+
+def _writes(model, places, kv_lens, new_lens) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(b, j, index) of every new token of the pass: token j of session b goes to `index` on the pool's token axis."""
+    device = model.device
+    rows = [(b, j) for b, n in enumerate(new_lens) for j in range(n)]
+    index = torch.cat(
+        [torch.arange(p + k, p + k + n, device=device) if isinstance(p, int) else p[k : k + n] for p, k, n in zip(places, kv_lens, new_lens)]
+    )
+    to_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+    return to_tensor([b for b, _ in rows]), to_tensor([j for _, j in rows]), index
 
 
 def _session_masks(model, kv_lens, new_lens, attends) -> list[torch.Tensor | None]:
@@ -351,49 +379,35 @@ class _BatchPlan:
 
     write_b: torch.Tensor  # [R]: the pass's new tokens (b, j), R = sum of n_b ...
     write_j: torch.Tensor
-    write_slot: torch.Tensor  # ... and where their KV goes: slot b, position kv_b + j
-    write_pos: torch.Tensor
-    keys: slice | torch.Tensor  # the pool's slots the call reads: a range (a view) or listed slots (a copy)
-    rows: torch.Tensor | None  # each session's row among them, or None when row b is slot b of the range
-    total: int  # T: positions read per slot
-    bias: torch.Tensor  # [A, 1, N, T] additive, A rows of the call
+    write_index: torch.Tensor  # ... and where their KV goes on the pool's token axis
+    read_index: torch.Tensor  # [B, T]: what row b reads at t (padding reads the pool's scratch, masked)
+    bias: torch.Tensor  # [B, 1, N, T] additive
 
 
-def _batch_plan(model, slots, kv_lens, new_lens, attends, width) -> _BatchPlan:
-    """Which slots one call reads and its mask.
-
-    When the sessions' slots span at most twice as many slots as there are sessions, the call
-    reads their range of the pool as a view, nothing copied, with a query row for every slot of
-    it (the others see position 0 alone and are dropped); reading a few idle slots costs less
-    than gathering every session's keys and values into a new tensor, which scattered slots
-    need. The mask is `ragged_bias`, with the idle slots' rows seeing position 0 alone.
-    """
-    device, batch = model.device, len(slots)
+def _batch_plan(model, places, kv_lens, new_lens, attends, width) -> _BatchPlan:
+    """Where the pass writes and reads on the pool's token axis, and its mask (`ragged_bias`)."""
+    device = model.device
     total = max(k + n for k, n in zip(kv_lens, new_lens))
-    lo, hi = min(slots), max(slots) + 1
-    to_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
-    if hi - lo <= 2 * batch:
-        keys, span = slice(lo, hi), hi - lo
-        rows = None if slots == list(range(lo, hi)) else to_tensor([s - lo for s in slots])
-    else:
-        keys, span, rows = to_tensor(slots), batch, None
-    bias = ragged_bias(model, kv_lens, new_lens, attends, width, total)
-    if rows is not None or span != batch:
-        full = torch.full((span, width, total), float("-inf"), dtype=model.dtype, device=device)
-        full[:, :, 0] = 0
-        full[rows if rows is not None else slice(None)] = bias
-        bias = full
+    read = read_index(places, [k + n for k, n in zip(kv_lens, new_lens)], total, len(places), device)
     writes = [(b, j) for b, n in enumerate(new_lens) for j in range(n)]
+    to_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+    write_b, write_j = to_tensor([b for b, _ in writes]), to_tensor([j for _, j in writes])
     return _BatchPlan(
-        write_b=to_tensor([b for b, _ in writes]),
-        write_j=to_tensor([j for _, j in writes]),
-        write_slot=to_tensor([slots[b] for b, _ in writes]),
-        write_pos=to_tensor([kv_lens[b] + j for b, j in writes]),
-        keys=keys,
-        rows=rows,
-        total=total,
-        bias=bias.unsqueeze(1),
+        write_b=write_b,
+        write_j=write_j,
+        write_index=read[write_b, to_tensor([kv_lens[b] + j for b, j in writes])],
+        read_index=read,
+        bias=ragged_bias(model, kv_lens, new_lens, attends, width, total).unsqueeze(1),
     )
+
+
+def read_index(places: list, lengths: list[int], total: int, rows: int, device: torch.device) -> torch.Tensor:
+    """[rows, total] long: row b's positions [0, lengths[b]) on the pool's token axis (`places`), the rest
+    (and rows past the places) 0, the first position of the pool's scratch block, which the mask hides."""
+    read = torch.zeros(rows, total, dtype=torch.long, device=device)
+    for b, (place, length) in enumerate(zip(places, lengths)):
+        read[b, :length] = torch.arange(place, place + length, device=device) if isinstance(place, int) else place[:length]
+    return read
 
 
 def ragged_bias(model, kv_lens, new_lens, attends, width: int, total: int) -> torch.Tensor:
@@ -418,10 +432,6 @@ def ragged_bias(model, kv_lens, new_lens, attends, width: int, total: int) -> to
 
 
 def _attend_batched(q: torch.Tensor, pool_layer: torch.Tensor, plan: _BatchPlan, gqa: bool) -> torch.Tensor:
-    """[B, H, N, D]: one SDPA call for every session of the pass over its slots in the pool."""
-    keys, values = pool_layer[:, plan.keys, :, : plan.total].unbind(0)  # views of a range, or gathered slots
-    if plan.rows is None:
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=plan.bias, enable_gqa=gqa)
-    spread = q.new_zeros(keys.shape[0], *q.shape[1:])
-    spread[plan.rows] = q
-    return F.scaled_dot_product_attention(spread, keys, values, attn_mask=plan.bias, enable_gqa=gqa)[plan.rows]
+    """[B, H, N, D]: one SDPA call for every session of the pass over its positions, gathered from the pool."""
+    keys, values = pool_layer[:, :, plan.read_index].transpose(1, 2).unbind(0)  # [B, KV, T, D] each
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=plan.bias, enable_gqa=gqa)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specfleet.engine import checkpoint, cpu_linear, llama
+from specfleet.engine import checkpoint, cpu_linear, kv, llama
 from specfleet.engine.kv import KVPool
 from specfleet.engine.llama import LlamaModel, check_supported, from_hf, from_weights
 from specfleet.tokenizer import load_tokenizer, tokenizer_fingerprint
@@ -68,15 +68,16 @@ class LoadedModel:
     # Draft models only: the vocabulary ids the output layer scores (see `load_model`), or None for all.
     token_map: torch.Tensor | None = None  # [V'] int64, global ids in the order of the logits
     local_index: torch.Tensor | None = None  # [vocab] int64: position in token_map, -1 if absent
-    # The KV memory of this model's sessions: slots of max_context positions on the model's device.
+    # The KV memory of this model's sessions: blocks of kv_block_size positions on the model's device.
     pool: KVPool = field(init=False)
+    kv_block_size: int = kv.BLOCK_SIZE
     # CUDA graphs of batched passes (`graphs.CudaGraphs`), or None: every pass eager.
     graphs: object | None = None
     # How linear layers run on a CPU (`cpu_linear.LINEAR_MODES`): all but plain lay them out for its kernels in `prepare`.
     linear: str = "plain"
 
     def __post_init__(self):
-        self.pool = KVPool(self.model, self.max_context)
+        self.pool = KVPool(self.model, self.kv_block_size)
 
     def prepare(self, max_cache_bytes: int, max_sessions: int) -> None:
         """Before serving, once: on a CPU with `linear` other than plain, lay the linear weights out for its kernels
@@ -93,8 +94,8 @@ class LoadedModel:
             )
         if self.graphs is None:
             return
-        slots = min(max_sessions, max_cache_bytes // self.pool.slot_bytes)
-        self.pool.reserve(slots + 1)  # + the graphs' scratch slot
+        per_session = -(-self.max_context // self.pool.block_size)
+        self.pool.reserve(1 + min(max_sessions * per_session, max_cache_bytes // self.pool.block_bytes))  # + the scratch block
         self.graphs.capture_all()
 
     def global_ids(self, local: torch.Tensor) -> torch.Tensor:
@@ -121,12 +122,6 @@ class LoadedModel:
 
 TOKEN_MAP_FILE = "token_map.json"
 
-# Positions a session may use at most, whatever the model allows: every session holding a cache
-# takes a KV pool slot of max_context positions (`kv.KVPool`), and a slot of a 128k-context
-# model (Llama 3.1) would take 16 GiB at 8B. GetInfo advertises the smaller limit, and the
-# router refuses longer requests.
-MAX_POSITIONS = 8192
-
 
 def _checked(name: str, path: pathlib.Path, dtype: str, attention: str, device: str) -> str:
     """The torch device to load onto, once the directory, dtype, attention mode and device are known to be usable."""
@@ -151,6 +146,8 @@ def load_model(
     attention: str = "auto",
     cuda_graph_sizes: list[list[int]] | None = None,
     linear: str = "plain",
+    max_model_len: int = 0,
+    kv_block_size: int = kv.BLOCK_SIZE,
 ) -> LoadedModel:
     """Load a Hugging Face Llama-family causal LM and its tokenizer from a local directory, offline.
 
@@ -167,6 +164,9 @@ def load_model(
     when the model runs on a CUDA device; ignored on a CPU.
 
     linear: `cpu_linear.LINEAR_MODES`; `auto` takes effect in `LoadedModel.prepare`, on a CPU.
+
+    max_model_len: positions a session may use (0: all the model allows, `llama.context_limit`);
+    more than the model allows is refused. kv_block_size: positions of a KV block (`kv.KVPool`).
     """
     if linear not in cpu_linear.LINEAR_MODES:
         raise ValueError(f"model '{name}': linear must be one of {list(cpu_linear.LINEAR_MODES)}, got {linear!r}")
@@ -197,12 +197,13 @@ def load_model(
         tokenizer=tokenizer,
         fingerprint=tokenizer_fingerprint(tokenizer),
         vocab_size=int(config.vocab_size),
-        max_context=min(llama.context_limit(config), MAX_POSITIONS),
+        max_context=_context(name, config, max_model_len),
         eos_token_id=int(eos) if eos is not None else -1,
         parameters=parameters,
         token_map=token_map,
         local_index=local_index,
         linear=linear,
+        kv_block_size=kv_block_size,
     )
     if cuda_graph_sizes and model.device.type == "cuda":
         from specfleet.engine.graphs import CudaGraphs
@@ -220,6 +221,14 @@ def load_model(
         time.perf_counter() - started,
     )
     return loaded
+
+
+def _context(name: str, config, max_model_len: int) -> int:
+    """The positions a session may use: max_model_len, or all the model allows when it is 0."""
+    limit = llama.context_limit(config)
+    if max_model_len > limit:
+        raise ValueError(f"model '{name}': max_model_len {max_model_len} exceeds the {limit} positions the model allows")
+    return max_model_len or limit
 
 
 def _read_weights(path: pathlib.Path, dtype: torch.dtype, device: torch.device) -> tuple[object, LlamaModel, int]:

@@ -53,22 +53,22 @@ def forward_batch(
     for it, n in zip(items, new_lens):
         ids_rows.append(list(it.input_ids) + [0] * (width - n))
         pos_rows.append(list(it.positions) + [0] * (width - n))
-        it.session.reserve(loaded.pool, n)
+        it.session.reserve(loaded.pool, n, loaded.max_context)
         if n == 1:
             attends.append(None)
         else:
             attends.append(it.attend if it.attend is not None else torch.ones(n, n, dtype=torch.bool, device=model.device).tril())
-    slots, kv_lens = [it.session.slot for it in items], [it.session.kv_len for it in items]
+    places, kv_lens = [it.session.place() for it in items], [it.session.kv_len for it in items]
     out = None
     if loaded.graphs is not None and runs is None:
-        out = loaded.graphs.run(ids_rows, pos_rows, slots, kv_lens, new_lens, attends, logits)
+        out = loaded.graphs.run(ids_rows, pos_rows, places, kv_lens, new_lens, attends, logits)
     if out is None:
         out = llama.forward(
             model,
             torch.tensor(ids_rows, dtype=torch.long, device=model.device),
             torch.tensor(pos_rows, dtype=torch.long, device=model.device),
             loaded.pool.kv,
-            slots,
+            places,
             kv_lens,
             new_lens,
             attends,

@@ -14,7 +14,7 @@ mixes rows), so each proposal is still drawn from, and carries, its model's own
 distribution. Prefills (new prompts, long catch-ups, prompt scoring) of several
 members share passes the same way (`Stack.prefill`). The members still work alone
 too: their weights become views of the stack, and they share the stack's KV pool,
-where every member's sessions take their slots.
+where every member's sessions take their blocks.
 
 Shapes: G stacked models, B sessions of a pass, V' the token maps' length.
 """
@@ -44,6 +44,7 @@ class Stack:
     model: LlamaModel
     pool: KVPool
     token_maps: torch.Tensor | None  # [G, V'] int64 on the CPU, or None when the members have none
+    max_context: int  # positions a session may use (the members share it)
     graphs: None = None  # a stack's passes run eagerly (`runner.forward_batch` reads this)
 
     def next_token_logits(self, sessions: list[Session], members: list[int]) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
@@ -78,6 +79,8 @@ def same_shape(a: LoadedModel, b: LoadedModel) -> bool:
     positions and RoPE, dtype, device and attention; neither replays CUDA graphs."""
     ma, mb = a.model, b.model
     if a.graphs is not None or b.graphs is not None or a.max_context != b.max_context or a.vocab_size != b.vocab_size:
+        return False
+    if a.kv_block_size != b.kv_block_size:
         return False
     if (a.token_map is None) != (b.token_map is None) or (a.token_map is not None and len(a.token_map) != len(b.token_map)):
         return False
@@ -128,7 +131,7 @@ def _stack(members: list[LoadedModel]) -> Stack:
         eps=first.eps,
         attention=first.attention,
     )
-    pool = KVPool(model, members[0].max_context)
+    pool = KVPool(model, members[0].kv_block_size)
     for g, loaded in enumerate(members):
         # Views of the stack: the weights are held once.
         for n in _MODEL_TENSORS:
@@ -139,4 +142,4 @@ def _stack(members: list[LoadedModel]) -> Stack:
                     setattr(own, n, getattr(shared, n)[g])
         loaded.pool = pool
     token_maps = None if members[0].token_map is None else torch.stack([m.token_map for m in members])
-    return Stack(members, model, pool, token_maps)
+    return Stack(members, model, pool, token_maps, members[0].max_context)

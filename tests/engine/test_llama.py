@@ -3,8 +3,9 @@
 Every supported family (Llama with GQA, Llama 3 with its `llama3` RoPE scaling
 and attention bias, linear RoPE scaling, Qwen2's QKV bias, Qwen3's per-head query/key norms,
 Mistral), ragged batches of sessions with different cached lengths, chains and
-trees, with attention per session and batched (one call per layer): every logit our pass gives must be the one the reference gives for that
-token's own path through the tree. SPECFLEET_TEST_DEVICE=cuda runs them on a
+trees, with attention per session and batched (one call per layer), over sessions whose KV blocks
+are consecutive (read as views) or scattered (gathered), crossing block boundaries: every logit our
+pass gives must be the one the reference gives for that token's own path through the tree. SPECFLEET_TEST_DEVICE=cuda runs them on a
 GPU (scripts/device-check).
 """
 
@@ -69,14 +70,20 @@ def _configs():
 FAMILIES = list(_configs())
 
 
-# Where the three sessions' slots lie in the KV pool, for the batched call (llama._batch_plan):
-# prefill hands out slots shortest session first, so by default b, a, c take slots 0, 1, 2 (rows
-# permuted); "spread" leaves idle slots inside their range (read as a view, idle rows dropped);
-# "scattered" spreads them so far that the call gathers their slots.
-LAYOUTS = {"adjacent": ([], [1, 0, 2]), "spread": ([0, 2, 4], [2, 0, 4]), "scattered": ([0, 4, 11], [4, 0, 11])}
-CASES = [(attention, "adjacent") for attention in ATTENTION_MODES] + [
-    (attention, layout) for attention in ("batched", "auto") for layout in ("spread", "scattered")
-]
+# Where the sessions' KV blocks lie on the pool's token axis (kv.KVPool): "consecutive", as the pool
+# hands them out to a quiet pool (each session one range, read as a view), or "scattered": the pool's
+# free blocks are every other one and sessions may not move, so every session is gathered by index.
+LAYOUTS = ("consecutive", "scattered")
+CASES = [(attention, layout) for attention in ATTENTION_MODES for layout in LAYOUTS]
+# Blocks of 4 positions: every session below spans several, and its new tokens cross their boundaries.
+BLOCK = 4
+
+
+def _scatter(pool) -> None:
+    """Leave every other block of the pool free, and keep sessions where their blocks land."""
+    taken = pool.allocate(pool.free_blocks)
+    pool.release(taken[::2])
+    pool.relocate = False
 
 
 @pytest.mark.parametrize("attention, layout", CASES, ids=[f"{a}-{lay}" for a, lay in CASES])
@@ -89,20 +96,17 @@ def test_forward_matches_transformers(tmp_path, name, attention, layout):
 def test_forward_with_cpu_linear_layouts_matches_transformers(tmp_path, name):
     """`linear: auto` (specfleet/engine/cpu_linear.py): the pass of 10 rows below takes oneDNN's layout, the
     one-row pass after it the transposed copy; both with each family's biases."""
-    _forward_matches_transformers(tmp_path, name, "auto", "adjacent", "auto")
+    _forward_matches_transformers(tmp_path, name, "auto", "consecutive", "auto")
 
 
 def _forward_matches_transformers(tmp_path, name, attention, layout, linear):
     reference = _save(tmp_path, _configs()[name], name)
-    loaded = load_model(name, tmp_path / name, device=DEVICE, attention=attention, linear=linear)
+    loaded = load_model(name, tmp_path / name, device=DEVICE, attention=attention, linear=linear, kv_block_size=BLOCK)
     loaded.prepare(1 << 30, 64)
     if linear == "auto" and DEVICE == "cpu":
         assert isinstance(loaded.model.lm_head, CpuWeight) and all(isinstance(layer.qkv, CpuWeight) for layer in loaded.model.layers)
-    free, slots = LAYOUTS[layout]
-    if free:
-        taken = [loaded.pool.acquire() for _ in range(12)]
-        for slot in free:
-            loaded.pool.release(taken[slot])
+    if layout == "scattered":
+        _scatter(loaded.pool)
     gen = torch.Generator().manual_seed(1)
     prompt_a = torch.randint(0, 8192, (9,), generator=gen).tolist()
     prompt_b = torch.randint(0, 8192, (4,), generator=gen).tolist()
@@ -114,7 +118,7 @@ def _forward_matches_transformers(tmp_path, name, attention, layout, linear):
     #   b's root r, nodes 0 -> 1 and 0 -> 2 (siblings), 3 a second child of the root.
     a, b, c = Session(token_ids=list(prompt_a)), Session(token_ids=list(prompt_b)), Session(token_ids=list(prompt_c))
     prefill(loaded, [a, b, c], keep_last=1)
-    assert [a.slot, b.slot, c.slot] == slots
+    assert all(isinstance(s.place(), int) == (layout == "consecutive" or len(s.blocks) == 1) for s in (a, b, c))
     chain = [11, 12, 13]
     tree_tokens = [21, 22, 23, 24]  # parents -1, 0, 0, -1: the rows of `attend` below
     attend = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 0, 0, 1]], dtype=torch.bool)
@@ -172,19 +176,21 @@ def test_prefill_passes_group_similar_lengths_and_match_transformers(tmp_path, m
         assert scores[b][1] == len(prompt) - 1 and abs(scores[b][0] - float(ref_score)) < 1e-3
 
 
-def test_kv_pool_rolls_back_in_place_and_evicts_into_reused_slots(tmp_path):
-    """Inside the KV pool: rejecting drafts is a length change (the session keeps its slot, the next
-    pass writes over the rejected positions); the LRU budgets take slots back and new sessions reuse
-    them (the pool does not grow); a cache rebuilt from the token ids gives the reference's logits."""
+def test_kv_pool_rolls_back_whole_blocks_and_evicts_into_reused_blocks(tmp_path):
+    """Inside the paged KV pool: a session takes blocks as it grows and rejecting drafts gives whole
+    blocks back (the next pass writes over the rejected positions, inside a block or across one); the
+    LRU budget counts blocks and takes them back, and new sessions reuse them (the pool does not grow);
+    a cache rebuilt from the token ids gives the reference's logits."""
     reference = _save(tmp_path, _configs()["llama-gqa"], "llama-gqa")
-    loaded = load_model("llama-gqa", tmp_path / "llama-gqa", device=DEVICE, attention="batched")
+    loaded = load_model("llama-gqa", tmp_path / "llama-gqa", device=DEVICE, attention="batched", kv_block_size=BLOCK)
     pool = loaded.pool
-    store = SessionStore(max_cache_bytes=2 * pool.slot_bytes, max_sessions=3)
+    blocks_of = lambda s: -(-s.kv_len // BLOCK)  # noqa: E731
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 8192, (10 + 7 * i,), generator=gen).tolist() for i in range(3)]
+    store = SessionStore(max_cache_bytes=(2 + 7) * pool.block_bytes, max_sessions=3)  # s0's and s2's blocks below
     s0, s1, s2 = sessions = [store.sync(f"s{i}", 0, p) for i, p in enumerate(prompts)]
     prefill(loaded, sessions, keep_last=1)
-    slot0 = s0.slot
+    assert [len(s.blocks) for s in sessions] == [3, 4, 6], "9, 16 and 23 cached positions in blocks of 4"
 
     def ref_logits(ids):
         with torch.no_grad():
@@ -198,38 +204,49 @@ def test_kv_pool_rolls_back_in_place_and_evicts_into_reused_slots(tmp_path):
             s.commit([0])
             s.token_ids.append(int(logits[b, 0].argmax()))
 
-    # s0 drafts a chain of three; the target accepts the first and corrects the second.
+    # s0 drafts a chain of three (9 + 4 positions: a fourth block); the target accepts the first and
+    # corrects the second: 11 positions cached, the fourth block given back.
     root = len(prompts[0]) - 1
     forward_batch(loaded, [ForwardItem(s0, [prompts[0][-1], 11, 12, 13], list(range(root, root + 4)))])
+    assert len(s0.blocks) == 4
     s0.commit([0, 1])
     s0.token_ids += [11, 40]
-    assert s0.slot == slot0 and s0.kv_len == len(prompts[0]) + 1
+    assert s0.kv_len == len(prompts[0]) + 1 and len(s0.blocks) == 3
     step(sessions)  # one batched pass: three lengths
-    # The client rolls s0 back past its last two tokens and appends another: a length change.
+    # The client rolls s0 back past its last two tokens and appends another (inside a block)...
     store.sync("s0", len(prompts[0]) + 1, [50])
-    assert s0.slot == slot0 and s0.kv_len == len(prompts[0]) + 1
+    assert s0.kv_len == len(prompts[0]) + 1 and len(s0.blocks) == 3
     step([s0, s1])
+    # ... and then back to 6 tokens, across a block boundary (12 cached positions in 3 blocks, now 6 in 2).
+    free = pool.free_blocks
+    store.sync("s0", 6, [51])
+    assert s0.kv_len == 6 and len(s0.blocks) == 2 and pool.free_blocks == free + 1
+    step([s0, s2])
 
-    # Room for two sessions' KV: the least recently synced (s1) loses its slot, keeps its tokens.
+    # Room for s0's 2 blocks and s2's 7: the least recently synced (s1, 5 blocks) loses its blocks, keeps its tokens.
+    assert [len(s.blocks) for s in sessions] == [2, 5, 7]
     store.enforce_budget()
-    assert s1.slot is None and s1.kv_len == 0 and store.get("s1") is s1 and s2.slot is not None
-    # New sessions under both budgets, round after round: slots come back and are reused, both those
-    # of evicted caches and those of forgotten sessions (room for three caches: the session forgotten
-    # under max_sessions still holds one).
-    store.max_cache_bytes = 3 * pool.slot_bytes
+    assert s1.blocks == [] and s1.kv_len == 0 and store.get("s1") is s1 and s2.blocks
+    assert sum(s.kv_bytes() for s in sessions) <= store.max_cache_bytes
+    # New sessions under both budgets, round after round: blocks come back and are reused, both those
+    # of evicted caches and those of forgotten sessions.
+    grown = pool.generation
+    held_total = lambda: sum(len(store.get(sid).blocks) for sid in store._sessions)  # noqa: E731
     for i in range(6):
         new = store.sync(f"n{i}", 0, prompts[i % 3][:5])
         prefill(loaded, [new], keep_last=1)
         step([new, s0])
         store.enforce_budget(protect={f"n{i}", "s0"})
-        held = [s.slot for s in (store.get(sid) for sid in store._sessions) if s.slot is not None]
-        assert len(held) == len(set(held)) <= 3
-    assert pool.slots == 4, "released slots must be reused, not the pool grown"
+        held = [b for sid in store._sessions for b in store.get(sid).blocks]
+        assert len(held) == len(set(held)) and 0 not in held, "no block is held twice, and none is the scratch block"
+        assert held_total() + pool.free_blocks == pool.blocks - 1
+    assert pool.generation == grown, "released blocks must be reused, not the pool grown"
     assert len(store) == 3 and store.get("s1") is None and store.get("s2") is None
     # s0's cache survived it all; a forgotten session comes back and rebuilds from its token ids.
     rebuilt = store.sync("s1", 0, s1.token_ids)
     prefill(loaded, [rebuilt], keep_last=1)
     step([rebuilt, s0])
+    assert [blocks_of(s) for s in (rebuilt, s0)] == [len(rebuilt.blocks), len(s0.blocks)]
 
 
 def _graphs_against_eager(tmp_path, attach_graphs, at_start_up: bool = False):
@@ -243,12 +260,12 @@ def _graphs_against_eager(tmp_path, attach_graphs, at_start_up: bool = False):
         if graphed:
             attach_graphs(loaded, [[4, 1], [4, 8]])
             if at_start_up:
-                loaded.prepare(max_cache_bytes=6 * loaded.pool.slot_bytes, max_sessions=100)
+                loaded.prepare(max_cache_bytes=100 * loaded.pool.block_bytes, max_sessions=100)
                 captured = dict(loaded.graphs._graphs)
                 positions = loaded.graphs.positions()
-                assert positions[0] == 64 and positions[-1] == loaded.pool.positions
+                assert positions[0] == 64 and positions[-1] == loaded.max_context
                 assert sorted(captured) == [(4, n, t) for n in (1, 8) for t in positions]
-                assert loaded.pool.slots == 7, "the pool holds the budget's 6 slots and the scratch slot"
+                assert loaded.pool.blocks == 101, "the pool holds the budget's 100 blocks and the scratch block"
         gen = torch.Generator().manual_seed(4)
         sessions = [Session(token_ids=torch.randint(0, 8192, (n,), generator=gen).tolist()) for n in (5, 17, 40)]
         prefill(loaded, sessions, keep_last=1)
@@ -292,7 +309,7 @@ def test_cuda_graphs_change_no_output(tmp_path):
 
 def test_graph_padding_gives_the_eager_pass(tmp_path, monkeypatch):
     """What a CUDA graph replays, run eagerly on any device: the static pass padded to its bucket
-    (padding sessions and tokens writing into the scratch slot) gives the unpadded pass's output."""
+    (padding sessions and tokens writing into the pool's scratch block) gives the unpadded pass's output."""
     from specfleet.engine import graphs
 
     class Eager(graphs._Graph):
@@ -360,43 +377,75 @@ def test_a_sliding_window_bounds_the_context(tmp_path):
     assert load_model("mistral-window", tmp_path / "mistral-window").max_context == 48
 
 
-def test_a_long_context_model_gets_slots_of_at_most_max_positions(tmp_path):
-    """Every cached session takes a slot of max_context positions: a 128k model must not ask for 128k."""
+def test_a_long_context_model_serves_its_whole_context_in_blocks(tmp_path):
+    """No cap of our own on a model's context: a 32k-position model serves a 20,000-token session,
+    whose KV takes the blocks its positions need and no more; max_model_len narrows the context,
+    and asking for more than the model allows is refused by name."""
     from transformers import LlamaConfig
 
-    from specfleet.engine.loading import MAX_POSITIONS
-
     config = LlamaConfig(
-        vocab_size=8192, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=4 * MAX_POSITIONS
+        vocab_size=8192, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=32768
     )
-    _save(tmp_path, config, "long")
-    loaded = load_model("long", tmp_path / "long")
-    assert loaded.max_context == loaded.pool.positions == MAX_POSITIONS == loaded.info().max_context
+    reference = _save(tmp_path, config, "long")
+    loaded = load_model("long", tmp_path / "long", device=DEVICE)
+    assert loaded.max_context == loaded.info().max_context == 32768
+    gen = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, 8192, (20000,), generator=gen).tolist()
+    session = Session(token_ids=list(prompt))
+    prefill(loaded, [session], keep_last=1)
+    assert len(session.blocks) == -(-19999 // loaded.pool.block_size)
+    logits = forward_batch(loaded, [ForwardItem(session, [prompt[-1]], [len(prompt) - 1])])
+    with torch.no_grad():
+        expected = reference(torch.tensor([prompt], device=DEVICE)).logits[0, -1].float().cpu()
+    torch.testing.assert_close(logits[0, 0], expected, **TOLERANCE)
+    assert load_model("long", tmp_path / "long", max_model_len=4096).max_context == 4096
+    with pytest.raises(ValueError, match="model 'long': max_model_len 40000 exceeds the 32768 positions the model allows"):
+        load_model("long", tmp_path / "long", max_model_len=40000)
+    with pytest.raises(ValueError, match="exceeds the model's 4096"):
+        short = load_model("long", tmp_path / "long", max_model_len=4096)
+        prefill(short, [Session(token_ids=prompt[:5000])], keep_last=1)
 
 
-def test_auto_attention_batches_adjacent_slots_on_a_cpu_and_every_pass_on_a_gpu(tmp_path, monkeypatch):
-    """`auto` (the services' default) takes one call per layer where it is the faster: on a GPU
-    always, on a CPU when a pass's slots are adjacent (docs/benchmarks/engine-forward-pass.md)."""
+def test_auto_attention_is_per_session_on_a_cpu_and_batched_on_a_gpu(tmp_path, monkeypatch):
+    """`auto` (the services' default) takes one call per layer where it is the faster: on a GPU; on a CPU
+    gathering every session's KV costs more than the calls it saves (docs/benchmarks/engine-forward-pass.md)."""
     from types import SimpleNamespace
 
     from specfleet.engine import llama
 
-    on = lambda device: SimpleNamespace(attention="auto", device=torch.device(device))  # noqa: E731
-    assert llama.runs_batched(on("cuda"), [0, 7, 3]) and llama.runs_batched(on("cpu"), [5, 3, 4])
-    assert not llama.runs_batched(on("cpu"), [0, 2, 4])
-    assert llama.runs_batched(SimpleNamespace(attention="batched", device=torch.device("cpu")), [0, 9])
-    assert not llama.runs_batched(SimpleNamespace(attention="per-session", device=torch.device("cuda")), [0, 1])
+    on = lambda device, mode="auto": SimpleNamespace(attention=mode, device=torch.device(device))  # noqa: E731
+    assert llama.runs_batched(on("cuda")) and not llama.runs_batched(on("cpu"))
+    assert llama.runs_batched(on("cpu", "batched")) and not llama.runs_batched(on("cuda", "per-session"))
 
     _save(tmp_path, _configs()["llama-gqa"], "llama-gqa")
     loaded = load_model("llama-gqa", tmp_path / "llama-gqa", device=DEVICE)
     assert loaded.model.attention == "auto"
     plans = []
     real_plan = llama._batch_plan
-    monkeypatch.setattr(llama, "_batch_plan", lambda *args: plans.append(args[1]) or real_plan(*args))
-    taken = [loaded.pool.acquire() for _ in range(6)]
-    for adjacent in (True, False):
-        slots = taken[:3] if adjacent else taken[::2]
-        sessions = [Session(token_ids=[1, 2, 3], kv_len=2, pool=loaded.pool, slot=slot) for slot in slots]
-        forward_batch(loaded, [ForwardItem(s, [3], [2]) for s in sessions])
-    batched_on_this_device = DEVICE != "cpu"
-    assert plans == [taken[:3]] + ([taken[::2]] if batched_on_this_device else [])
+    monkeypatch.setattr(llama, "_batch_plan", lambda *args: plans.append(len(args[1])) or real_plan(*args))
+    sessions = [Session(token_ids=[1, 2, 3]) for _ in range(3)]
+    prefill(loaded, sessions, keep_last=1)
+    forward_batch(loaded, [ForwardItem(s, [3], [2]) for s in sessions])
+    assert plans == ([1, 3] if DEVICE != "cpu" else []), "prefill's one pass of three sessions, then the step"
+
+
+def test_a_session_that_cannot_grow_in_place_moves_and_keeps_its_cache(tmp_path):
+    """On a CPU a session whose next block is taken moves, cache and all, to a gap that holds it
+    (attention then reads it as one range); its logits stay the reference's."""
+    reference = _save(tmp_path, _configs()["llama-gqa"], "llama-gqa")
+    loaded = load_model("llama-gqa", tmp_path / "llama-gqa", device=DEVICE, attention="per-session", kv_block_size=BLOCK)
+    pool = loaded.pool
+    prompt = torch.randint(0, 8192, (9,), generator=torch.Generator().manual_seed(6)).tolist()
+    session = Session(token_ids=list(prompt))
+    prefill(loaded, [session], keep_last=1)
+    blocker = pool.allocate(1, after=session.blocks[-1])  # another session's block, right after this one's
+    assert blocker == [session.blocks[-1] + 1]
+    chain = [11, 12, 13, 14]  # 8 cached + 5 new positions: two more blocks
+    logits = forward_batch(loaded, [ForwardItem(session, [prompt[-1], *chain], list(range(8, 13)))])
+    moved = pool.relocate
+    assert isinstance(session.place(), int) == moved and len(session.blocks) == 4 and blocker[0] not in session.blocks
+    assert pool.relocations == int(moved)
+    for i in range(5):
+        with torch.no_grad():
+            expected = reference(torch.tensor([prompt + chain[:i]], device=DEVICE)).logits[0, -1].float().cpu()
+        torch.testing.assert_close(logits[0, i], expected, **TOLERANCE)

@@ -56,7 +56,7 @@ BAD = [
     ("request bytes zero", with_("router.max_request_bytes", 0), "router.max_request_bytes: must be at least 1"),
     ("call sessions zero", with_("verifier.max_call_sessions", 0), "verifier.max_call_sessions: must be at least 1"),
     ("call tokens as float", with_("drafters.1.max_call_tokens", 1.5), "drafters[1].max_call_tokens: expected int"),
-    ("call tokens negative", with_("drafters.1.max_call_tokens", -5), "drafters[1].max_call_tokens: must be at least 1"),
+    ("call tokens negative", with_("drafters.1.max_call_tokens", -5), "drafters[1].max_call_tokens: must be at least 0"),
     ("default above limit", with_("router.default_max_tokens", 4096), "router.default_max_tokens"),
     ("draft tokens above max", with_("router.num_draft_tokens", 32), "router.num_draft_tokens"),
     ("service without name", with_("drafters.1.name", ""), "drafters[1].name: required"),

@@ -204,7 +204,7 @@ def _loaded(hf, source: str, positions: int):
         tokenizer=None,
         fingerprint="",
         vocab_size=int(config.vocab_size),
-        # Pool slots as long as the benchmark's sessions, not the model's whole context.
+        # The benchmark's sessions are this long at most (CUDA graphs bucket positions up to it).
         max_context=positions,
         eos_token_id=-1,
         parameters=sum(p.numel() for p in hf.parameters()),
@@ -247,8 +247,8 @@ def _time_row(loaded, hf, b: int, n: int, args, device, dtype) -> dict:
     sessions = []
     for s in range(b):
         session = Session(token_ids=[0] * C)
-        session.reserve(loaded.pool, C + n)
-        session.kv[:, :, :, :C] = kv[:, s]
+        session.reserve(loaded.pool, C + n, C + n)
+        loaded.pool.kv[:, :, :, loaded.pool.index(session.blocks, C)] = kv[:, s]
         session.kv_len = C
         sessions.append(session)
     items = [ForwardItem(sessions[s], id_rows[s], list(range(C, C + n))) for s in range(b)]
@@ -295,7 +295,7 @@ def _time_row(loaded, hf, b: int, n: int, args, device, dtype) -> dict:
         theirs_out = out["transformers"].float()
         row["max_abs_logit_diff"] = max(float((o - theirs_out).abs().max()) for o in ours_out.values())
     for session in sessions:
-        session.evict_kv()  # its slot goes back to the pool for the next row
+        session.evict_kv()  # its blocks go back to the pool for the next row
     sessions = items = kv = out = ours_out = None  # let them go (the closures above hold some of them)
     if device.type == "cuda":
         torch.cuda.empty_cache()

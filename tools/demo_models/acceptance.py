@@ -166,11 +166,11 @@ def step_costs_ms(cases: dict, vocab: int, context: int = 128, reps: int = 60) -
         model = llama.from_hf(m)
         if token_map and token_map[0] is not None:
             model.lm_head = model.lm_head[token_map[0]].contiguous()
-        pool = KVPool(model, context + k)
+        pool = KVPool(model)
         session = Session(token_ids=ctx[0].tolist())
-        session.reserve(pool, context + k)
+        session.reserve(pool, context + k, context + k)
         causal = torch.ones(context, context, dtype=torch.bool).tril()
-        llama.forward(model, ctx, torch.arange(context)[None], pool.kv, [session.slot], [0], [context], [causal], logits=False)
+        llama.forward(model, ctx, torch.arange(context)[None], pool.kv, [session.place()], [0], [context], [causal], logits=False)
         session.kv_len = context
         attend = None if k == 1 else torch.ones(k, k, dtype=torch.bool).tril()
         runs[n] = (model, pool, session, k, attend)
@@ -179,7 +179,7 @@ def step_costs_ms(cases: dict, vocab: int, context: int = 128, reps: int = 60) -
             x = torch.randint(0, vocab, (1, k), generator=g)
             positions = torch.arange(context, context + k)[None]
             t = time.perf_counter()
-            llama.forward(model, x, positions, pool.kv, [session.slot], [context], [k], [attend])
+            llama.forward(model, x, positions, pool.kv, [session.place()], [context], [k], [attend])
             dt = time.perf_counter() - t
             if r >= 5:
                 times[n].append(dt)
