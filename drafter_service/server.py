@@ -174,6 +174,7 @@ def load_core(svc: config_mod.DrafterServiceConfig, threads: int | None = None) 
             linear=svc.linear,
             max_model_len=svc.max_model_len,
             kv_block_size=svc.kv_block_size,
+            prefix_caching=svc.enable_prefix_caching,
         )
         models[m.name] = DraftModel(loaded, store, svc.proposal_top_k)
     fingerprints = {m.loaded.fingerprint for m in models.values()}
@@ -185,7 +186,8 @@ def load_core(svc: config_mod.DrafterServiceConfig, threads: int | None = None) 
     for m in models.values():
         if isinstance(m, DraftModel) and m.stack is None:
             m.loaded.prepare(m.store.max_cache_bytes, m.store.max_sessions)
-    telemetry = PassTelemetry("drafter", lambda: [m.store for m in models.values()], {"drafter_service": svc.name})
+    pools = list({id(m.loaded.pool): m.loaded.pool for m in models.values() if isinstance(m, DraftModel)}.values())
+    telemetry = PassTelemetry("drafter", lambda: [m.store for m in models.values()], {"drafter_service": svc.name}, pools=lambda: pools)
     batcher = BatchQueue(
         f"drafter-{svc.name}",
         telemetry.timed(lambda tagged: draft_batch(models, tagged)),

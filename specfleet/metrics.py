@@ -15,9 +15,11 @@ dashboards and autoscalers written for vLLM read specfleet:
               :drafter_accepted_tokens_total{drafter,domain}, :routing_decisions_total{drafter,domain},
               :fusion_width, :pipeline_lane_requests{lane}, :draft_call_seconds{drafter_service},
               :verify_call_seconds, :round_phase_seconds{phase}
-    verifier  specfleet:verifier_batch_size, :verifier_pass_seconds, :sessions, :kv_cache_used_bytes
+    verifier  specfleet:verifier_batch_size, :verifier_pass_seconds, :sessions, :kv_cache_used_bytes,
+              :prefix_cache_queries_total, :prefix_cache_hits_total
     drafter   specfleet:drafter_batch_size{drafter_service}, :drafter_pass_seconds{drafter_service},
-              :sessions{drafter_service}, :kv_cache_used_bytes{drafter_service}
+              :sessions{drafter_service}, :kv_cache_used_bytes{drafter_service},
+              :prefix_cache_queries_total{drafter_service}, :prefix_cache_hits_total{drafter_service}
 
 Each service has its own registry, so a test (or a process hosting several
 services) never mixes their samples.
@@ -38,6 +40,7 @@ import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.metrics_core import Metric
 
 log = logging.getLogger(__name__)
@@ -192,10 +195,27 @@ def _store_gauges(registry: CollectorRegistry, stores: Callable[[], list], label
     (kv.labels(**labels) if names else kv).set_function(lambda: sum(s.kv_bytes() for s in held()))
 
 
-class PassTelemetry:
-    """A verifier's or drafter service's forward passes: batch size and time, sessions, KV memory."""
+class _PrefixCache:
+    """The prefix cache's lookups and hits, in tokens, summed over the service's KV pools at scrape time."""
 
-    def __init__(self, kind: str, stores: Callable[[], list], labels: dict[str, str] | None = None):
+    def __init__(self, pools: Callable[[], list], labels: dict[str, str]):
+        self.pools, self.labels = pools, labels
+
+    def collect(self):
+        pools = self.pools()
+        for name, doc, count in (
+            ("queries", "Prompt tokens looked up in the prefix cache.", sum(p.queries for p in pools)),
+            ("hits", "Prompt tokens found in the prefix cache (their KV not computed again).", sum(p.hits for p in pools)),
+        ):
+            family = CounterMetricFamily(f"specfleet:prefix_cache_{name}", doc, labels=list(self.labels))
+            family.add_metric(list(self.labels.values()), count)
+            yield family
+
+
+class PassTelemetry:
+    """A verifier's or drafter service's forward passes: batch size and time, sessions, KV memory, the prefix cache."""
+
+    def __init__(self, kind: str, stores: Callable[[], list], labels: dict[str, str] | None = None, pools: Callable[[], list] = list):
         self.registry = CollectorRegistry()
         labels = labels or {}
         self.labels = labels
@@ -211,6 +231,7 @@ class PassTelemetry:
             registry=self.registry,
         )
         _store_gauges(self.registry, stores, labels)
+        self.registry.register(_PrefixCache(pools, labels))
 
     def timed(self, process: Callable[[list], list]) -> Callable[[list], list]:
         """`process` (a BatchQueue's batch function), observing each batch."""

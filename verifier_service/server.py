@@ -143,11 +143,12 @@ def load_core(vcfg: config_mod.VerifierConfig, model: str | None = None, threads
         linear=vcfg.linear,
         max_model_len=vcfg.max_model_len,
         kv_block_size=vcfg.kv_block_size,
+        prefix_caching=vcfg.enable_prefix_caching,
     )
     store = SessionStore(max_cache_bytes=int(vcfg.max_cache_mb * 2**20), max_sessions=vcfg.max_sessions, idle_s=vcfg.session_idle_s)
     loaded.prepare(store.max_cache_bytes, store.max_sessions)
     verifier = Verifier(loaded, store)
-    telemetry = PassTelemetry("verifier", lambda: [store])
+    telemetry = PassTelemetry("verifier", lambda: [store], pools=lambda: [loaded.pool])
     batcher = BatchQueue(
         "verifier",
         telemetry.timed(verifier.verify_batch),

@@ -99,6 +99,11 @@ class ServiceConfig:
         check=at_least(0),
     )
     kv_block_size: int = knob(16, "positions of a KV block: a session's KV memory is rounded up to whole blocks", check=at_least(1))
+    enable_prefix_caching: bool = knob(
+        True,
+        "sessions whose tokens start the same way (a shared system prompt, a conversation's earlier turns) share the "
+        "cached KV blocks of that prefix rather than computing it again (not across a drafter service's stacked models)",
+    )
     max_sessions: int = knob(4096, "sessions whose token ids are kept at all; past it the oldest are forgotten", check=at_least(1))
     session_idle_s: float = knob(
         600.0,

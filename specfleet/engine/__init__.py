@@ -7,14 +7,16 @@ ids, probabilities or proposals; they create no tensors of their own.
     checkpoint.py config.json and safetensors read without transformers, where they state every field
     llama.py     the forward pass of every served family, plain tensor code
     cpu_linear.py linear weights laid out for a CPU's matmul kernels (`linear: auto`)
-    kv.py        the KV pool, sessions and the LRU budget (`KVPool`, `Session`, `SessionStore`)
+    kv.py        the paged KV pool, prefix caching and a session's cache (`KVPool`, `Session`)
+    sessions.py  sessions by id under the KV budget, the session cap and an idle time (`SessionStore`)
     runner.py    batched passes over sessions: `forward_batch`, `prefill`, `tree_pass`, `next_token_logits`
     stack.py     same-shape models in one pass (a drafter service's specialists drafting together)
     shaping.py   logits to what is sent: target tokens, shaped p and its noise, draft proposals
     sampling.py  the tensor math of sampling: shaping logits, seeded generators, the exponential race
 """
 
-from specfleet.engine.kv import KVPool, Session, SessionStore, UnknownSession
+from specfleet.engine.kv import KVPool, Session
+from specfleet.engine.sessions import SessionStore, UnknownSession
 from specfleet.engine.loading import (
     DTYPES,
     TOKEN_MAP_FILE,

@@ -1,18 +1,17 @@
-"""Sessions and their KV caches: token ids, the cached prefix in blocks, LRU eviction under a budget.
+"""A model's KV memory: the paged pool, prefix caching, and one session's cache in it.
 
-A session is a growing list of token ids plus a KV cache for a prefix of them.
-Caches extend incrementally, roll back rejected positions, and are evicted
-least-recently-used under a memory budget; an evicted cache is rebuilt from
-the session's token ids on its next use (`runner.prefill`), so eviction never
-changes output.
+A session is a growing list of token ids plus a KV cache for a prefix of them, in blocks of
+the pool. Caches extend incrementally and roll back rejected positions; the services'
+`SessionStore` (sessions.py) evicts them least-recently-used under a memory budget, and an
+evicted cache is rebuilt from the session's token ids on its next use (`runner.prefill`), so
+eviction never changes output.
 """
 
 from __future__ import annotations
 
-import itertools
+import array
+import hashlib
 import logging
-import threading
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -46,14 +45,28 @@ class KVPool:
     gap that holds it (one copy of its cache), and the pool doubles when no gap does.
     Block 0 is the pool's scratch: never handed out, it is where padding reads (masked)
     and a CUDA graph's padding rows write.
+
+    Prefix caching (`prefix_caching`): a block whose positions are all cached is known by the
+    hash of its tokens and of every token before them (`block_hash`), and a new session whose
+    tokens start the same way takes those blocks rather than computing them (`match`), shared
+    and counted (a block goes back to the pool when no session holds it). A cached block is
+    never written again: a session that rolls back into one gives it up and recomputes the
+    positions it kept of it. When no session holds a cached block it stays cached, idle, until
+    the pool needs its room (least recently released first).
     """
 
-    def __init__(self, model: LlamaModel, block_size: int = BLOCK_SIZE, blocks: int = INITIAL_BLOCKS):
+    def __init__(self, model: LlamaModel, block_size: int = BLOCK_SIZE, blocks: int = INITIAL_BLOCKS, prefix_caching: bool = False):
         if block_size < 1:
             raise ValueError(f"a KV block holds at least one position, not {block_size}")
         self.block_size = block_size
         self.kv = torch.zeros(model.num_layers, 2, model.kv_heads, blocks * block_size, model.head_dim, dtype=model.dtype, device=model.device)
         self._free: set[int] = set(range(1, blocks))
+        self._refs: dict[int, int] = {}  # held blocks: how many sessions hold each
+        self.prefix_caching = prefix_caching
+        self._cached: dict[bytes, int] = {}  # a full block's hash -> the block holding its KV
+        self._hash_of: dict[int, bytes] = {}  # the other way: the cached blocks, never written again
+        self._idle: OrderedDict[int, None] = OrderedDict()  # cached blocks no session holds, least recently released first
+        self.queries = self.hits = 0  # tokens looked up in the prefix cache, and found (vLLM's prefix_cache_queries, _hits)
         self.block_bytes = model.num_layers * 2 * model.kv_heads * block_size * model.head_dim * self.kv.element_size()
         # Moving a session to keep it consecutive pays where attention reads views (a CPU, per session).
         self.relocate = model.device.type == "cpu"
@@ -80,27 +93,83 @@ class KVPool:
             return []
         if after is not None and all(b in self._free for b in range(after + 1, after + 1 + count)):
             return self.take(range(after + 1, after + 1 + count))
-        if not self.relocate and self.gap_for(count) is None and len(self._free) >= count:
-            return self.take(sorted(self._free)[:count])  # scattered: attention gathers them
+        if not self.relocate and self.gap_for(count) is None:
+            self._reclaim(lambda: len(self._free) >= count)
+            if len(self._free) >= count:
+                return self.take(sorted(self._free)[:count])  # scattered: attention gathers them
         return self.run(count)
 
     def run(self, count: int) -> list[int]:
-        """`count` consecutive free blocks, the pool grown (doubling) when no gap holds them."""
+        """`count` consecutive free blocks: idle cached blocks forgotten, or else the pool grown (doubling), when no gap holds them."""
         start = self.gap_for(count)
+        if start is None:
+            self._reclaim(lambda: self.gap_for(count) is not None)
+            start = self.gap_for(count)
         if start is None:
             self._grow(max(2 * self.blocks, self.blocks + count))
             start = self.gap_for(count)
         return self.take(range(start, start + count))
 
     def release(self, blocks: list[int]) -> None:
-        # Not zeroed: positions past a session's length are masked, and every value here is a finite
-        # key or value written by some pass (or the zeros of allocation), so masked reads add 0.
-        self._free.update(blocks)
+        """A session lets these blocks go: free once no session holds them (idle, if cached).
+
+        Not zeroed: positions past a session's length are masked, and every value here is a finite
+        key or value written by some pass (or the zeros of allocation), so masked reads add 0."""
+        for b in blocks:
+            refs = self._refs.pop(b, 1) - 1
+            if refs > 0:
+                self._refs[b] = refs
+            elif b in self._hash_of:
+                self._idle[b] = None
+            else:
+                self._free.add(b)
 
     def take(self, blocks) -> list[int]:
         taken = list(blocks)
         self._free.difference_update(taken)
+        self._refs.update(dict.fromkeys(taken, 1))
         return taken
+
+    def _reclaim(self, enough) -> None:
+        """Forget idle cached blocks, least recently released first, until `enough()` (or none is left)."""
+        while self._idle and not enough():
+            for _ in range(min(len(self._idle), 16)):
+                b, _ = self._idle.popitem(last=False)
+                del self._cached[self._hash_of.pop(b)]
+                self._free.add(b)
+
+    def match(self, tokens: list[int], limit: int) -> tuple[list[int], list[bytes]]:
+        """The cached blocks (taken, shared) holding the longest run of full blocks that `tokens[:limit]` starts with, and their hashes."""
+        blocks, hashes = [], []
+        bs = self.block_size
+        for i in range(limit // bs):
+            h = block_hash(hashes[-1] if hashes else b"", tokens[i * bs : (i + 1) * bs])
+            b = self._cached.get(h)
+            if b is None:
+                break
+            blocks.append(b)
+            hashes.append(h)
+            if self._idle.pop(b, 0) is None:  # idle until now: held again
+                self._refs[b] = 1
+            else:
+                self._refs[b] += 1
+        self.queries += limit
+        self.hits += len(blocks) * bs
+        return blocks, hashes
+
+    def register(self, session: "Session") -> None:
+        """Cache the session's full blocks it has not hashed yet (its cache holds `token_ids[:kv_len]`)."""
+        bs = self.block_size
+        for i in range(len(session.hashes), session.kv_len // bs):
+            h = block_hash(session.hashes[-1] if session.hashes else b"", session.token_ids[i * bs : (i + 1) * bs])
+            b = session.blocks[i]
+            if h not in self._cached and b not in self._hash_of:
+                self._cached[h], self._hash_of[b] = b, h
+            session.hashes.append(h)
+
+    def cached(self, block: int) -> bool:
+        """Whether the block's KV is in the prefix cache: then no pass writes it again."""
+        return block in self._hash_of
 
     def gap_for(self, count: int) -> int | None:
         """Where `count` consecutive free blocks start: in the largest free gap, past its middle when a
@@ -150,8 +219,9 @@ class KVPool:
         self.generation += 1
 
 
-class UnknownSession(Exception):
-    """The store does not hold this session (or holds fewer tokens than the client assumed)."""
+def block_hash(previous: bytes, tokens: list[int]) -> bytes:
+    """A full block's identity: its tokens and (through `previous`, the hash of the block before it) every token before them."""
+    return hashlib.blake2b(previous + array.array("q", tokens).tobytes(), digest_size=16).digest()
 
 
 @dataclass
@@ -161,6 +231,7 @@ class Session:
     # Positions [0, kv_len) of the cache lie in `blocks` of `pool` (KVPool's layout); no blocks, no cache.
     pool: KVPool | None = None
     blocks: list[int] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)  # with prefix caching: the hashes of its first full blocks
     used_at: float = 0.0  # time.monotonic() of the last call that synced it (SessionStore.expire_idle)
 
     def place(self) -> int | torch.Tensor:
@@ -181,7 +252,10 @@ class Session:
 
     def crop_kv(self, length: int) -> None:
         if length < self.kv_len:
-            self.kv_len = length
+            bs = self.pool.block_size
+            del self.hashes[length // bs :]
+            # A cached block is never written again: rolled back into, it is given up and its kept positions recomputed.
+            self.kv_len = length if length % bs == 0 or not self.pool.cached(self.blocks[length // bs]) else length - length % bs
             self._trim()
 
     def reserve(self, pool: KVPool, count: int, limit: int) -> None:
@@ -189,6 +263,8 @@ class Session:
         if self.kv_len + count > limit:
             raise ValueError(f"a session of {self.kv_len + count} positions exceeds the model's {limit}")
         self.pool = pool
+        if pool.prefix_caching:
+            pool.register(self)
         need = -(-(self.kv_len + count) // pool.block_size) - len(self.blocks)
         if need <= 0:
             return
@@ -221,103 +297,16 @@ class Session:
             self.pool.release(self.blocks[keep:])
             del self.blocks[keep:]
 
+    def reuse_prefix(self, pool: KVPool, end: int) -> None:
+        """With no cache yet, take the cached blocks its first `end` tokens start with (prefix caching)."""
+        if pool.prefix_caching and not self.blocks:
+            self.pool = pool
+            self.blocks, self.hashes = pool.match(self.token_ids, end)
+            self.kv_len = len(self.blocks) * pool.block_size
+
     def evict_kv(self) -> None:
         if self.blocks:
             self.pool.release(self.blocks)
-        self.blocks = []
+        self.blocks, self.hashes = [], []
         self.pool = None
         self.kv_len = 0
-
-
-class SessionStore:
-    """Sessions by id, least recently used first.
-
-    Two budgets: `max_cache_bytes` of KV (over it, the least recently used
-    sessions lose their KV but keep their token ids) and `max_sessions` (over
-    it, the least recently used sessions are forgotten; their clients get
-    SESSION_UNKNOWN and resend the full token ids).
-    """
-
-    def __init__(self, max_cache_bytes: int, max_sessions: int, idle_s: float = 0.0):
-        self.max_cache_bytes = max_cache_bytes
-        self.max_sessions = max_sessions
-        self.idle_s = idle_s  # `expire_idle` forgets sessions no call has used for this long (0: never)
-        self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently synced first
-        self.evictions = 0
-        self.expired = 0
-        # Held by the model thread for a whole batch, so a release never races a batch using the session.
-        self.lock = threading.RLock()
-
-    def __len__(self) -> int:
-        return len(self._sessions)
-
-    def sync(self, session_id: str, prefix_length: int, new_token_ids: list[int]) -> Session:
-        """Apply a client's SessionSync: keep prefix_length tokens, append new ones."""
-        session = self._sessions.get(session_id)
-        if prefix_length == 0:
-            if session is None:
-                session = Session(token_ids=[])
-                self._sessions[session_id] = session
-            session.truncate(0)
-        elif session is None or len(session.token_ids) < prefix_length:
-            raise UnknownSession(session_id)
-        else:
-            session.truncate(prefix_length)
-        session.token_ids.extend(new_token_ids)
-        self._sessions.move_to_end(session_id)
-        session.used_at = time.monotonic()
-        return session
-
-    def expire_idle(self, now: float | None = None) -> int:
-        """Forget the sessions no call has used for idle_s: a client that died without releasing its sessions
-        (a router killed) leaves nothing held for longer. A client that comes back gets SESSION_UNKNOWN and
-        resends the full token ids. Returns how many it forgot."""
-        if self.idle_s <= 0:
-            return 0
-        cutoff = (time.monotonic() if now is None else now) - self.idle_s
-        with self.lock:
-            # In sync order: the idle ones are the first, up to the first one used since the cutoff.
-            stale = list(itertools.takewhile(lambda sid: self._sessions[sid].used_at < cutoff, self._sessions))
-            for sid in stale:
-                self._sessions.pop(sid).evict_kv()
-            self.expired += len(stale)
-        if stale:
-            log.info("forgot %d sessions that no call used for %.0f s (their client went away without releasing them)", len(stale), self.idle_s)
-        return len(stale)
-
-    def get(self, session_id: str) -> Session | None:
-        return self._sessions.get(session_id)
-
-    def release(self, session_ids: list[str], keep_tokens: bool) -> int:
-        with self.lock:
-            return self._release(session_ids, keep_tokens)
-
-    def _release(self, session_ids: list[str], keep_tokens: bool) -> int:
-        released = 0
-        for sid in session_ids:
-            session = self._sessions.get(sid)
-            if session is None:
-                continue
-            released += 1
-            session.evict_kv()
-            if not keep_tokens:
-                del self._sessions[sid]
-        return released
-
-    def enforce_budget(self, protect: set[str] = frozenset()) -> None:
-        """Evict least recently used sessions until within budget; `protect` ids are in use now."""
-        while len(self._sessions) > self.max_sessions:
-            victim = next((sid for sid in self._sessions if sid not in protect), None)
-            if victim is None:
-                break
-            self._sessions.pop(victim).evict_kv()
-            self.evictions += 1
-        total = sum(s.kv_bytes() for s in self._sessions.values())
-        for sid, session in self._sessions.items():
-            if total <= self.max_cache_bytes:
-                break
-            if sid in protect or session.kv_bytes() == 0:
-                continue
-            total -= session.kv_bytes()
-            session.evict_kv()
-            self.evictions += 1

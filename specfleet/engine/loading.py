@@ -71,13 +71,15 @@ class LoadedModel:
     # The KV memory of this model's sessions: blocks of kv_block_size positions on the model's device.
     pool: KVPool = field(init=False)
     kv_block_size: int = kv.BLOCK_SIZE
+    # Whether sessions share the cached blocks their tokens start with (`kv.KVPool`).
+    prefix_caching: bool = False
     # CUDA graphs of batched passes (`graphs.CudaGraphs`), or None: every pass eager.
     graphs: object | None = None
     # How linear layers run on a CPU (`cpu_linear.LINEAR_MODES`): all but plain lay them out for its kernels in `prepare`.
     linear: str = "plain"
 
     def __post_init__(self):
-        self.pool = KVPool(self.model, self.kv_block_size)
+        self.pool = KVPool(self.model, self.kv_block_size, prefix_caching=self.prefix_caching)
 
     def prepare(self, max_cache_bytes: int, max_sessions: int) -> None:
         """Before serving, once: on a CPU with `linear` other than plain, lay the linear weights out for its kernels
@@ -148,6 +150,7 @@ def load_model(
     linear: str = "plain",
     max_model_len: int = 0,
     kv_block_size: int = kv.BLOCK_SIZE,
+    prefix_caching: bool = False,
 ) -> LoadedModel:
     """Load a Hugging Face Llama-family causal LM and its tokenizer from a local directory, offline.
 
@@ -167,6 +170,7 @@ def load_model(
 
     max_model_len: positions a session may use (0: all the model allows, `llama.context_limit`);
     more than the model allows is refused. kv_block_size: positions of a KV block (`kv.KVPool`).
+    prefix_caching: sessions share the cached blocks their tokens start with (`kv.KVPool`).
     """
     if linear not in cpu_linear.LINEAR_MODES:
         raise ValueError(f"model '{name}': linear must be one of {list(cpu_linear.LINEAR_MODES)}, got {linear!r}")
@@ -204,6 +208,7 @@ def load_model(
         local_index=local_index,
         linear=linear,
         kv_block_size=kv_block_size,
+        prefix_caching=prefix_caching,
     )
     if cuda_graph_sizes and model.device.type == "cuda":
         from specfleet.engine.graphs import CudaGraphs

@@ -102,6 +102,8 @@ def prefill(
     for i, session in enumerate(sessions):
         end = len(session.token_ids) - keep_last
         session.crop_kv(end)
+        if not score:  # a scored prefill needs every position's logits
+            session.reuse_prefix(loaded.pool, end)
         if session.kv_len < end:
             todo.append((i, session, session.kv_len, end))
     todo.sort(key=lambda t: t[3] - t[2])
@@ -126,6 +128,8 @@ def prefill(
         logits = forward_batch(loaded, items, logits=score, runs=runs)
         for b, (i, session, start, end) in enumerate(group):
             session.commit(list(range(end - start)))
+            if session.pool.prefix_caching:  # its blocks are cached now, for the sessions of the next call
+                session.pool.register(session)
             if score:
                 scorer = loaded if members is None else loaded.members[members[i]]
                 scores[i] = _score(scorer, logits[b, : end - start], session.token_ids[start + 1 : end + 1])

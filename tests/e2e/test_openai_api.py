@@ -599,3 +599,23 @@ def test_a_chunked_body_is_refused_413_once_it_passes_max_request_bytes(api):
     framed = b"%x\r\n%s\r\n" % (len(chunk), chunk)
     status, body, _ = _raw_response(api, _head("Transfer-Encoding: chunked\r\n", API_KEY), [framed] * 24 + [b"0\r\n\r\n"])
     assert status == 413 and body["error"]["code"] == "request_too_large"
+
+
+def test_a_prompt_that_starts_like_an_earlier_one_reuses_its_cached_prefix(api, client):
+    """Prefix caching through the services (`enable_prefix_caching`, on by default): the same prompt again
+    takes the verifier's cached blocks of the first (all its full 16-token blocks: prefix_cache_hits_total,
+    vLLM's name) and gives the same greedy completion."""
+    verifier_metrics = f"http://127.0.0.1:{api.config['verifier']['metrics_port']}/metrics"
+    prompt = " ".join(f"The report {i} says" for i in range(40))
+
+    def complete():
+        return client.completions.create(model="random-target", prompt=prompt, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+
+    hits, queries = _metric(verifier_metrics, "specfleet:prefix_cache_hits_total"), _metric(verifier_metrics, "specfleet:prefix_cache_queries_total")
+    first = complete()
+    second = complete()
+    assert second.choices[0].text == first.choices[0].text
+    prompt_tokens = first.usage.prompt_tokens
+    assert prompt_tokens > 64
+    assert _metric(verifier_metrics, "specfleet:prefix_cache_hits_total") - hits >= prompt_tokens - 16
+    assert _metric(verifier_metrics, "specfleet:prefix_cache_queries_total") - queries >= 2 * (prompt_tokens - 1)

@@ -449,3 +449,91 @@ def test_a_session_that_cannot_grow_in_place_moves_and_keeps_its_cache(tmp_path)
         with torch.no_grad():
             expected = reference(torch.tensor([prompt + chain[:i]], device=DEVICE)).logits[0, -1].float().cpu()
         torch.testing.assert_close(logits[0, i], expected, **TOLERANCE)
+
+
+@pytest.mark.parametrize("relocate", [False, True], ids=["shared-in-place", "moved-on-a-cpu"])
+def test_sessions_share_a_cached_prefix_and_compute_only_the_rest(tmp_path, monkeypatch, relocate):
+    """Prefix caching (kv.KVPool): a session whose tokens start like a cached one takes its full blocks and
+    computes only the rest; both give the reference's logits, a rollback into a shared block changes
+    neither, blocks that start the same but follow different tokens are not shared, and idle cached
+    blocks make room when the pool needs it (it does not grow). With `relocate` (a CPU's pool), a
+    session that cannot grow past the shared blocks moves, copying them: the same logits."""
+    reference = _save(tmp_path, _configs()["llama-gqa"], "llama-gqa")
+    loaded = load_model("llama-gqa", tmp_path / "llama-gqa", device=DEVICE, kv_block_size=BLOCK, prefix_caching=True)
+    pool = loaded.pool
+    pool.relocate = relocate
+    gen = torch.Generator().manual_seed(7)
+    system = torch.randint(0, 8192, (37,), generator=gen).tolist()  # 9 full blocks of 4, and one more token
+    computed = []
+    real_forward = runner.forward_batch
+    monkeypatch.setattr(
+        runner, "forward_batch", lambda lm, items, **kw: computed.append(sum(len(i.input_ids) for i in items)) or real_forward(lm, items, **kw)
+    )
+
+    def ref_logits(ids):
+        with torch.no_grad():
+            return reference(torch.tensor([ids], device=DEVICE)).logits[0, -1].float().cpu()
+
+    def step(*sessions):
+        logits = forward_batch(loaded, [ForwardItem(s, [s.token_ids[-1]], [len(s.token_ids) - 1]) for s in sessions])
+        for b, s in enumerate(sessions):
+            torch.testing.assert_close(logits[b, 0], ref_logits(s.token_ids), **TOLERANCE)
+            s.commit([0])
+            s.token_ids.append(int(logits[b, 0].argmax()))
+
+    a = Session(token_ids=system + [101, 102, 103])
+    prefill(loaded, [a], keep_last=1)
+    assert computed == [39] and pool.hits == 0
+    b = Session(token_ids=system + [201, 202])
+    prefill(loaded, [b], keep_last=1)
+    assert computed[-1] == 38 - 36 and pool.hits == 36, "b computes only what follows the 9 cached blocks"
+    assert b.kv_len == 38 and (b.blocks[:9] == a.blocks[:9]) != relocate
+    step(a, b)
+    step(a, b)
+    # b rolls back into the shared blocks (to 30 tokens, inside the eighth) and goes another way: it gives
+    # that block up and recomputes its kept positions; a's cache is untouched.
+    b.truncate(30)
+    assert b.kv_len == (30 if relocate else 28) and (b.blocks == a.blocks[:7]) != relocate
+    b.token_ids += [301, 302]
+    prefill(loaded, [b], keep_last=1)
+    step(a, b)
+    # The same tokens after a different start are other blocks: c shares nothing with a, and f, which
+    # starts like a and goes on like c, shares a's first block and not c's second.
+    c = Session(token_ids=[7] * 4 + [9] * 4 + system[8:] + [401])
+    prefill(loaded, [c], keep_last=1)
+    assert not set(c.blocks) & set(a.blocks)
+    hits = pool.hits
+    f = Session(token_ids=system[:4] + [9] * 4 + [402, 403])
+    prefill(loaded, [f], keep_last=1)
+    assert pool.hits - hits == 4
+    step(c, f)
+    f.evict_kv()
+    # b lets go of what it shares with a, then c of its own blocks: a still holds the shared ones, so
+    # making room (idle cached blocks forgotten, least recently released first: more blocks asked for
+    # than are free) hands out c's, never those.
+    b.evict_kv()
+    c.evict_kv()
+    grown, idle = pool.generation, len(pool._idle)
+    assert idle >= 1
+    taken = pool.allocate(pool.free_blocks + 1)
+    assert pool.generation == grown and not set(taken) & set(a.blocks) and len(pool._idle) < idle
+    pool.kv[:, :, :, pool.index(taken, len(taken) * BLOCK)] = 1.0  # another session's keys and values
+    step(a)
+    pool.release(taken)
+    # Released, the cached blocks stay for later prompts...
+    hits = pool.hits
+    a.evict_kv()
+    d = Session(token_ids=system + [501])
+    prefill(loaded, [d], keep_last=1)
+    assert pool.hits - hits == 36
+    step(d)
+    d.evict_kv()
+    # ... until the pool needs their room: taking every free block and more forgets idle ones, no growth.
+    grown, hits = pool.generation, pool.hits
+    taken = pool.allocate(pool.free_blocks + 3)
+    assert pool.generation == grown
+    pool.release(taken)
+    e = Session(token_ids=system + [601])
+    prefill(loaded, [e], keep_last=1)
+    assert pool.hits - hits < 36
+    step(e)

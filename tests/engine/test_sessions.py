@@ -1,15 +1,15 @@
-"""specfleet.engine.kv.SessionStore forgets the sessions no call has used for its idle time."""
+"""specfleet.engine.sessions.SessionStore forgets the sessions no call has used for its idle time."""
 
 from __future__ import annotations
 
 import pytest
 
-from specfleet.engine import SessionStore, UnknownSession, kv
+from specfleet.engine import SessionStore, UnknownSession, sessions
 
 
 def test_sessions_idle_past_the_limit_are_forgotten_and_a_used_one_is_kept(monkeypatch):
     clock = [1000.0]
-    monkeypatch.setattr(kv.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(sessions.time, "monotonic", lambda: clock[0])
     store = SessionStore(max_cache_bytes=1 << 20, max_sessions=8, idle_s=60.0)
     store.sync("old", 0, [1, 2, 3])
     store.sync("busy", 0, [4, 5])
@@ -27,7 +27,7 @@ def test_sessions_idle_past_the_limit_are_forgotten_and_a_used_one_is_kept(monke
 
 def test_no_idle_limit_forgets_nothing(monkeypatch):
     clock = [1000.0]
-    monkeypatch.setattr(kv.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(sessions.time, "monotonic", lambda: clock[0])
     store = SessionStore(max_cache_bytes=1 << 20, max_sessions=8)
     store.sync("s", 0, [1])
     clock[0] += 10**6
