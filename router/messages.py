@@ -79,6 +79,7 @@ class VerifySession:
 @dataclass
 class VerifiedSession:
     known: bool  # False: the verifier had lost the session; nothing was verified
+    prefilling: bool = False  # True: its new tokens are being prefilled in chunks; nothing was verified
     accepted_nodes: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)  # the accepted tokens and the target's next one
     logprobs: list[float] = field(default_factory=list)

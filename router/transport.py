@@ -135,7 +135,8 @@ def verify_response(reply: verifier_pb2.VerifyResponse) -> messages.VerifyRespon
     return messages.VerifyResponse(
         sessions=[
             messages.VerifiedSession(
-                known=s.status == common_pb2.SESSION_OK,
+                known=s.status in (common_pb2.SESSION_OK, common_pb2.SESSION_PREFILLING),
+                prefilling=s.status == common_pb2.SESSION_PREFILLING,
                 accepted_nodes=list(s.accepted_nodes),
                 token_ids=list(s.token_ids),
                 logprobs=list(s.logprobs),

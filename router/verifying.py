@@ -156,6 +156,11 @@ class Verifying:
                 metrics.session_misses += 1
                 state.verifier_mirror.reset()
                 continue
+            if verified.prefilling:
+                # A long prompt prefilled in chunks: the verifier holds the tokens synced, nothing was committed;
+                # the request verifies again next round.
+                state.verifier_mirror.held = list(state.tokens)
+                continue
             state.rounds += 1
             if call.tree is not None:
                 self._learn(call.request, call.tree, verified.accepted_nodes, verified.token_ids)

@@ -59,6 +59,7 @@ class RecordVerifier(_RecordCore):
         verified = [
             messages.VerifiedSession(
                 known=r.known,
+                prefilling=r.prefilling,
                 accepted_nodes=r.accepted_nodes,
                 token_ids=r.token_ids,
                 logprobs=r.logprobs,

@@ -92,7 +92,7 @@ class VerifierCore:
             sessions=[
                 verifier_pb2.VerifiedSession(
                     session_id=r.session_id,
-                    status=common_pb2.SESSION_OK if r.known else common_pb2.SESSION_UNKNOWN,
+                    status=common_pb2.SESSION_PREFILLING if r.prefilling else common_pb2.SESSION_OK if r.known else common_pb2.SESSION_UNKNOWN,
                     accepted_nodes=r.accepted_nodes,
                     token_ids=r.token_ids,
                     logprobs=r.logprobs,
@@ -147,7 +147,7 @@ def load_core(vcfg: config_mod.VerifierConfig, model: str | None = None, threads
     )
     store = SessionStore(max_cache_bytes=int(vcfg.max_cache_mb * 2**20), max_sessions=vcfg.max_sessions, idle_s=vcfg.session_idle_s)
     loaded.prepare(store.max_cache_bytes, store.max_sessions)
-    verifier = Verifier(loaded, store)
+    verifier = Verifier(loaded, store, vcfg.max_prefill_tokens)
     telemetry = PassTelemetry("verifier", lambda: [store], pools=lambda: [loaded.pool])
     batcher = BatchQueue(
         "verifier",

@@ -43,6 +43,7 @@ class VerifyItem:
 class VerifyResult:
     session_id: str
     known: bool
+    prefilling: bool = False  # its new tokens are being prefilled in chunks: nothing verified this call
     accepted_nodes: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     # When the item asked: see specfleet.engine.shaping.token_logprobs.
@@ -84,9 +85,11 @@ def validate_item(item: VerifyItem, vocab_size: int, max_context: int) -> None:
 
 
 class Verifier:
-    def __init__(self, loaded: LoadedModel, store: SessionStore):
+    def __init__(self, loaded: LoadedModel, store: SessionStore, max_prefill_tokens: int = 0):
         self.loaded = loaded
         self.store = store
+        # Chunked prefill: positions a batch prefills at most (0: no limit); see `_chunk`.
+        self.max_prefill_tokens = max_prefill_tokens
         self.sessions_verified = 0
 
     def verify_batch(self, items: list[VerifyItem]) -> list[VerifyResult]:
@@ -103,12 +106,40 @@ class Verifier:
                 results[idx] = VerifyResult(item.session_id, known=False)
                 continue
             live.append((idx, item, session))
+        live = self._chunk(live, results)
         if live:
             for (idx, _, _), result in zip(live, self._verify(live)):
                 results[idx] = result
         self.store.enforce_budget(protect={item.session_id for _, item, _ in live})
         self.sessions_verified += len(live)
         return results
+
+    def _chunk(self, live: list, results: list) -> list:
+        """Chunked prefill: the sessions to verify in this batch, within `max_prefill_tokens` of prefill.
+
+        A session whose context still needs more prefill (after the prefix cache) than the budget has left
+        is prefilled that far and answered `prefilling`, to be verified in a later batch; sessions that need
+        none (decoding) are never held back, so a long prompt does not stall the others for its whole prefill.
+        """
+        if self.max_prefill_tokens <= 0:
+            return live
+        left, ready, chunks = self.max_prefill_tokens, [], []
+        for idx, item, session in live:
+            end = len(session.token_ids) - 1
+            session.crop_kv(end)
+            session.reuse_prefix(self.loaded.pool, end)
+            need = end - session.kv_len
+            if need <= left:
+                ready.append((idx, item, session))
+                left -= need
+                continue
+            if left > 0:
+                chunks.append((session, session.kv_len + left))
+                left = 0
+            results[idx] = VerifyResult(item.session_id, known=True, prefilling=True)
+        if chunks:
+            prefill(self.loaded, [s for s, _ in chunks], ends=[end for _, end in chunks])
+        return ready
 
     def _verify(self, live) -> list[VerifyResult]:
         sessions = [session for _, _, session in live]

@@ -156,6 +156,12 @@ class VerifierConfig(ServiceConfig):
         expect=GRAPH_SIZES,
         check=Check(lambda v: all(len(s) == 2 and min(s) >= 1 for s in v), GRAPH_SIZES + ", got {value!r}"),
     )
+    max_prefill_tokens: int = knob(
+        512,
+        "chunked prefill: prompt positions one batch prefills at most; a longer prompt is prefilled over several "
+        "rounds while the sessions already decoding keep their pace (0: no limit; docs/benchmarks/paged-kv.md)",
+        check=at_least(0),
+    )
 
 
 DRAFT_KINDS = ("model", "ngram")

@@ -85,9 +85,14 @@ _PREFILL_ROWS = 2048
 
 
 def prefill(
-    loaded: LoadedModel, sessions: list[Session], keep_last: int = 1, score: bool = False, members: list[int] | None = None
+    loaded: LoadedModel,
+    sessions: list[Session],
+    keep_last: int = 1,
+    score: bool = False,
+    members: list[int] | None = None,
+    ends: list[int] | None = None,
 ) -> list[tuple[float, int]]:
-    """Bring each session's cache up to all but its last `keep_last` tokens.
+    """Bring each session's cache up to all but its last `keep_last` tokens (or up to `ends[b]`: a chunk).
 
     Sessions are prefilled together in passes of similar lengths (padding at most
     a quarter of a pass's rows), apart from any decode step: rebuilding a long
@@ -100,7 +105,7 @@ def prefill(
     scores = [(0.0, 0)] * len(sessions)
     todo = []  # (index, session, first position to prefill, end)
     for i, session in enumerate(sessions):
-        end = len(session.token_ids) - keep_last
+        end = len(session.token_ids) - keep_last if ends is None else ends[i]
         session.crop_kv(end)
         if not score:  # a scored prefill needs every position's logits
             session.reuse_prefix(loaded.pool, end)

@@ -12,9 +12,11 @@ class SessionStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SESSION_STATUS_UNSPECIFIED: _ClassVar[SessionStatus]
     SESSION_OK: _ClassVar[SessionStatus]
     SESSION_UNKNOWN: _ClassVar[SessionStatus]
+    SESSION_PREFILLING: _ClassVar[SessionStatus]
 SESSION_STATUS_UNSPECIFIED: SessionStatus
 SESSION_OK: SessionStatus
 SESSION_UNKNOWN: SessionStatus
+SESSION_PREFILLING: SessionStatus
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "drafter_invariant")
