@@ -37,12 +37,14 @@ class KVPool:
 
     Why one token axis rather than [blocks, block_size]: a session whose blocks are
     consecutive is one range of the axis, which attention reads as a view, nothing
-    gathered (`llama.forward`). The pool keeps sessions consecutive where it can: a
-    session grows into the block after its last one, and a new run starts in the middle of
-    the largest free gap (leaving the session before it room to grow). On a CPU, where
-    gathering scattered blocks at every layer of every pass costs more than the pass's
-    attention, sessions are always consecutive: one that cannot grow in place moves to a
-    gap that holds it (one copy of its cache), and the pool doubles when no gap does.
+    gathered (`llama.forward`). On a CPU, where gathering scattered blocks at every layer
+    of every pass costs more than the pass's attention, the pool keeps every session
+    consecutive (`relocate`): a session grows into the block after its last one, a new run
+    starts in the middle of the largest free gap (leaving the session before it room to
+    grow), one that cannot grow in place moves to a gap that holds it (one copy of its
+    cache), and the pool doubles when no gap does. Elsewhere (a GPU, whose batched
+    attention gathers through block tables anyway) a session takes the block after its
+    last where it is free, else any free blocks, with no search.
     Block 0 is the pool's scratch: never handed out, it is where padding reads (masked)
     and a CUDA graph's padding rows write.
 
@@ -93,10 +95,11 @@ class KVPool:
             return []
         if after is not None and all(b in self._free for b in range(after + 1, after + 1 + count)):
             return self.take(range(after + 1, after + 1 + count))
-        if not self.relocate and self.gap_for(count) is None:
+        if not self.relocate:  # any free blocks: batched attention gathers them anyway, and no gap is searched for
             self._reclaim(lambda: len(self._free) >= count)
-            if len(self._free) >= count:
-                return self.take(sorted(self._free)[:count])  # scattered: attention gathers them
+            if len(self._free) < count:
+                self._grow(max(2 * self.blocks, self.blocks + count))
+            return self.take([self._free.pop() for _ in range(count)])
         return self.run(count)
 
     def run(self, count: int) -> list[int]:
