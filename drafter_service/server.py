@@ -164,18 +164,7 @@ def load_core(svc: config_mod.DrafterServiceConfig, threads: int | None = None) 
         if m.kind == "ngram":
             models[m.name] = NgramModel(load_source(m.name, m.path), store, m.ngram_max, m.ngram_min, m.ngram_matches)
             continue
-        loaded = load_model(
-            m.name,
-            m.path,
-            dtype=svc.dtype,
-            device=device,
-            use_token_map=True,
-            attention=svc.attention,
-            linear=svc.linear,
-            max_model_len=svc.max_model_len,
-            kv_block_size=svc.kv_block_size,
-            prefix_caching=svc.enable_prefix_caching,
-        )
+        loaded = load_model(m.name, m.path, device=device, use_token_map=True, **svc.model_options())
         models[m.name] = DraftModel(loaded, store, svc.proposal_top_k)
     fingerprints = {m.loaded.fingerprint for m in models.values()}
     if len(fingerprints) > 1:

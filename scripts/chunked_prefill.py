@@ -15,31 +15,16 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import shutil
 import statistics
 import tempfile
 import time
 
 import torch
 
+from scripts.kv_memory import long_model
 from specfleet.engine import SessionStore, load_model
 from specfleet.sampling import SamplingParams
 from verifier_service.verifier import Verifier, VerifyItem
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-def model(directory: pathlib.Path) -> pathlib.Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=12288, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=16384, tie_word_embeddings=True,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).eval().save_pretrained(directory)
-    shutil.copytree(ROOT / "models" / "demo" / "tokenizer", directory, dirs_exist_ok=True)
-    return directory
 
 
 def run(path: pathlib.Path, budget: int, batches: int = 30, arrives: int = 5) -> dict:
@@ -76,7 +61,7 @@ def main() -> None:
     budgets = [int(b) for b in args.budgets.split(",")]
     out = {b: [] for b in budgets}
     with tempfile.TemporaryDirectory() as tmp:
-        path = model(pathlib.Path(tmp) / "m")
+        path = long_model(pathlib.Path(tmp) / "m", layers=4, hidden=256)
         for r in range(args.repeat):
             for b in budgets if r % 2 == 0 else budgets[::-1]:
                 out[b].append(run(path, b))

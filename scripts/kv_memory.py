@@ -26,12 +26,13 @@ DEMO = ROOT / "models" / "demo"
 OLD_SLOT_CAP = 8192  # positions of a slot before the paged pool: the model's context, at most this
 
 
-def long_model(directory: pathlib.Path) -> pathlib.Path:
+def long_model(directory: pathlib.Path, layers: int = 2, hidden: int = 128) -> pathlib.Path:
+    """A random Llama allowing 16,384 positions (heads of 32 or wider, half as many KV heads), with the demo tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=12288, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=16384, tie_word_embeddings=True,
+        vocab_size=12288, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16384, tie_word_embeddings=True,
     )  # fmt: skip
     torch.manual_seed(0)
     LlamaForCausalLM(config).eval().save_pretrained(directory)

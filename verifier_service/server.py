@@ -133,18 +133,7 @@ def load_core(vcfg: config_mod.VerifierConfig, model: str | None = None, threads
     """Load the target model and build the verifier with its batch queue, as the config says."""
     configure_torch(threads or vcfg.threads)
     device = config_mod.resolve_device(vcfg.device, "verifier.device")
-    loaded = load_model(
-        "target",
-        model or vcfg.model,
-        dtype=vcfg.dtype,
-        device=device,
-        attention=vcfg.attention,
-        cuda_graph_sizes=vcfg.cuda_graph_sizes,
-        linear=vcfg.linear,
-        max_model_len=vcfg.max_model_len,
-        kv_block_size=vcfg.kv_block_size,
-        prefix_caching=vcfg.enable_prefix_caching,
-    )
+    loaded = load_model("target", model or vcfg.model, device=device, cuda_graph_sizes=vcfg.cuda_graph_sizes, **vcfg.model_options())
     store = SessionStore(max_cache_bytes=int(vcfg.max_cache_mb * 2**20), max_sessions=vcfg.max_sessions, idle_s=vcfg.session_idle_s)
     loaded.prepare(store.max_cache_bytes, store.max_sessions)
     verifier = Verifier(loaded, store, vcfg.max_prefill_tokens)

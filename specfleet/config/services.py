@@ -133,6 +133,17 @@ class ServiceConfig:
         check=PORT,
     )
 
+    def model_options(self) -> dict:
+        """What this section sets of every model its service loads: `specfleet.engine.load_model`'s keywords."""
+        return dict(
+            dtype=self.dtype,
+            attention=self.attention,
+            linear=self.linear,
+            max_model_len=self.max_model_len,
+            kv_block_size=self.kv_block_size,
+            prefix_caching=self.enable_prefix_caching,
+        )
+
     def addresses(self) -> list[str]:
         """Every replica's address; the first is `address`."""
         return [self.address, *self.replicas]
