@@ -160,7 +160,9 @@ def load_core(svc: config_mod.DrafterServiceConfig, threads: int | None = None) 
     device = config_mod.resolve_device(svc.device, f"drafters[{svc.name}].device")
     models = {}
     for m in svc.models:
-        store = SessionStore(max_cache_bytes=int(svc.max_cache_mb * 2**20), max_sessions=svc.max_sessions, idle_s=svc.session_idle_s)
+        store = SessionStore(
+            max_cache_bytes=int(svc.max_cache_mb * 2**20), max_sessions=svc.max_sessions, idle_s=svc.session_idle_s, namespace=m.name.encode()
+        )
         if m.kind == "ngram":
             models[m.name] = NgramModel(load_source(m.name, m.path), store, m.ngram_max, m.ngram_min, m.ngram_matches)
             continue

@@ -102,7 +102,7 @@ class ServiceConfig:
     enable_prefix_caching: bool = knob(
         True,
         "sessions whose tokens start the same way (a shared system prompt, a conversation's earlier turns) share the "
-        "cached KV blocks of that prefix rather than computing it again (not across a drafter service's stacked models)",
+        "cached KV blocks of that prefix rather than computing it again (each model its own)",
     )
     max_sessions: int = knob(4096, "sessions whose token ids are kept at all; past it the oldest are forgotten", check=at_least(1))
     session_idle_s: float = knob(

@@ -141,12 +141,13 @@ class KVPool:
                 del self._cached[self._hash_of.pop(b)]
                 self._free.add(b)
 
-    def match(self, tokens: list[int], limit: int) -> tuple[list[int], list[bytes]]:
-        """The cached blocks (taken, shared) holding the longest run of full blocks that `tokens[:limit]` starts with, and their hashes."""
+    def match(self, tokens: list[int], limit: int, namespace: bytes = b"") -> tuple[list[int], list[bytes]]:
+        """The cached blocks (taken, shared) holding the longest run of full blocks that `tokens[:limit]` starts with,
+        and their hashes; `namespace`: the model's, where several models' sessions share the pool (`Session.namespace`)."""
         blocks, hashes = [], []
         bs = self.block_size
         for i in range(limit // bs):
-            h = block_hash(hashes[-1] if hashes else b"", tokens[i * bs : (i + 1) * bs])
+            h = block_hash(hashes[-1] if hashes else namespace, tokens[i * bs : (i + 1) * bs])
             b = self._cached.get(h)
             if b is None:
                 break
@@ -164,7 +165,7 @@ class KVPool:
         """Cache the session's full blocks it has not hashed yet (its cache holds `token_ids[:kv_len]`)."""
         bs = self.block_size
         for i in range(len(session.hashes), session.kv_len // bs):
-            h = block_hash(session.hashes[-1] if session.hashes else b"", session.token_ids[i * bs : (i + 1) * bs])
+            h = block_hash(session.hashes[-1] if session.hashes else session.namespace, session.token_ids[i * bs : (i + 1) * bs])
             b = session.blocks[i]
             if h not in self._cached and b not in self._hash_of:
                 self._cached[h], self._hash_of[b] = b, h
@@ -235,6 +236,9 @@ class Session:
     pool: KVPool | None = None
     blocks: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)  # with prefix caching: the hashes of its first full blocks
+    # Where its first block's hash starts from: its model's name where models share a pool (a stack), so that one
+    # model's session never takes another's cached blocks.
+    namespace: bytes = b""
     used_at: float = 0.0  # time.monotonic() of the last call that synced it (SessionStore.expire_idle)
 
     def place(self) -> int | torch.Tensor:
@@ -304,7 +308,7 @@ class Session:
         """With no cache yet, take the cached blocks its first `end` tokens start with (prefix caching)."""
         if pool.prefix_caching and not self.blocks:
             self.pool = pool
-            self.blocks, self.hashes = pool.match(self.token_ids, end)
+            self.blocks, self.hashes = pool.match(self.token_ids, end, self.namespace)
             self.kv_len = len(self.blocks) * pool.block_size
 
     def evict_kv(self) -> None:

@@ -26,10 +26,11 @@ class SessionStore:
     SESSION_UNKNOWN and resend the full token ids).
     """
 
-    def __init__(self, max_cache_bytes: int, max_sessions: int, idle_s: float = 0.0):
+    def __init__(self, max_cache_bytes: int, max_sessions: int, idle_s: float = 0.0, namespace: bytes = b""):
         self.max_cache_bytes = max_cache_bytes
         self.max_sessions = max_sessions
         self.idle_s = idle_s  # `expire_idle` forgets sessions no call has used for this long (0: never)
+        self.namespace = namespace  # its sessions' `Session.namespace`: the model's, where models share a KV pool
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently synced first
         self.evictions = 0
         self.expired = 0
@@ -44,7 +45,7 @@ class SessionStore:
         session = self._sessions.get(session_id)
         if prefix_length == 0:
             if session is None:
-                session = Session(token_ids=[])
+                session = Session(token_ids=[], namespace=self.namespace)
                 self._sessions[session_id] = session
             session.truncate(0)
         elif session is None or len(session.token_ids) < prefix_length:

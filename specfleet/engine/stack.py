@@ -131,7 +131,8 @@ def _stack(members: list[LoadedModel]) -> Stack:
         eps=first.eps,
         attention=first.attention,
     )
-    pool = KVPool(model, members[0].kv_block_size)
+    # Prefix caching keys each member's blocks by its model (the sessions' namespace: drafter_service/server.py).
+    pool = KVPool(model, members[0].kv_block_size, prefix_caching=all(m.prefix_caching for m in members))
     for g, loaded in enumerate(members):
         # Views of the stack: the weights are held once.
         for n in _MODEL_TENSORS:

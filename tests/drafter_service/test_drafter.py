@@ -187,3 +187,35 @@ def test_a_service_lays_out_its_unstacked_models_for_the_cpu_and_leaves_a_stacks
         assert laid_out == {"drafter-copy": False, "drafter-noisy": False, "drafter-random": available(torch.float32)}
     finally:
         core.close()
+
+
+def test_stacked_models_share_a_prefix_cache_only_within_each_model(random_family):
+    """Prefix caching in a stack's one pool: a block is known by its model too (the store's namespace), so a
+    prompt another member cached is computed again, one its own model cached is taken, and every draft and
+    proposal is what the model drafts alone."""
+    paths = {name: random_family[name] for name in ("drafter-copy", "drafter-noisy")}
+    prompt = list(range(40, 88))  # 47 positions prefilled: two full blocks of 16
+    sampled = SamplingParams(temperature=0.8, top_k=20, seed=7)
+    runs = {}
+    for stacked in (True, False):
+        models = {
+            name: DraftModel(
+                load_model(name, path, use_token_map=True, device=DEVICE, prefix_caching=True), SessionStore(1 << 30, 100, namespace=name.encode()), 8
+            )
+            for name, path in paths.items()
+        }
+        if stacked:
+            stack_draft_models(models)
+        first = draft_batch(models, [("drafter-copy", DraftItem("a", 0, prompt, 4, sampled))])
+        second = draft_batch(
+            models, [("drafter-noisy", DraftItem("b", 0, prompt, 4, sampled)), ("drafter-copy", DraftItem("c", 0, prompt, 4, sampled))]
+        )
+        runs[stacked] = (first + second, {name: m.loaded.pool for name, m in models.items()})
+    pools = runs[True][1]
+    assert pools["drafter-copy"] is pools["drafter-noisy"] and pools["drafter-copy"].prefix_caching
+    assert pools["drafter-copy"].hits == 32, "c takes a's two blocks; b, another model, takes none"
+    for stacked_result, alone_result in zip(runs[True][0], runs[False][0]):
+        assert stacked_result.token_ids == alone_result.token_ids
+        for (ids, probs), (alone_ids, alone_probs) in zip(stacked_result.proposals, alone_result.proposals):
+            assert ids == alone_ids
+            torch.testing.assert_close(torch.tensor(probs), torch.tensor(alone_probs), atol=TOLERANCE, rtol=0)
