@@ -137,8 +137,9 @@ class Verifier:
                 chunks.append((session, session.kv_len + left))
                 left = 0
             results[idx] = VerifyResult(item.session_id, known=True, prefilling=True)
-        if chunks:
-            prefill(self.loaded, [s for s, _ in chunks], ends=[end for _, end in chunks])
+        # Prefilled here, each looked up in the prefix cache once above (a second lookup would count its queries twice).
+        todo = [(session, len(session.token_ids) - 1) for _, _, session in ready] + chunks
+        prefill(self.loaded, [s for s, _ in todo], ends=[end for _, end in todo], reuse=False)
         return ready
 
     def _verify(self, live) -> list[VerifyResult]:

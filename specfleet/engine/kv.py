@@ -93,7 +93,7 @@ class KVPool:
         """`count` free blocks, following block `after` where those are free, else consecutive where a gap holds them."""
         if count <= 0:
             return []
-        if after is not None and all(b in self._free for b in range(after + 1, after + 1 + count)):
+        if self.free_after(after, count):
             return self.take(range(after + 1, after + 1 + count))
         if not self.relocate:  # any free blocks: batched attention gathers them anyway, and no gap is searched for
             self._reclaim(lambda: len(self._free) >= count)
@@ -101,6 +101,10 @@ class KVPool:
                 self._grow(max(2 * self.blocks, self.blocks + count))
             return self.take([self._free.pop() for _ in range(count)])
         return self.run(count)
+
+    def free_after(self, after: int | None, count: int) -> bool:
+        """Whether the `count` blocks following block `after` are free (a session ending there grows in place)."""
+        return after is not None and all(b in self._free for b in range(after + 1, after + 1 + count))
 
     def run(self, count: int) -> list[int]:
         """`count` consecutive free blocks: idle cached blocks forgotten, or else the pool grown (doubling), when no gap holds them."""
@@ -276,16 +280,14 @@ class Session:
         if need <= 0:
             return
         after = self.blocks[-1] if self.blocks else None
-        added = pool.allocate(need, after)
-        if after is not None and added[0] != after + 1 and pool.relocate and self.kv_len:
+        if after is not None and pool.relocate and self.kv_len and not pool.free_after(after, need):
             # Cannot grow in place: move to a gap that holds all of it rather than be read scattered.
-            pool.release(added)
             moved = pool.run(len(self.blocks) + need)
             pool.move(self.blocks, moved[: len(self.blocks)], self.kv_len)
             pool.release(self.blocks)
             self.blocks = moved
             return
-        self.blocks += added
+        self.blocks += pool.allocate(need, after)
 
     def commit(self, rows: list[int]) -> None:
         """Keep these of the positions the last forward pass wrote past the cached prefix, in this order."""

@@ -388,15 +388,12 @@ def _batch_plan(model, places, kv_lens, new_lens, attends, width) -> _BatchPlan:
     """Where the pass writes and reads on the pool's token axis, and its mask (`ragged_bias`)."""
     device = model.device
     total = max(k + n for k, n in zip(kv_lens, new_lens))
-    read = read_index(places, [k + n for k, n in zip(kv_lens, new_lens)], total, len(places), device)
-    writes = [(b, j) for b, n in enumerate(new_lens) for j in range(n)]
-    to_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
-    write_b, write_j = to_tensor([b for b, _ in writes]), to_tensor([j for _, j in writes])
+    write_b, write_j, write_index = _writes(model, places, kv_lens, new_lens)
     return _BatchPlan(
         write_b=write_b,
         write_j=write_j,
-        write_index=read[write_b, to_tensor([kv_lens[b] + j for b, j in writes])],
-        read_index=read,
+        write_index=write_index,
+        read_index=read_index(places, [k + n for k, n in zip(kv_lens, new_lens)], total, len(places), device),
         bias=ragged_bias(model, kv_lens, new_lens, attends, width, total).unsqueeze(1),
     )
 

@@ -91,6 +91,7 @@ def prefill(
     score: bool = False,
     members: list[int] | None = None,
     ends: list[int] | None = None,
+    reuse: bool = True,
 ) -> list[tuple[float, int]]:
     """Bring each session's cache up to all but its last `keep_last` tokens (or up to `ends[b]`: a chunk).
 
@@ -101,13 +102,14 @@ def prefill(
     count) of each prefilled token's successor given what precedes it: how well
     the model knows this text. Without it, the pass skips the vocabulary projection.
     With `members`, `loaded` is a stack of models (`stack.py`) and session b is model members[b]'s.
+    Without `reuse`, a session without a cache does not look its tokens up in the prefix cache (its caller did).
     """
     scores = [(0.0, 0)] * len(sessions)
     todo = []  # (index, session, first position to prefill, end)
     for i, session in enumerate(sessions):
         end = len(session.token_ids) - keep_last if ends is None else ends[i]
         session.crop_kv(end)
-        if not score:  # a scored prefill needs every position's logits
+        if reuse and not score:  # a scored prefill needs every position's logits
             session.reuse_prefix(loaded.pool, end)
         if session.kv_len < end:
             todo.append((i, session, session.kv_len, end))

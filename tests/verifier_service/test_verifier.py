@@ -54,3 +54,15 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_a_decoding_session_keeps_its
         (result,) = alone.verify_batch([VerifyItem("short", len(short) + len(tokens) if tokens else 0, [] if tokens else short, SamplingParams())])
         tokens += result.token_ids
     assert first + [t for batch, _, _ in chunked for t in batch] == tokens
+
+
+def test_a_chunked_batch_looks_each_prompt_up_in_the_prefix_cache_once(random_family):
+    """The budget counts what the prefix cache leaves to compute, and the batch then prefills without looking
+    again: prefix_cache_queries counts each prompt's positions once."""
+    loaded = load_model("target", str(random_family["target"]), prefix_caching=True)
+    verifier = Verifier(loaded, SessionStore(1 << 30, 100), max_prefill_tokens=BUDGET)
+    prompt = torch.randint(1, 300, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    verifier.verify_batch([VerifyItem("a", 0, prompt, SamplingParams())])
+    assert (loaded.pool.queries, loaded.pool.hits) == (39, 0)
+    verifier.verify_batch([VerifyItem("b", 0, prompt, SamplingParams())])
+    assert (loaded.pool.queries, loaded.pool.hits) == (78, 32), "b finds a's two full blocks"
