@@ -86,6 +86,10 @@ class BatchQueue:
             self._closed = True
             self._cond.notify()
 
+    def join(self, timeout_s: float) -> None:
+        """After `close`: wait for the model thread to finish what it holds."""
+        self._thread.join(timeout_s)
+
     def _take_batch(self) -> list[_Pending] | None:
         """The next batch; [] when housekeeping is due while no call waits; None once closed."""
         with self._cond:

@@ -127,13 +127,22 @@ class VerifierCore:
 
     def close(self) -> None:
         self.batcher.close()
+        self.batcher.join(10.0)  # its pass done before the model's other ranks stop
+        self.verifier.loaded.close()
 
 
 def load_core(vcfg: config_mod.VerifierConfig, model: str | None = None, threads: int | None = None) -> VerifierCore:
     """Load the target model and build the verifier with its batch queue, as the config says."""
     configure_torch(threads or vcfg.threads)
     device = config_mod.resolve_device(vcfg.device, "verifier.device")
-    loaded = load_model("target", model or vcfg.model, device=device, cuda_graph_sizes=vcfg.cuda_graph_sizes, **vcfg.model_options())
+    loaded = load_model(
+        "target",
+        model or vcfg.model,
+        device=device,
+        cuda_graph_sizes=vcfg.cuda_graph_sizes,
+        tensor_parallel_size=vcfg.tensor_parallel_size,
+        **vcfg.model_options(),
+    )
     store = SessionStore(max_cache_bytes=int(vcfg.max_cache_mb * 2**20), max_sessions=vcfg.max_sessions, idle_s=vcfg.session_idle_s)
     loaded.prepare(store.max_cache_bytes, store.max_sessions)
     verifier = Verifier(loaded, store, vcfg.max_prefill_tokens)

@@ -167,6 +167,13 @@ class VerifierConfig(ServiceConfig):
         expect=GRAPH_SIZES,
         check=Check(lambda v: all(len(s) == 2 and min(s) >= 1 for s in v), GRAPH_SIZES + ", got {value!r}"),
     )
+    tensor_parallel_size: int = knob(
+        1,
+        "the target split over this many processes (ranks) with tensor parallelism, one device each (on GPUs: `device` "
+        "and the next ones), NCCL between GPUs and gloo between CPUs; its attention heads, key/value heads (or a "
+        "multiple of them) and intermediate size must divide by it; max_cache_mb is then each rank's (specfleet/engine/parallel.py)",
+        check=at_least(1),
+    )
     max_prefill_tokens: int = knob(
         512,
         "chunked prefill: prompt positions one batch prefills at most; a longer prompt is prefilled over several "

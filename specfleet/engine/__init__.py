@@ -11,6 +11,8 @@ ids, probabilities or proposals; they create no tensors of their own.
     sessions.py  sessions by id under the KV budget, the session cap and an idle time (`SessionStore`)
     runner.py    batched passes over sessions: `forward_batch`, `prefill`, `tree_pass`, `next_token_logits`
     stack.py     same-shape models in one pass (a drafter service's specialists drafting together)
+    parallel.py  tensor parallelism: a model split over ranks, rank 0 starting and driving the others (`rank.py`),
+                 their messages and CPU collectives through shared memory (`shared_memory.py`)
     shaping.py   logits to what is sent: target tokens, shaped p and its noise, draft proposals
     sampling.py  the tensor math of sampling: shaping logits, seeded generators, the exponential race
 """

@@ -11,8 +11,10 @@ None, and `loading.load_model` reads it with transformers instead. Both give the
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 from types import SimpleNamespace
+from typing import Callable
 
 import torch
 
@@ -63,31 +65,29 @@ def weight_files(path: pathlib.Path) -> list[pathlib.Path] | None:
     return [single] if single.exists() else None
 
 
-def read_checkpoint(path: pathlib.Path, dtype: torch.dtype, device: torch.device) -> tuple[SimpleNamespace, dict[str, torch.Tensor]] | None:
-    """(config, tensors by name in `dtype` on `device`), or None when transformers must read it."""
+def read_checkpoint(
+    path: pathlib.Path, dtype: torch.dtype, device: torch.device, cut: Callable[[str], tuple[slice, ...] | None] | None = None
+) -> tuple[SimpleNamespace, dict[str, torch.Tensor], int] | None:
+    """(config, tensors by name in `dtype` on `device`, the checkpoint's parameter count), or None when
+    transformers must read it. With `cut`, a tensor it gives a slice of is read as that slice alone (a
+    tensor-parallel rank's share, `parallel.slicer`)."""
     config, files = read_config(path), weight_files(path)
     if config is None or files is None:
         return None
     from safetensors import safe_open
 
-    weights = {}
+    weights, parameters = {}, 0
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                weights[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+                part = cut(name) if cut is not None else None
+                stored = f.get_slice(name)
+                weights[name] = (f.get_tensor(name) if part is None else stored[part]).to(device=device, dtype=dtype).contiguous()
+                # Buffers some checkpoints store (rotary inv_freq) are not parameters; a tied output layer is the embedding.
+                if name.endswith((".weight", ".bias")) and not (config.tie_word_embeddings and name == "lm_head.weight"):
+                    parameters += math.prod(stored.get_shape())
     if config.tie_word_embeddings:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     elif "lm_head.weight" not in weights:
         raise ValueError(f"{path}: config.json says the output layer is not tied to the embedding, and no lm_head.weight is stored")
-    return config, weights
-
-
-def parameter_count(weights: dict[str, torch.Tensor]) -> int:
-    """Parameters as transformers counts them: a tensor shared by two names (tied) counts once."""
-    seen, total = set(), 0
-    for name, t in weights.items():
-        # Buffers some checkpoints store (rotary inv_freq) are not parameters.
-        if name.endswith((".weight", ".bias")) and t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel()
-    return total
+    return config, weights, parameters

@@ -75,6 +75,9 @@ class KVPool:
         self.relocations = 0
         # Bumped when the pool's tensor is replaced (growth): captured CUDA graphs hold the old one.
         self.generation = 0
+        # Tensor parallelism's rank 0: the copies and growth of `kv` since the last pass, which the other ranks
+        # replay on their heads' KV before it (`parallel.py`); None elsewhere.
+        self.log: list[tuple] | None = None
 
     @property
     def blocks(self) -> int:
@@ -207,9 +210,22 @@ class KVPool:
 
     def move(self, blocks: list[int], to: list[int], length: int) -> None:
         """Copy positions [0, length) of a session from `blocks` to `to` (same order), in one indexed copy."""
-        src, dst = self.index(blocks, length), self.index(to, length)
-        self.kv[:, :, :, dst] = self.kv[:, :, :, src]
+        self.copy(self.index(blocks, length), self.index(to, length))
         self.relocations += 1
+
+    def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Positions `src` of the token axis to positions `dst`, in one indexed copy."""
+        self.kv[:, :, :, dst] = self.kv[:, :, :, src]
+        if self.log is not None:
+            self.log.append(("copy", src.tolist(), dst.tolist()))
+
+    def replay(self, ops: list[tuple]) -> None:
+        """Another rank's `log`, on this pool: its growth and its copies, in order."""
+        for op in ops:
+            if op[0] == "grow":
+                self.reserve(op[1])
+            else:
+                self.copy(torch.tensor(op[1], device=self.kv.device), torch.tensor(op[2], device=self.kv.device))
 
     def index(self, blocks: list[int], length: int) -> torch.Tensor:
         """[length] long on the pool's device: where positions [0, length) of a session holding `blocks` lie."""
@@ -225,6 +241,8 @@ class KVPool:
         self.kv[:, :, :, : old.shape[3]] = old
         self._free.update(range(old.shape[3] // self.block_size, blocks))
         self.generation += 1
+        if self.log is not None:
+            self.log.append(("grow", blocks))
 
 
 def block_hash(previous: bytes, tokens: list[int]) -> bytes:
@@ -293,9 +311,8 @@ class Session:
         """Keep these of the positions the last forward pass wrote past the cached prefix, in this order."""
         if rows != list(range(len(rows))):
             index = self.pool.index(self.blocks, len(self.blocks) * self.pool.block_size)
-            kv = self.pool.kv
-            src = index[torch.tensor(rows, device=kv.device) + self.kv_len]
-            kv[:, :, :, index[self.kv_len : self.kv_len + len(rows)]] = kv[:, :, :, src]
+            src = index[torch.tensor(rows, device=index.device) + self.kv_len]
+            self.pool.copy(src, index[self.kv_len : self.kv_len + len(rows)])
         self.kv_len += len(rows)
         self._trim()
 

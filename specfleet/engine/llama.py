@@ -91,6 +91,10 @@ class LlamaModel:
     eps: float
     # How attention runs (`ATTENTION_MODES`): per session, one call per layer for the whole batch, or auto.
     attention: str = "auto"
+    # Tensor parallelism (`parallel.Group`), or None: this rank's heads (heads, kv_heads above), intermediate
+    # width and vocabulary slice, the others' partial sums added by all-reduces, their scores gathered.
+    parallel: object | None = None
+    vocab: int = 0  # rows of the whole output layer, when lm_head is this rank's slice of it
 
     @property
     def dtype(self) -> torch.dtype:
@@ -327,13 +331,23 @@ def forward(
                 out = F.scaled_dot_product_attention(q[b : b + 1, :, :n], keys, values, attn_mask=masks[b], enable_gqa=KV != H)
                 outs.append(out if n == width else F.pad(out, (0, 0, 0, width - n)))
             attn = torch.cat(outs)  # [B, H, N, D]
-        x = x + _linear(attn.transpose(1, 2).reshape(batch, width, H * D), layer.out, layer.out_bias, runs)
+        x = x + _row_parallel(model, attn.transpose(1, 2).reshape(batch, width, H * D), layer.out, layer.out_bias, runs)
         h = _norm(x, layer.mlp_norm, model.eps, runs)
         gate, up = _linear(h, layer.gate_up, None, runs).chunk(2, dim=-1)
-        x = x + _linear(F.silu(gate) * up, layer.down, None, runs)
+        x = x + _row_parallel(model, F.silu(gate) * up, layer.down, None, runs)
     if not logits:
         return None
-    return _linear(_norm(x, model.norm, model.eps, runs), model.lm_head, None, runs)
+    scores = _linear(_norm(x, model.norm, model.eps, runs), model.lm_head, None, runs)
+    return scores if model.parallel is None else model.parallel.gather_vocab(scores, model.vocab)
+
+
+def _row_parallel(model: LlamaModel, x: torch.Tensor, weight, bias: torch.Tensor | None, runs: Runs | None) -> torch.Tensor:
+    """A projection whose input is split by columns over the ranks (`parallel.py`): each rank's partial sum, all-reduced,
+    then the bias once. One rank: the projection."""
+    if model.parallel is None:
+        return _linear(x, weight, bias, runs)
+    out = model.parallel.all_reduce(_linear(x, weight, None, runs))
+    return out if bias is None else out + bias
 
 
 def runs_batched(model: LlamaModel) -> bool:

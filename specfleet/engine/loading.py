@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specfleet.engine import checkpoint, cpu_linear, kv, llama
+from specfleet.engine import checkpoint, cpu_linear, kv, llama, parallel
 from specfleet.engine.kv import KVPool
-from specfleet.engine.llama import LlamaModel, check_supported, from_hf, from_weights
+from specfleet.engine.llama import LlamaModel, check_supported, from_weights
 from specfleet.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
@@ -80,12 +80,21 @@ class LoadedModel:
 
     def __post_init__(self):
         self.pool = KVPool(self.model, self.kv_block_size, prefix_caching=self.prefix_caching)
+        if self.model.parallel is not None and self.model.parallel.rank == 0:
+            self.pool.log = []  # the other ranks replay its copies (`parallel.py`)
+
+    def close(self) -> None:
+        """Stop the model's other tensor-parallel ranks, if it has any (rank 0)."""
+        if self.model.parallel is not None and self.model.parallel.rank == 0:
+            self.model.parallel.close()
 
     def prepare(self, max_cache_bytes: int, max_sessions: int) -> None:
         """Before serving, once: on a CPU with `linear` other than plain, lay the linear weights out for its kernels
         (`cpu_linear.py`); with CUDA graphs, size the KV pool for the cache budget (its tensor then
         stays, so the graphs stay valid) and capture every graph. A stack's members are not prepared
-        (their weights are views of the stack's)."""
+        (their weights are views of the stack's). Tensor parallelism's rank 0 has the other ranks prepare too."""
+        if self.model.parallel is not None and self.model.parallel.rank == 0:
+            self.model.parallel.send(("prepare", max_cache_bytes, max_sessions))
         if self.linear != "plain" and self.model.device.type == "cpu" and cpu_linear.available(self.model.dtype):
             added, rows = cpu_linear.lay_out(self.model, self.linear)
             log.info(
@@ -151,6 +160,8 @@ def load_model(
     max_model_len: int = 0,
     kv_block_size: int = kv.BLOCK_SIZE,
     prefix_caching: bool = False,
+    tensor_parallel_size: int = 1,
+    group: parallel.Group | None = None,
 ) -> LoadedModel:
     """Load a Hugging Face Llama-family causal LM and its tokenizer from a local directory, offline.
 
@@ -171,15 +182,36 @@ def load_model(
     max_model_len: positions a session may use (0: all the model allows, `llama.context_limit`);
     more than the model allows is refused. kv_block_size: positions of a KV block (`kv.KVPool`).
     prefix_caching: sessions share the cached blocks their tokens start with (`kv.KVPool`).
+
+    tensor_parallel_size: the model split over this many processes (`parallel.py`), this one rank 0, which
+    starts the others; on GPUs, one device each from `device` on. `group`: this process is a rank of a group
+    already joined (what those other ranks pass).
     """
     if linear not in cpu_linear.LINEAR_MODES:
         raise ValueError(f"model '{name}': linear must be one of {list(cpu_linear.LINEAR_MODES)}, got {linear!r}")
     path = pathlib.Path(path)
+    configured = device
     device = _checked(name, path, dtype, attention, device)
     started = time.perf_counter()
     tokenizer = load_tokenizer(path)
+    if tensor_parallel_size > 1 and group is None:
+        try:
+            parallel.check_divisible(_read_config(path), tensor_parallel_size)
+        except ValueError as e:
+            raise ValueError(f"model '{name}' at {path}: {e}") from None
+        if device.type == "cuda" and (device.index or 0) + tensor_parallel_size > torch.cuda.device_count():
+            raise ValueError(
+                f"model '{name}': tensor_parallel_size {tensor_parallel_size} needs a GPU a rank from {device} on; "
+                f"torch sees {torch.cuda.device_count()}"
+            )
+        options = dict(dtype=dtype, device=str(configured), use_token_map=use_token_map, attention=attention, linear=linear)
+        options.update(cuda_graph_sizes=cuda_graph_sizes, max_model_len=max_model_len, kv_block_size=kv_block_size, prefix_caching=prefix_caching)
+        spec = dict(name=name, path=str(path), threads=torch.get_num_threads(), **options)
+        group = parallel.launch(spec, tensor_parallel_size, device)
+    if group is not None:
+        device = parallel.rank_device(torch.device(device), group.rank)
     try:
-        config, model, parameters = _read_weights(path, DTYPES[dtype], torch.device(device))
+        config, model, parameters = _read_weights(path, DTYPES[dtype], torch.device(device), group)
     except ValueError as e:
         raise ValueError(f"model '{name}' at {path}: {e}") from None
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else getattr(config, "eos_token_id", None)
@@ -194,6 +226,11 @@ def load_model(
         # hands back on the CPU, where the drafter samples.
         local_index = torch.full((int(config.vocab_size),), -1, dtype=torch.long)
         local_index[token_map] = torch.arange(len(token_map))
+    if group is not None:
+        model.vocab = model.lm_head.shape[0]
+        model.lm_head = parallel.shard_vocab(model.lm_head, group.rank, group.size)
+        model.parallel = group
+        group.ready()
     loaded = LoadedModel(
         name=name,
         path=str(path),
@@ -236,18 +273,39 @@ def _context(name: str, config, max_model_len: int) -> int:
     return max_model_len or limit
 
 
-def _read_weights(path: pathlib.Path, dtype: torch.dtype, device: torch.device) -> tuple[object, LlamaModel, int]:
-    """(config, model, parameters): read directly when the checkpoint allows it, else with transformers."""
-    read = checkpoint.read_checkpoint(path, dtype, device)
-    if read is not None:
-        config, weights = read
-        return config, from_weights(config, weights), checkpoint.parameter_count(weights)
-    from transformers import AutoConfig, AutoModelForCausalLM
+def _read_config(path: pathlib.Path):
+    """The checkpoint's config, read directly where it states every field, else by transformers."""
+    config = checkpoint.read_config(path)
+    if config is not None:
+        return config
+    from transformers import AutoConfig
 
-    check_supported(AutoConfig.from_pretrained(str(path), local_files_only=True))  # before any weights load
-    hf_model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dtype)
-    hf_model.to(device).eval()
-    return hf_model.config, from_hf(hf_model), sum(p.numel() for p in hf_model.parameters())
+    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+
+
+def _read_weights(path: pathlib.Path, dtype: torch.dtype, device: torch.device, group: parallel.Group | None) -> tuple[object, LlamaModel, int]:
+    """(config, model, parameters): read directly when the checkpoint allows it, else with transformers;
+    with `group`, this rank's slices (`parallel.slicer`; the parameters counted are still the whole model's)."""
+    config = _read_config(path)
+    check_supported(config)  # before any weights load
+    cut = parallel.slicer(config, group.rank, group.size) if group is not None else None
+    read = checkpoint.read_checkpoint(path, dtype, device, cut)
+    if read is not None:
+        config, weights, parameters = read
+    else:
+        from transformers import AutoModelForCausalLM
+
+        hf_model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dtype)
+        config, parameters = hf_model.config, sum(p.numel() for p in hf_model.parameters())
+        weights = {}
+        for name, t in hf_model.state_dict().items():
+            part = cut(name) if cut is not None else None
+            weights[name] = (t if part is None else t[part]).detach().to(device).contiguous()
+    model = from_weights(config, weights)
+    if group is not None:
+        first, end = parallel.kv_heads_of(model.kv_heads, group.rank, group.size)
+        model.heads, model.kv_heads = model.heads // group.size, end - first
+    return config, model, parameters
 
 
 def _describe_device(device: torch.device) -> str:

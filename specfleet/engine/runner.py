@@ -59,25 +59,44 @@ def forward_batch(
         else:
             attends.append(it.attend if it.attend is not None else torch.ones(n, n, dtype=torch.bool, device=model.device).tril())
     places, kv_lens = [it.session.place() for it in items], [it.session.kv_len for it in items]
+    call = (ids_rows, pos_rows, places, kv_lens, new_lens, attends, logits, runs)
+    if model.parallel is not None:  # the other ranks run the same pass on their heads (`parallel.serve`)
+        ops, loaded.pool.log = loaded.pool.log, []
+        model.parallel.send(("pass", ops, _to_host(call)))
+    out = execute(loaded, *call)
+    if out is None:
+        return None
+    return out.float().cpu() if host else out.float()
+
+
+def execute(loaded: LoadedModel, ids_rows, pos_rows, places, kv_lens, new_lens, attends, logits, runs) -> torch.Tensor | None:
+    """`forward_batch`'s pass itself, its inputs padded: a CUDA graph's where one fits, else `llama.forward`."""
+    model = loaded.model
     out = None
     if loaded.graphs is not None and runs is None:
         out = loaded.graphs.run(ids_rows, pos_rows, places, kv_lens, new_lens, attends, logits)
     if out is None:
+        device = model.device
         out = llama.forward(
             model,
-            torch.tensor(ids_rows, dtype=torch.long, device=model.device),
-            torch.tensor(pos_rows, dtype=torch.long, device=model.device),
+            torch.tensor(ids_rows, dtype=torch.long, device=device),
+            torch.tensor(pos_rows, dtype=torch.long, device=device),
             loaded.pool.kv,
-            places,
+            [p if isinstance(p, int) else p.to(device) for p in places],
             kv_lens,
             new_lens,
-            attends,
+            [a if a is None else a.to(device) for a in attends],
             logits=logits,
             runs=runs,
         )
-    if out is None:
-        return None
-    return out.float().cpu() if host else out.float()
+    return out
+
+
+def _to_host(call: tuple) -> tuple:
+    """A pass's inputs as another rank receives them: tensors on the CPU (it moves them to its own device)."""
+    ids_rows, pos_rows, places, kv_lens, new_lens, attends, logits, runs = call
+    cpu = lambda t: t if t is None or isinstance(t, int) else t.cpu()  # noqa: E731
+    return ids_rows, pos_rows, [cpu(p) for p in places], kv_lens, new_lens, [cpu(a) for a in attends], logits, runs
 
 
 # Rows of one prefill pass at most (bounds the [rows, V] logits a scored pass holds).

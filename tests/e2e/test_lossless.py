@@ -28,7 +28,7 @@ mass between likely and unlikely tokens, and each is caught.
 
 Requests without a seed take the router's random seed; seeded ones (seeds 0..n-1, one a
 sample) may take another lossless path (noise shared by drafters and verifier per seed
-and position); both must pass.
+and position); both must pass. So must a target split over two ranks (`tensor_parallel_size: 2`).
 
 Negative control, in the same test: the same statistic on a cluster started from a copy
 of the tree in which the verifier accepts every draft unchecked on the path the case takes
@@ -70,10 +70,12 @@ SETTINGS = {
     "t1.0-top_k8": (1.0, 1.0, 8),
 }
 CASES = [(setting, seeded) for seeded in (False, True) for setting in SETTINGS]
+# A target split over two ranks (tensor parallelism): one setting, without a seed and with one.
+SPLIT_CASES = [False, True]
 
 FALSE_FAILURE = 1e-6
 # KS checks on the real cluster: each position and the pooled positions, per case.
-CHECKS = len(CASES) * (MAX_TOKENS + 1)
+CHECKS = (len(CASES) + len(SPLIT_CASES)) * (MAX_TOKENS + 1)
 # Requests without a seed take rejection sampling (verify_trees), seeded ones the greedy walk on the
 # seeded race's winners (verify_trees_greedy): each path has its own accept-every-draft mutant.
 CONTROL_MUTANTS = {False: "accept-every-draft", True: "accept-every-fixed-draft"}
@@ -104,6 +106,16 @@ def lossless_config(family) -> dict:
 @pytest.fixture(scope="module")
 def real_cluster(random_family, tmp_path_factory):
     cluster = Cluster(lossless_config(random_family), tmp_path_factory.mktemp("lossless"), "lossless").start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def split_cluster(random_family, tmp_path_factory):
+    """The same cluster with its target split over two ranks (verifier.tensor_parallel_size 2, gloo)."""
+    config = lossless_config(random_family)
+    config["verifier"]["tensor_parallel_size"] = 2
+    cluster = Cluster(config, tmp_path_factory.mktemp("split"), "split").start()
     yield cluster
     cluster.stop()
 
@@ -277,3 +289,16 @@ def test_sampled_output_is_distributed_as_target(real_cluster, control_cluster, 
     control_verdict = exact_pit(random_family, control, setting, seed=2)
     print(f"control ({CONTROL_MUTANTS[seeded]}): KS / threshold per position, pooled: {control_verdict.summary()}")
     assert control_verdict.failures(), f"the statistic accepts a verifier that accepts every draft: {control_verdict.summary()}"
+
+
+@pytest.mark.parametrize("seeded", SPLIT_CASES, ids=["unseeded", "seeded"])
+def test_a_split_targets_sampled_output_is_distributed_as_target(split_cluster, random_family, seeded):
+    """Tensor parallelism (specfleet/engine/parallel.py) keeps sampling exact: the same statistic on a target
+    split over two ranks, one setting each way (the negative control above shows the statistic's power)."""
+    setting = "t0.7-top_p0.9"
+    real = sample(split_cluster, setting, seeded, CONTROL_SAMPLES)
+    verdict = exact_pit(random_family, real, setting, seed=3)
+    print(f"\n{setting} seeded={seeded}, split over two ranks: KS / threshold per position, pooled: {verdict.summary()}")
+    failures = verdict.failures()
+    assert not failures, "\n".join(failures)
+    assert real.draft_tokens > real.accepted_tokens > 0, (real.draft_tokens, real.accepted_tokens)

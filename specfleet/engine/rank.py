@@ -1,0 +1,55 @@
+"""A tensor-parallel rank other than 0: its process, started by rank 0 (`parallel.launch`), and its loop.
+
+It joins the group, loads its slices of the model (`load_model(group=...)`), then runs what rank 0 sends
+(`serve`) until rank 0 says stop, or dies with it (the parent's death signal).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import signal
+
+import torch.distributed as dist
+
+from specfleet.engine import parallel, runner
+from specfleet.engine.loading import LoadedModel, configure_torch, load_model, resolve_device
+
+
+def serve(loaded: LoadedModel) -> None:
+    """Run rank 0's messages until it says stop: ("prepare", max cache bytes, max sessions): `LoadedModel.prepare`;
+    ("pass", KV copies, the pass's inputs): replay the copies (`kv.KVPool.replay`), then `runner.execute` the pass."""
+    group = loaded.model.parallel
+    while True:
+        kind, *args = group.receive()
+        if kind == "stop":
+            return
+        if kind == "prepare":
+            loaded.prepare(*args)
+        elif kind == "pass":
+            ops, call = args
+            loaded.pool.replay(ops)
+            runner.execute(loaded, *call)
+
+
+def _die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when its parent (rank 0) dies, however it dies."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def main(argv: list[str]) -> int:
+    """From its spec (JSON: `load_model`'s keywords, rank, size, where the group meets, threads)."""
+    _die_with_parent()
+    spec = json.loads(argv[0])
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank-{spec['rank']} %(levelname)s %(message)s")
+    rank, size, where, threads = spec.pop("rank"), spec.pop("size"), spec.pop("where"), spec.pop("threads")
+    configure_torch(threads)
+    group = parallel.join(rank, size, where, parallel.rank_device(resolve_device(spec["device"]), rank))
+    serve(load_model(**spec, group=group))
+    if group.distributed:
+        dist.destroy_process_group()
+    return 0

@@ -1,0 +1,50 @@
+"""A verifier whose target is split over two processes (`verifier.tensor_parallel_size: 2`, gloo between CPU
+ranks) under `specfleet serve`: the target's own greedy output, and a killed rank costs no request (the
+verifier exits with it, serve restarts the whole group, the router carries the requests through). The sampled
+tests on a split target are in test_lossless.py."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+
+from tests.e2e.test_supervision import Streams, wait_restarted
+from tests.harness import Cluster, cluster_config
+from tests.helpers import PROMPTS
+from tests.operations import children, paused, service_pid
+
+
+def _rank_pids(verifier: int) -> list[int]:
+    """The verifier's other ranks: its child processes running `specfleet.engine.rank`."""
+    ranks = []
+    for pid in children(verifier):
+        try:
+            if b"specfleet.engine.rank" in pathlib.Path(f"/proc/{pid}/cmdline").read_bytes():
+                ranks.append(pid)
+        except OSError:
+            continue
+    return ranks
+
+
+def test_a_split_target_serves_its_greedy_output_and_survives_a_killed_rank(random_family, tmp_path):
+    """8 greedy streams through a verifier of two ranks; kill -9 rank 1 mid-run: the verifier leaves with it,
+    serve restarts it (two ranks again), and every stream ends with the target's own greedy output."""
+    target = str(random_family["target"])
+    config = cluster_config(random_family, verifier={"colocate": False, "tensor_parallel_size": 2})
+    cluster = Cluster(config, tmp_path, "split").start()
+    try:
+        verifier = service_pid(cluster, "verifier")
+        [rank] = _rank_pids(verifier)
+        streams = Streams([cluster.router], [PROMPTS[i % len(PROMPTS)] for i in range(8)], max_tokens=300)
+        streams.start()
+        with paused(verifier):  # the requests are surely mid-generation when the rank dies
+            os.kill(rank, signal.SIGKILL)
+        restarted = wait_restarted(cluster, "verifier", verifier)
+        streams.join()
+        streams.check(target)
+        assert len(_rank_pids(restarted)) == 1
+        log = cluster.log_path.read_text()
+        assert "tensor-parallel rank 1 exited (code -9)" in log and "restarting verifier" in log, log[-3000:]
+    finally:
+        cluster.stop()
