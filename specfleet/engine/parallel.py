@@ -17,7 +17,7 @@ between GPUs and through shared memory between CPUs (`shared_memory.py`, where r
 Rank 0 starts the others (`launch`: a Python process each, `rank.main`, loading its own slices of the
 checkpoint) and dies with them: a rank that exits makes rank 0 exit, so the supervisor (`specfleet serve`)
 restarts the whole group and the router moves the replica's requests on meanwhile; a rank whose rank 0 is gone
-exits too (its parent's death signal). The embedding stays whole on every rank (a 70B Llama's is 2 GB in bf16).
+exits too (`rank.main` watches its parent). The embedding stays whole on every rank (a 70B Llama's is 2 GB in bf16).
 """
 
 from __future__ import annotations

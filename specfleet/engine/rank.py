@@ -1,15 +1,16 @@
 """A tensor-parallel rank other than 0: its process, started by rank 0 (`parallel.launch`), and its loop.
 
 It joins the group, loads its slices of the model (`load_model(group=...)`), then runs what rank 0 sends
-(`serve`) until rank 0 says stop, or dies with it (the parent's death signal).
+(`serve`) until rank 0 says stop, or exits once rank 0 is gone.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
-import signal
+import os
+import threading
+import time
 
 import torch.distributed as dist
 
@@ -34,11 +35,18 @@ def serve(loaded: LoadedModel) -> None:
 
 
 def _die_with_parent() -> None:
-    """Linux: this process gets SIGKILL when its parent (rank 0) dies, however it dies."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    """Exit once rank 0, the parent, is gone, however it went: a rank alone serves nothing and holds a device.
+
+    Polled rather than Linux's parent-death signal, which follows the thread that started the process, and
+    rank 0 may start its ranks from a thread that ends (a Ray actor's, a loader's)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
 
 
 def main(argv: list[str]) -> int:

@@ -455,13 +455,15 @@ CLIENT_NAMESPACE = "specfleet-client-test"
 @pytest.fixture(scope="module")
 def ray_client_serve(random_family, ray_nodes):
     """`specfleet serve --ray ray://...`: a process that is not a Ray node. The verifier lists two replicas (their
-    addresses only count them under Ray): two actors, each with half of the head's big_gpu, never restarted."""
+    addresses only count them under Ray): two actors, each with half of the head's big_gpu, never restarted, each
+    with its target split over two ranks (tensor_parallel_size 2: the actor's own child process is its rank 1)."""
     config = serve_config(
         random_family,
         {"num_cpus": 0, "resources": {"big_gpu": 0.5}, "max_restarts": 0},
         {"num_cpus": 0, "resources": {"small_gpu": 1}, "max_restarts": 0},
         address="127.0.0.1:50061",
         replicas=["127.0.0.1:50063"],
+        tensor_parallel_size=2,
     )
     serve = RayServe(ray_nodes, config, ray_nodes.workdir, address=ray_nodes.client_address, namespace=CLIENT_NAMESPACE, name="client-serve").start()
     yield serve
@@ -508,16 +510,19 @@ def test_ray_client_driver_with_two_verifier_actors_serves_the_target_greedy(ray
     assert intruder.returncode != 0 and "CONNECTED" not in out, (out, err[-2000:])
 
 
-def test_killed_verifier_actor_loses_no_request(ray_client_serve, random_family):
-    """kill -9 one of the two verifier actors with 8 streams in flight: its requests move to the other
-    actor, which rebuilds their KV from the token ids; none fails and every output is the target's own."""
+def test_killed_verifier_rank_loses_no_request(ray_client_serve, random_family):
+    """kill -9 rank 1 of one of the two verifier actors with 8 streams in flight: the actor exits with it (a
+    replica that lost a rank cannot serve), its requests move to the other actor, which rebuilds their KV from
+    the token ids; none fails and every output is the target's own."""
     from tests.e2e.test_supervision import Streams
+    from tests.e2e.test_tensor_parallel import rank_pids
 
     serve = ray_client_serve
     victim = ray_query(serve, "result = ray.get(ray.get_actor('verifier-1').where.remote(), timeout=120)")
+    [rank] = rank_pids(victim["pid"])
     streams = Streams([serve.router], [PROMPTS[i] for i in range(8)], max_tokens=160)
     streams.start()
-    os.kill(victim["pid"], signal.SIGKILL)
+    os.kill(rank, signal.SIGKILL)
     streams.join()
     streams.check(str(random_family["target"]))
     log = serve.log_path.read_text()

@@ -15,7 +15,7 @@ from tests.helpers import PROMPTS
 from tests.operations import children, paused, service_pid
 
 
-def _rank_pids(verifier: int) -> list[int]:
+def rank_pids(verifier: int) -> list[int]:
     """The verifier's other ranks: its child processes running `specfleet.engine.rank`."""
     ranks = []
     for pid in children(verifier):
@@ -35,7 +35,7 @@ def test_a_split_target_serves_its_greedy_output_and_survives_a_killed_rank(rand
     cluster = Cluster(config, tmp_path, "split").start()
     try:
         verifier = service_pid(cluster, "verifier")
-        [rank] = _rank_pids(verifier)
+        [rank] = rank_pids(verifier)
         streams = Streams([cluster.router], [PROMPTS[i % len(PROMPTS)] for i in range(8)], max_tokens=300)
         streams.start()
         with paused(verifier):  # the requests are surely mid-generation when the rank dies
@@ -43,7 +43,7 @@ def test_a_split_target_serves_its_greedy_output_and_survives_a_killed_rank(rand
         restarted = wait_restarted(cluster, "verifier", verifier)
         streams.join()
         streams.check(target)
-        assert len(_rank_pids(restarted)) == 1
+        assert len(rank_pids(restarted)) == 1
         log = cluster.log_path.read_text()
         assert "tensor-parallel rank 1 exited (code -9)" in log and "restarting verifier" in log, log[-3000:]
     finally:
