@@ -156,7 +156,10 @@ class Group:
         if self.closing:
             return
         self.closing = True
-        self.send(("stop",))
+        try:
+            self.shared.send(("stop",), timeout_s=10.0)
+        except TimeoutError:  # a rank already gone, or stuck: killed below
+            pass
         for worker in self.workers:
             try:
                 worker.wait(timeout=10)
@@ -220,6 +223,14 @@ def _watch(group: Group, rank: int, worker: subprocess.Popen, on_lost: Callable[
     code = worker.wait()
     if not group.closing:
         on_lost(rank, code)
+
+
+def abort(err: BaseException) -> None:
+    """Rank 0 failed inside a pass the other ranks run too: they wait in its collectives, so the group cannot go on.
+    This process exits (its supervisor restarts the whole group), as when a rank dies."""
+    log.error("tensor-parallel rank 0 failed inside a pass (%r): this replica stops, to be restarted with all its ranks", err)
+    logging.shutdown()
+    os._exit(70)
 
 
 def _lost(rank: int, code: int) -> None:

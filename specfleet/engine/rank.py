@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import threading
 import time
 
@@ -52,6 +53,9 @@ def _die_with_parent() -> None:
 def main(argv: list[str]) -> int:
     """From its spec (JSON: `load_model`'s keywords, rank, size, where the group meets, threads)."""
     _die_with_parent()
+    # Rank 0 stops it (a stop message, or by going away): a signal to the process group is rank 0's to handle.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     spec = json.loads(argv[0])
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank-{spec['rank']} %(levelname)s %(message)s")
     rank, size, where, threads = spec.pop("rank"), spec.pop("size"), spec.pop("where"), spec.pop("threads")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specfleet.engine import llama
+from specfleet.engine import llama, parallel
 from specfleet.engine.kv import Session
 from specfleet.engine.loading import LoadedModel
 
@@ -60,10 +60,15 @@ def forward_batch(
             attends.append(it.attend if it.attend is not None else torch.ones(n, n, dtype=torch.bool, device=model.device).tril())
     places, kv_lens = [it.session.place() for it in items], [it.session.kv_len for it in items]
     call = (ids_rows, pos_rows, places, kv_lens, new_lens, attends, logits, runs)
-    if model.parallel is not None:  # the other ranks run the same pass on their heads (`parallel.serve`)
+    if model.parallel is None:
+        out = execute(loaded, *call)
+    else:  # the other ranks run the same pass on their heads (`rank.serve`)
         ops, loaded.pool.log = loaded.pool.log, []
         model.parallel.send(("pass", ops, _to_host(call)))
-    out = execute(loaded, *call)
+        try:
+            out = execute(loaded, *call)
+        except BaseException as err:  # the others are inside the pass's collectives: the group cannot go on
+            parallel.abort(err)
     if out is None:
         return None
     return out.float().cpu() if host else out.float()

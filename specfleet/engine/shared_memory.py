@@ -61,13 +61,15 @@ class SharedMemory:
     def _flag(self, kind: int, rank: int) -> int:
         return (kind * self.size + rank) * LINE // 8
 
-    def _wait(self, ready) -> None:
+    def _wait(self, ready, timeout_s: float | None = None) -> None:
         spins, since = 0, None
         while not ready():
             spins += 1
             if spins < _SPINS:
                 continue
             since = since or time.monotonic()
+            if timeout_s is not None and time.monotonic() - since > timeout_s:
+                raise TimeoutError(f"the other ranks did not answer within {timeout_s} s")
             if time.monotonic() - since < _YIELD_S:
                 os.sched_yield()
             else:
@@ -102,14 +104,15 @@ class SharedMemory:
             out[start : start + step] = self._exchange(piece).view(self.size, *piece.shape).transpose(0, 1)
         return out.view(*x.shape[:-1], self.size * x.shape[-1])
 
-    def send(self, message) -> None:
-        """Rank 0: a message for every other rank (a picklable object of at most MESSAGE_BYTES pickled)."""
+    def send(self, message, timeout_s: float | None = None) -> None:
+        """Rank 0: a message for every other rank (a picklable object of at most MESSAGE_BYTES pickled); waits at most
+        timeout_s (None: as long as it takes) for them to have read the one before the last."""
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         if len(data) + 8 > MESSAGE_BYTES:
             raise ValueError(f"a tensor-parallel message of {len(data)} bytes exceeds the {MESSAGE_BYTES} shared for it")
         flags, sent = self._flags, self._sent + 1
         # Its slot last held message sent - 2: every rank must have read that one.
-        self._wait(lambda: all(flags[self._flag(1, r)] >= sent - 2 for r in range(1, self.size)))
+        self._wait(lambda: all(flags[self._flag(1, r)] >= sent - 2 for r in range(1, self.size)), timeout_s)
         base = (sent % 2) * MESSAGE_BYTES
         self._messages[base : base + 8] = np.frombuffer(len(data).to_bytes(8, "little"), dtype=np.uint8)
         self._messages[base + 8 : base + 8 + len(data)] = np.frombuffer(data, dtype=np.uint8)
