@@ -62,7 +62,7 @@ def test_every_service_module_imports_on_the_gpu_machines_python():
 # workers share them.
 PART_STEPS = {
     "1": ["environment", "engine tests", "bench engine tiny", "serve and bench"],
-    "2": ["environment", "fleet: collaboration", "fleet: pipelining"],
+    "2": ["environment", "fleet: collaboration", "fleet: pipelining", "bench engine tiny long"],
 }
 # Greedy outputs are checked against transformers generate in every run of every bench: (bench, system, load).
 PART_RUNS = {
