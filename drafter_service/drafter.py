@@ -102,8 +102,8 @@ def stack_draft_models(models: dict[str, DraftModel]) -> list[Stack]:
     return stacks
 
 
-def _prefill(entries: list[tuple[DraftModel, Session]], score: bool = False) -> list[tuple[float, int]]:
-    """`prefill` (keep_last=1) of sessions of many models, in one call per model or stack; results in input order."""
+def _prefill(entries: list[tuple[DraftModel, Session]], score: bool = False, ends: list[int] | None = None) -> list[tuple[float, int]]:
+    """`prefill` (keep_last=1, or up to ends[i]) of sessions of many models, in one call per model or stack; results in input order."""
     results: list[tuple[float, int]] = [(0.0, 0)] * len(entries)
     calls: dict[int, list[int]] = {}
     for i, (model, _) in enumerate(entries):
@@ -111,10 +111,11 @@ def _prefill(entries: list[tuple[DraftModel, Session]], score: bool = False) -> 
     for indices in calls.values():
         first = entries[indices[0]][0]
         sessions = [entries[i][1] for i in indices]
+        upto = None if ends is None else [ends[i] for i in indices]
         if first.stack is None:
-            done = prefill(first.loaded, sessions, score=score)
+            done = prefill(first.loaded, sessions, score=score, ends=upto)
         else:
-            done = first.stack.prefill(sessions, [entries[i][0].member for i in indices], score=score)
+            done = first.stack.prefill(sessions, [entries[i][0].member for i in indices], score=score, ends=upto)
         for i, result in zip(indices, done):
             results[i] = result
     return results
@@ -160,15 +161,48 @@ class Drafting:
     committed: int  # the session's length before drafting
 
 
-def draft_batch(models: dict[str, DraftModel | NgramModel], tagged: list[tuple[str, DraftItem]]) -> list[DraftResult]:
-    """Draft for (model name, item) pairs, every model's sessions batched per step; results in input order."""
+def draft_batch(models: dict[str, DraftModel | NgramModel], tagged: list[tuple[str, DraftItem]], max_prefill_tokens: int = 0) -> list[DraftResult]:
+    """Draft for (model name, item) pairs, every model's sessions batched per step; results in input order.
+
+    max_prefill_tokens: positions the batch's catch-up prefills take at most (0: no limit; `_catch_up`)."""
     with contextlib.ExitStack() as locks:
         for name in sorted({name for name, _ in tagged}):
             locks.enter_context(models[name].store.lock)
-        return _draft_batch(models, tagged)
+        return _draft_batch(models, tagged, max_prefill_tokens)
 
 
-def _draft_batch(models: dict[str, DraftModel | NgramModel], tagged: list[tuple[str, DraftItem]]) -> list[DraftResult]:
+def _catch_up(drafting: list[Drafting], budget: int) -> list[Drafting]:
+    """Prefill the sessions more than STEP_CATCH_UP tokens behind (a new prompt), then return those that draft now.
+
+    Chunked prefill, as the verifier's: with a budget, the shortest catch-ups go first (after what the prefix cache
+    holds), and a session the budget cannot bring up to date is prefilled as far as it goes and proposes nothing
+    this call (the router verifies without its drafts, which is always lossless); its next call goes on from there.
+    So a long prompt never holds up the drafting of the sessions beside it for more than the budget's pass."""
+    lagging = []
+    for d in drafting:
+        end = len(d.session.token_ids) - 1
+        if isinstance(d.model, NgramModel) or end - d.session.kv_len <= STEP_CATCH_UP:
+            continue
+        d.session.reuse_prefix(d.model.loaded.pool, end)  # what the prefix cache holds costs nothing
+        lagging.append((end - d.session.kv_len, d))
+    lagging.sort(key=lambda t: t[0])
+    whole, part, ends, waiting, left = [], [], [], set(), budget
+    for need, d in lagging:
+        if budget <= 0 or need <= left:
+            whole.append((d.model, d.session))
+            left -= need
+            continue
+        if left > 0:
+            part.append((d.model, d.session))
+            ends.append(d.session.kv_len + left)
+            left = 0
+        waiting.add(id(d))
+    _prefill(whole)
+    _prefill(part, ends=ends)
+    return [d for d in drafting if id(d) not in waiting]
+
+
+def _draft_batch(models: dict[str, DraftModel | NgramModel], tagged: list[tuple[str, DraftItem]], max_prefill_tokens: int) -> list[DraftResult]:
     results, drafting, scored = [], [], []
     for name, item in tagged:
         model = models[name]
@@ -188,13 +222,7 @@ def _draft_batch(models: dict[str, DraftModel | NgramModel], tagged: list[tuple[
         result.context_log_prob, result.context_tokens = total / max(1, count), count
     for d in drafting:
         d.session.crop_kv(len(d.session.token_ids) - 1)  # the last token's logits draft the first token
-    _prefill(
-        [
-            (d.model, d.session)
-            for d in drafting
-            if not isinstance(d.model, NgramModel) and len(d.session.token_ids) - d.session.kv_len > STEP_CATCH_UP
-        ]
-    )
+    drafting = _catch_up(drafting, max_prefill_tokens)
 
     step, active = 0, drafting
     while active:

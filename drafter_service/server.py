@@ -181,7 +181,7 @@ def load_core(svc: config_mod.DrafterServiceConfig, threads: int | None = None) 
     telemetry = PassTelemetry("drafter", lambda: [m.store for m in models.values()], {"drafter_service": svc.name}, pools=lambda: pools)
     batcher = BatchQueue(
         f"drafter-{svc.name}",
-        telemetry.timed(lambda tagged: draft_batch(models, tagged)),
+        telemetry.timed(lambda tagged: draft_batch(models, tagged, svc.max_prefill_tokens)),
         svc.max_batch_size,
         svc.max_wait_ms / 1e3,
         housekeeping=lambda: [m.store.expire_idle() for m in models.values()],

@@ -104,6 +104,13 @@ class ServiceConfig:
         "sessions whose tokens start the same way (a shared system prompt, a conversation's earlier turns) share the "
         "cached KV blocks of that prefix rather than computing it again (each model its own)",
     )
+    max_prefill_tokens: int = knob(
+        512,
+        "chunked prefill: prompt positions one batch prefills at most; a longer prompt is prefilled over several "
+        "rounds while the sessions already decoding keep their pace (a drafter service's session drafts nothing until "
+        "its prompt is in; 0: no limit; docs/benchmarks/paged-kv.md)",
+        check=at_least(0),
+    )
     max_sessions: int = knob(4096, "sessions whose token ids are kept at all; past it the oldest are forgotten", check=at_least(1))
     session_idle_s: float = knob(
         600.0,
@@ -173,12 +180,6 @@ class VerifierConfig(ServiceConfig):
         "and the next ones), NCCL between GPUs and gloo between CPUs; its attention heads, key/value heads (or a "
         "multiple of them) and intermediate size must divide by it; max_cache_mb is then each rank's (specfleet/engine/parallel.py)",
         check=at_least(1),
-    )
-    max_prefill_tokens: int = knob(
-        512,
-        "chunked prefill: prompt positions one batch prefills at most; a longer prompt is prefilled over several "
-        "rounds while the sessions already decoding keep their pace (0: no limit; docs/benchmarks/paged-kv.md)",
-        check=at_least(0),
     )
 
 

@@ -69,9 +69,11 @@ class Stack:
 
         return logits, global_ids
 
-    def prefill(self, sessions: list[Session], members: list[int], keep_last: int = 1, score: bool = False) -> list[tuple[float, int]]:
+    def prefill(
+        self, sessions: list[Session], members: list[int], keep_last: int = 1, score: bool = False, ends: list[int] | None = None
+    ) -> list[tuple[float, int]]:
         """`runner.prefill` of sessions of several members (session b is model members[b]'s), in shared passes."""
-        return runner.prefill(self, sessions, keep_last, score, members=members)
+        return runner.prefill(self, sessions, keep_last, score, members=members, ends=ends)
 
 
 def same_shape(a: LoadedModel, b: LoadedModel) -> bool:

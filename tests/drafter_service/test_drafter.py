@@ -219,3 +219,25 @@ def test_stacked_models_share_a_prefix_cache_only_within_each_model(random_famil
         for (ids, probs), (alone_ids, alone_probs) in zip(stacked_result.proposals, alone_result.proposals):
             assert ids == alone_ids
             torch.testing.assert_close(torch.tensor(probs), torch.tensor(alone_probs), atol=TOLERANCE, rtol=0)
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_beside_drafting_sessions(drafter_path):
+    """max_prefill_tokens 64: a 300-token prompt drafts nothing while its prefill goes on, 64 positions a call,
+    the short sessions beside it draft every call, and once it is in it drafts what an unchunked session drafts."""
+    model = DraftModel(load_model("d", drafter_path, use_token_map=True), SessionStore(1 << 30, 100), proposal_top_k=8)
+    greedy = SamplingParams()
+    prompt = torch.randint(0, 300, (300,), generator=torch.Generator().manual_seed(3)).tolist()
+    calls, kv_lens = 0, []
+    while True:
+        items = [("d", DraftItem("long", 0 if calls == 0 else len(prompt), prompt if calls == 0 else [], num_draft_tokens=4, sampling=greedy))]
+        items += [("d", DraftItem(f"short{calls}-{i}", 0, c, num_draft_tokens=4, sampling=greedy)) for i, c in enumerate(CONTEXTS)]
+        long, *short = draft_batch({"d": model}, items, max_prefill_tokens=64)
+        calls += 1
+        assert all(len(r.token_ids) == 4 for r in short)  # never held up
+        kv_lens.append(model.store.get("long").kv_len)
+        if long.token_ids:
+            break
+        assert calls < 10
+    # Each call prefills what the budget leaves after the short sessions' catch-ups (none: they are fed in step 1).
+    assert kv_lens[:-1] == [64 * (i + 1) for i in range(len(kv_lens) - 1)] and calls == 5
+    assert long.token_ids == draft(drafter_path, [DraftItem("fresh", 0, prompt, num_draft_tokens=4, sampling=greedy)])[0].token_ids

@@ -79,12 +79,17 @@ def test_the_router_splits_its_calls_to_fit_small_limits(random_family, tmp_path
 
 
 def test_long_prompts_prefilled_in_chunks_give_the_targets_output(random_family, tmp_path):
-    """verifier.max_prefill_tokens: 16 positions of prefill a batch, so every prompt here is prefilled over
-    several rounds (the verifier answers SESSION_PREFILLING meanwhile) while the others decode beside it;
-    with drafting, in the verifier's own process (over gRPC), each output is still the target's."""
+    """max_prefill_tokens: 16 positions of prefill a batch, on the verifier and the drafter service, so every prompt
+    here is prefilled over several rounds (the verifier answers SESSION_PREFILLING meanwhile, the drafter proposes
+    nothing until it has the prompt) while the others decode beside it; with drafting, in the verifier's own
+    process (over gRPC), each output is still the target's, and the drafter drafts once each prompt is in."""
     # Without the prefix cache, a router that took SESSION_PREFILLING for a lost session would resend the
     # prompt and restart its prefill every round, never to finish.
-    config = cluster_config(random_family, verifier={"max_prefill_tokens": 16, "colocate": False, "enable_prefix_caching": False})
+    config = cluster_config(
+        random_family,
+        verifier={"max_prefill_tokens": 16, "colocate": False, "enable_prefix_caching": False},
+        drafter_service={"max_prefill_tokens": 16, "enable_prefix_caching": False},
+    )
     cluster = Cluster(config, tmp_path, "chunked-prefill").start()
     prompts = [p * 6 for p in PROMPTS[:4]]  # 30-90 tokens each
     try:
@@ -92,6 +97,8 @@ def test_long_prompts_prefilled_in_chunks_give_the_targets_output(random_family,
             stub = generation_pb2_grpc.GenerationStub(channel)
             futures = {p: stub.Generate.future(greedy_request(p, 16, 3), timeout=120) for p in prompts}
             for prompt, future in futures.items():
-                assert list(future.result().token_ids) == target_greedy(str(random_family["target"]), prompt, 16), prompt
+                reply = future.result()
+                assert list(reply.token_ids) == target_greedy(str(random_family["target"]), prompt, 16), prompt
+                assert reply.speculation.draft_tokens > 0, prompt
     finally:
         cluster.stop()

@@ -48,10 +48,11 @@ def demo_config(**router) -> dict:
 def demo_cluster(tmp_path_factory):
     # k as asked every round (no adaptive speculation), so that a request drafts in any round it has a drafter for.
     config = demo_config(fusion_width=2, fusion_below=0.9, adaptive_speculation=False)
-    # Every prompt verified in the round it arrives (no chunked prefill, which holds a request back while 28
-    # prompts of one test arrive at once), so that a request's first round is the one that scores its prompt,
-    # as the scoring test counts on; tests/e2e/test_call_limits.py covers chunked prefill.
+    # Every prompt verified and drafted for in the round it arrives (no chunked prefill, which holds a request back
+    # while 28 prompts of one test arrive at once), so that a request's first round is the one that scores its
+    # prompt, as the scoring test counts on; tests/e2e/test_call_limits.py covers chunked prefill.
     config["verifier"]["max_prefill_tokens"] = 0
+    config["drafters"][0]["max_prefill_tokens"] = 0
     cluster = Cluster(config, tmp_path_factory.mktemp("demo"), "demo").start(timeout_s=300)
     yield cluster
     cluster.stop()
