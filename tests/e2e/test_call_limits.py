@@ -102,3 +102,44 @@ def test_long_prompts_prefilled_in_chunks_give_the_targets_output(random_family,
                 assert reply.speculation.draft_tokens > 0, prompt
     finally:
         cluster.stop()
+
+
+def test_a_20000_token_prompt_is_served_through_the_whole_system(random_family, tmp_path):
+    """No cap of ours on a model's context, end to end: a random model allowing 32,768 positions (target and drafter)
+    serves a 20,000-token prompt through the router, prefilled in chunks on the verifier and the drafter service,
+    its KV in blocks; the greedy output is the target's, and the drafter drafts once the prompt is in."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer_dir = random_family["target"]
+    vocab = LlamaConfig.from_pretrained(tokenizer_dir).vocab_size
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=32768, initializer_range=0.3, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(7)
+    model = LlamaForCausalLM(config).eval()
+    path = tmp_path / "long"
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, path / name)
+    prompt = torch.randint(0, vocab, (20000,), generator=torch.Generator().manual_seed(8)).tolist()
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, min_new_tokens=16)
+    expected = out[0, len(prompt) :].tolist()
+    # k as asked (a drafter as large as its target never pays for itself, so adaptive speculation would not draft).
+    config = cluster_config({"target": path, "drafter-copy": path}, drafter="drafter-copy", router={"adaptive_speculation": False})
+    cluster = Cluster(config, tmp_path, "long-prompt").start()
+    try:
+        with cluster.channel() as channel:
+            request = greedy_request("", 16, 3, stop_at_eos=False)
+            request.ClearField("prompt")
+            request.prompt_token_ids.extend(prompt)
+            reply = generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=300)
+        assert list(reply.token_ids) == expected
+        assert reply.speculation.draft_tokens > 0, reply.speculation
+    finally:
+        cluster.stop()
