@@ -35,7 +35,7 @@ import threading
 import zlib
 from dataclasses import dataclass, field
 
-from specfleet.engine import LoadedModel, Session, SessionStore, UnknownSession, next_token_logits, prefill, shaping
+from specfleet.engine import LoadedModel, Session, SessionStore, UnknownSession, next_token_logits, prefill, prefill_shares, shaping
 from specfleet.engine.stack import Stack, stack_models
 from specfleet.fusion import lead
 from specfleet.sampling import STREAM_DRAFT, SamplingParams
@@ -186,19 +186,14 @@ def _catch_up(drafting: list[Drafting], budget: int) -> list[Drafting]:
         d.session.reuse_prefix(d.model.loaded.pool, end)  # what the prefix cache holds costs nothing
         lagging.append((end - d.session.kv_len, d))
     lagging.sort(key=lambda t: t[0])
-    whole, part, ends, waiting, left = [], [], [], set(), budget
-    for need, d in lagging:
-        if budget <= 0 or need <= left:
-            whole.append((d.model, d.session))
-            left -= need
-            continue
-        if left > 0:
-            part.append((d.model, d.session))
-            ends.append(d.session.kv_len + left)
-            left = 0
-        waiting.add(id(d))
-    _prefill(whole)
-    _prefill(part, ends=ends)
+    entries, ends, waiting = [], [], set()
+    for (need, d), share in zip(lagging, prefill_shares([need for need, _ in lagging], budget)):
+        if share:
+            entries.append((d.model, d.session))
+            ends.append(d.session.kv_len + share)
+        if share < need:
+            waiting.add(id(d))
+    _prefill(entries, ends=ends)
     return [d for d in drafting if id(d) not in waiting]
 
 

@@ -17,7 +17,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from specfleet.engine import LoadedModel, SessionStore, UnknownSession, prefill, shaping, tree_pass
+from specfleet.engine import LoadedModel, SessionStore, UnknownSession, prefill, prefill_shares, shaping, tree_pass
 from specfleet.sampling import SamplingParams
 from verifier_service.verification import TreeBatch, verify_trees, verify_trees_greedy
 
@@ -123,22 +123,22 @@ class Verifier:
         """
         if self.max_prefill_tokens <= 0:
             return live
-        left, ready, chunks = self.max_prefill_tokens, [], []
-        for idx, item, session in live:
+        needs = []
+        for _, _, session in live:
             end = len(session.token_ids) - 1
             session.crop_kv(end)
             session.reuse_prefix(self.loaded.pool, end)
-            need = end - session.kv_len
-            if need <= left:
+            needs.append(end - session.kv_len)
+        shares = prefill_shares(needs, self.max_prefill_tokens)
+        ready, todo = [], []
+        for (idx, item, session), need, share in zip(live, needs, shares):
+            if share:
+                todo.append((session, session.kv_len + share))
+            if share == need:
                 ready.append((idx, item, session))
-                left -= need
-                continue
-            if left > 0:
-                chunks.append((session, session.kv_len + left))
-                left = 0
-            results[idx] = VerifyResult(item.session_id, known=True, prefilling=True)
+            else:
+                results[idx] = VerifyResult(item.session_id, known=True, prefilling=True)
         # Prefilled here, each looked up in the prefix cache once above (a second lookup would count its queries twice).
-        todo = [(session, len(session.token_ids) - 1) for _, _, session in ready] + chunks
         prefill(self.loaded, [s for s, _ in todo], ends=[end for _, end in todo], reuse=False)
         return ready
 

@@ -177,7 +177,7 @@ class VerifierConfig(ServiceConfig):
     tensor_parallel_size: int = knob(
         1,
         "the target split over this many processes (ranks) with tensor parallelism, one device each (on GPUs: `device` "
-        "and the next ones), NCCL between GPUs and gloo between CPUs; its attention heads, key/value heads (or a "
+        "and the next ones), NCCL between GPUs and shared memory between CPU ranks; its attention heads, key/value heads (or a "
         "multiple of them) and intermediate size must divide by it; max_cache_mb is then each rank's (specfleet/engine/parallel.py)",
         check=at_least(1),
     )

@@ -29,7 +29,7 @@ from specfleet.engine.loading import (
     read_token_map,
     resolve_device,
 )
-from specfleet.engine.runner import ForwardItem, TreePass, forward_batch, next_token_logits, prefill, tree_pass
+from specfleet.engine.runner import ForwardItem, TreePass, forward_batch, next_token_logits, prefill, prefill_shares, tree_pass
 
 __all__ = [
     "DTYPES",
@@ -47,6 +47,7 @@ __all__ = [
     "load_model",
     "next_token_logits",
     "prefill",
+    "prefill_shares",
     "read_token_map",
     "resolve_device",
     "tree_pass",

@@ -177,9 +177,9 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 
 
 def join(rank: int, size: int, where: dict, device: torch.device) -> Group:
-    """Join the group rank 0 set up (`where`: its shared memory's path, its rendezvous port, the CPU collectives)."""
-    shared = SharedMemory.create(where["shm"], size) if rank == 0 else SharedMemory.attach(where["shm"], rank, size)
-    return _connect(rank, size, where, device, shared)
+    """A rank other than 0: join the group rank 0 set up in `launch` (`where`: its shared memory's path, its
+    rendezvous port, the CPU collectives)."""
+    return _connect(rank, size, where, device, SharedMemory.attach(where["shm"], rank, size))
 
 
 def _connect(rank: int, size: int, where: dict, device: torch.device, shared: SharedMemory) -> Group:

@@ -32,7 +32,7 @@ def serve(loaded: LoadedModel) -> None:
         elif kind == "pass":
             ops, call = args
             loaded.pool.replay(ops)
-            runner.execute(loaded, *call)
+            runner.execute(loaded, *runner.on_device(call, loaded.model.device))
 
 
 def _die_with_parent() -> None:

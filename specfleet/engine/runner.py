@@ -81,16 +81,15 @@ def execute(loaded: LoadedModel, ids_rows, pos_rows, places, kv_lens, new_lens, 
     if loaded.graphs is not None and runs is None:
         out = loaded.graphs.run(ids_rows, pos_rows, places, kv_lens, new_lens, attends, logits)
     if out is None:
-        device = model.device
         out = llama.forward(
             model,
-            torch.tensor(ids_rows, dtype=torch.long, device=device),
-            torch.tensor(pos_rows, dtype=torch.long, device=device),
+            torch.tensor(ids_rows, dtype=torch.long, device=model.device),
+            torch.tensor(pos_rows, dtype=torch.long, device=model.device),
             loaded.pool.kv,
-            [p if isinstance(p, int) else p.to(device) for p in places],
+            places,
             kv_lens,
             new_lens,
-            [a if a is None else a.to(device) for a in attends],
+            attends,
             logits=logits,
             runs=runs,
         )
@@ -98,10 +97,33 @@ def execute(loaded: LoadedModel, ids_rows, pos_rows, places, kv_lens, new_lens, 
 
 
 def _to_host(call: tuple) -> tuple:
-    """A pass's inputs as another rank receives them: tensors on the CPU (it moves them to its own device)."""
+    """A pass's inputs as another rank receives them: tensors on the CPU (`on_device` moves them to its own)."""
+    return _moved(call, torch.device("cpu"))
+
+
+def on_device(call: tuple, device: torch.device) -> tuple:
+    """Another rank's pass inputs (`_to_host`) on this rank's device, as `execute` takes them."""
+    return _moved(call, device)
+
+
+def _moved(call: tuple, device: torch.device) -> tuple:
     ids_rows, pos_rows, places, kv_lens, new_lens, attends, logits, runs = call
-    cpu = lambda t: t if t is None or isinstance(t, int) else t.cpu()  # noqa: E731
-    return ids_rows, pos_rows, [cpu(p) for p in places], kv_lens, new_lens, [cpu(a) for a in attends], logits, runs
+    move = lambda t: t if t is None or isinstance(t, int) else t.to(device)  # noqa: E731
+    return ids_rows, pos_rows, [move(p) for p in places], kv_lens, new_lens, [move(a) for a in attends], logits, runs
+
+
+def prefill_shares(needs: list[int], budget: int) -> list[int]:
+    """Chunked prefill (the verifier's and each drafter service's `max_prefill_tokens`): of its `needs[i]` positions,
+    how many session i prefills in a batch of `budget` (0: no limit), in the order given. All of them while the
+    budget holds them, what is left for the first it does not, none for the rest: they wait for a later batch.
+    A session with nothing to prefill (decoding) is never held back."""
+    if budget <= 0:
+        return list(needs)
+    shares, left = [], budget
+    for need in needs:
+        shares.append(min(need, left))
+        left -= shares[-1]
+    return shares
 
 
 # Rows of one prefill pass at most (bounds the [rows, V] logits a scored pass holds).

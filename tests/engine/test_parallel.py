@@ -76,6 +76,7 @@ def test_a_split_model_attends_either_way(tmp_path, monkeypatch, attention, coll
     expected = _passes(whole)
     split = load_model("m", tmp_path / "m", kv_block_size=BLOCK, attention=attention, tensor_parallel_size=2)
     try:
+        assert split.model.parallel.distributed == (collectives == "gloo")
         got = _passes(split)
     finally:
         split.close()
