@@ -14,7 +14,7 @@ from specfleet import config as config_mod
 from specfleet import limits as limits_mod
 from specfleet import placement, service_shell
 from specfleet.metrics import PassTelemetry
-from specfleet.engine import SessionStore, configure_torch, load_model
+from specfleet.engine import SessionStore, configure_torch, load_model, ray_ranks
 from specfleet.sampling import SamplingParams
 from specfleet.service_shell import CoreServicer, InvalidArgument, Section, ServiceSpec
 from specfleet.batching import BatchQueue, BatchStats, housekeeping_every
@@ -152,6 +152,13 @@ class DrafterCore:
 
     def close(self) -> None:
         self.batcher.close()
+        self.batcher.join(10.0)  # its pass done before a split model's other ranks stop
+        for loaded in self.loaded_models():
+            loaded.close()
+
+    def loaded_models(self) -> list:
+        """The models it runs (`LoadedModel`): each draft model's checkpoint (n-gram drafters have none)."""
+        return [model.loaded for model in self.models.values() if isinstance(model, DraftModel)]
 
 
 def load_core(svc: config_mod.DrafterServiceConfig, threads: int | None = None) -> DrafterCore:
@@ -166,7 +173,9 @@ def load_core(svc: config_mod.DrafterServiceConfig, threads: int | None = None) 
         if m.kind == "ngram":
             models[m.name] = NgramModel(load_source(m.name, m.path), store, m.ngram_max, m.ngram_min, m.ngram_matches)
             continue
-        loaded = load_model(m.name, m.path, device=device, use_token_map=True, **svc.model_options())
+        # A Ray actor in a split service's placement group (`specfleet serve --ray`) starts its ranks as actors there.
+        start_ranks = ray_ranks.start if ray_ranks.in_placement_group() else None
+        loaded = load_model(m.name, m.path, device=device, use_token_map=True, start_ranks=start_ranks, **svc.model_options())
         models[m.name] = DraftModel(loaded, store, svc.proposal_top_k)
     fingerprints = {m.loaded.fingerprint for m in models.values()}
     if len(fingerprints) > 1:

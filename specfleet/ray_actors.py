@@ -45,11 +45,16 @@ def verifier_actor_names(cfg: config_mod.Config) -> list[str]:
     return [VERIFIER_ACTOR if i == 0 else f"{VERIFIER_ACTOR}-{i}" for i in range(len(cfg.verifier.addresses()))]
 
 
+def actor_services(cfg: config_mod.Config) -> dict[str, config_mod.ServiceConfig]:
+    """Every actor of this config, verifiers first: {actor name: its service's section}."""
+    services: dict[str, config_mod.ServiceConfig] = {name: cfg.verifier for name in verifier_actor_names(cfg)}
+    services.update({drafter_actor_name(s.name): s for s in cfg.drafters})
+    return services
+
+
 def actor_placements(cfg: config_mod.Config) -> dict[str, config_mod.RayPlacement | None]:
     """Every actor of this config, verifiers first: {actor name: its placement}."""
-    placements = {name: cfg.verifier.ray for name in verifier_actor_names(cfg)}
-    placements.update({drafter_actor_name(s.name): s.ray for s in cfg.drafters})
-    return placements
+    return {name: service.ray for name, service in actor_services(cfg).items()}
 
 
 def is_client_address(address: str | None) -> bool:
@@ -75,6 +80,7 @@ def where() -> dict:
         "resources": dict(ctx.get_assigned_resources()),
         "gpu_ids": gpu_ids,
         "restarted": _restarted(ctx),
+        "placement_group": ctx.get_placement_group_id(),  # a split service's group (`rank_bundles`), or None
     }
 
 
@@ -113,6 +119,21 @@ def actor_options(placement: config_mod.RayPlacement | None, name: str, namespac
         options["lifetime"] = "detached"
         options["get_if_exists"] = True
     return options
+
+
+def rank_bundles(placement: config_mod.RayPlacement | None, size: int) -> list[dict[str, float]]:
+    """The bundles of a split service's placement group: one per rank, each what the service's `ray` key asks for.
+
+    Raises ValueError where that is nothing (Ray refuses an empty bundle)."""
+    p = placement or config_mod.RayPlacement()
+    bundle = {"CPU": p.num_cpus, "GPU": p.num_gpus, **p.resources, "memory": p.memory_mb * 2**20}
+    bundle = {k: float(v) for k, v in bundle.items() if v}
+    if not bundle:
+        raise ValueError(
+            "ray: with tensor_parallel_size above 1 each rank's actor takes a bundle of a placement group, which must "
+            "hold something: set num_cpus, num_gpus or resources above 0"
+        )
+    return [bundle] * size
 
 
 def connect(address: str | None, namespace: str, **init_kwargs) -> str:
@@ -222,7 +243,9 @@ def format_placement(placements: dict) -> str:
 
 
 def _listing_order(name: str) -> tuple:
-    """Verifiers first, by replica (`verifier`, `verifier-1`, ..., `verifier-10`), then drafters by name."""
-    if name == VERIFIER_ACTOR or name.startswith(VERIFIER_ACTOR + "-"):
-        return (0, int(name.rpartition("-")[2]) if name != VERIFIER_ACTOR else 0, "")
-    return (1, 0, name)
+    """Verifiers first, by replica (`verifier`, `verifier-1`, ..., `verifier-10`), then drafters by name, each actor
+    followed by its other ranks (`verifier-1/rank-1`, ...)."""
+    actor, _, rank = name.partition("/rank-")
+    if actor == VERIFIER_ACTOR or actor.startswith(VERIFIER_ACTOR + "-"):
+        return (0, int(actor.rpartition("-")[2]) if actor != VERIFIER_ACTOR else 0, "", int(rank or 0))
+    return (1, 0, actor, int(rank or 0))

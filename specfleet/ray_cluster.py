@@ -35,6 +35,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
+import os
 import pathlib
 import shutil
 import signal
@@ -45,11 +47,12 @@ import time
 from specfleet import config as config_mod
 from specfleet.ray_actors import (
     actor_options,
-    actor_placements,
+    actor_services,
     connect,
     drafter_actor_name,
     format_placement,
     is_client_address,
+    rank_bundles,
     verifier_actor_names,
     wait_ready,
 )
@@ -76,8 +79,12 @@ def resolve_model_paths(cfg: config_mod.Config) -> None:
             m.path = fix(m.path)
 
 
-def create_actors(cfg: config_mod.Config, namespace: str, detached: bool = False) -> dict:
-    """Create one actor per verifier replica and per drafter service; returns {actor name: handle}."""
+def create_actors(cfg: config_mod.Config, namespace: str, detached: bool = False, groups: list | None = None) -> dict:
+    """Create one actor per verifier replica and per drafter service; returns {actor name: handle}.
+
+    A service split over N ranks (`tensor_parallel_size`) gets, per actor, a placement group of N bundles on one node
+    (STRICT_PACK), each what its `ray` key asks for; its actor, rank 0, takes bundle 0 and starts the other ranks in
+    the rest (`specfleet.engine.ray_ranks`). The groups are appended to `groups`."""
     import ray
 
     from drafter_service.actor import DrafterActor
@@ -85,10 +92,12 @@ def create_actors(cfg: config_mod.Config, namespace: str, detached: bool = False
 
     config_yaml = cfg.to_yaml()
     handles = {}
-    specs = [(name, VerifierActor, cfg.verifier.ray, (config_yaml,)) for name in verifier_actor_names(cfg)]
-    specs += [(drafter_actor_name(s.name), DrafterActor, s.ray, (config_yaml, s.name)) for s in cfg.drafters]
-    for name, cls, placement, args in specs:
-        options = actor_options(placement, name, namespace, detached)
+    specs = [(name, VerifierActor, cfg.verifier, (config_yaml,)) for name in verifier_actor_names(cfg)]
+    specs += [(drafter_actor_name(s.name), DrafterActor, s, (config_yaml, s.name)) for s in cfg.drafters]
+    for name, cls, service, args in specs:
+        options = actor_options(service.ray, name, namespace, detached)
+        if service.tensor_parallel_size > 1:
+            options = _in_placement_group(options, service.ray, service.tensor_parallel_size, f"{namespace}-{name}", detached, groups)
         try:
             handles[name] = ray.remote(cls).options(**options).remote(*args)
         except ValueError as err:  # the name is taken
@@ -99,13 +108,55 @@ def create_actors(cfg: config_mod.Config, namespace: str, detached: bool = False
     return handles
 
 
+def _in_placement_group(options: dict, placement, size: int, name: str, detached: bool, groups: list | None) -> dict:
+    """`options` for rank 0 of a split service: in bundle 0 of a new placement group of `size` bundles on one node."""
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    selector = options.pop("label_selector", None)  # the bundles' (every rank's node is the one node)
+    group = placement_group(
+        rank_bundles(placement, size),
+        strategy="STRICT_PACK",
+        name=name,
+        lifetime="detached" if detached else None,
+        **({"bundle_label_selector": [selector] * size} if selector else {}),
+    )
+    if groups is not None:
+        groups.append(group)
+    return {**options, "scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)}
+
+
+def _ranks(handles: dict, cfg: config_mod.Config) -> dict:
+    """Where each split service's other ranks run: {"<actor>/rank-<r>": where()}."""
+    import ray
+
+    ranks = {}
+    for name, service in actor_services(cfg).items():
+        if service.tensor_parallel_size > 1:
+            for r, where in enumerate(ray.get(handles[name].ranks.remote(), timeout=60), start=1):
+                ranks[f"{name}/rank-{r}"] = where
+    return ranks
+
+
+def _rank_placements(cfg: config_mod.Config):
+    """Every actor's placement, once per actor it becomes (a split service: once per rank)."""
+    for service in actor_services(cfg).values():
+        yield from [service.ray or config_mod.RayPlacement()] * service.tensor_parallel_size
+
+
 def _local_resources(cfg: config_mod.Config) -> dict[str, float]:
     """Custom resources the config asks for, to declare on a local one-node cluster so the same config runs."""
     wanted: dict[str, float] = {}
-    for placement in actor_placements(cfg).values():
-        for k, v in (placement.resources if placement else {}).items():
+    for placement in _rank_placements(cfg):
+        for k, v in placement.resources.items():
             wanted[k] = wanted.get(k, 0.0) + v
     return wanted
+
+
+def _local_cpus(cfg: config_mod.Config) -> int:
+    """CPUs to declare on a local one-node cluster: this machine's, or what the actors ask for where that is more
+    (there Ray's CPUs only place actors; their processes share the machine's cores either way)."""
+    return max(os.cpu_count() or 1, math.ceil(sum(p.num_cpus for p in _rank_placements(cfg))))
 
 
 def serve(cfg: config_mod.Config, address: str | None, namespace: str, detached: bool, startup_timeout_s: float) -> int:
@@ -120,6 +171,7 @@ def serve(cfg: config_mod.Config, address: str | None, namespace: str, detached:
     if address is None:
         resources = _local_resources(cfg)
         init_kwargs["resources"] = resources
+        init_kwargs["num_cpus"] = _local_cpus(cfg)
         needs_gpu = max([cfg.verifier.ray.num_gpus if cfg.verifier.ray else 0] + [s.ray.num_gpus for s in cfg.drafters if s.ray])
         print(
             f"specfleet serve: starting a local Ray cluster (custom resources {resources or 'none'}"
@@ -137,6 +189,7 @@ def serve(cfg: config_mod.Config, address: str | None, namespace: str, detached:
     router_ray_address = address if is_client_address(address) else gcs_address
     router_proc: subprocess.Popen | None = None
     handles: dict = {}
+    groups: list = []  # placement groups of split services
     config_dir = _tempdir()
 
     def stop_all(code: int) -> int:
@@ -152,6 +205,8 @@ def serve(cfg: config_mod.Config, address: str | None, namespace: str, detached:
                     ray.kill(handle, no_restart=True)
                 except Exception:
                     pass
+            for group in groups:
+                ray.util.remove_placement_group(group)
         ray.shutdown()
         shutil.rmtree(config_dir, ignore_errors=True)
         return code
@@ -159,8 +214,9 @@ def serve(cfg: config_mod.Config, address: str | None, namespace: str, detached:
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         try:
-            handles = create_actors(cfg, namespace, detached)
+            handles = create_actors(cfg, namespace, detached, groups)
             placements = asyncio.run(wait_ready(handles, startup_timeout_s, cfg))
+            placements.update(_ranks(handles, cfg))
         except Exception as err:
             print(f"specfleet serve: the Ray actors did not start: {err}", file=sys.stderr)
             return stop_all(1)

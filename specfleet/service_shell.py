@@ -238,3 +238,8 @@ class ServiceActor:
 
     async def where(self) -> dict:
         return ray_actors.where()
+
+    async def ranks(self) -> list[dict]:
+        """Where the other ranks of its split model run (each rank actor's `where()`, `engine/ray_ranks.py`), rank 1
+        first; none where no model is split."""
+        return [await worker.where() for loaded in self.core.loaded_models() for worker in loaded.ranks]

@@ -14,7 +14,7 @@ from specfleet import config as config_mod
 from specfleet import limits as limits_mod
 from specfleet import placement, service_shell
 from specfleet.metrics import PassTelemetry
-from specfleet.engine import SessionStore, configure_torch, load_model
+from specfleet.engine import SessionStore, configure_torch, load_model, ray_ranks
 from specfleet.sampling import SamplingParams
 from specfleet.service_shell import CoreServicer, InvalidArgument, Section, ServiceSpec
 from specfleet.batching import BatchQueue, BatchStats, housekeeping_every
@@ -130,6 +130,10 @@ class VerifierCore:
         self.batcher.join(10.0)  # its pass done before the model's other ranks stop
         self.verifier.loaded.close()
 
+    def loaded_models(self) -> list:
+        """The models it runs (`LoadedModel`): the target."""
+        return [self.verifier.loaded]
+
 
 def load_core(vcfg: config_mod.VerifierConfig, model: str | None = None, threads: int | None = None) -> VerifierCore:
     """Load the target model and build the verifier with its batch queue, as the config says."""
@@ -140,7 +144,8 @@ def load_core(vcfg: config_mod.VerifierConfig, model: str | None = None, threads
         model or vcfg.model,
         device=device,
         cuda_graph_sizes=vcfg.cuda_graph_sizes,
-        tensor_parallel_size=vcfg.tensor_parallel_size,
+        # A Ray actor in a split verifier's placement group (`specfleet serve --ray`) starts its ranks as actors there.
+        start_ranks=ray_ranks.start if ray_ranks.in_placement_group() else None,
         **vcfg.model_options(),
     )
     store = SessionStore(max_cache_bytes=int(vcfg.max_cache_mb * 2**20), max_sessions=vcfg.max_sessions, idle_s=vcfg.session_idle_s)

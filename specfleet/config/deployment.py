@@ -123,6 +123,13 @@ def validate(config: Config) -> None:
         if svc.name in seen_services:
             raise ConfigError(f"drafters[{i}].name: duplicate service name {svc.name!r}")
         seen_services.add(svc.name)
+        # One split model a process: NCCL's default group, which a split model's collectives use on GPUs, is one.
+        split = [m.name for m in svc.models if m.kind == "model"]
+        if svc.tensor_parallel_size > 1 and len(split) > 1:
+            raise ConfigError(
+                f"drafters[{i}].tensor_parallel_size: a drafter service split over ranks hosts one draft model (n-gram ones "
+                f"aside), it has {len(split)} ({', '.join(split)}): give the others a service of their own"
+            )
         for j, m in enumerate(svc.models):
             if not m.name or not m.path:
                 raise ConfigError(f"drafters[{i}].models[{j}]: name and path are required")

@@ -111,6 +111,15 @@ class ServiceConfig:
         "its prompt is in; 0: no limit; docs/benchmarks/paged-kv.md)",
         check=at_least(0),
     )
+    tensor_parallel_size: int = knob(
+        1,
+        "each model split over this many processes (ranks) with tensor parallelism, one device each (on GPUs: `device` "
+        "and the next ones), NCCL between GPUs and shared memory between CPU ranks; its attention heads, key/value heads (or "
+        "a multiple of them) and intermediate size must divide by it; max_cache_mb is then each rank's; a drafter service "
+        "split so hosts one draft model (an n-gram one beside it); under Ray, each rank is an actor of `ray`'s placement, "
+        "all N in one placement group on one node (specfleet/engine/parallel.py)",
+        check=at_least(1),
+    )
     max_sessions: int = knob(4096, "sessions whose token ids are kept at all; past it the oldest are forgotten", check=at_least(1))
     session_idle_s: float = knob(
         600.0,
@@ -149,6 +158,7 @@ class ServiceConfig:
             max_model_len=self.max_model_len,
             kv_block_size=self.kv_block_size,
             prefix_caching=self.enable_prefix_caching,
+            tensor_parallel_size=self.tensor_parallel_size,
         )
 
     def addresses(self) -> list[str]:
@@ -173,13 +183,6 @@ class VerifierConfig(ServiceConfig):
         factory=list,
         expect=GRAPH_SIZES,
         check=Check(lambda v: all(len(s) == 2 and min(s) >= 1 for s in v), GRAPH_SIZES + ", got {value!r}"),
-    )
-    tensor_parallel_size: int = knob(
-        1,
-        "the target split over this many processes (ranks) with tensor parallelism, one device each (on GPUs: `device` "
-        "and the next ones), NCCL between GPUs and shared memory between CPU ranks; its attention heads, key/value heads (or a "
-        "multiple of them) and intermediate size must divide by it; max_cache_mb is then each rank's (specfleet/engine/parallel.py)",
-        check=at_least(1),
     )
 
 

@@ -15,6 +15,7 @@ import os
 import pathlib
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -82,6 +83,12 @@ class LoadedModel:
         self.pool = KVPool(self.model, self.kv_block_size, prefix_caching=self.prefix_caching)
         if self.model.parallel is not None and self.model.parallel.rank == 0:
             self.pool.log = []  # the other ranks replay its copies (`parallel.py`)
+
+    @property
+    def ranks(self) -> list:
+        """Rank 0 of a split model: its other ranks (`parallel.Group.workers`); otherwise none."""
+        group = self.model.parallel
+        return group.workers if group is not None and group.rank == 0 else []
 
     def close(self) -> None:
         """Stop the model's other tensor-parallel ranks, if it has any (rank 0)."""
@@ -162,6 +169,7 @@ def load_model(
     prefix_caching: bool = False,
     tensor_parallel_size: int = 1,
     group: parallel.Group | None = None,
+    start_ranks: Callable[[list[str]], list] | None = None,
 ) -> LoadedModel:
     """Load a Hugging Face Llama-family causal LM and its tokenizer from a local directory, offline.
 
@@ -184,8 +192,9 @@ def load_model(
     prefix_caching: sessions share the cached blocks their tokens start with (`kv.KVPool`).
 
     tensor_parallel_size: the model split over this many processes (`parallel.py`), this one rank 0, which
-    starts the others; on GPUs, one device each from `device` on. `group`: this process is a rank of a group
-    already joined (what those other ranks pass).
+    starts the others: child processes, on GPUs one device each from `device` on, or with `start_ranks` as
+    `parallel.launch` says (a Ray actor's: `ray_ranks.start`). `group`: this process is a rank of a group already
+    joined (what those other ranks pass).
     """
     if linear not in cpu_linear.LINEAR_MODES:
         raise ValueError(f"model '{name}': linear must be one of {list(cpu_linear.LINEAR_MODES)}, got {linear!r}")
@@ -199,7 +208,8 @@ def load_model(
             parallel.check_divisible(_read_config(path), tensor_parallel_size)
         except ValueError as e:
             raise ValueError(f"model '{name}' at {path}: {e}") from None
-        if device.type == "cuda" and (device.index or 0) + tensor_parallel_size > torch.cuda.device_count():
+        # Started elsewhere, each rank has a device of its own (`parallel.launch`); otherwise this process sees them all.
+        if device.type == "cuda" and start_ranks is None and (device.index or 0) + tensor_parallel_size > torch.cuda.device_count():
             raise ValueError(
                 f"model '{name}': tensor_parallel_size {tensor_parallel_size} needs a GPU a rank from {device} on; "
                 f"torch sees {torch.cuda.device_count()}"
@@ -207,7 +217,7 @@ def load_model(
         options = dict(dtype=dtype, device=str(configured), use_token_map=use_token_map, attention=attention, linear=linear)
         options.update(cuda_graph_sizes=cuda_graph_sizes, max_model_len=max_model_len, kv_block_size=kv_block_size, prefix_caching=prefix_caching)
         spec = dict(name=name, path=str(path), threads=torch.get_num_threads(), **options)
-        group = parallel.launch(spec, tensor_parallel_size, device)
+        group = parallel.launch(spec, tensor_parallel_size, device, start=start_ranks)
     if group is not None:
         device = parallel.rank_device(torch.device(device), group.rank)
     try:

@@ -15,9 +15,10 @@ pass, so every rank runs the same shapes in the same order, CUDA graphs included
 between GPUs and through shared memory between CPUs (`shared_memory.py`, where rank 0's messages go too).
 
 Rank 0 starts the others (`launch`: a Python process each, `rank.main`, loading its own slices of the
-checkpoint) and dies with them: a rank that exits makes rank 0 exit, so the supervisor (`specfleet serve`)
-restarts the whole group and the router moves the replica's requests on meanwhile; a rank whose rank 0 is gone
-exits too (`rank.main` watches its parent). The embedding stays whole on every rank (a 70B Llama's is 2 GB in bf16).
+checkpoint; under Ray, an actor each in its placement group, `ray_ranks.py`) and dies with them: a rank that
+exits makes rank 0 exit, so the supervisor (`specfleet serve`, or Ray) restarts the whole group and the router
+moves the replica's requests on meanwhile; a rank whose rank 0 is gone exits too (`rank.main` watches its
+parent; Ray ends the actors an actor created when it dies). The embedding stays whole on every rank (a 70B Llama's is 2 GB in bf16).
 """
 
 from __future__ import annotations
@@ -120,7 +121,8 @@ class Group:
     shared: SharedMemory  # rank 0's messages; the collectives too unless `distributed`
     # The collectives run on torch.distributed's default group: NCCL between GPUs, gloo where asked for.
     distributed: bool
-    workers: list[subprocess.Popen] = field(default_factory=list)  # rank 0: the other ranks' processes
+    # Rank 0: the other ranks, child processes or Ray actors (`ray_ranks.RayRank`), both with wait() and kill().
+    workers: list = field(default_factory=list)
     closing: bool = False
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -164,7 +166,8 @@ class Group:
             try:
                 worker.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                worker.kill()
+                pass
+            worker.kill()  # stuck; or exited (a process: nothing to do; an actor: its bundle freed)
         if self.distributed:
             dist.destroy_process_group()
 
@@ -196,8 +199,14 @@ def _connect(rank: int, size: int, where: dict, device: torch.device, shared: Sh
 _RANK_MAIN = "import sys; from specfleet.engine.rank import main; sys.exit(main(sys.argv[1:]))"
 
 
-def launch(spec: dict, size: int, device: torch.device, on_lost: Callable[[int, int], None] | None = None) -> Group:
+def launch(
+    spec: dict, size: int, device: torch.device, on_lost: Callable[[int, int], None] | None = None, start: Callable[[list[str]], list] | None = None
+) -> Group:
     """Rank 0: start ranks 1..size-1, each loading the model `spec` names (`load_model`'s keywords), and join them.
+
+    start: from one spec (JSON) per rank, the ranks started elsewhere, each on a device of its own (`ray_ranks.start`:
+    Ray actors, which see only their own GPU), as objects with wait() and kill(); None: child processes of this one,
+    rank r on the r-th GPU from `device`.
 
     on_lost(rank, exit code) runs when one of them exits before `Group.close`; by default this process exits
     (a replica that lost a rank cannot serve: its supervisor restarts the whole group)."""
@@ -207,11 +216,10 @@ def launch(spec: dict, size: int, device: torch.device, on_lost: Callable[[int, 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    where = {"shm": f"/dev/shm/specfleet-tp-{os.getpid()}-{port}", "port": port, "collectives": collectives}
+    where = {"shm": f"/dev/shm/specfleet-tp-{os.getpid()}-{port}", "port": port, "collectives": collectives, "own_device": start is not None}
     shared = SharedMemory.create(where["shm"], size)  # before the others start, which open it
-    workers = [
-        subprocess.Popen([sys.executable, "-c", _RANK_MAIN, json.dumps({**spec, "rank": r, "size": size, "where": where})]) for r in range(1, size)
-    ]
+    specs = [json.dumps({**spec, "rank": r, "size": size, "where": where}) for r in range(1, size)]
+    workers = start(specs) if start is not None else [subprocess.Popen([sys.executable, "-c", _RANK_MAIN, s]) for s in specs]
     group = _connect(0, size, where, device, shared)
     group.workers = workers
     for rank, worker in enumerate(workers, start=1):
@@ -219,7 +227,7 @@ def launch(spec: dict, size: int, device: torch.device, on_lost: Callable[[int, 
     return group
 
 
-def _watch(group: Group, rank: int, worker: subprocess.Popen, on_lost: Callable[[int, int], None]) -> None:
+def _watch(group: Group, rank: int, worker, on_lost: Callable[[int, int], None]) -> None:
     code = worker.wait()
     if not group.closing:
         on_lost(rank, code)

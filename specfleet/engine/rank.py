@@ -1,4 +1,5 @@
-"""A tensor-parallel rank other than 0: its process, started by rank 0 (`parallel.launch`), and its loop.
+"""A tensor-parallel rank other than 0: its process, started by rank 0 (`parallel.launch`: a child process, or a
+Ray actor, `ray_ranks.py`), and its loop.
 
 It joins the group, loads its slices of the model (`load_model(group=...)`), then runs what rank 0 sends
 (`serve`) until rank 0 says stop, or exits once rank 0 is gone.
@@ -51,16 +52,24 @@ def _die_with_parent() -> None:
 
 
 def main(argv: list[str]) -> int:
-    """From its spec (JSON: `load_model`'s keywords, rank, size, where the group meets, threads)."""
+    """A child process of rank 0 (`parallel.launch`), from its spec as JSON."""
     _die_with_parent()
     # Rank 0 stops it (a stop message, or by going away): a signal to the process group is rank 0's to handle.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     spec = json.loads(argv[0])
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank-{spec['rank']} %(levelname)s %(message)s")
+    return run(spec)
+
+
+def run(spec: dict) -> int:
+    """Join the group, load this rank's slices and `serve`, from its spec (`load_model`'s keywords, rank, size, where
+    the group meets, threads); a child process's or a Ray actor's (`ray_ranks.RankActor`)."""
     rank, size, where, threads = spec.pop("rank"), spec.pop("size"), spec.pop("where"), spec.pop("threads")
     configure_torch(threads)
-    group = parallel.join(rank, size, where, parallel.rank_device(resolve_device(spec["device"]), rank))
+    device = resolve_device(spec["device"])
+    # A Ray actor sees only its own GPU (Ray sets CUDA_VISIBLE_DEVICES); a child process sees the node's.
+    group = parallel.join(rank, size, where, device if where.get("own_device") else parallel.rank_device(device, rank))
     serve(load_model(**spec, group=group))
     if group.distributed:
         dist.destroy_process_group()

@@ -111,6 +111,21 @@ def test_one_verifier_actor_per_replica():
     assert ray_actors.verifier_actor_names(config_mod.parse(_base())) == ["verifier"]
 
 
+def test_a_split_verifier_asks_for_a_bundle_per_rank():
+    """tensor_parallel_size 2 under Ray: a placement group bundle per rank, each what `verifier.ray` asks for; a local
+    cluster declares both ranks' resources and CPUs; a bundle of nothing is refused naming what to set."""
+    from specfleet import ray_actors, ray_cluster
+
+    config = _base(num_cpus=1, resources={"big_gpu": 0.5})
+    config["verifier"]["tensor_parallel_size"] = 2
+    cfg = config_mod.parse(config)
+    assert ray_actors.rank_bundles(cfg.verifier.ray, 2) == [{"CPU": 1.0, "big_gpu": 0.5}] * 2
+    assert ray_cluster._local_resources(cfg) == {"big_gpu": 1.0, "small_gpu": 0.5}
+    assert ray_cluster._local_cpus(cfg) == max(os.cpu_count(), 3)  # two ranks and the drafter, one CPU each
+    with pytest.raises(ValueError, match="set num_cpus, num_gpus or resources above 0"):
+        ray_actors.rank_bundles(config_mod.RayPlacement(num_cpus=0), 2)
+
+
 def test_grpc_services_still_refuse_bad_requests_as_invalid_argument(cluster):
     """The servicers now delegate to VerifierCore/DrafterCore (shared with the actors); refusals stay INVALID_ARGUMENT."""
     import grpc
@@ -455,16 +470,19 @@ CLIENT_NAMESPACE = "specfleet-client-test"
 @pytest.fixture(scope="module")
 def ray_client_serve(random_family, ray_nodes):
     """`specfleet serve --ray ray://...`: a process that is not a Ray node. The verifier lists two replicas (their
-    addresses only count them under Ray): two actors, each with half of the head's big_gpu, never restarted, each
-    with its target split over two ranks (tensor_parallel_size 2: the actor's own child process is its rank 1)."""
+    addresses only count them under Ray): two actors, each with its target split over two ranks
+    (tensor_parallel_size 2): a placement group per replica of two bundles of half the head's big_gpu, rank 0 the
+    verifier's actor, rank 1 an actor it starts in the other bundle; restarted once. The drafter service's model is
+    split over two ranks the same way, on the worker node."""
     config = serve_config(
         random_family,
-        {"num_cpus": 0, "resources": {"big_gpu": 0.5}, "max_restarts": 0},
-        {"num_cpus": 0, "resources": {"small_gpu": 1}, "max_restarts": 0},
+        {"num_cpus": 0, "resources": {"big_gpu": 0.5}, "max_restarts": 1},
+        {"num_cpus": 0, "resources": {"small_gpu": 0.5}, "max_restarts": 0},
         address="127.0.0.1:50061",
         replicas=["127.0.0.1:50063"],
         tensor_parallel_size=2,
     )
+    config["drafters"][0]["tensor_parallel_size"] = 2
     serve = RayServe(ray_nodes, config, ray_nodes.workdir, address=ray_nodes.client_address, namespace=CLIENT_NAMESPACE, name="client-serve").start()
     yield serve
     serve.stop()
@@ -492,7 +510,18 @@ def test_ray_client_driver_with_two_verifier_actors_serves_the_target_greedy(ray
     for name in ("verifier", "verifier-1"):
         assert where[name]["node_id"] == head and where[name]["resources"].get("big_gpu") == 0.5, where[name]
     assert where["verifier"]["pid"] != where["verifier-1"]["pid"]
+    # Each replica's ranks: one placement group on one node, rank 1 an actor of its own in bundle 1.
+    groups = ray_query(serve, "result = {k: (v['strategy'], v['bundles']) for k, v in ray.util.placement_group_table().items()}")
+    worker = next(n["id"] for n in serve.nodes.nodes if "small_gpu" in n["resources"])
+    split = {"verifier": (head, {"big_gpu": 0.5}), "verifier-1": (head, {"big_gpu": 0.5}), "drafter-small": (worker, {"small_gpu": 0.5})}
+    for name, (node, resources) in split.items():
+        strategy, bundles = groups[where[name]["placement_group"]]
+        assert strategy == "STRICT_PACK" and list(bundles.values()) == [resources] * 2, (strategy, bundles)
+        [rank] = ray_query(serve, f"result = ray.get(ray.get_actor({name!r}).ranks.remote(), timeout=120)")
+        assert rank["node_id"] == node and rank["resources"] == resources, rank
+        assert rank["placement_group"] == where[name]["placement_group"] and rank["pid"] not in (where["verifier"]["pid"], where["verifier-1"]["pid"])
     printed = "".join(serve.stdout_lines)
+    assert "verifier-1/rank-1 " in printed and "drafter-small/rank-1 " in printed, printed
     assert f"through Ray Client {serve.address}" in printed
     assert all(any(ln.strip().startswith(n + " ") for ln in printed.splitlines()) for n in CLIENT_ACTORS), printed
     # Neither serve nor its router is a driver on a Ray node: the jobs' drivers are the head's client servers.
@@ -511,18 +540,18 @@ def test_ray_client_driver_with_two_verifier_actors_serves_the_target_greedy(ray
 
 
 def test_killed_verifier_rank_loses_no_request(ray_client_serve, random_family):
-    """kill -9 rank 1 of one of the two verifier actors with 8 streams in flight: the actor exits with it (a
-    replica that lost a rank cannot serve), its requests move to the other actor, which rebuilds their KV from
-    the token ids; none fails and every output is the target's own."""
+    """kill -9 rank 1 (an actor) of one of the two verifier actors with 8 streams in flight: the verifier's actor
+    exits with it (a replica that lost a rank cannot serve), its requests move to the other actor, which rebuilds
+    their KV from the token ids; none fails and every output is the target's own. Ray restarts the actor in its
+    placement group, where it starts a new rank 1."""
     from tests.e2e.test_supervision import Streams
-    from tests.e2e.test_tensor_parallel import rank_pids
 
     serve = ray_client_serve
-    victim = ray_query(serve, "result = ray.get(ray.get_actor('verifier-1').where.remote(), timeout=120)")
-    [rank] = rank_pids(victim["pid"])
+    ranks_and_where = "actor = ray.get_actor('verifier-1')\nresult = ray.get([actor.ranks.remote(), actor.where.remote()], timeout=120)"
+    [rank], before = ray_query(serve, ranks_and_where)
     streams = Streams([serve.router], [PROMPTS[i] for i in range(8)], max_tokens=160)
     streams.start()
-    os.kill(rank, signal.SIGKILL)
+    os.kill(rank["pid"], signal.SIGKILL)
     streams.join()
     streams.check(str(random_family["target"]))
     log = serve.log_path.read_text()
@@ -531,3 +560,6 @@ def test_killed_verifier_rank_loses_no_request(ray_client_serve, random_family):
     reply = _generate(serve, PROMPTS[0], max_tokens=8)
     assert list(reply.token_ids) == target_greedy(str(random_family["target"]), PROMPTS[0], 8)
     assert serve.proc.poll() is None
+    [new_rank], after = ray_query(serve, ranks_and_where)
+    assert after["restarted"] and after["pid"] != before["pid"] and after["placement_group"] == before["placement_group"], (before, after)
+    assert new_rank["pid"] != rank["pid"] and new_rank["placement_group"] == before["placement_group"], (rank, new_rank)

@@ -70,6 +70,12 @@ BAD = [
         with_("drafters.0.models.0", {"name": "lookup", "kind": "ngram", "path": "t", "ngram_min": 5}),
         "drafters[0].models[0].ngram_min: must be at most ngram_max (4), got 5",
     ),
+    (
+        "split drafter service with two models",
+        with_("drafters.0", {"name": "a", "tensor_parallel_size": 2, "models": [{"name": "x", "path": "p"}, {"name": "y", "path": "q"}]}),
+        "drafters[0].tensor_parallel_size: a drafter service split over ranks hosts one draft model (n-gram ones aside), it has 2 (x, y)",
+    ),
+    ("tensor parallel size zero", with_("drafters.1.tensor_parallel_size", 0), "drafters[1].tensor_parallel_size: must be at least 1"),
     ("duplicate model", with_("drafters.1.models.0.name", "general"), "drafters[1].models[0].name: draft model 'general' is configured twice"),
     ("negative core", with_("drafters.1.cpus", [-1]), "drafters[1].cpus: a list of core numbers"),
     ("cores not a list", with_("verifier.cpus", 3), "verifier.cpus"),
@@ -99,6 +105,12 @@ def test_the_good_config_parses():
     """The base of every bad config above is itself accepted, so each refusal is for the one change."""
     config = config_mod.parse(good())
     assert [s.name for s in config.drafters] == ["a", "b"] and config.router.routing.default_drafter == "general"
+
+
+def test_a_split_drafter_service_hosts_an_ngram_drafter_beside_its_model():
+    models = [{"name": "general", "path": "models/demo/drafters/general"}, {"name": "lookup", "kind": "ngram", "path": "models/demo/target"}]
+    config = config_mod.parse(with_("drafters.0", {"name": "a", "tensor_parallel_size": 2, "models": models}))
+    assert config.drafters[0].tensor_parallel_size == 2 and config.drafters[0].model_options()["tensor_parallel_size"] == 2
 
 
 def test_config_file_problems_name_the_file(tmp_path):
