@@ -195,6 +195,22 @@ def _connect(rank: int, size: int, where: dict, device: torch.device, shared: Sh
     return Group(rank, size, shared, distributed)
 
 
+def alone(device: torch.device) -> Group:
+    """A group of one rank on torch.distributed (NCCL on a GPU, gloo on a CPU): `load_model(group=alone(device))` runs
+    a model through a split model's code path, collectives and all, with nothing split. What the GPU check runs on
+    its one GPU, where two NCCL ranks cannot share the card (tests/engine/test_parallel.py). `Group.close` ends it."""
+    where = _meeting_point("gloo", own_device=True)
+    return _connect(0, 1, where, device, SharedMemory.create(where["shm"], 1))
+
+
+def _meeting_point(collectives: str, own_device: bool) -> dict:
+    """Where a group's ranks meet: a /dev/shm file and a free port on 127.0.0.1 (named by rank 0's pid and the port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return {"shm": f"/dev/shm/specfleet-tp-{os.getpid()}-{port}", "port": port, "collectives": collectives, "own_device": own_device}
+
+
 # What a rank other than 0 runs (`rank.main`; not `-m`: the package imports the engine's modules before runpy would run it).
 _RANK_MAIN = "import sys; from specfleet.engine.rank import main; sys.exit(main(sys.argv[1:]))"
 
@@ -213,10 +229,7 @@ def launch(
     collectives = os.environ.get("SPECFLEET_TP_CPU_COLLECTIVES", "shm")
     if collectives not in CPU_COLLECTIVES:
         raise ValueError(f"SPECFLEET_TP_CPU_COLLECTIVES must be one of {list(CPU_COLLECTIVES)}, got {collectives!r}")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    where = {"shm": f"/dev/shm/specfleet-tp-{os.getpid()}-{port}", "port": port, "collectives": collectives, "own_device": start is not None}
+    where = _meeting_point(collectives, own_device=start is not None)
     shared = SharedMemory.create(where["shm"], size)  # before the others start, which open it
     specs = [json.dumps({**spec, "rank": r, "size": size, "where": where}) for r in range(1, size)]
     workers = start(specs) if start is not None else [subprocess.Popen([sys.executable, "-c", _RANK_MAIN, s]) for s in specs]

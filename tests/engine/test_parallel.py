@@ -9,7 +9,7 @@ import torch
 
 from specfleet.engine import ForwardItem, Session, forward_batch, load_model, prefill
 from specfleet.engine import parallel
-from tests.engine.test_llama import BLOCK, FAMILIES, _configs, _save
+from tests.engine.test_llama import BLOCK, DEVICE, FAMILIES, _configs, _save
 
 TOLERANCE = dict(atol=2e-4, rtol=1e-4)
 
@@ -82,6 +82,30 @@ def test_a_split_model_attends_either_way(tmp_path, monkeypatch, attention, coll
         split.close()
     for mine, theirs in zip(got, expected):
         torch.testing.assert_close(mine, theirs, **TOLERANCE)
+
+
+def test_one_rank_runs_the_split_path_on_the_test_device(tmp_path):
+    """N = 1 through a split model's code path on the tests' device (SPECFLEET_TEST_DEVICE): every collective on
+    torch.distributed (gloo on a CPU; on the GPU check's one GPU, NCCL, inside CUDA graphs too) gives the unsplit
+    model's logits."""
+    from tests.engine.test_llama import TOLERANCE as DEVICE_TOLERANCE
+
+    _save(tmp_path, _configs()["llama-gqa"], "m")
+    sizes = [[1, 1], [3, 8]]  # on a GPU, graphs for the passes of `_passes` that fit them
+    whole = load_model("m", tmp_path / "m", device=DEVICE, kv_block_size=BLOCK, cuda_graph_sizes=sizes)
+    whole.prepare(1 << 30, 64)
+    expected = _passes(whole)
+    alone = load_model("m", tmp_path / "m", device=DEVICE, kv_block_size=BLOCK, cuda_graph_sizes=sizes, group=parallel.alone(torch.device(DEVICE)))
+    try:
+        alone.prepare(1 << 30, 64)
+        assert alone.model.parallel.distributed and alone.model.parallel.size == 1
+        got = _passes(alone)
+        if DEVICE.startswith("cuda"):
+            assert alone.graphs is not None and alone.graphs._graphs, "no pass replayed a CUDA graph"
+    finally:
+        alone.close()
+    for mine, theirs in zip(got, expected):
+        torch.testing.assert_close(mine.cpu(), theirs.cpu(), **DEVICE_TOLERANCE)
 
 
 def test_heads_that_do_not_split_are_refused_naming_the_setting(tmp_path):
