@@ -203,6 +203,9 @@ def load_model(
     device = _checked(name, path, dtype, attention, device)
     started = time.perf_counter()
     tokenizer = load_tokenizer(path)
+    # The keywords every rank loads with (the others get them in their spec).
+    options = dict(dtype=dtype, device=str(configured), use_token_map=use_token_map, attention=attention, linear=linear)
+    options.update(cuda_graph_sizes=cuda_graph_sizes, max_model_len=max_model_len, kv_block_size=kv_block_size, prefix_caching=prefix_caching)
     if tensor_parallel_size > 1 and group is None:
         try:
             parallel.check_divisible(_read_config(path), tensor_parallel_size)
@@ -214,10 +217,19 @@ def load_model(
                 f"model '{name}': tensor_parallel_size {tensor_parallel_size} needs a GPU a rank from {device} on; "
                 f"torch sees {torch.cuda.device_count()}"
             )
-        options = dict(dtype=dtype, device=str(configured), use_token_map=use_token_map, attention=attention, linear=linear)
-        options.update(cuda_graph_sizes=cuda_graph_sizes, max_model_len=max_model_len, kv_block_size=kv_block_size, prefix_caching=prefix_caching)
         spec = dict(name=name, path=str(path), threads=torch.get_num_threads(), **options)
         group = parallel.launch(spec, tensor_parallel_size, device, start=start_ranks)
+        try:
+            return _build(name, path, tokenizer, device, group, started, options)
+        except BaseException:
+            group.abandon()  # the ranks wait for this one to be ready: end them, and leave nothing in /dev/shm
+            raise
+    return _build(name, path, tokenizer, device, group, started, options)
+
+
+def _build(name: str, path: pathlib.Path, tokenizer, device, group: parallel.Group | None, started: float, options: dict) -> LoadedModel:
+    """`load_model` from its weights on: this process's model (with `group`, its rank's slices), as `options` say."""
+    dtype, attention, linear, cuda_graph_sizes = options["dtype"], options["attention"], options["linear"], options["cuda_graph_sizes"]
     if group is not None:
         device = parallel.rank_device(torch.device(device), group.rank)
     try:
@@ -229,7 +241,7 @@ def load_model(
         eos = eos[0]
     model.attention = attention
     token_map = local_index = None
-    if use_token_map and (path / TOKEN_MAP_FILE).exists():
+    if options["use_token_map"] and (path / TOKEN_MAP_FILE).exists():
         token_map = read_token_map(name, path / TOKEN_MAP_FILE, int(config.vocab_size))
         model.lm_head = model.lm_head[token_map.to(model.device)].contiguous()
         # The maps stay on the CPU: they translate positions of logits that forward_batch
@@ -248,14 +260,14 @@ def load_model(
         tokenizer=tokenizer,
         fingerprint=tokenizer_fingerprint(tokenizer),
         vocab_size=int(config.vocab_size),
-        max_context=_context(name, config, max_model_len),
+        max_context=_context(name, config, options["max_model_len"]),
         eos_token_id=int(eos) if eos is not None else -1,
         parameters=parameters,
         token_map=token_map,
         local_index=local_index,
         linear=linear,
-        kv_block_size=kv_block_size,
-        prefix_caching=prefix_caching,
+        kv_block_size=options["kv_block_size"],
+        prefix_caching=options["prefix_caching"],
     )
     if cuda_graph_sizes and model.device.type == "cuda":
         from specfleet.engine.graphs import CudaGraphs

@@ -18,7 +18,8 @@ Rank 0 starts the others (`launch`: a Python process each, `rank.main`, loading 
 checkpoint; under Ray, an actor each in its placement group, `ray_ranks.py`) and dies with them: a rank that
 exits makes rank 0 exit, so the supervisor (`specfleet serve`, or Ray) restarts the whole group and the router
 moves the replica's requests on meanwhile; a rank whose rank 0 is gone exits too (`rank.main` watches its
-parent; Ray ends the actors an actor created when it dies). The embedding stays whole on every rank (a 70B Llama's is 2 GB in bf16).
+parent; Ray ends the actors an actor created when it dies); a rank 0 whose own load fails ends the others
+(`Group.abandon`). The embedding stays whole on every rank (a 70B Llama's is 2 GB in bf16).
 """
 
 from __future__ import annotations
@@ -168,6 +169,16 @@ class Group:
             except subprocess.TimeoutExpired:
                 pass
             worker.kill()  # stuck; or exited (a process: nothing to do; an actor: its bundle freed)
+        if self.distributed:
+            dist.destroy_process_group()
+
+    def abandon(self) -> None:
+        """Rank 0, when its own load fails after it started the others: end them (they wait for it to be ready) and
+        remove the shared memory's file, so that a failed start leaves nothing behind."""
+        self.closing = True
+        for worker in self.workers:
+            worker.kill()
+        self.shared.close()
         if self.distributed:
             dist.destroy_process_group()
 

@@ -118,3 +118,32 @@ def test_key_value_heads_are_shared_out_or_replicated():
     assert [parallel.kv_heads_of(8, r, 4) for r in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 8)]
     # Fewer than ranks: query heads [r H / 4, (r + 1) H / 4) read key/value head r KV / 4.
     assert [parallel.kv_heads_of(2, r, 4) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+
+
+def test_a_failed_load_on_rank_0_ends_its_ranks_and_leaves_no_shared_memory(tmp_path, monkeypatch):
+    """Rank 0 fails to read its weights after starting the others (which wait for it): they are ended and its
+    /dev/shm file is removed, so a failed start leaves nothing behind; the error is the load's own."""
+    import glob
+    import os
+
+    from specfleet.engine import loading
+
+    _save(tmp_path, _configs()["llama-gqa"], "m")
+    started = []
+    real_launch = parallel.launch
+
+    def launch(*args, **kwargs):
+        group = real_launch(*args, **kwargs)
+        started.extend(group.workers)
+        return group
+
+    def unreadable(*args):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(parallel, "launch", launch)
+    monkeypatch.setattr(loading, "_read_weights", unreadable)
+    with pytest.raises(OSError, match="disk gone"):
+        load_model("m", tmp_path / "m", tensor_parallel_size=2)
+    [rank] = started
+    assert rank.wait(timeout=30) != 0  # ended, not stopped
+    assert not glob.glob(f"/dev/shm/specfleet-tp-{os.getpid()}-*")
