@@ -1,12 +1,12 @@
 """A split model's ranks as Ray actors, where its rank 0 is a Ray actor in a placement group.
 
-`specfleet serve --ray` gives a verifier with `tensor_parallel_size: N` one placement group of N bundles on one
-node (STRICT_PACK, `specfleet.ray_cluster`) and places the verifier's actor, rank 0, in bundle 0. Its service
-loads the model with `start` as `load_model`'s start_ranks, which starts ranks 1..N-1: one `RankActor` each, in
-bundle r of the same group, with
-that bundle's resources (a GPU each on a GPU node: Ray sets each actor's CUDA_VISIBLE_DEVICES to its own, so
-every rank uses the first device it sees). They meet as the child processes of `parallel.launch` do: through a
-/dev/shm file and a rendezvous port on 127.0.0.1, which the one node makes possible.
+`specfleet serve --ray` gives each actor of a service with `tensor_parallel_size: N` (a verifier replica, a drafter
+service) one placement group of N bundles on one node (STRICT_PACK, `specfleet.ray_cluster`) and places the actor,
+rank 0, in bundle 0. The service loads its model with `start` as `load_model`'s start_ranks, which starts ranks
+1..N-1: one `RankActor` each, in bundle r of the same group, with that bundle's resources (a GPU each on a GPU node:
+Ray sets each actor's CUDA_VISIBLE_DEVICES to its own, so every rank uses the first device it sees). They meet as
+the child processes of `parallel.launch` do: through a /dev/shm file and a rendezvous port on 127.0.0.1, which the
+one node makes possible.
 
 Failure is the replica's, as with child processes: rank 0 watches each rank's `serve` call and exits when one
 ends before it closes the group (`parallel._watch`); Ray kills the ranks an actor created when that actor dies
