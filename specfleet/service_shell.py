@@ -241,5 +241,5 @@ class ServiceActor:
 
     async def ranks(self) -> list[dict]:
         """Where the other ranks of its split model run (each rank actor's `where()`, `engine/ray_ranks.py`), rank 1
-        first; none where no model is split."""
-        return [await worker.where() for loaded in self.core.loaded_models() for worker in loaded.ranks]
+        first; none where no model is split, or where its ranks are child processes (an actor outside a placement group)."""
+        return [await worker.where() for loaded in self.core.loaded_models() for worker in loaded.ranks if hasattr(worker, "where")]
