@@ -73,7 +73,8 @@ def test_two_routers_share_expertise_and_survive_redis_restarts(random_family, t
             generate(cluster.router, 16)
         time.sleep(1.0)
         learned = counts(server.url)
-        assert learned["drafter-copy"][0] > 10 * max(1.0, learned["drafter-random"][0])
+        # The random drafter may never have been tried (routing learns the copy first): then it has no entry.
+        assert learned["drafter-copy"][0] > 10 * max(1.0, learned.get("drafter-random", (0.0, 0.0))[0])
 
         # Router 2, a separate process with no history of its own, routes by what router 1 learned.
         port2 = free_port()
