@@ -334,12 +334,17 @@ def test_cli_generate_prints_text(cluster, stream):
 def test_the_ready_message_prints_what_listens_not_what_was_asked_for(random_family, tmp_path):
     """The HTTP API's default port taken: `serve` says the API is off and why, rather than a URL that reaches
     whoever holds the port; the router's metrics on the port the config names: that address."""
-    holder = socket.socket()
-    try:
-        holder.bind(("127.0.0.1", DEFAULT_HTTP_PORT))
-        holder.listen()
-    except OSError:
-        pass  # someone else holds it: as taken
+    # Held by this test for the whole run: another test's serve (on the other worker) may hold it a while, and
+    # could let it go between this test's look and its router's start.
+    holder, deadline = socket.socket(), time.monotonic() + 120
+    while True:
+        try:
+            holder.bind(("127.0.0.1", DEFAULT_HTTP_PORT))
+            break
+        except OSError:
+            assert time.monotonic() < deadline, f"port {DEFAULT_HTTP_PORT} stayed taken for 2 minutes"
+            time.sleep(0.5)
+    holder.listen()
     metrics = free_port()
     cluster = Cluster(cluster_config(random_family, router={"http_port": None, "metrics_port": metrics}), tmp_path, "ports").start()
     # The lines after the ready line, read beside the test: a line that never comes fails the test after a minute,
