@@ -165,6 +165,7 @@ def load_core(svc: config_mod.DrafterServiceConfig, threads: int | None = None) 
     """Load a drafter service's draft models and build its batch queue, as the config says."""
     configure_torch(threads or svc.threads)
     device = config_mod.resolve_device(svc.device, f"drafters[{svc.name}].device")
+    start_ranks = ray_ranks.starter()  # a split model's ranks: Ray actors where this service is one
     models = {}
     for m in svc.models:
         store = SessionStore(
@@ -173,8 +174,6 @@ def load_core(svc: config_mod.DrafterServiceConfig, threads: int | None = None) 
         if m.kind == "ngram":
             models[m.name] = NgramModel(load_source(m.name, m.path), store, m.ngram_max, m.ngram_min, m.ngram_matches)
             continue
-        # A Ray actor in a split service's placement group (`specfleet serve --ray`) starts its ranks as actors there.
-        start_ranks = ray_ranks.start if ray_ranks.in_placement_group() else None
         loaded = load_model(m.name, m.path, device=device, use_token_map=True, start_ranks=start_ranks, **svc.model_options())
         models[m.name] = DraftModel(loaded, store, svc.proposal_top_k)
     fingerprints = {m.loaded.fingerprint for m in models.values()}

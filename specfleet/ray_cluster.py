@@ -49,11 +49,9 @@ from specfleet.ray_actors import (
     actor_options,
     actor_services,
     connect,
-    drafter_actor_name,
     format_placement,
     is_client_address,
     rank_bundles,
-    verifier_actor_names,
     wait_ready,
 )
 
@@ -92,9 +90,8 @@ def create_actors(cfg: config_mod.Config, namespace: str, detached: bool = False
 
     config_yaml = cfg.to_yaml()
     handles = {}
-    specs = [(name, VerifierActor, cfg.verifier, (config_yaml,)) for name in verifier_actor_names(cfg)]
-    specs += [(drafter_actor_name(s.name), DrafterActor, s, (config_yaml, s.name)) for s in cfg.drafters]
-    for name, cls, service, args in specs:
+    for name, service in actor_services(cfg).items():
+        cls, args = (VerifierActor, (config_yaml,)) if service is cfg.verifier else (DrafterActor, (config_yaml, service.name))
         options = actor_options(service.ray, name, namespace, detached)
         if service.tensor_parallel_size > 1:
             options = _in_placement_group(options, service.ray, service.tensor_parallel_size, f"{namespace}-{name}", detached, groups)

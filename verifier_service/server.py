@@ -144,8 +144,7 @@ def load_core(vcfg: config_mod.VerifierConfig, model: str | None = None, threads
         model or vcfg.model,
         device=device,
         cuda_graph_sizes=vcfg.cuda_graph_sizes,
-        # A Ray actor in a split verifier's placement group (`specfleet serve --ray`) starts its ranks as actors there.
-        start_ranks=ray_ranks.start if ray_ranks.in_placement_group() else None,
+        start_ranks=ray_ranks.starter(),  # a split target's ranks: Ray actors where this verifier is one
         **vcfg.model_options(),
     )
     store = SessionStore(max_cache_bytes=int(vcfg.max_cache_mb * 2**20), max_sessions=vcfg.max_sessions, idle_s=vcfg.session_idle_s)

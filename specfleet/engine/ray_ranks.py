@@ -36,6 +36,12 @@ def in_placement_group() -> bool:
     return get_current_placement_group() is not None
 
 
+def starter():
+    """`load_model`'s start_ranks for this process: `start` where it is a Ray actor in a placement group (`specfleet
+    serve --ray` puts a split service's actors in one), else None (child processes)."""
+    return start if in_placement_group() else None
+
+
 class RankActor:
     """Rank r of a split model: joins the group, loads its slices, runs rank 0's passes until told to stop."""
 
