@@ -56,7 +56,8 @@ Metrics (per system and load point; JSON has all of them)
 
 Workloads (--workload)
   en, de, fr, es, it, code, structured, mixed: committed prompt files (tools/bench/workloads/, windows
-  of the demo corpora's held-out split; a built-in list when absent) or any JSONL file of
+  of the demo corpora's held-out split; a built-in list when absent), heldout (eight domains from
+  sources no build reads: scripts/heldout_workload.py) or any JSONL file of
   {"text", "domain", "max_tokens", "prompt_tokens", "arrival_s"} lines. --prompt-tokens and
   --max-tokens set lengths, --seed the order and arrivals, --save-workload FILE records a run's
   exact requests for replay. Prompts go to every system as the same token ids.
@@ -203,7 +204,9 @@ def add_run_options(p: argparse.ArgumentParser, preset: str) -> None:
         help="send each request's workload domain to specfleet (GenerateRequest.domain; default: the router guesses)",
     )
     w = p.add_argument_group("workload and load")
-    w.add_argument("--workload", default=d["workload"], help="en, de, fr, es, it, code, structured, mixed, or a .jsonl file (default %(default)s)")
+    w.add_argument(
+        "--workload", default=d["workload"], help="en, de, fr, es, it, code, structured, mixed, heldout, or a .jsonl file (default %(default)s)"
+    )
     w.add_argument("--requests", type=int, default=d["requests"], help="requests per load point (default %(default)s)")
     w.add_argument("--prompt-tokens", type=int, default=d["prompt_tokens"], help="prompt length in target tokens (default %(default)s)")
     w.add_argument("--max-tokens", type=int, default=d["max_tokens"], help="new tokens per request (default %(default)s)")

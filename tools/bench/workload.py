@@ -10,7 +10,8 @@ the start of the load point) is used only by `--rates file` (replay of a
 recorded open-loop schedule). The committed prompt files in
 `tools/bench/workloads/` (one per domain, plus `mixed`) are windows of
 the demo corpora's held-out split; `specfleet bench workload build`
-regenerates them. `--save-workload FILE` writes the exact requests of a run
+regenerates them. `heldout` is eight domains from sources no build reads
+(scripts/heldout_workload.py). `--save-workload FILE` writes the exact requests of a run
 (after lengths, seeds and arrivals are resolved) so that it can be replayed
 with `--workload FILE`.
 
@@ -29,7 +30,8 @@ from dataclasses import asdict, dataclass, field
 WORKLOAD_DIR = pathlib.Path(__file__).resolve().parent / "workloads"
 # the demo family's domains (tools.demo_models.corpus.DOMAINS)
 DOMAINS = ("en", "de", "fr", "es", "it", "code", "structured")
-BUILTIN_NAMES = (*DOMAINS, "mixed")
+# heldout: eight domains from sources no build reads (scripts/heldout_workload.py), issue 27's bars
+BUILTIN_NAMES = (*DOMAINS, "mixed", "heldout")
 
 # Used when neither the committed files nor the demo corpora are there (e.g. a stripped install).
 FALLBACK_PROMPTS = [
@@ -96,7 +98,7 @@ def resolve_source(name_or_path: str) -> tuple[str, list[dict]]:
     rows = [
         {"id": f"builtin-{i:02d}", "domain": d, "text": t}
         for i, (d, t) in enumerate(FALLBACK_PROMPTS)
-        if name_or_path == "mixed" or d == name_or_path
+        if name_or_path in ("mixed", "heldout") or d == name_or_path
     ]
     return "built-in fallback prompts", rows
 
