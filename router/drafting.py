@@ -23,11 +23,12 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from router import messages
 from router.breaker import Breaker
+from router.drafter_choice import consolidate, cooperate, most_models
 from router.request import RequestState, SessionMirror
 from router.rounds import PREFILL_TOKENS_PER_S, RequestPlan, RoundContext, RoundPlan, concurrently
 from router.transport import DrafterTransport, TransportError
@@ -82,6 +83,7 @@ def request_tree(request: RequestPlan, replies: dict[str, messages.DraftedSessio
         # Each lockstep session continued from the lead tokens, the main branch, for as many positions as it drafted.
         for drafter in request.lockstep:
             if drafter in replies:
+                tree.proposed.setdefault(drafter, [])  # a member that proposed nothing is scored too (a miss)
                 drafted = [tree.tokens[i] for i in tree.main[: len(replies[drafter].token_ids)]]
                 state.drafter_mirrors[drafter].held = state.tokens + drafted
     for drafter in request.drafters:
@@ -101,65 +103,10 @@ def _depths(members: int, k: int, fusion_depth: int) -> list[int]:
     return [k if i == 0 or fusion_depth == 0 else min(fusion_depth, k) for i in range(members)]
 
 
-def _drafting_models(sessions: list[messages.DraftSession]) -> int:
-    """The distinct draft models a call drafts with (a session that only scores its prompt runs no draft step)."""
-    return len({s.model for s in sessions if s.num_draft_tokens > 0})
-
-
-def most_models(chosen: list[list[str]], services: dict) -> int:
-    """The most distinct draft models any one drafter service runs for these requests' drafters."""
-    per_service: dict[int, set[str]] = collections.defaultdict(set)
-    for drafters in chosen:
-        for drafter in drafters:
-            per_service[id(services[drafter])].add(drafter)
-    return max((len(models) for models in per_service.values()), default=0)
-
-
-def expected_tokens(acceptance: float, k: int) -> float:
-    """Tokens a round commits for a request drafting k tokens, each accepted with probability `acceptance`."""
-    return sum(acceptance**i for i in range(k + 1))
-
-
-def consolidate(
-    chosen: list[list[str]], means: list[dict[str, float]], bounds: list[int], services: dict, cost, usable: Iterable[str] = ()
-) -> list[list[str]]:
-    """Fewer distinct draft models in the round, where that raises its expected goodput.
-
-    A drafter service runs each distinct model's layers in turn at every position of a stacked step, so each model
-    a round adds costs a step per position (`CostModel.draft_ms`), while a request moved to the best of the models
-    that stay loses only the difference in expected tokens (`means`: each drafter's expected acceptance for the
-    request). Models leave one at a time, the one whose leaving raises goodput most, while one does. A model of
-    `usable` that no request leads with may also take every request at once: four requests routed to four
-    specialists can be served better by the general drafter alone than by any three of them. Requests whose
-    drafters cooperate (fusion) keep theirs, and so do the models they use."""
-    chosen = [list(drafters) for drafters in chosen]
-    depth, n = max(bounds, default=0), len(chosen)
-    verify_ms = cost.verify_ms(n, n + sum(bounds))
-
-    def goodput(assignment: list[list[str]]) -> float:
-        tokens = sum(expected_tokens(means[i][d[0]], bounds[i]) if d else 1.0 for i, d in enumerate(assignment))
-        return tokens / (verify_ms + cost.draft_ms(depth, most_models(assignment, services)))
-
-    fused = {d for drafters in chosen if len(drafters) > 1 for d in drafters}
-    while True:
-        best, best_goodput = None, goodput(chosen)
-        leads = {d[0] for d in chosen if len(d) == 1}
-        for model in sorted(leads - fused):
-            rest = leads - {model} | fused
-            if not rest:
-                continue
-            trial = [[max(sorted(rest), key=means[i].get)] if d == [model] else d for i, d in enumerate(chosen)]
-            trial_goodput = goodput(trial)
-            if trial_goodput > best_goodput:
-                best, best_goodput = trial, trial_goodput
-        for model in sorted(set(usable) - leads - fused):
-            trial = [[model] if len(d) == 1 else d for d in chosen]
-            trial_goodput = goodput(trial)
-            if trial_goodput > best_goodput:
-                best, best_goodput = trial, trial_goodput
-        if best is None:
-            return chosen
-        chosen = best
+def _drafting_models(sessions: list[messages.DraftSession], free: frozenset[str]) -> int:
+    """The distinct draft models a call drafts with (a session that only scores its prompt runs no draft step, and
+    `free` drafters, such as the n-gram drafter, run no model)."""
+    return len({s.model for s in sessions if s.num_draft_tokens > 0 and s.model not in free})
 
 
 class Drafting:
@@ -171,29 +118,49 @@ class Drafting:
     def plan(self, batch: list[RequestState], overlap: bool, running: int | None = None) -> RoundPlan:
         """Who drafts for each request this round, and how many positions.
 
+        Routing ranks each request's drafters; with adaptive speculation and expertise routing the cost model then
+        moves requests to fewer distinct models (`consolidate`), plans each lead's k, and gives requests the helpers
+        (up to fusion_width - 1) that raise the round's expected goodput (`cooperate`, router/drafter_choice.py).
+        Without it, a request fuses as routing's `fusion_below` rule says.
+
         overlap: another lane's verification runs while this one drafts. running: requests in all lanes."""
         router, services, controller = self.context.router, self.context.drafters, self.context.controller
-        chosen, bounds = [], []
+        config = router.config
+        by_goodput = controller.adaptive and config.routing_policy == "expertise"
+        free = router.model_free
+        ranked, bounds, means = [], [], []
         for state in batch:
             if state.routing.needs_scores:
                 router.place(state.routing)
             bound = max(0, min(state.spec.max_draft_tokens, state.remaining() - 1))
             # A prompt still being scored has no domain to route by: it decodes plainly this round.
-            drafters = router.choose(state.routing) if bound > 0 and not state.routing.needs_scores else []
-            chosen.append(drafters)
+            drafts = bound > 0 and not state.routing.needs_scores
+            # Every drafter's expected acceptance for the request: consolidating and cooperating weigh them all.
+            posteriors = router.posteriors(state.routing) if drafts and by_goodput else {}
+            drafters = router.choose(state.routing, candidates=by_goodput, posteriors=posteriors) if drafts else []
+            ranked.append(drafters)
             bounds.append(bound if drafters else 0)
-        if controller.adaptive and router.config.routing_policy == "expertise" and router.config.fewer_models:
-            # Every drafter's expected acceptance for every request: only consolidating needs more than the lead's.
-            means = [{d: router.mean(s.routing, d) for d in router.drafters} if drafters else {} for s, drafters in zip(batch, chosen)]
-            chosen = consolidate(chosen, means, bounds, services, controller.cost, self.usable())
-        acceptance = [router.mean(s.routing, drafters[0]) if drafters else 0.0 for s, drafters in zip(batch, chosen)]
-        models = most_models(chosen, services)
-        ks = controller.plan(acceptance, bounds, [s.rounds for s in batch], overlap, running, models)
-        fusion_depth = self.context.router.config.fusion_depth
+            means.append({d: a / (a + r) for d, (a, r) in posteriors.items()} if drafters else {})
+        chosen = [d[:1] for d in ranked] if by_goodput else ranked
+        if by_goodput and config.fewer_models:
+            chosen = consolidate(chosen, means, bounds, services, controller.cost, self.usable(), free)
+        acceptance = [
+            (means[i][drafters[0]] if by_goodput else router.mean(s.routing, drafters[0])) if drafters else 0.0
+            for i, (s, drafters) in enumerate(zip(batch, chosen))
+        ]
+        ks = controller.plan(acceptance, bounds, [s.rounds for s in batch], overlap, running, most_models(chosen, services, free))
+        gains = [0.0] * len(batch)
+        if by_goodput and config.fusion_width > 1:
+            leads_first = [lead + [d for d in drafters if d not in lead][: config.fusion_width - 1] for lead, drafters in zip(chosen, ranked)]
+            chosen, gains = cooperate(
+                leads_first, ks, means, services, controller.cost, config.fusion_depth, overlap, controller.fusion_gain.efficiency, free
+            )
         return RoundPlan(
             [
-                RequestPlan(state, drafters, _depths(len(drafters), k, fusion_depth), _lockstep(drafters, services)) if k > 0 else RequestPlan(state)
-                for state, drafters, k in zip(batch, chosen, ks)
+                RequestPlan(state, drafters, _depths(len(drafters), k, config.fusion_depth), _lockstep(drafters, services), gain)
+                if k > 0
+                else RequestPlan(state)
+                for state, drafters, k, gain in zip(batch, chosen, ks, gains)
             ]
         )
 
@@ -306,7 +273,7 @@ class Drafting:
         if depth > 0:
             # A call that only scores prompts (depth 0) runs beside a round's verification and costs what prefill
             # costs: the cost model plans drafting, so it learns from draft calls alone.
-            cost.observe_draft(depth, reply.compute_ms, _drafting_models(sessions))
+            cost.observe_draft(depth, reply.compute_ms, _drafting_models(sessions, self.context.router.model_free))
             cost.observe_calls(draft_overhead_ms=wall - reply.compute_ms)
         out = []
         # The call's time counts once for each request it served, however many of its sessions (specialists
@@ -332,7 +299,9 @@ class Drafting:
         drafter holds a round (and every request in it) for a moment, not for rpc_timeout_s. What a call
         prefills (a new prompt, a context to score or catch up) is not modelled: its new tokens add a
         second per PREFILL_TOKENS_PER_S."""
-        expected_ms = self.context.controller.cost.draft_ms(max(s.num_draft_tokens for s in sessions), _drafting_models(sessions))
+        expected_ms = self.context.controller.cost.draft_ms(
+            max(s.num_draft_tokens for s in sessions), _drafting_models(sessions, self.context.router.model_free)
+        )
         deadline = max(DRAFT_DEADLINE_FLOOR_S, DRAFT_DEADLINE_FACTOR * expected_ms / 1e3)
         deadline += sum(len(s.sync.new_token_ids) for s in sessions) / PREFILL_TOKENS_PER_S
         return min(self.context.config.settings.rpc_timeout_s, deadline)

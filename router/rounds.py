@@ -89,6 +89,9 @@ class RequestPlan:
     drafters: list[str] = field(default_factory=list)  # routing order; the first leads
     depths: list[int] = field(default_factory=list)  # draft positions per drafter, the first's is k
     lockstep: list[str] = field(default_factory=list)  # the lead and the drafters its service hosts, if two or more
+    # Tokens the plan expects the helpers (drafters after the lead) to add, before FusionGain's efficiency
+    # (router/drafter_choice.py); 0 where the plan did not weigh them (no helpers, or fusion by `fusion_below`).
+    expected_gain: float = 0.0
 
     @property
     def k(self) -> int:

@@ -326,6 +326,8 @@ MAX_EXTRA_DOMAINS = 64
 class DrafterProfile:
     name: str
     specialities: list[str] = field(default_factory=list)
+    # Runs no model (kind ngram): its proposals cost its service no step, so it adds no model to a round.
+    model_free: bool = False
 
 
 @dataclass
@@ -377,6 +379,8 @@ class DrafterRouter:
         self.config = config  # the router's routing section, replaced whole on reload
         self.tuning = tuning or RoutingTuning()
         self.drafters = {d.name: d for d in drafters}
+        # The drafters that run no model: a round's distinct models leave them out.
+        self.model_free = frozenset(d.name for d in drafters if d.model_free)
         self.domains = {domain for d in drafters for domain in d.specialities}
         self.extra_domains: set[str] = set()  # named by requests (`admits`), at most MAX_EXTRA_DOMAINS
         self.classifier = classifier
@@ -455,8 +459,16 @@ class DrafterRouter:
         a, r = self.posterior(routing, drafter)
         return a / (a + r)
 
-    def choose(self, routing: RequestRouting) -> list[str]:
-        """The drafters for this round, best first."""
+    def posteriors(self, routing: RequestRouting) -> dict[str, tuple[float, float]]:
+        """Every drafter's posterior for this request: what `choose` samples from, for a caller that also needs
+        every drafter's mean (a round planned by goodput) to compute them once."""
+        return {d: self.posterior(routing, d) for d in self.drafters}
+
+    def choose(self, routing: RequestRouting, candidates: bool = False, posteriors: dict | None = None) -> list[str]:
+        """The drafters for this round, best first. Expertise routing adds cooperating drafters (up to fusion_width
+        in all) while the best is not confidently good (`fusion_below`); with `candidates`, always, as drafters the
+        round may add where the cost model says they pay (router/drafter_choice.py `cooperate`). posteriors: this
+        request's `posteriors`, where the caller has them."""
         if not self.drafters:
             return []
         policy = self.config.routing_policy
@@ -468,11 +480,11 @@ class DrafterRouter:
             experts = [d for d, p in self.drafters.items() if routing.domain in p.specialities]
             chosen = [experts[0] if experts else (self.config.default_drafter or next(iter(self.drafters)))]
         else:
-            posteriors = {d: self.posterior(routing, d) for d in self.drafters}
+            posteriors = posteriors or self.posteriors(routing)
             samples = {d: self.rng.betavariate(a, r) for d, (a, r) in posteriors.items()}
             ranked = sorted(samples, key=samples.get, reverse=True)
             best_mean = max(a / (a + r) for a, r in posteriors.values())
-            width = 1 if best_mean >= self.config.fusion_below else self.config.fusion_width
+            width = 1 if best_mean >= self.config.fusion_below and not candidates else self.config.fusion_width
             chosen = ranked[: max(1, width)]
         self.led[(routing.domain, chosen[0])] += 1
         return chosen

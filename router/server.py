@@ -240,7 +240,7 @@ def build_drafter_router(cfg: config_mod.Config, served: list[str]) -> DrafterRo
         for model in svc.models:
             if model.name not in served:
                 continue
-            profiles.append(DrafterProfile(model.name, list(model.specialities)))
+            profiles.append(DrafterProfile(model.name, list(model.specialities), model_free=model.kind == "ngram"))
             for label in model.specialities:
                 exemplars.setdefault(label, []).extend(config_mod.exemplars_of(model))
     url = routing.redis_url

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from router.drafter_choice import FusionGain
 from router.measured_goodput import MeasuredGoodput
 from specfleet.config import SpeculationConfig
 
@@ -155,8 +156,13 @@ class CostModel:
                 return
 
     def draft_ms(self, depth: int, models: int = 1) -> float:
-        """One draft call `depth` tokens deep with `models` distinct draft models (none when nothing is drafted)."""
-        return self.draft_call + self.draft_base + self.draft_per_token * depth * max(1, models) if depth > 0 else 0.0
+        """One draft call `depth` tokens deep with `models` distinct draft models (none when nothing is drafted; a
+        call whose drafters run no model, such as the n-gram drafter, costs its base alone)."""
+        return self.draft_steps_ms(depth * models) if depth > 0 else 0.0
+
+    def draft_steps_ms(self, steps: int) -> float:
+        """One draft call that runs `steps` model steps in all (each distinct model's step at each of its positions)."""
+        return self.draft_call + self.draft_base + self.draft_per_token * steps
 
     def round_ms(self, ks: list[int]) -> float:
         if not ks:
@@ -184,7 +190,7 @@ class CostModel:
         """One draft call `depth` tokens deep with `models` distinct draft models took compute_ms."""
         if self.pinned or depth == 0:
             return
-        self._draft.observe(depth * max(1, models), compute_ms)
+        self._draft.observe(depth * models, compute_ms)
         self.draft_base, self.draft_per_token = self._draft.base, self._draft.slope
 
 
@@ -216,6 +222,8 @@ class SpeculationController:
     probe_every: int = 8
     # What rounds deliver with drafting and without; kept across reloads (dataclasses.replace).
     measured: MeasuredGoodput = field(default_factory=MeasuredGoodput)
+    # What helpers add against what was expected of them (router/drafter_choice.py); kept across reloads too.
+    fusion_gain: FusionGain = field(default_factory=FusionGain)
 
     @property
     def adaptive(self) -> bool:

@@ -86,7 +86,7 @@ class DraftTree:
 
     def outcomes(self, accepted_nodes: list[int], emitted: list[int]) -> dict[str, tuple[int, int]]:
         """Per drafter, (hits, missed): how many of its proposals the target emitted in a row, and whether it
-        then missed one (the routing evidence).
+        then missed one (the routing evidence); a drafter that proposed nothing missed.
 
         A chain's position j was drafted given its own tokens before j, which are emitted[:j] while it hits, so a
         chain is scored along itself. A lockstep member's position j was drafted given the main branch's tokens
@@ -99,6 +99,11 @@ class DraftTree:
                 break
         outcomes = {}
         for drafter, proposals in self.proposed.items():
+            if not proposals:
+                # Asked to draft, it proposed nothing (an n-gram drafter without a match): the round gained no more
+                # from it than from a wrong first token, and routing must not rank it by the rounds it proposed in.
+                outcomes[drafter] = (0, 1)
+                continue
             scored = min(len(emitted) if drafter in self.chains else comparable, len(proposals))
             hits = 0
             while hits < scored and proposals[hits] == emitted[hits]:

@@ -186,3 +186,7 @@ class Verifying:
             by_domain.draft_tokens += len(tree.proposed[drafter])
             by_domain.accepted_tokens += hits
         self.context.router.observe(state.routing, outcomes)
+        if request.expected_gain > 0:
+            # What the helpers added: the tree's accepted tokens beyond the lead's own run of hits.
+            added = len(accepted_nodes) - outcomes.get(request.drafters[0], (0, 0))[0]
+            self.context.controller.fusion_gain.observe(request.expected_gain, max(0, added))

@@ -155,6 +155,19 @@ def cluster_config(family, drafter: str = "drafter-noisy", **overrides) -> dict:
     return config
 
 
+# The model-free n-gram drafter's name, where a test adds it to a drafter service beside draft models.
+NGRAM = "ngram"
+# A cost model pinned to steps and tree rows that cost next to nothing: with adaptive speculation, every helper a
+# request may have pays (router/drafter_choice.py `cooperate`), whatever the machine running the tests measures.
+HELPERS_PAY = {"pin_cost_model": True, "verify_per_token_ms": 0.001, "draft_per_token_ms": 0.001}
+
+
+def with_ngram(config: dict, family, service: int = 0) -> dict:
+    """The n-gram drafter (`kind: ngram`, the target's tokenizer) joins the config's drafter service `service`."""
+    config["drafters"][service]["models"].append({"name": NGRAM, "kind": "ngram", "path": str(family["target"])})
+    return config
+
+
 def split_drafters(config: dict, family, first: list[str], second: list[str]) -> dict:
     """The first drafter service hosts the draft models `first`, a second one ("chains", a service of its own)
     `second`: cooperating drafters then span two services, whose chains the router merges into one tree."""

@@ -73,8 +73,16 @@ class RoutingConfig:
         "cost model says that raises its goodput (each distinct model costs a step at every position); false: every request "
         "keeps the drafter routing chose",
     )
-    fusion_width: int = knob(1, "cooperating drafters per request at most (1: no fusion)", check=at_least(1))
-    fusion_below: float = knob(0.75, "the best drafter's expected acceptance below which it asks for help")
+    fusion_width: int = knob(
+        1,
+        "cooperating drafters per request at most (1: no fusion); with expertise routing and adaptive speculation a round "
+        "gives a request the helpers (drafters after its lead) whose expected extra tokens pay for their tree rows and "
+        "model steps under the cost model, up to this many drafters in all (router/drafter_choice.py)",
+        check=at_least(1),
+    )
+    fusion_below: float = knob(
+        0.75, "with adaptive speculation off, the best drafter's expected acceptance below which it asks for help (fusion_width)"
+    )
     fusion_depth: int = knob(
         0,
         "draft positions at which the cooperating drafters after the first propose (0: all k)",

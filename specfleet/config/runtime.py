@@ -95,11 +95,13 @@ def default_config(work_dir: pathlib.Path) -> Config:
             if (d / "config.json").exists()
         ]
         default = "general" if any(m.name == "general" for m in models) else models[0].name
-        # the demo family's specialists (one per language, code, structured text) are routed among by
-        # the prompt's domain, one drafter a request: fusion (two cooperating) measured slower than
-        # routing alone on both machines measured (docs/benchmarks/default-fusion.md), until the
-        # router chooses fusion by goodput (issue 27)
-        router = RouterConfig(routing=RoutingConfig(default_drafter=default, fusion_width=1))
+        # The model-free n-gram drafter beside them: it costs the service no model step, and where the context
+        # repeats itself (code, structured text) it leads or helps.
+        models.append(DraftModelConfig(name="ngram", kind="ngram", path=str(target)))
+        # The demo family's specialists (one per language, code, structured text) are routed among by the
+        # prompt's domain; a second drafter helps a request, its first two positions, where the cost model says
+        # the tokens it adds pay for it (router/drafter_choice.py; docs/benchmarks/heldout-default.md)
+        router = RouterConfig(routing=RoutingConfig(default_drafter=default, fusion_width=2, fusion_depth=2))
     else:
         from specfleet.random_models import ensure_random_family
 

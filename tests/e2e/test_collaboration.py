@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from specfleet.v1 import generation_pb2_grpc
-from tests.harness import Cluster, cluster_config, split_drafters
+from tests.harness import HELPERS_PAY, NGRAM, Cluster, cluster_config, split_drafters, with_ngram
 from tests.helpers import PROMPTS, greedy_request, target_greedy
 
 MAX_TOKENS = 48
@@ -52,6 +52,27 @@ def test_fused_greedy_output_equals_target(fused_cluster, random_family):
             # Trees: more nodes than a chain of k per round.
             assert reply.speculation.draft_tokens > 4 * (reply.speculation.rounds - 1)
     assert set(used) == set(DRAFTERS)
+
+
+def test_helpers_chosen_by_goodput_with_the_n_gram_drafter_keep_greedy_output_the_targets(random_family, tmp_path):
+    """Adaptive speculation: the round gives requests helpers where its cost model says they pay (here pinned so
+    that they do), the model-free n-gram drafter among them, in lockstep and across the services."""
+    config = with_ngram(multi_drafter_config(random_family, fusion_width=4, routing_policy="expertise", **HELPERS_PAY), random_family)
+    cluster = Cluster(config, tmp_path, "helpers").start()
+    path = str(random_family["target"])
+    try:
+        with cluster.channel() as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            futures = {p: stub.Generate.future(greedy_request(p, MAX_TOKENS, 4), timeout=300) for p in PROMPTS[:8]}
+            drafted = []
+            for prompt, future in futures.items():
+                reply = future.result()
+                assert list(reply.token_ids) == target_greedy(path, prompt, MAX_TOKENS), prompt
+                drafted.append({d.drafter for d in reply.speculation.drafters if d.draft_tokens > 0})
+    finally:
+        cluster.stop()
+    assert any({"drafter-copy", "drafter-random"} & d and "drafter-noisy" in d for d in drafted), drafted  # across services
+    assert any(NGRAM in d for d in drafted), drafted
 
 
 def test_fusion_depth_limits_siblings_and_stays_lossless(random_family, tmp_path):

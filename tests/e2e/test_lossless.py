@@ -1,9 +1,9 @@
 """Sampled output through `specfleet serve` is distributed exactly as the target model's, end to end.
 
-Three disagreeing drafters (a copy of the target, a perturbed copy, a random model) fuse
-into token trees of depth 4: the copy and the perturbed copy share a drafter service and
-draft in lockstep, the random model drafts a chain of its own on a second service, merged
-into the same tree; proposals are truncated to their 4 most likely tokens, so that even
+Four disagreeing drafters (a copy of the target, a perturbed copy, the model-free n-gram
+drafter, a random model) fuse into token trees of depth 4: the copy, the perturbed copy and
+the n-gram drafter share a drafter service and draft in lockstep, the random model drafts a
+chain of its own on a second service, merged into the same tree; proposals are truncated to their 4 most likely tokens, so that even
 the copy's drafts are often rejected and the residual draws carry real mass. Each request
 samples 5 tokens; the router's per-request draft length is fixed at 4.
 
@@ -46,7 +46,7 @@ import pytest
 import torch
 
 from specfleet.v1 import generation_pb2, generation_pb2_grpc
-from tests.harness import Cluster, cluster_config, split_drafters
+from tests.harness import NGRAM, Cluster, cluster_config, split_drafters, with_ngram
 from tests.helpers import PROMPTS, load_target
 from tests.mutation import mutated_copy
 
@@ -91,13 +91,14 @@ def tolerance(n: int) -> float:
 
 
 def lossless_config(family) -> dict:
-    """Two drafter services: the first hosts the copy and the perturbed copy (lockstep), the second the random model
-    (a chain of its own, merged into the tree by the router)."""
+    """Two drafter services: the first hosts the copy, the perturbed copy and the model-free n-gram drafter
+    (lockstep), the second the random model (a chain of its own, merged into the tree by the router)."""
     config = split_drafters(cluster_config(family, drafter_service={"proposal_top_k": PROPOSAL_TOP_K}), family, DRAFTERS[:2], DRAFTERS[2:])
+    with_ngram(config, family)
     config["router"].update(
         default_drafter=DRAFTERS[0],
-        fusion_width=len(DRAFTERS),
-        fusion_below=1.01,  # every request fuses all three
+        fusion_width=len(DRAFTERS) + 1,
+        fusion_below=1.01,  # every request fuses all four
         adaptive_speculation=False,  # k is what the request asks
     )
     return config
@@ -149,6 +150,7 @@ class Samples:
     two_rounds: int  # requests done in two rounds: 3 drafts accepted, 2 or 3 of them in a row
     seconds: float
     across: int = 0  # requests drafted for by both drafter services: trees merged across services
+    model_free: int = 0  # requests the n-gram drafter proposed for
 
 
 def sample(cluster: Cluster, setting: str, seeded: bool, samples: int = SAMPLES) -> Samples:
@@ -185,6 +187,7 @@ def sample(cluster: Cluster, setting: str, seeded: bool, samples: int = SAMPLES)
                 out.two_rounds += reply.speculation.rounds == 2
                 drafted_by = {d.drafter for d in reply.speculation.drafters if d.draft_tokens > 0}
                 out.across += bool(drafted_by & set(DRAFTERS[:2])) and bool(drafted_by & set(DRAFTERS[2:]))
+                out.model_free += NGRAM in drafted_by
     out.seconds = time.monotonic() - started
     return out
 
@@ -284,6 +287,7 @@ def test_sampled_output_is_distributed_as_target(real_cluster, control_cluster, 
     assert rejected > 0.5 and real.rounds > 2 * SAMPLES, (real.draft_tokens, real.accepted_tokens, real.rounds)
     assert real.single_round + real.two_rounds > 0.01 * SAMPLES, (real.single_round, real.two_rounds)
     assert real.across > 0.5 * SAMPLES, real.across
+    assert real.model_free > 0.01 * SAMPLES, real.model_free  # it proposes where a suffix repeats: about 5% here
 
     control = sample(control_cluster(seeded), setting, seeded, CONTROL_SAMPLES)
     control_verdict = exact_pit(random_family, control, setting, seed=2)

@@ -16,7 +16,7 @@ import torch
 
 from specfleet.engine.sampling import race, race_keys, race_noise
 from specfleet.v1 import generation_pb2, generation_pb2_grpc
-from tests.harness import Cluster, cluster_config, split_drafters
+from tests.harness import NGRAM, Cluster, cluster_config, split_drafters, with_ngram
 from tests.helpers import PROMPTS
 from verifier_service.verification import TreeBatch, verify_trees_greedy
 
@@ -117,15 +117,18 @@ def test_race_acceptance_is_within_the_coupling_bound():
 
 DRAFTERS = ["drafter-noisy", "drafter-random", "drafter-copy"]
 SEEDS = range(16)
-SEEDED_PROMPTS = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[5]]
+# The last one repeats itself, so that the n-gram drafter proposes.
+SEEDED_PROMPTS = [PROMPTS[0], PROMPTS[1], PROMPTS[2], "a b c d a b c d a b c"]
 MAX_TOKENS = 24
 
 
 def fleet_config(family, **router) -> dict:
-    """Several drafters on two services, expertise routing, fusion (in lockstep and across the services) when the best
-    drafter is unsure, adaptive k."""
-    config = split_drafters(cluster_config(family), family, DRAFTERS[:2], DRAFTERS[2:])
-    config["router"].update({"default_drafter": "drafter-noisy", "routing_policy": "expertise", "fusion_width": 2, **router})
+    """Several drafters on two services, the n-gram drafter among them, expertise routing, every request's tree
+    fused from all four (in lockstep and across the services; fusion_below above any acceptance, adaptive
+    speculation off, so that every round fuses whatever the router learns)."""
+    config = with_ngram(split_drafters(cluster_config(family), family, DRAFTERS[:2], DRAFTERS[2:]), family)
+    fused = {"fusion_width": 4, "fusion_below": 1.01, "adaptive_speculation": False}
+    config["router"].update({"default_drafter": "drafter-noisy", "routing_policy": "expertise", **fused, **router})
     return config
 
 
@@ -136,8 +139,9 @@ def seeded_request(prompt: str, seed: int, disabled: bool = False) -> generation
     return request
 
 
-def run_seeded(cluster: Cluster, disabled: bool = False, load: bool = True) -> tuple[dict, int]:
-    """Every (prompt, seed) request at once, among unseeded sampled traffic; returns tokens by key and accepted drafts."""
+def run_seeded(cluster: Cluster, disabled: bool = False, load: bool = True) -> tuple[dict, int, list[set[str]]]:
+    """Every (prompt, seed) request at once, among unseeded sampled traffic; returns tokens by key, accepted drafts
+    and the drafters that drafted for each request."""
     keys = [(p, s) for p in SEEDED_PROMPTS for s in SEEDS]
     noise = [generation_pb2.GenerateRequest(prompt=p, max_tokens=40, temperature=0.8) for p in PROMPTS[6:14]] if load else []
     with cluster.channel() as channel:
@@ -148,7 +152,8 @@ def run_seeded(cluster: Cluster, disabled: bool = False, load: bool = True) -> t
             replies = {key: f.result() for key, f in futures.items()}
             for f in busy:
                 f.result()
-    return {key: list(r.token_ids) for key, r in replies.items()}, sum(r.speculation.accepted_tokens for r in replies.values())
+    drafted = [{d.drafter for d in r.speculation.drafters if d.draft_tokens > 0} for r in replies.values()]
+    return {key: list(r.token_ids) for key, r in replies.items()}, sum(r.speculation.accepted_tokens for r in replies.values()), drafted
 
 
 @pytest.fixture(scope="module")
@@ -159,17 +164,20 @@ def fleet(random_family, tmp_path_factory):
 
 
 def test_seeded_output_is_the_same_with_or_without_drafts_under_load_and_routing(fleet, random_family, tmp_path):
-    plain, accepted = run_seeded(fleet, disabled=True, load=False)
+    plain, accepted, _ = run_seeded(fleet, disabled=True, load=False)
     assert accepted == 0
     assert len({tuple(t) for t in plain.values()}) == len(plain), "different seeds should give different outputs"
     for attempt in range(2):  # among other traffic, with what the router learned in between
-        speculated, accepted = run_seeded(fleet)
+        speculated, accepted, drafted = run_seeded(fleet)
         mismatched = [key for key in plain if speculated[key] != plain[key]]
         assert not mismatched, f"attempt {attempt}: {len(mismatched)} of {len(plain)} differ, e.g. {mismatched[:3]}"
         assert accepted > 0, "no draft was accepted, so drafting was not exercised"
+        # Trees of several drafters, across the services, the n-gram drafter among them.
+        assert any(set(DRAFTERS[:2]) & d and DRAFTERS[2] in d for d in drafted), drafted
+        assert any(NGRAM in d for d in drafted), drafted
     other = Cluster(fleet_config(random_family, routing_policy="random", fusion_width=1), tmp_path, "random-routing").start()
     try:
-        rerouted, accepted = run_seeded(other)
+        rerouted, accepted, _ = run_seeded(other)
     finally:
         other.stop()
     assert accepted > 0

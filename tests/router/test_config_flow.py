@@ -73,3 +73,15 @@ def test_reload_replaces_each_section_whole_and_keeps_what_was_learned(tmp_path)
     assert shared.controller.measured is measured and measured.goodput(8, drafted=False) == 8 / 8 / 5.0
     assert (front_door.limits.vocab_size, front_door.limits.max_context, front_door.limits.max_prompt_chars) == (100, 1024, 5000)
     assert shared.config.pipeline_depth == 2
+
+
+def test_the_n_gram_drafter_is_routed_as_a_drafter_that_runs_no_model(tmp_path):
+    """A `kind: ngram` member is a drafter like the others to routing, one whose steps cost its service no model."""
+    path = tmp_path / "c.yaml"
+    data = {
+        "verifier": {"model": "models/demo/target"},
+        "drafters": [{"name": "a", "models": [*MODELS, {"name": "ngram", "kind": "ngram", "path": "models/demo/target"}]}],
+    }
+    path.write_text(yaml.safe_dump(data))
+    router = server.build_drafter_router(config_mod.load(str(path)), ["general", "code", "ngram"])
+    assert sorted(router.drafters) == ["code", "general", "ngram"] and router.model_free == {"ngram"}

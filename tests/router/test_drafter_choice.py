@@ -1,27 +1,39 @@
-"""A round drafts with fewer distinct models where that raises its expected goodput (router/drafting.py
-`consolidate`): every distinct model a drafter service runs costs a step at every position, and a request moved
-to the best model that stays loses only the difference in expected tokens. The cost model is given, not measured
-on this machine."""
+"""Who drafts for each request of a round (router/drafter_choice.py), by the round's expected goodput.
+
+`consolidate`: a round drafts with fewer distinct models where that raises its expected goodput: every distinct
+model a drafter service runs costs a step at every position, and a request moved to the best model that stays
+loses only the difference in expected tokens. `cooperate`: a request gets helpers where the tokens they are
+expected to add pay for the tree rows and model steps they cost. The cost model is given, not measured on this
+machine."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 from router.drafters import DrafterService
-from router.drafting import Drafting, consolidate, expected_tokens, most_models
-from router.rounds import RoundContext, SchedulerConfig
+from router.drafter_choice import FusionGain, consolidate, cooperate, expected_tokens, fused_tokens, most_models
+from router.drafting import Drafting
+from router.request import RequestSpec, RequestState
+from router.rounds import RequestPlan, RoundContext, SchedulerConfig
 from router.routing import DomainClassifier, DrafterProfile, DrafterRouter, ExpertiseStore
 from router.speculation import CostModel, SpeculationController
-from specfleet.config import RoutingConfig
+from specfleet.config import RoutingConfig, SpeculationConfig
+from specfleet.sampling import SamplingParams
 
 # One service hosting every specialist, as the bundled demo drafters are served.
 SERVICE = object()
 SERVICES = {name: SERVICE for name in ("general", "code", "german", "french")}
 
 
-def cost(per_step_ms: float) -> CostModel:
+def cost(per_step_ms: float, per_row_ms: float = 0.3) -> CostModel:
     return CostModel(
-        verify_base=10.0, verify_per_token=0.3, draft_per_token=per_step_ms, draft_base=0.0, verify_call=0.0, draft_call=0.0, pinned=True
+        verify_base=10.0,
+        verify_per_token=per_row_ms,
+        draft_per_token=per_step_ms,
+        draft_base=0.0,
+        verify_call=0.0,
+        draft_call=0.0,
+        pinned=True,
     )
 
 
@@ -100,3 +112,143 @@ def test_the_cost_model_learns_what_a_model_step_costs_from_calls_with_several_m
         for models in (1, 2, 3):
             model.observe_draft(4, 1.0 + 2.0 * 4 * models, models)
     assert abs(model.draft_per_token - 2.0) < 0.01 and abs(model.draft_base - 1.0) < 0.05
+
+
+def test_fused_tokens_is_the_chain_without_helpers_and_adds_each_helpers_paths():
+    assert abs(fused_tokens(0.6, 4, []) - expected_tokens(0.6, 4)) < 1e-12
+    # Lead 0.5, a helper of 0.4 two positions deep. A chain of its own: a path of length i is the lead's chain or
+    # the helper's, 1 + [1 - 0.5 * 0.6] + [1 - 0.75 * 0.84].
+    assert abs(fused_tokens(0.5, 2, [(0.4, 2, False)]) - (1 + 0.7 + 0.37)) < 1e-12
+    # In lockstep its proposals are siblings on the main branch: position 2 is reached only through the main token
+    # at 1, 1 + [1 - 0.5 * 0.6] + 0.5 * [1 - 0.5 * 0.6].
+    assert abs(fused_tokens(0.5, 2, [(0.4, 2, True)]) - (1 + 0.7 + 0.35)) < 1e-12
+    # A helper one position deep adds at position 1 only.
+    assert abs(fused_tokens(0.5, 2, [(0.4, 1, False)]) - (1 + 0.7 + 0.25)) < 1e-12
+
+
+TWO_SERVICES = {"general": object(), "code": object()}
+
+
+def test_a_helper_on_another_service_joins_where_its_tokens_pay_for_its_rows():
+    """A chain from another service costs the verifier its rows, not a step of the lead's service: at 0.3 ms a row
+    it pays; at 5 ms a row it does not."""
+    acceptance = [{"general": 0.5, "code": 0.5}]
+    taken, gains = cooperate([["general", "code"]], [4], acceptance, TWO_SERVICES, cost(2.0))
+    assert taken == [["general", "code"]]
+    assert abs(gains[0] - (fused_tokens(0.5, 4, [(0.5, 4, False)]) - expected_tokens(0.5, 4))) < 1e-12
+    dear_rows = CostModel(verify_base=10.0, verify_per_token=5.0, draft_per_token=2.0, draft_base=0.0, verify_call=0.0, draft_call=0.0, pinned=True)
+    assert cooperate([["general", "code"]], [4], acceptance, TWO_SERVICES, dear_rows) == ([["general"]], [0.0])
+
+
+def test_a_helper_in_lockstep_pays_only_where_its_model_step_is_cheap():
+    """On the lead's service a helper adds its model's step at every position: dear steps leave it out."""
+    acceptance = [{"general": 0.5, "code": 0.5}]
+    assert cooperate([["general", "code"]], [4], acceptance, SERVICES, cost(3.0))[0] == [["general"]]
+    assert cooperate([["general", "code"]], [4], acceptance, SERVICES, cost(0.05))[0] == [["general", "code"]]
+    # One position deep, its model steps once, not at all four: at 2 ms a step that pays, at four steps it would not.
+    assert cooperate([["general", "code"]], [4], acceptance, SERVICES, cost(2.0, per_row_ms=0.0), fusion_depth=1)[0] == [["general", "code"]]
+    assert cooperate([["general", "code"]], [4], acceptance, SERVICES, cost(2.0, per_row_ms=0.0), fusion_depth=4)[0] == [["general"]]
+
+
+def test_a_drafter_that_runs_no_model_adds_no_step():
+    """The n-gram drafter beside the lead on its service costs no model step: it helps where a model would not, and a
+    round of it alone drafts at the call's base cost."""
+    acceptance = [{"general": 0.5, "code": 0.5}]
+    assert cooperate([["general", "code"]], [4], acceptance, SERVICES, cost(3.0), free=frozenset({"code"}))[0] == [["general", "code"]]
+    assert most_models([["code"], ["general"]], SERVICES, free=frozenset({"code"})) == 1
+    assert most_models([["code"]], SERVICES, free=frozenset({"code"})) == 0
+    assert cost(3.0).draft_ms(4, 0) == 0.0 and cost(3.0).draft_ms(0, 1) == 0.0
+
+
+def test_a_model_step_is_paid_once_for_every_request_it_helps():
+    """Eight requests whose helper's step on the lead's service pays for all of them together, though not for any
+    one of them alone beside the seven others: the step is weighed once against every request it helps."""
+    acceptance = {"general": 0.5, "code": 0.5}
+    step = cost(0.3, per_row_ms=0.0)
+    taken, _ = cooperate([["general", "code"]] * 8, [4] * 8, [acceptance] * 8, SERVICES, step, fusion_depth=1)
+    assert taken == [["general", "code"]] * 8
+    alone = expected_tokens(0.5, 4) * 7 + fused_tokens(0.5, 4, [(0.5, 1, True)])
+    assert alone / (10 + step.draft_steps_ms(4 + 1)) < 8 * expected_tokens(0.5, 4) / (10 + step.draft_steps_ms(4))
+
+
+def test_no_helper_for_a_plain_request_nor_where_helpers_add_nothing():
+    acceptance = [{"general": 0.5, "code": 0.5}] * 2
+    taken, _ = cooperate([["general", "code"]] * 2, [4, 0], acceptance, TWO_SERVICES, cost(2.0))
+    assert taken == [["general", "code"], []]
+    assert cooperate([["general", "code"]], [4], acceptance[:1], TWO_SERVICES, cost(2.0), efficiency=0.0)[0] == [["general"]]
+
+
+def test_what_helpers_add_is_measured_against_what_was_expected_of_them():
+    gain = FusionGain()
+    assert gain.efficiency == FusionGain.PRIOR
+    for _ in range(200):
+        gain.observe(expected=0.4, added=0)
+    assert gain.efficiency < 0.06
+    for _ in range(400):
+        gain.observe(expected=0.4, added=0.3)
+    assert abs(gain.efficiency - 0.75) < 0.05
+
+
+def _request(session_id: str) -> RequestState:
+    spec = RequestSpec(
+        request_id=session_id,
+        session_id=session_id,
+        prompt_ids=[1, 2, 3],
+        max_tokens=32,
+        sampling=SamplingParams(),
+        stop=[],
+        stop_at_eos=True,
+        max_draft_tokens=4,
+        domain="code",
+    )
+    return RequestState(spec=spec, tokenizer=None, eos_token_id=0, max_context=512, deadline=None, tokens=[1, 2, 3])
+
+
+def test_a_round_plans_helpers_by_goodput_with_adaptive_speculation_and_by_fusion_below_without():
+    """Through `Drafting.plan`: with adaptive speculation a helper on another service, whose rows cost nothing,
+    joins whatever fusion_below says, and the plan records what it is expected to add; with fusion_width 1 there is none; with
+    adaptive speculation off routing's fusion_below rule alone decides."""
+    replicas = {name: DrafterService(name, [SimpleNamespace(name=f"{name}-0")]) for name in ("left", "right")}
+    hosted = {"general": replicas["left"], "code": replicas["right"]}
+    profiles = [DrafterProfile("general"), DrafterProfile("code", specialities=["code"])]
+
+    def plan(fusion_width: int, adaptive: bool, fusion_below: float = 0.0):
+        config = RoutingConfig(routing_policy="expertise", default_drafter="general", fusion_width=fusion_width, fusion_below=fusion_below)
+        router = DrafterRouter(config, profiles, DomainClassifier({}), ExpertiseStore(0.99))
+        controller = SpeculationController(cost(0.5, per_row_ms=0.0), settings=SpeculationConfig(adaptive_speculation=adaptive, remeasure_every=0))
+        drafting = Drafting(RoundContext(SchedulerConfig(), hosted, router, controller), in_background=lambda coroutine: None)
+        batch = [_request(f"s{i}") for i in range(2)]
+        for state in batch:
+            state.routing = router.start("def f(x):", domain_hint="code")
+        return drafting.plan(batch, overlap=False).requests
+
+    fused = plan(fusion_width=2, adaptive=True)
+    assert all(len(r.drafters) == 2 and r.k > 0 and r.expected_gain > 0 for r in fused)
+    assert all(len(r.drafters) == 1 and r.expected_gain == 0 for r in plan(fusion_width=1, adaptive=True))
+    assert all(len(r.drafters) == 1 for r in plan(fusion_width=2, adaptive=False, fusion_below=0.0))
+    assert all(len(r.drafters) == 2 and r.expected_gain == 0 for r in plan(fusion_width=2, adaptive=False, fusion_below=1.01))
+
+
+def test_verification_measures_what_the_helpers_added():
+    """A round whose lead's chain missed at once and whose helper's chain was accepted two deep: the helpers added
+    two tokens against the gain the plan expected. A round with no expected gain (fusion by fusion_below, or no
+    helper) teaches nothing."""
+    from router.trees import DraftTree
+    from router.verifying import Verifying
+    from tests.router.test_trees import chain
+
+    router = DrafterRouter(
+        RoutingConfig(routing_policy="expertise"), [DrafterProfile("general"), DrafterProfile("code")], DomainClassifier({}), ExpertiseStore(0.99)
+    )
+    controller = SpeculationController(cost(1.0))
+    verifying = Verifying(RoundContext(SchedulerConfig(), {}, router, controller), verifiers=None)
+    state = _request("s0")
+    state.routing = router.start("x", domain_hint="")
+    tree = DraftTree()
+    tree.add_chain("general", chain([5, 6, 7, 8]))
+    tree.add_chain("code", chain([9, 10]))  # nodes 4 and 5
+    fused = RequestPlan(state, ["general", "code"], [4, 2], [], expected_gain=0.5)
+    verifying._learn(fused, tree, accepted_nodes=[4, 5], emitted=[9, 10, 11])
+    assert (controller.fusion_gain.expected, controller.fusion_gain.added) == (0.5, 2)
+    verifying._learn(RequestPlan(state, ["general", "code"], [4, 2], []), tree, accepted_nodes=[4], emitted=[9, 3])
+    assert (controller.fusion_gain.expected, controller.fusion_gain.added) == (0.5, 2)

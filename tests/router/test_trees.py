@@ -79,6 +79,16 @@ def test_a_chain_is_scored_along_itself_and_a_lockstep_member_along_the_main_bra
     assert tree.outcomes([0, 1], [1, 2, 9]) == {"a": (2, 1), "b": (1, 1), "c": (0, 1)}
 
 
+def test_a_drafter_that_proposed_nothing_missed():
+    """An n-gram drafter without a match proposes nothing: scored as a miss, in a chain or in lockstep, so routing
+    ranks it by every round it was asked in, not only those it proposed in."""
+    state = types.SimpleNamespace(tokens=[0], drafter_mirrors={d: SessionMirror() for d in ("a", "n", "m")})
+    replies = {"a": chain([1, 2]), "n": chain([]), "m": chain([])}
+    tree = request_tree(RequestPlan(state, ["a", "n", "m"], [2, 2, 2], lockstep=["a", "n"]), replies)
+    assert tree.tokens == [1, 2]
+    assert tree.outcomes([0, 1], [1, 2, 3]) == {"a": (2, 0), "n": (0, 1), "m": (0, 1)}
+
+
 def test_drafters_on_the_lead_s_service_draft_in_lockstep_and_the_others_apart():
     one, two = object(), object()
     services = {"a": one, "b": two, "c": one, "d": two}

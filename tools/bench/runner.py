@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from tools.bench.catalog import SYSTEMS
-from tools.bench.systems import Family, HFTarget, Output, Settings, System
+from tools.bench.systems import MODEL_FREE, Family, HFTarget, Output, Settings, System
 from tools.bench.workload import Request, poisson_arrivals
 
 REPO = pathlib.Path(__file__).resolve().parent.parent.parent
@@ -31,6 +31,9 @@ def resolve_family(models: str, drafter: str | None, cache: pathlib.Path) -> Fam
         drafters = {d.name: d for d in candidates if (d / "config.json").exists()}
         if not (target / "config.json").exists() or not drafters:
             raise FileNotFoundError(f"{root}: expected target/ and drafters/<name>/ (or drafter-<name>/) model directories")
+        if (root / "drafters").is_dir():
+            # The model-free n-gram drafter, a member of `specfleet serve`'s demo fleet (its path: the target's tokenizer).
+            drafters[MODEL_FREE] = target
         return Family(name, target, drafters, _pick(drafters, drafter, "general" if "general" in drafters else "drafter-noisy"))
 
     if models == "demo" or (models == "auto" and (DEMO_MODELS / "target" / "config.json").exists()):

@@ -72,6 +72,11 @@ class Output:
     error: str | None = None
 
 
+# A demo family's model-free member (`kind: ngram`, its path the target's tokenizer), named as `specfleet serve`'s
+# default fleet names it.
+MODEL_FREE = "ngram"
+
+
 @dataclass
 class Family:
     """The weights every system uses: one target and its drafters (all sharing the target's tokenizer)."""
@@ -343,6 +348,8 @@ class Specfleet(System):
         from tools.bench.workload import DOMAINS
 
         path = self.family.drafters[name]
+        if name == MODEL_FREE:
+            return {"name": name, "kind": "ngram", "path": str(path)}
         entry = {"name": name, "path": str(path)}
         known = {f.name for f in dataclasses.fields(config_mod.DraftModelConfig)}
         if "specialities" in known and name in DOMAINS:

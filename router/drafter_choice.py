@@ -1,0 +1,219 @@
+"""Who drafts for each request of a round, beyond routing's ranking: the round's expected goodput decides.
+
+Routing (router/routing.py) ranks each request's drafters by their sampled acceptance. Two decisions weigh that
+against what the round costs (router/speculation.py `CostModel`), each by the round's expected goodput, tokens
+committed per millisecond:
+
+- `consolidate` moves requests onto fewer distinct draft models: a drafter service runs each distinct model's
+  layers in turn at every position of a stacked step, so every model a round adds costs a step per position.
+- `cooperate` gives a request helpers, drafters after its lead whose proposals join its tree (fusion): a helper
+  on the lead's service drafts in lockstep (siblings of the main branch), one on another service drafts a chain
+  of its own, concurrently. A helper pays where the tokens it is expected to add (`fused_tokens`) outweigh the
+  verifier's extra tree rows and, where it adds a model to its service's step, that step at every position.
+
+`fused_tokens` assumes drafters err independently, which overstates what a helper adds where drafters miss the
+same hard tokens: `FusionGain` measures what helpers add in the rounds that had them against what was expected,
+and `cooperate` scales its expectation by that.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Iterable
+
+
+def most_models(chosen: list[list[str]], services: dict, free: frozenset[str] = frozenset()) -> int:
+    """The most distinct draft models any one drafter service runs for these requests' drafters (`free`: drafters
+    that run no model, such as the n-gram drafter, which cost no step)."""
+    per_service: dict[int, set[str]] = collections.defaultdict(set)
+    for drafters in chosen:
+        for drafter in drafters:
+            if drafter not in free:
+                per_service[id(services[drafter])].add(drafter)
+    return max((len(models) for models in per_service.values()), default=0)
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens a round commits for a request drafting k tokens, each accepted with probability `acceptance`."""
+    return sum(acceptance**i for i in range(k + 1))
+
+
+def consolidate(
+    chosen: list[list[str]],
+    means: list[dict[str, float]],
+    bounds: list[int],
+    services: dict,
+    cost,
+    usable: Iterable[str] = (),
+    free: frozenset[str] = frozenset(),
+) -> list[list[str]]:
+    """Fewer distinct draft models in the round, where that raises its expected goodput.
+
+    A drafter service runs each distinct model's layers in turn at every position of a stacked step, so each model
+    a round adds costs a step per position (`CostModel.draft_ms`), while a request moved to the best of the models
+    that stay loses only the difference in expected tokens (`means`: each drafter's expected acceptance for the
+    request). Models leave one at a time, the one whose leaving raises goodput most, while one does. A model of
+    `usable` that no request leads with may also take every request at once: four requests routed to four
+    specialists can be served better by the general drafter alone than by any three of them. Requests whose
+    drafters cooperate (fusion) keep theirs, and so do the models they use."""
+    chosen = [list(drafters) for drafters in chosen]
+    depth, n = max(bounds, default=0), len(chosen)
+    verify_ms = cost.verify_ms(n, n + sum(bounds))
+
+    table: list[dict[str, float]] = [{} for _ in chosen]  # expected tokens per request and drafter, as asked for
+
+    def tokens_of(i: int, drafter: str) -> float:
+        if drafter not in table[i]:
+            table[i][drafter] = expected_tokens(means[i][drafter], bounds[i])
+        return table[i][drafter]
+
+    def goodput(assignment: list[list[str]]) -> float:
+        tokens = sum(tokens_of(i, d[0]) if d else 1.0 for i, d in enumerate(assignment))
+        return tokens / (verify_ms + cost.draft_ms(depth, most_models(assignment, services, free)))
+
+    fused = {d for drafters in chosen if len(drafters) > 1 for d in drafters}
+    while True:
+        best, best_goodput = None, goodput(chosen)
+        leads = {d[0] for d in chosen if len(d) == 1}
+        for model in sorted(leads - fused):
+            rest = leads - {model} | fused
+            if not rest:
+                continue
+            trial = [[max(sorted(rest), key=means[i].get)] if d == [model] else d for i, d in enumerate(chosen)]
+            trial_goodput = goodput(trial)
+            if trial_goodput > best_goodput:
+                best, best_goodput = trial, trial_goodput
+        for model in sorted(set(usable) - leads - fused):
+            trial = [[model] if len(d) == 1 else d for d in chosen]
+            trial_goodput = goodput(trial)
+            if trial_goodput > best_goodput:
+                best, best_goodput = trial, trial_goodput
+        if best is None:
+            return chosen
+        chosen = best
+
+
+def fused_tokens(lead: float, k: int, helpers: list[tuple[float, int, bool]]) -> float:
+    """Tokens a round commits for a request whose lead drafts k tokens, each accepted with probability `lead`,
+    helped by `helpers`: (acceptance, depth, lockstep) each, drafting the first `depth` positions.
+
+    The round commits one token more than the longest accepted path of its tree, so it commits at least i + 1
+    where some path of length i is accepted. Such a path is the main branch through position i - 1 with the main
+    token or a lockstep helper's sibling accepted at i, or a chain helper's own chain through i (i <= its depth).
+    Drafters erring independently, 1 + sum_i [1 - (1 - lead^(i-1) (1 - (1 - lead) prod_siblings (1 - a_s)))
+    prod_chains (1 - a_c^i)]. Without helpers this is `expected_tokens(lead, k)`."""
+    total = 1.0
+    for i in range(1, k + 1):
+        sibling_misses = math.prod(1 - a for a, depth, lockstep in helpers if lockstep and depth >= i)
+        on_main = lead ** (i - 1) * (1 - (1 - lead) * sibling_misses)
+        chain_misses = math.prod(1 - a**i for a, depth, lockstep in helpers if not lockstep and depth >= i)
+        total += 1 - (1 - on_main) * chain_misses
+    return total
+
+
+class FusionGain:
+    """What helpers add, measured: tokens the trees of rounds with helpers committed beyond what their leads' own
+    proposals would have (`observe`), against the `fused_tokens` gain expected of them, as decayed sums. Its
+    `efficiency` starts at PRIOR, a guess worth PRIOR_WEIGHT expected tokens, so a few lucky rounds do not decide.
+    Helpers are measured only in rounds that have them: where none pays, none is tried, and nothing is spent
+    exploring (issue 27: exploration must not cost more than it finds)."""
+
+    PRIOR = 0.5
+    PRIOR_WEIGHT = 2.0
+
+    def __init__(self, forget: float = 0.98):
+        self.forget = forget
+        self.expected = 0.0
+        self.added = 0.0
+
+    def observe(self, expected: float, added: float) -> None:
+        self.expected = self.expected * self.forget + expected
+        self.added = self.added * self.forget + added
+
+    @property
+    def efficiency(self) -> float:
+        """Tokens helpers add per token `fused_tokens` expects of them."""
+        return (self.PRIOR * self.PRIOR_WEIGHT + self.added) / (self.PRIOR_WEIGHT + self.expected)
+
+
+def cooperate(
+    ranked: list[list[str]],
+    ks: list[int],
+    means: list[dict[str, float]],
+    services: dict,
+    cost,
+    fusion_depth: int = 0,
+    overlap: bool = False,
+    efficiency: float = 1.0,
+    free: frozenset[str] = frozenset(),
+) -> tuple[list[list[str]], list[float]]:
+    """Helpers for the round's requests where they raise its expected goodput.
+
+    ranked: per request its lead, then the helpers it may have, in routing order; ks: each lead's planned k (0:
+    the request decodes plainly and gets no helper); means: each drafter's expected acceptance for the request.
+    A helper drafts the first fusion_depth positions (0: all k). Returns per request its drafters (the lead, then
+    the helpers taken, in routing order) and the tokens `fused_tokens` expects the helpers to add (unscaled).
+
+    Greedily, while the round's goodput rises: for each drafter that is some request's next helper, the requests
+    it would help, best gain per tree row first, and of those the prefix that raises goodput most (a model new to
+    its service costs its step once, however many requests it helps); the best drafter's prefix is taken."""
+    n = len(ranked)
+    taken = [d[:1] if k > 0 and d else [] for d, k in zip(ranked, ks)]
+    gains = [0.0] * n
+    depth = max(ks, default=0)
+    if depth == 0:
+        return taken, gains
+    # Per drafter service, its models' steps: a lead's model steps through the round's depth, a helper's model
+    # through the deepest position it drafts for any request (router/speculation.py `CostModel.draft_steps_ms`).
+    steps: dict[int, dict[str, int]] = collections.defaultdict(dict)
+    for drafters in taken:
+        for drafter in drafters:
+            if drafter not in free:
+                steps[id(services[drafter])][drafter] = depth
+    expected = [expected_tokens(means[i][d[0]], ks[i]) if d else 1.0 for i, d in enumerate(taken)]
+    tokens, rows = sum(expected), sum(k + 1 for k in ks)
+
+    def round_ms(rows: int, busiest: int) -> float:
+        verifying = cost.verify_ms(n, rows)
+        drafting = cost.draft_steps_ms(busiest)
+        return max(verifying, drafting) if overlap else verifying + drafting
+
+    def helped(i: int, drafters: list[str]) -> float:
+        lead = services[drafters[0]]
+        helpers = [(means[i][h], min(fusion_depth or ks[i], ks[i]), services[h] is lead) for h in drafters[1:]]
+        return fused_tokens(means[i][drafters[0]], ks[i], helpers)
+
+    goodput = tokens / round_ms(rows, max((sum(m.values()) for m in steps.values()), default=0))
+    while True:
+        offers: dict[str, list[tuple[float, int, int, float]]] = collections.defaultdict(list)  # helper -> (gain, depth, i, fused)
+        for i, drafters in enumerate(taken):
+            following = [h for h in ranked[i][1:] if h not in drafters] if drafters else []
+            if following:
+                fused = helped(i, drafters + following[:1])
+                gain = efficiency * (fused - expected[i])
+                if gain > 0:
+                    offers[following[0]].append((gain, min(fusion_depth or ks[i], ks[i]), i, fused))
+        best = None
+        for helper, offer in sorted(offers.items()):
+            home = id(services[helper])
+            others = max((sum(m.values()) for key, m in steps.items() if key != home), default=0)
+            mine, before = sum(steps[home].values()), steps[home].get(helper, 0)
+            offer.sort(key=lambda o: o[0] / o[1], reverse=True)
+            trial_tokens, trial_rows, helper_steps = tokens, rows, before
+            for count, (gain, helper_depth, _, _) in enumerate(offer, start=1):
+                trial_tokens, trial_rows = trial_tokens + gain, trial_rows + helper_depth
+                if helper not in free:
+                    helper_steps = max(helper_steps, helper_depth)
+                trial_goodput = trial_tokens / round_ms(trial_rows, max(others, mine - before + helper_steps))
+                if trial_goodput > (best[0] if best else goodput):
+                    best = (trial_goodput, helper, offer[:count], helper_steps, trial_tokens, trial_rows)
+        if best is None:
+            return taken, gains
+        goodput, helper, offer, helper_steps, tokens, rows = best
+        if helper not in free:
+            steps[id(services[helper])][helper] = helper_steps
+        for _, _, i, fused in offer:
+            taken[i].append(helper)
+            gains[i] += fused - expected[i]
+            expected[i] = fused
