@@ -47,6 +47,7 @@ def consolidate(
     cost,
     usable: Iterable[str] = (),
     free: frozenset[str] = frozenset(),
+    fill=None,
 ) -> list[list[str]]:
     """Fewer distinct draft models in the round, where that raises its expected goodput.
 
@@ -59,7 +60,7 @@ def consolidate(
     drafters cooperate (fusion) keep theirs, and so do the models they use."""
     chosen = [list(drafters) for drafters in chosen]
     depth, n = max(bounds, default=0), len(chosen)
-    verify_ms = cost.verify_ms(n, n + sum(bounds))
+    rate = fill.rate if fill is not None else (lambda drafter: 1.0)
 
     table: list[dict[str, float]] = [{} for _ in chosen]  # expected tokens per request and drafter, as asked for
 
@@ -70,7 +71,8 @@ def consolidate(
 
     def goodput(assignment: list[list[str]]) -> float:
         tokens = sum(tokens_of(i, d[0]) if d else 1.0 for i, d in enumerate(assignment))
-        return tokens / (verify_ms + cost.draft_ms(depth, most_models(assignment, services, free)))
+        rows = n + sum(bounds[i] * rate(d[0]) for i, d in enumerate(assignment) if d)
+        return tokens / (cost.verify_ms(n, rows) + cost.draft_ms(depth, most_models(assignment, services, free)))
 
     fused = {d for drafters in chosen if len(drafters) > 1 for d in drafters}
     while True:
@@ -137,6 +139,28 @@ class FusionGain:
         return (self.PRIOR * self.PRIOR_WEIGHT + self.added) / (self.PRIOR_WEIGHT + self.expected)
 
 
+class DraftFill:
+    """How much of what it is asked for each drafter proposes: proposed tokens per position asked, as decayed sums
+    per drafter, starting from a full draft (PRIOR_ASKED positions' worth). A draft model proposes every position;
+    the n-gram drafter only where a suffix of the context occurred before, so its rounds verify fewer tree rows
+    than it was asked for, and a round's plan charges it the rows it is expected to fill."""
+
+    PRIOR_ASKED = 8.0
+
+    def __init__(self, forget: float = 0.99):
+        self.forget = forget
+        self._sums: dict[str, tuple[float, float]] = {}  # drafter -> (proposed, asked)
+
+    def observe(self, drafter: str, proposed: int, asked: int) -> None:
+        old_proposed, old_asked = self._sums.get(drafter, (0.0, 0.0))
+        self._sums[drafter] = (old_proposed * self.forget + proposed, old_asked * self.forget + asked)
+
+    def rate(self, drafter: str) -> float:
+        """Tokens the drafter is expected to propose per position it is asked for, in (0, 1]."""
+        proposed, asked = self._sums.get(drafter, (0.0, 0.0))
+        return min(1.0, (self.PRIOR_ASKED + proposed) / (self.PRIOR_ASKED + asked))
+
+
 def cooperate(
     ranked: list[list[str]],
     ks: list[int],
@@ -147,6 +171,7 @@ def cooperate(
     overlap: bool = False,
     efficiency: float = 1.0,
     free: frozenset[str] = frozenset(),
+    fill=None,
 ) -> tuple[list[list[str]], list[float]]:
     """Helpers for the round's requests where they raise its expected goodput.
 
@@ -172,9 +197,11 @@ def cooperate(
             if drafter not in free:
                 steps[id(services[drafter])][drafter] = depth
     expected = [expected_tokens(means[i][d[0]], ks[i]) if d else 1.0 for i, d in enumerate(taken)]
-    tokens, rows = sum(expected), sum(k + 1 for k in ks)
+    rate = fill.rate if fill is not None else (lambda drafter: 1.0)
+    tokens = sum(expected)
+    rows = sum(1 + (k * rate(d[0]) if d else 0) for d, k in zip(taken, ks))
 
-    def round_ms(rows: int, busiest: int) -> float:
+    def round_ms(rows: float, busiest: int) -> float:
         verifying = cost.verify_ms(n, rows)
         drafting = cost.draft_steps_ms(busiest)
         return max(verifying, drafting) if overlap else verifying + drafting
@@ -199,10 +226,11 @@ def cooperate(
             home = id(services[helper])
             others = max((sum(m.values()) for key, m in steps.items() if key != home), default=0)
             mine, before = sum(steps[home].values()), steps[home].get(helper, 0)
-            offer.sort(key=lambda o: o[0] / o[1], reverse=True)
+            offer.sort(key=lambda o: o[0] / o[1], reverse=True)  # best gain per position first
             trial_tokens, trial_rows, helper_steps = tokens, rows, before
             for count, (gain, helper_depth, _, _) in enumerate(offer, start=1):
-                trial_tokens, trial_rows = trial_tokens + gain, trial_rows + helper_depth
+                # Its tree rows: the positions it drafts, times what it is expected to fill of them.
+                trial_tokens, trial_rows = trial_tokens + gain, trial_rows + helper_depth * rate(helper)
                 if helper not in free:
                     helper_steps = max(helper_steps, helper_depth)
                 trial_goodput = trial_tokens / round_ms(trial_rows, max(others, mine - before + helper_steps))

@@ -143,17 +143,27 @@ class Drafting:
             means.append({d: a / (a + r) for d, (a, r) in posteriors.items()} if drafters else {})
         chosen = [d[:1] for d in ranked] if by_goodput else ranked
         if by_goodput and config.fewer_models:
-            chosen = consolidate(chosen, means, bounds, services, controller.cost, self.usable(), free)
+            chosen = consolidate(chosen, means, bounds, services, controller.cost, self.usable(), free, controller.fill)
         acceptance = [
             (means[i][drafters[0]] if by_goodput else router.mean(s.routing, drafters[0])) if drafters else 0.0
             for i, (s, drafters) in enumerate(zip(batch, chosen))
         ]
-        ks = controller.plan(acceptance, bounds, [s.rounds for s in batch], overlap, running, most_models(chosen, services, free))
+        fill = [controller.fill.rate(drafters[0]) if drafters else 1.0 for drafters in chosen]
+        ks = controller.plan(acceptance, bounds, [s.rounds for s in batch], overlap, running, most_models(chosen, services, free), fill)
         gains = [0.0] * len(batch)
         if by_goodput and config.fusion_width > 1:
             leads_first = [lead + [d for d in drafters if d not in lead][: config.fusion_width - 1] for lead, drafters in zip(chosen, ranked)]
             chosen, gains = cooperate(
-                leads_first, ks, means, services, controller.cost, config.fusion_depth, overlap, controller.fusion_gain.efficiency, free
+                leads_first,
+                ks,
+                means,
+                services,
+                controller.cost,
+                config.fusion_depth,
+                overlap,
+                controller.fusion_gain.efficiency,
+                free,
+                controller.fill,
             )
         return RoundPlan(
             [

@@ -54,7 +54,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from router.drafter_choice import FusionGain
+from router.drafter_choice import DraftFill, FusionGain
 from router.measured_goodput import MeasuredGoodput
 from specfleet.config import SpeculationConfig
 
@@ -222,8 +222,10 @@ class SpeculationController:
     probe_every: int = 8
     # What rounds deliver with drafting and without; kept across reloads (dataclasses.replace).
     measured: MeasuredGoodput = field(default_factory=MeasuredGoodput)
-    # What helpers add against what was expected of them (router/drafter_choice.py); kept across reloads too.
+    # What helpers add against what was expected of them, and how much of what it is asked for each drafter
+    # proposes (router/drafter_choice.py); kept across reloads too.
     fusion_gain: FusionGain = field(default_factory=FusionGain)
+    fill: DraftFill = field(default_factory=DraftFill)
 
     @property
     def adaptive(self) -> bool:
@@ -259,6 +261,7 @@ class SpeculationController:
         overlap: bool = False,
         running: int | None = None,
         models: int = 1,
+        fill: list[float] | None = None,
     ) -> list[int]:
         """Draft lengths (num_draft_tokens) for one round's requests, from each one's acceptance a_i,
         max_draft_tokens and rounds so far.
@@ -267,6 +270,8 @@ class SpeculationController:
         with work in more than one), so a round lasts max(draft, verify), not their sum.
         running: requests running in the router, all lanes (default: this round's).
         models: the most distinct draft models any one drafter service runs this round.
+        fill: per request, the tree rows its drafter fills per position asked (router/drafter_choice.py `DraftFill`;
+        default 1: a draft model proposes every position).
         """
         if not self.adaptive:
             return list(max_draft_tokens)
@@ -277,10 +282,10 @@ class SpeculationController:
         # The drafting term depends on the deepest draft only, so fix the depth D first;
         # for a given D, adding a draft token with gain g pays iff it raises sum E / T.
         for depth in range(1, max(max_draft_tokens, default=0) + 1):
-            trial, expected, drafted = [0] * n, float(n), 0
+            trial, expected, drafted = [0] * n, float(n), 0.0
             drafting = self.cost.draft_ms(depth, models)
 
-            def round_ms(drafted: int) -> float:
+            def round_ms(drafted: float) -> float:
                 verifying = self.cost.verify_ms(n, n + drafted)
                 # Pipelined, one group drafts while another is verified: the slower side sets the pace.
                 return max(verifying, drafting) if overlap else verifying + drafting
@@ -291,11 +296,12 @@ class SpeculationController:
                     break
                 i = max(candidates, key=lambda j: acceptance[j] ** (trial[j] + 1))
                 gain = acceptance[i] ** (trial[i] + 1)
-                if (expected + gain) / round_ms(drafted + 1) <= expected / round_ms(drafted):
+                rows = fill[i] if fill else 1.0  # the tree rows this position is expected to add
+                if (expected + gain) / round_ms(drafted + rows) <= expected / round_ms(drafted):
                     break
                 trial[i] += 1
                 expected += gain
-                drafted += 1
+                drafted += rows
             if max(trial, default=0) < depth:
                 continue  # this depth is not used; a shallower one covers the plan
             goodput = expected / round_ms(drafted)

@@ -186,6 +186,9 @@ class Verifying:
             by_domain.draft_tokens += len(tree.proposed[drafter])
             by_domain.accepted_tokens += hits
         self.context.router.observe(state.routing, outcomes)
+        for drafter, depth in zip(request.drafters, request.depths):
+            if drafter in tree.proposed:  # its reply arrived
+                self.context.controller.fill.observe(drafter, len(tree.proposed[drafter]), depth)
         if request.expected_gain > 0:
             # What the helpers added: the tree's accepted tokens beyond the lead's own run of hits.
             added = len(accepted_nodes) - outcomes.get(request.drafters[0], (0, 0))[0]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from router.drafters import DrafterService
-from router.drafter_choice import FusionGain, consolidate, cooperate, expected_tokens, fused_tokens, most_models
+from router.drafter_choice import DraftFill, FusionGain, consolidate, cooperate, expected_tokens, fused_tokens, most_models
 from router.drafting import Drafting
 from router.request import RequestSpec, RequestState
 from router.rounds import RequestPlan, RoundContext, SchedulerConfig
@@ -250,5 +250,31 @@ def test_verification_measures_what_the_helpers_added():
     fused = RequestPlan(state, ["general", "code"], [4, 2], [], expected_gain=0.5)
     verifying._learn(fused, tree, accepted_nodes=[4, 5], emitted=[9, 10, 11])
     assert (controller.fusion_gain.expected, controller.fusion_gain.added) == (0.5, 2)
+    # Both filled what they were asked: 4 of 4 and 2 of 2 positions.
+    assert controller.fill._sums == {"general": (4, 4), "code": (2, 2)}
     verifying._learn(RequestPlan(state, ["general", "code"], [4, 2], []), tree, accepted_nodes=[4], emitted=[9, 3])
     assert (controller.fusion_gain.expected, controller.fusion_gain.added) == (0.5, 2)
+
+
+def test_a_drafter_that_fills_few_of_its_positions_is_charged_the_rows_it_fills():
+    """The n-gram drafter proposes only where a suffix of the context occurred before: measured to fill a third of
+    what it is asked, a round charges it a third of the rows. The plan then asks it for more positions where rows are
+    dear, and a round moves its requests to it where that pays, though its acceptance is lower."""
+    fill = DraftFill()
+    assert fill.rate("ngram") == 1.0
+    for _ in range(300):
+        fill.observe("ngram", proposed=1, asked=3)
+        fill.observe("general", proposed=4, asked=4)
+    assert abs(fill.rate("ngram") - 1 / 3) < 0.02 and fill.rate("general") == 1.0
+    dear_rows = CostModel(verify_base=5.0, verify_per_token=1.5, draft_per_token=0.5, draft_base=0.0, verify_call=0.0, draft_call=0.0, pinned=True)
+    controller = SpeculationController(dear_rows, settings=SpeculationConfig(remeasure_every=0))
+    (full,) = controller.plan([0.6], [8], [0])
+    (third,) = controller.plan([0.6], [8], [0], fill=[1 / 3])
+    assert third > full
+    # Four requests, general at 0.6; the n-gram drafter at 0.5 runs no model and fills a third of its rows.
+    chosen, bounds = [["general"]] * 4, [4] * 4
+    acceptance = [{"general": 0.6, "ngram": 0.5}] * 4
+    services = {"general": SERVICE, "ngram": SERVICE}
+    free = frozenset({"ngram"})
+    assert consolidate(chosen, acceptance, bounds, services, dear_rows, usable=["general", "ngram"], free=free, fill=fill) == [["ngram"]] * 4
+    assert consolidate(chosen, acceptance, bounds, services, dear_rows, usable=["general", "ngram"], free=free) == chosen
