@@ -1,6 +1,6 @@
 """Expertise routing: which drafters draft for a request.
 
-Three parts, read top to bottom (kept in one file, about 450 lines, because each reads the one
+Three parts, read top to bottom (kept in one file, about 500 lines, because each reads the one
 before it):
 
 1. The prior: a new request's domain. Each drafter declares specialities

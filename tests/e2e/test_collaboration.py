@@ -29,6 +29,18 @@ def multi_drafter_config(family, across_services: bool = True, **router):
     return config
 
 
+def greedy_replies(cluster: Cluster, family, prompts: list[str]) -> list:
+    """Each prompt's greedy reply, all at once, each checked token for token against the target alone."""
+    path = str(family["target"])
+    with cluster.channel() as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        futures = {p: stub.Generate.future(greedy_request(p, MAX_TOKENS, 4), timeout=300) for p in prompts}
+        replies = [(prompt, future.result()) for prompt, future in futures.items()]
+    for prompt, reply in replies:
+        assert list(reply.token_ids) == target_greedy(path, prompt, MAX_TOKENS), prompt
+    return [reply for _, reply in replies]
+
+
 @pytest.fixture(scope="module")
 def fused_cluster(random_family, tmp_path_factory):
     """Every request fuses all three drafters (one copy of the target, one close, one random)."""
@@ -39,18 +51,12 @@ def fused_cluster(random_family, tmp_path_factory):
 
 
 def test_fused_greedy_output_equals_target(fused_cluster, random_family):
-    path = str(random_family["target"])
-    with fused_cluster.channel() as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
-        futures = {p: stub.Generate.future(greedy_request(p, MAX_TOKENS, 4), timeout=300) for p in PROMPTS[:10]}
-        used = collections.Counter()
-        for prompt, future in futures.items():
-            reply = future.result()
-            assert list(reply.token_ids) == target_greedy(path, prompt, MAX_TOKENS), prompt
-            for d in reply.speculation.drafters:
-                used[d.drafter] += d.rounds
-            # Trees: more nodes than a chain of k per round.
-            assert reply.speculation.draft_tokens > 4 * (reply.speculation.rounds - 1)
+    used = collections.Counter()
+    for reply in greedy_replies(fused_cluster, random_family, PROMPTS[:10]):
+        for d in reply.speculation.drafters:
+            used[d.drafter] += d.rounds
+        # Trees: more nodes than a chain of k per round.
+        assert reply.speculation.draft_tokens > 4 * (reply.speculation.rounds - 1)
     assert set(used) == set(DRAFTERS)
 
 
@@ -59,18 +65,11 @@ def test_helpers_chosen_by_goodput_with_the_n_gram_drafter_keep_greedy_output_th
     that they do), the model-free n-gram drafter among them, in lockstep and across the services."""
     config = with_ngram(multi_drafter_config(random_family, fusion_width=4, routing_policy="expertise", **HELPERS_PAY), random_family)
     cluster = Cluster(config, tmp_path, "helpers").start()
-    path = str(random_family["target"])
     try:
-        with cluster.channel() as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
-            futures = {p: stub.Generate.future(greedy_request(p, MAX_TOKENS, 4), timeout=300) for p in PROMPTS[:8]}
-            drafted = []
-            for prompt, future in futures.items():
-                reply = future.result()
-                assert list(reply.token_ids) == target_greedy(path, prompt, MAX_TOKENS), prompt
-                drafted.append({d.drafter for d in reply.speculation.drafters if d.draft_tokens > 0})
+        replies = greedy_replies(cluster, random_family, PROMPTS[:8])
     finally:
         cluster.stop()
+    drafted = [{d.drafter for d in reply.speculation.drafters if d.draft_tokens > 0} for reply in replies]
     assert any({"drafter-copy", "drafter-random"} & d and "drafter-noisy" in d for d in drafted), drafted  # across services
     assert any(NGRAM in d for d in drafted), drafted
 
