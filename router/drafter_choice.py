@@ -60,9 +60,9 @@ def consolidate(
     drafters cooperate (fusion) keep theirs, and so do the models they use."""
     chosen = [list(drafters) for drafters in chosen]
     depth, n = max(bounds, default=0), len(chosen)
-    rate = fill.rate if fill is not None else (lambda drafter: 1.0)
-
-    table: list[dict[str, float]] = [{} for _ in chosen]  # expected tokens per request and drafter, as asked for
+    # Each drafter's share of its positions filled (DraftFill), and its expected tokens per request, as asked for.
+    rates = {d: fill.rate(d) if fill is not None else 1.0 for m in means for d in m}
+    table: list[dict[str, float]] = [{} for _ in chosen]
 
     def tokens_of(i: int, drafter: str) -> float:
         if drafter not in table[i]:
@@ -71,7 +71,7 @@ def consolidate(
 
     def goodput(assignment: list[list[str]]) -> float:
         tokens = sum(tokens_of(i, d[0]) if d else 1.0 for i, d in enumerate(assignment))
-        rows = n + sum(bounds[i] * rate(d[0]) for i, d in enumerate(assignment) if d)
+        rows = n + sum(bounds[i] * rates[d[0]] for i, d in enumerate(assignment) if d)
         return tokens / (cost.verify_ms(n, rows) + cost.draft_ms(depth, most_models(assignment, services, free)))
 
     fused = {d for drafters in chosen if len(drafters) > 1 for d in drafters}

@@ -54,6 +54,7 @@ accepted, falls below `stop_below`.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 from router.drafter_choice import DraftFill, FusionGain
@@ -281,29 +282,33 @@ class SpeculationController:
         if n and not self.drafts(running or n):
             return [0] * n  # plain decoding for everyone: drafting measured slower (module docstring)
         best_goodput, ks = n / self.cost.round_ms([0] * n) if n else 0.0, [0] * n
+        eligible = [i for i in range(n) if acceptance[i] >= self.min_acceptance]
         # The drafting term depends on the deepest draft only, so fix the depth D first;
         # for a given D, adding a draft token with gain g pays iff it raises sum E / T.
         for depth in range(1, max(max_draft_tokens, default=0) + 1):
             trial, expected, drafted = [0] * n, float(n), 0.0
             drafting = self.cost.draft_ms(depth, models)
+            caps = [min(max_draft_tokens[i], depth) for i in range(n)]
 
             def round_ms(drafted: float) -> float:
                 verifying = self.cost.verify_ms(n, n + drafted)
                 # Pipelined, one group drafts while another is verified: the slower side sets the pace.
                 return max(verifying, drafting) if overlap else verifying + drafting
 
-            while True:
-                candidates = [i for i in range(n) if trial[i] < min(max_draft_tokens[i], depth) and acceptance[i] >= self.min_acceptance]
-                if not candidates:
-                    break
-                i = max(candidates, key=lambda j: acceptance[j] ** (trial[j] + 1))
-                gain = acceptance[i] ** (trial[i] + 1)
+            # Each request's next position, most likely accepted first (ties: the earlier request).
+            queue = [(-acceptance[i], i) for i in eligible if caps[i] > 0]
+            heapq.heapify(queue)
+            while queue:
+                gain, i = -queue[0][0], queue[0][1]
                 rows = fill[i] if fill else 1.0  # the tree rows this position is expected to add
                 if (expected + gain) / round_ms(drafted + rows) <= expected / round_ms(drafted):
                     break
+                heapq.heappop(queue)
                 trial[i] += 1
                 expected += gain
                 drafted += rows
+                if trial[i] < caps[i]:
+                    heapq.heappush(queue, (-(acceptance[i] ** (trial[i] + 1)), i))
             if max(trial, default=0) < depth:
                 continue  # this depth is not used; a shallower one covers the plan
             goodput = expected / round_ms(drafted)
