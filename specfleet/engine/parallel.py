@@ -243,7 +243,7 @@ def launch(
     where = _meeting_point(collectives, own_device=start is not None)
     shared = SharedMemory.create(where["shm"], size)  # before the others start, which open it
     specs = [json.dumps({**spec, "rank": r, "size": size, "where": where}) for r in range(1, size)]
-    workers = start(specs) if start is not None else [subprocess.Popen([sys.executable, "-c", _RANK_MAIN, s]) for s in specs]
+    workers = start(specs) if start is not None else [subprocess.Popen([sys.executable, "-c", _RANK_MAIN, s, str(os.getpid())]) for s in specs]
     group = _connect(0, size, where, device, shared)
     group.workers = workers
     for rank, worker in enumerate(workers, start=1):

@@ -36,24 +36,27 @@ def serve(loaded: LoadedModel) -> None:
             runner.execute(loaded, *runner.on_device(call, loaded.model.device))
 
 
-def _die_with_parent() -> None:
-    """Exit once rank 0, the parent, is gone, however it went: a rank alone serves nothing and holds a device.
+def _die_with_parent(parent: int) -> None:
+    """Exit once rank 0, the parent (its pid, as rank 0 gave it), is gone, however it went: a rank alone serves
+    nothing and holds a device. Rank 0 names itself because it may die before this runs, and the pid this process
+    would read as its parent's is then the one it was handed to.
 
     Polled rather than Linux's parent-death signal, which follows the thread that started the process, and
     rank 0 may start its ranks from a thread that ends (a Ray actor's, a loader's)."""
-    parent = os.getppid()
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(0.5)
         os._exit(0)
 
+    if os.getppid() != parent:
+        os._exit(0)
     threading.Thread(target=watch, daemon=True, name="parent-watch").start()
 
 
 def main(argv: list[str]) -> int:
-    """A child process of rank 0 (`parallel.launch`), from its spec as JSON."""
-    _die_with_parent()
+    """A child process of rank 0 (`parallel.launch`), from its spec as JSON and rank 0's pid."""
+    _die_with_parent(int(argv[1]))
     # Rank 0 stops it (a stop message, or by going away): a signal to the process group is rank 0's to handle.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -147,3 +147,21 @@ def test_a_failed_load_on_rank_0_ends_its_ranks_and_leaves_no_shared_memory(tmp_
     [rank] = started
     assert rank.wait(timeout=30) != 0  # ended, not stopped
     assert not glob.glob(f"/dev/shm/specfleet-tp-{os.getpid()}-*")
+
+
+def test_a_rank_whose_rank_0_died_before_it_started_watching_exits():
+    """Rank 0 killed right after starting a rank (before the rank's watch began): the rank's parent is then another
+    process, and the rank must not take that one for rank 0 and wait for its group forever."""
+    import os
+    import subprocess
+    import sys
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    spec = '{"rank": 1, "size": 2, "where": {"shm": "/dev/shm/specfleet-tp-never", "port": 1}, "threads": 1, "device": "cpu"}'
+    rank = subprocess.Popen([sys.executable, "-c", parallel._RANK_MAIN, spec, str(gone.pid)], stderr=subprocess.DEVNULL)
+    try:
+        assert rank.wait(timeout=30) == 0
+    finally:
+        rank.kill()
+    assert os.getpid() != gone.pid
