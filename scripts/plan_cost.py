@@ -1,0 +1,74 @@
+"""How long the router takes to plan one round (`Drafting.plan`): routing, consolidation, k, helpers.
+
+Synthetic rounds of 4 and 16 requests among the demo family's eight drafters (seven specialists, the general
+drafter), each request in a domain of its own in turn, adaptive speculation on, fusion_width 1; the best of five
+timings of 300 plans each. Give a checkout's root to time that tree's router (an older commit: `git worktree add`).
+
+    .venv/bin/python scripts/plan_cost.py [ROOT]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, sys.argv[1] if len(sys.argv) > 1 else str(Path(__file__).resolve().parents[1]))
+
+from router.drafters import DrafterService  # noqa: E402
+from router.drafting import Drafting  # noqa: E402
+from router.request import RequestSpec, RequestState  # noqa: E402
+from router.rounds import RoundContext, SchedulerConfig  # noqa: E402
+from router.routing import DomainClassifier, DrafterProfile, DrafterRouter, ExpertiseStore  # noqa: E402
+from router.speculation import CostModel, SpeculationController  # noqa: E402
+from specfleet.config import RoutingConfig, SpeculationConfig  # noqa: E402
+from specfleet.sampling import SamplingParams  # noqa: E402
+
+DOMAINS = ["code", "de", "en", "es", "fr", "it", "structured"]
+
+
+def request(i: int) -> RequestState:
+    spec = RequestSpec(
+        request_id=f"s{i}",
+        session_id=f"s{i}",
+        prompt_ids=[1, 2, 3],
+        max_tokens=32,
+        sampling=SamplingParams(),
+        stop=[],
+        stop_at_eos=True,
+        max_draft_tokens=4,
+        domain="",
+    )
+    return RequestState(spec=spec, tokenizer=None, eos_token_id=0, max_context=512, deadline=None, tokens=[1, 2, 3])
+
+
+def main() -> int:
+    profiles = [DrafterProfile(d, [d]) for d in DOMAINS] + [DrafterProfile("general")]
+    service = DrafterService("drafters", [SimpleNamespace(name="drafters-0")])
+    router = DrafterRouter(
+        RoutingConfig(routing_policy="expertise", default_drafter="general", fusion_width=1),
+        profiles,
+        DomainClassifier({}),
+        ExpertiseStore(0.99),
+    )
+    controller = SpeculationController(CostModel(), settings=SpeculationConfig(remeasure_every=0))
+    drafting = Drafting(RoundContext(SchedulerConfig(), {p.name: service for p in profiles}, router, controller), in_background=lambda c: None)
+    for n in (4, 16):
+        batch = [request(i) for i in range(n)]
+        for i, state in enumerate(batch):
+            state.routing = router.start("x", domain_hint=DOMAINS[i % len(DOMAINS)])
+        for _ in range(50):
+            drafting.plan(batch, overlap=False)
+        best = float("inf")
+        for _ in range(5):
+            started = time.perf_counter()
+            for _ in range(300):
+                drafting.plan(batch, overlap=False)
+            best = min(best, (time.perf_counter() - started) / 300 * 1e3)
+        print(f"{n} requests, {len(profiles)} drafters: {best:.3f} ms a plan (best of 5 timings of 300)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
