@@ -61,7 +61,7 @@ def consolidate(
     chosen = [list(drafters) for drafters in chosen]
     depth, n = max(bounds, default=0), len(chosen)
     # Each drafter's share of its positions filled (DraftFill), and its expected tokens per request, as asked for.
-    rates = {d: fill.rate(d) if fill is not None else 1.0 for m in means for d in m}
+    rates = {d: fill.rate(d) if fill is not None else 1.0 for d in set().union(*means)}
     table: list[dict[str, float]] = [{} for _ in chosen]
 
     def tokens_of(i: int, drafter: str) -> float:
@@ -206,9 +206,12 @@ def cooperate(
         drafting = cost.draft_steps_ms(busiest)
         return max(verifying, drafting) if overlap else verifying + drafting
 
+    def helper_depth(i: int) -> int:
+        return min(fusion_depth or ks[i], ks[i])
+
     def helped(i: int, drafters: list[str]) -> float:
         lead = services[drafters[0]]
-        helpers = [(means[i][h], min(fusion_depth or ks[i], ks[i]), services[h] is lead) for h in drafters[1:]]
+        helpers = [(means[i][h], helper_depth(i), services[h] is lead) for h in drafters[1:]]
         return fused_tokens(means[i][drafters[0]], ks[i], helpers)
 
     goodput = tokens / round_ms(rows, max((sum(m.values()) for m in steps.values()), default=0))
@@ -220,7 +223,7 @@ def cooperate(
                 fused = helped(i, drafters + following[:1])
                 gain = efficiency * (fused - expected[i])
                 if gain > 0:
-                    offers[following[0]].append((gain, min(fusion_depth or ks[i], ks[i]), i, fused))
+                    offers[following[0]].append((gain, helper_depth(i), i, fused))
         best = None
         for helper, offer in sorted(offers.items()):
             home = id(services[helper])

@@ -8,8 +8,9 @@ times,
            + [any k_i > 0] * (draft_call + draft_base + draft_per_token * max_i k_i)
 where f_i is the share of the positions it is asked for that request i's drafter
 fills (router/drafter_choice.py `DraftFill`: 1 for a draft model, less for the
-n-gram drafter, which proposes only where a suffix repeats), and the *_call terms are what a call costs beyond the servers' compute
-(network, serialisation, queueing): a round that drafts pays for one more call.
+n-gram drafter, which proposes only where a suffix repeats), and the *_call
+terms are what a call costs beyond the servers' compute (network,
+serialisation, queueing): a round that drafts pays for one more call.
 A verification pass pays per session (attention over its context, its share
 of the bookkeeping) apart from per token fed. Folded into one per-token term
 fitted through live passes, where tokens grow with sessions, a draft token

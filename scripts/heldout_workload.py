@@ -9,7 +9,7 @@ meets text its labels do not name.
 
     domain       sources
     docs         debian-faq, maint-guide, developers-reference (HTML)
-    prose        debian-history (HTML)
+    prose        debian-history (its English HTML pages)
     de           debian-faq-de, maint-guide-de, developers-reference-de
     fr           debian-faq-fr, maint-guide-fr, developers-reference-fr
     es           maint-guide-es
@@ -36,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 SOURCES: dict[str, tuple[str, list[str], tuple[str, ...]]] = {
     # domain: (kind, packages, file patterns)
     "docs": ("html", ["debian-faq", "maint-guide", "developers-reference"], ("*.html", "*.html.gz")),
-    "prose": ("html", ["debian-history"], ("*.html", "*.html.gz")),
+    # debian-history ships the history in ten languages: its English pages only
+    "prose": ("html", ["debian-history"], ("*.en.html", "*.en.html.gz")),
     "de": ("html", ["debian-faq-de", "maint-guide-de", "developers-reference-de"], ("*.html", "*.html.gz")),
     "fr": ("html", ["debian-faq-fr", "maint-guide-fr", "developers-reference-fr"], ("*.html", "*.html.gz")),
     "es": ("html", ["maint-guide-es"], ("*.html", "*.html.gz")),
