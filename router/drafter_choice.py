@@ -206,12 +206,12 @@ def cooperate(
         drafting = cost.draft_steps_ms(busiest)
         return max(verifying, drafting) if overlap else verifying + drafting
 
-    def helper_depth(i: int) -> int:
+    def depth_of(i: int) -> int:
         return min(fusion_depth or ks[i], ks[i])
 
     def helped(i: int, drafters: list[str]) -> float:
         lead = services[drafters[0]]
-        helpers = [(means[i][h], helper_depth(i), services[h] is lead) for h in drafters[1:]]
+        helpers = [(means[i][h], depth_of(i), services[h] is lead) for h in drafters[1:]]
         return fused_tokens(means[i][drafters[0]], ks[i], helpers)
 
     goodput = tokens / round_ms(rows, max((sum(m.values()) for m in steps.values()), default=0))
@@ -223,7 +223,7 @@ def cooperate(
                 fused = helped(i, drafters + following[:1])
                 gain = efficiency * (fused - expected[i])
                 if gain > 0:
-                    offers[following[0]].append((gain, helper_depth(i), i, fused))
+                    offers[following[0]].append((gain, depth_of(i), i, fused))
         best = None
         for helper, offer in sorted(offers.items()):
             home = id(services[helper])
