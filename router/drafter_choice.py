@@ -96,6 +96,29 @@ def consolidate(
         chosen = best
 
 
+def modelled_round_ms(
+    drafters: list[list[str]], depths: list[list[int]], services: dict, cost, overlap: bool, free: frozenset[str] = frozenset(), fill=None
+) -> float:
+    """What the cost model expects a round to take whose requests draft with `drafters` (per request, lead first;
+    none: plain) to `depths`, as `cooperate` weighs it: every request's root and the rows its drafters are expected
+    to fill verified in one pass, and each drafter service's step running each distinct model through the round's
+    deepest lead position, a helper's model through its own depth. Without `drafting_extra` (`CostModel.observe_round`)."""
+    rate = fill.rate if fill is not None else (lambda drafter: 1.0)
+    rows = len(drafters) + sum(depth * rate(d) for ds, dps in zip(drafters, depths) for d, depth in zip(ds, dps))
+    deepest = max((dps[0] for dps in depths if dps), default=0)
+    steps: dict[int, dict[str, int]] = collections.defaultdict(dict)
+    for ds, dps in zip(drafters, depths):
+        for j, (d, depth) in enumerate(zip(ds, dps)):
+            if d not in free:
+                per_model = steps[id(services[d])]
+                per_model[d] = max(per_model.get(d, 0), deepest if j == 0 else depth)
+    verifying = cost.verify_ms(len(drafters), rows)
+    if deepest == 0:
+        return verifying
+    drafting = cost.draft_steps_ms(max((sum(m.values()) for m in steps.values()), default=0), measured_extra=False)
+    return max(verifying, drafting) if overlap else verifying + drafting
+
+
 def fused_tokens(lead: float, k: int, helpers: list[tuple[float, int, bool]]) -> float:
     """Tokens a round commits for a request whose lead drafts k tokens, each accepted with probability `lead`,
     helped by `helpers`: (acceptance, depth, lockstep) each, drafting the first `depth` positions.

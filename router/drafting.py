@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from router import messages
 from router.breaker import Breaker
-from router.drafter_choice import consolidate, cooperate, most_models
+from router.drafter_choice import consolidate, cooperate, modelled_round_ms, most_models
 from router.request import RequestState, SessionMirror
 from router.rounds import PREFILL_TOKENS_PER_S, RequestPlan, RoundContext, RoundPlan, concurrently
 from router.transport import DrafterTransport, TransportError
@@ -165,14 +165,17 @@ class Drafting:
                 free,
                 controller.fill,
             )
-        return RoundPlan(
-            [
-                RequestPlan(state, drafters, _depths(len(drafters), k, config.fusion_depth), _lockstep(drafters, services), gain)
-                if k > 0
-                else RequestPlan(state)
-                for state, drafters, k, gain in zip(batch, chosen, ks, gains)
-            ]
-        )
+        requests = [
+            RequestPlan(state, drafters, _depths(len(drafters), k, config.fusion_depth), _lockstep(drafters, services), gain)
+            if k > 0
+            else RequestPlan(state)
+            for state, drafters, k, gain in zip(batch, chosen, ks, gains)
+        ]
+        if not controller.adaptive:
+            return RoundPlan(requests)
+        # What the plan expects the round to take, checked against its wall time (`CostModel.observe_round`).
+        drafters, depths = [r.drafters for r in requests], [r.depths for r in requests]
+        return RoundPlan(requests, modelled_round_ms(drafters, depths, services, controller.cost, overlap, free, controller.fill))
 
     def usable(self) -> list[str]:
         """The drafters a round may move requests to: those whose service has a replica the breaker lets rounds call
@@ -181,7 +184,9 @@ class Drafting:
         return [d for d in self.context.router.drafters if any(self.breaker.allow(r.name) for r in services[d].replicas)]
 
     async def draft(self, plan: RoundPlan) -> dict[str, DraftTree]:
-        """Draft trees for every request that drafts this round, keyed by session id."""
+        """Draft trees for every request that drafts this round, keyed by session id. A tree may be empty (no drafter
+        proposed, as an n-gram drafter without a match): its request is verified plainly, and its drafters are still
+        scored (a miss each) and their fill measured, or routing and the plan would judge them by their lucky rounds."""
         drafting = plan.drafting()
         calls = [
             DraftCall(r.state, drafter, r.state.tokens, depth, group=r.state.spec.session_id if drafter in r.lockstep else "")
@@ -191,8 +196,7 @@ class Drafting:
         replies: dict[str, dict[str, messages.DraftedSession]] = collections.defaultdict(dict)
         for result in await self._calls(calls, plan):
             replies[result.call.state.spec.session_id][result.call.drafter] = result.drafted
-        trees = {r.state.spec.session_id: request_tree(r, replies[r.state.spec.session_id]) for r in drafting}
-        return {sid: tree for sid, tree in trees.items() if tree.tokens}
+        return {r.state.spec.session_id: request_tree(r, replies[r.state.spec.session_id]) for r in drafting}
 
     async def score_prompts(self, batch: list[RequestState]) -> None:
         """In a request's first round, beside its verification: every specialist prefills and scores its prompt; the

@@ -213,7 +213,7 @@ class Scheduler:
         clean = clean and self._kinds.beside_own_kind(index, drafted) and not unscored
         wall_ms = (ended[0] - started) * 1e3
         committed = sum(len(s.tokens) for s in batch) - before
-        self.context.controller.observe_round(len(batch), committed, wall_ms, drafted, clean, running)
+        self.context.controller.observe_round(len(batch), committed, wall_ms, drafted, clean, running, plan.modelled_ms)
         # Every request of the round waited for the router's own part of it.
         router_ms = plan.router_ms(wall_ms)
         for state in batch:

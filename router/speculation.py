@@ -10,7 +10,12 @@ where f_i is the share of the positions it is asked for that request i's drafter
 fills (router/drafter_choice.py `DraftFill`: 1 for a draft model, less for the
 n-gram drafter, which proposes only where a suffix repeats), and the *_call
 terms are what a call costs beyond the servers' compute (network,
-serialisation, queueing): a round that drafts pays for one more call.
+serialisation, queueing): a round that drafts pays for one more call. What the
+router does between its calls (routing, planning, merging trees, scoring
+proposals) is no call's: each round's wall time is compared with what the model
+expected of it, and the drafting term also carries `drafting_extra`, what
+rounds that draft take beyond the model against what plain rounds take beyond
+it (`CostModel.observe_round`).
 A verification pass pays per session (attention over its context, its share
 of the bookkeeping) apart from per token fed. Folded into one per-token term
 fitted through live passes, where tokens grow with sessions, a draft token
@@ -61,6 +66,10 @@ from dataclasses import dataclass, field
 from router.drafter_choice import DraftFill, FusionGain
 from router.measured_goodput import MeasuredGoodput
 from specfleet.config import SpeculationConfig
+
+# How fast each plain round pulls the measured cost of drafting rounds toward plain rounds', against a drafting round's
+# own pull (`CostModel.observe_round`).
+STALE_PULL = 0.1
 
 # The configured starting point's one default (specfleet/config/router.py), not a copy of it.
 _CONFIGURED = SpeculationConfig()
@@ -114,6 +123,9 @@ class CostModel:
     verify_call: float = 1.0  # per call, beyond compute
     draft_call: float = 1.0
     verify_scale: float = 1.0  # measured over modelled verification compute, followed online
+    # What a round that drafts takes beyond the model's prediction, against what a plain round takes beyond its own
+    # (`observe_round`): the router's planning, scoring and merging, the drafter's replies waited for, contention.
+    drafting_extra: float = 0.0
     forget: float = 0.97
     pinned: bool = _CONFIGURED.pin_cost_model  # keep the configured numbers
 
@@ -131,6 +143,7 @@ class CostModel:
 
     def __post_init__(self) -> None:
         self._draft = LinearFit(self.draft_base, self.draft_per_token, self.forget)
+        self._residual: dict[bool, float] = {}  # drafted -> moving average of wall minus modelled round time
 
     def _verify_compute_ms(self, sessions: int, tokens: int) -> float:
         return self.verify_base + self.verify_per_session * sessions + self.verify_per_token * tokens
@@ -164,9 +177,12 @@ class CostModel:
         call whose drafters run no model, such as the n-gram drafter, costs its base alone)."""
         return self.draft_steps_ms(depth * models) if depth > 0 else 0.0
 
-    def draft_steps_ms(self, steps: int) -> float:
-        """One draft call that runs `steps` model steps in all (each distinct model's step at each of its positions)."""
-        return self.draft_call + self.draft_base + self.draft_per_token * steps
+    def draft_steps_ms(self, steps: int, measured_extra: bool = True) -> float:
+        """One draft call that runs `steps` model steps in all (each distinct model's step at each of its positions),
+        with what a round that drafts was measured to cost beyond the model (`drafting_extra`; not with
+        measured_extra=False, the model's own prediction, which `observe_round` checks)."""
+        modelled = self.draft_call + self.draft_base + self.draft_per_token * steps
+        return max(0.0, modelled + self.drafting_extra) if measured_extra else modelled
 
     def round_ms(self, ks: list[int]) -> float:
         if not ks:
@@ -182,6 +198,27 @@ class CostModel:
             self.draft_call += rate * (max(0.0, draft_overhead_ms) - self.draft_call)
         if verify_overhead_ms is not None:
             self.verify_call += rate * (max(0.0, verify_overhead_ms) - self.verify_call)
+
+    def observe_round(self, modelled_ms: float, wall_ms: float, drafted: bool) -> None:
+        """A round the model expected to take modelled_ms (`RoundPlan.modelled_ms`) took wall_ms. The model's calls
+        leave out the router's own work between them, which a round that drafts has more of (routing, planning,
+        merging trees, scoring proposals), so its drafting term takes the difference between what drafting rounds
+        and plain rounds take beyond their predictions: moving averages of each, measured separately."""
+        if self.pinned or wall_ms <= 0:
+            return
+        # A round stalled by something else on the machine (a collection, another process) says little about
+        # rounds of its kind: one counts at most its modelled time beyond it, and the averages span dozens of rounds.
+        residual = min(wall_ms - modelled_ms, modelled_ms)
+        old = self._residual.get(drafted)
+        self._residual[drafted] = residual if old is None else old + (1 - self.forget) * (residual - old)
+        if not drafted and True in self._residual:
+            # While the extra keeps every request decoding plainly, no round that drafts among its own kind measures it
+            # again (a probe follows plain rounds and catches its drafters up), so plain rounds wear it down, a tenth
+            # as fast as rounds that draft move it: drafting is tried again, and measured anew where it is.
+            drafting, plain, pull = self._residual[True], self._residual[False], (1 - self.forget) * STALE_PULL
+            self._residual[True] = drafting + pull * (plain - drafting)
+        if len(self._residual) == 2:
+            self.drafting_extra = self._residual[True] - self._residual[False]
 
     def observe_verify(self, sessions: int, tokens: int, compute_ms: float) -> None:
         """One verification pass over `sessions` sessions that fed `tokens` tokens took compute_ms."""
@@ -240,11 +277,23 @@ class SpeculationController:
         """Drafters stop once their confidence falls below it (0: never)."""
         return self.settings.stop_below_confidence
 
-    def observe_round(self, sessions: int, tokens: int, wall_ms: float, drafted: bool, clean: bool = True, running: int | None = None) -> None:
+    def observe_round(
+        self,
+        sessions: int,
+        tokens: int,
+        wall_ms: float,
+        drafted: bool,
+        clean: bool = True,
+        running: int | None = None,
+        modelled_ms: float | None = None,
+    ) -> None:
         """A round of `sessions` requests committed `tokens` tokens in all and took wall_ms (measured by the
         caller), with `running` requests in the router (default: its own). drafted: some request drafted.
-        clean: it ran among rounds of its own kind (router/rounds.py `LaneKinds`); only clean rounds count."""
+        clean: it ran among rounds of its own kind (router/rounds.py `LaneKinds`); only clean rounds count.
+        modelled_ms: what the cost model expected the round to take (`RoundPlan.modelled_ms`)."""
         self.measured.observe(running or sessions, sessions, tokens, wall_ms, drafted, clean)
+        if clean and modelled_ms is not None and tokens > 0:
+            self.cost.observe_round(modelled_ms, wall_ms, drafted)
 
     def drafts(self, running: int) -> bool:
         """Whether a round, with this many requests running, drafts as planned (True) or decodes plainly, k = 0 for all."""

@@ -194,6 +194,7 @@ class _RoundState:
             ("verify_per_token", cost.verify_scale * cost.verify_per_token),
             ("draft_base", cost.draft_base),
             ("draft_per_token", cost.draft_per_token),
+            ("drafting_extra", cost.drafting_extra),
         ]:
             model.add_metric([term], ms)
         yield model

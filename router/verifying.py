@@ -168,7 +168,8 @@ class Verifying:
             state.verifier_mirror.held = list(state.tokens)
 
     def _learn(self, request: RequestPlan, tree: DraftTree, accepted_nodes: list[int], emitted: list[int]) -> None:
-        """Count drafted and accepted tokens, and score each drafter's proposals against what was emitted."""
+        """Count drafted and accepted tokens, and score each drafter's proposals against what was emitted (an empty
+        tree too: its drafters were asked and proposed nothing)."""
         metrics, state = self.context.metrics, request.state
         state.draft_tokens += len(tree.tokens)
         state.accepted_tokens += len(accepted_nodes)

@@ -263,3 +263,4 @@ def test_config_reload_and_metrics(random_family, tmp_path):
     assert rounds and float(rounds[0].split()[-1]) > 0
     assert 'specfleet:drafter_draft_tokens_total{domain="-",drafter="drafter-copy"}' in metrics
     assert "# TYPE specfleet:cost_model_ms gauge" in metrics and 'specfleet:cost_model_ms{term="verify_per_token"}' in metrics
+    assert 'specfleet:cost_model_ms{term="drafting_extra"}' in metrics

@@ -49,3 +49,22 @@ def test_seeded_sampled_output_does_not_depend_on_the_drafts(stub):
         assert list(speculated.token_ids) == list(plain.token_ids), seed
         drafted += speculated.speculation.draft_tokens
     assert drafted > 0
+
+
+def test_a_round_it_proposed_nothing_in_counts_as_a_round_it_was_asked(random_family, tmp_path):
+    """A prompt of distinct tokens has no suffix that occurred before: asked for a token in the first round, the n-gram
+    drafter proposes nothing. That round still scores it (a miss) and counts as one it drafted in, or routing and the
+    plan would judge it by the rounds it proposed in alone (adaptive speculation off: it is asked in every round that
+    may draft)."""
+    config = cluster_config(random_family, router={"default_drafter": "ngram", "adaptive_speculation": False})
+    config["drafters"][0]["models"] = [{"name": "ngram", "kind": "ngram", "path": str(random_family["target"])}]
+    cluster = Cluster(config, tmp_path, "ngram-silent").start()
+    try:
+        with cluster.channel() as channel:
+            request = generation_pb2.GenerateRequest(prompt_token_ids=list(range(10, 20)), max_tokens=2, stop_at_eos=False)
+            reply = generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=120)
+    finally:
+        cluster.stop()
+    spec = reply.speculation
+    assert spec.rounds == 2 and spec.draft_tokens == 0, spec
+    assert [(d.drafter, d.rounds, d.draft_tokens) for d in spec.drafters] == [("ngram", 1, 0)], spec

@@ -1,0 +1,104 @@
+"""What a round that drafts costs beyond the cost model's prediction (router/speculation.py
+`CostModel.observe_round`), and what the model predicts for a planned round (router/drafter_choice.py
+`modelled_round_ms`). Synthetic timings, never this machine's."""
+
+from __future__ import annotations
+
+from router.drafter_choice import DraftFill, modelled_round_ms
+from router.speculation import CostModel, SpeculationController
+from specfleet.config import SpeculationConfig
+
+
+def model(pinned: bool = False) -> CostModel:
+    costs = {"verify_base": 5.0, "verify_per_session": 0.0, "verify_per_token": 0.2, "draft_per_token": 0.5, "draft_base": 0.5}
+    return CostModel(**costs, verify_call=0.0, draft_call=0.0, pinned=pinned)
+
+
+def plain_among_drafting(cost: CostModel, drafted: tuple[float, float], plain: tuple[float, float]) -> None:
+    """Ten rounds that draft, then a plain one (one the measured check runs now and then), as (modelled, wall) ms."""
+    for _ in range(10):
+        cost.observe_round(*drafted, drafted=True)
+    cost.observe_round(*plain, drafted=False)
+
+
+def test_drafting_rounds_pay_what_they_were_measured_to_take_beyond_the_model_and_plain_rounds_do_not():
+    cost = model()
+    assert cost.drafting_extra == 0.0
+    for _ in range(300):
+        plain_among_drafting(cost, drafted=(10.0, 13.0), plain=(6.0, 7.0))
+    # Both kinds run 1 ms beyond their calls (transport the model already has, say); drafting 2 ms more (a little
+    # less: plain rounds wear the measured cost of drafting down, `test_drafting_measured_dear_long_ago_is_tried_again`).
+    assert 1.95 < cost.drafting_extra <= 2.0
+    assert abs(cost.draft_steps_ms(4) - (0.5 + 0.5 * 4 + cost.drafting_extra)) < 1e-9
+    assert cost.draft_steps_ms(4, measured_extra=False) == 0.5 + 0.5 * 4
+    assert cost.draft_ms(0) == 0.0  # a round that drafts nothing pays no drafting term at all
+    before = cost.drafting_extra
+    cost.observe_round(modelled_ms=10.0, wall_ms=1000.0, drafted=True)  # a stall counts its modelled time at most
+    assert 0 < cost.drafting_extra - before <= 0.03 * 10
+    pinned = model(pinned=True)
+    pinned.observe_round(10.0, 13.0, True)
+    pinned.observe_round(6.0, 7.0, False)
+    assert pinned.drafting_extra == 0.0
+
+
+def test_a_drafting_round_measured_cheaper_than_modelled_cannot_make_drafting_free_of_cost():
+    cost = model()
+    for _ in range(300):
+        plain_among_drafting(cost, drafted=(10.0, 5.0), plain=(6.0, 6.0))
+    assert cost.drafting_extra < -4.9 and cost.draft_steps_ms(1) == 0.0
+
+
+def test_what_drafting_rounds_cost_beyond_the_model_makes_marginal_requests_decode_plainly():
+    """A request whose drafts are accepted at 0.5 drafts while the model's costs are all there is; once drafting
+    rounds are measured 4 ms dearer than the model says (against plain rounds), it no longer pays, and a request
+    accepted at 0.95 still drafts. Only rounds that ran among their own kind teach the model."""
+    settings = SpeculationConfig(remeasure_every=0)
+    controller = SpeculationController(model(), settings=settings)
+    assert controller.plan([0.5], [4], [0]) != [0]
+    controller.observe_round(1, 1, 6.0, drafted=False, modelled_ms=5.2)
+    controller.observe_round(1, 2, 20.0, drafted=True, clean=False, modelled_ms=8.0)
+    assert controller.cost.drafting_extra == 0.0
+    for _ in range(300):
+        controller.observe_round(1, 1, 6.0, drafted=False, modelled_ms=5.2)
+        for _ in range(10):
+            controller.observe_round(1, 2, 12.8, drafted=True, modelled_ms=8.0)
+    assert 3.9 < controller.cost.drafting_extra <= 4.0
+    assert controller.plan([0.5], [4], [0]) == [0]
+    assert controller.plan([0.95], [4], [0]) != [0]
+
+
+def test_the_modelled_round_is_what_the_plan_weighed():
+    """Two requests: one led by `general` four deep and helped two deep by `code` on another service, one decoding
+    plainly. Rows: two roots, four of the lead's, and the helper's two at the half it fills; the lead's service steps
+    four positions, the helper's two, and the busier service sets the drafting term. Pipelined, the slower side."""
+    cost = model(pinned=True)
+    general, chains = object(), object()
+    services = {"general": general, "code": chains, "ngram": general}
+    fill = DraftFill()
+    for _ in range(2000):
+        fill.observe("code", 1, 2)
+    drafters, depths = [["general", "code"], []], [[4, 2], []]
+    rows = 2 + 4 + 2 * fill.rate("code")
+    verifying, drafting = cost.verify_ms(2, rows), cost.draft_steps_ms(4, measured_extra=False)
+    assert abs(modelled_round_ms(drafters, depths, services, cost, False, fill=fill) - (verifying + drafting)) < 1e-9
+    assert modelled_round_ms(drafters, depths, services, cost, True, fill=fill) == max(verifying, drafting)
+    # A model-free drafter adds no step; a plain round is its verification alone.
+    alone = cost.verify_ms(1, 5) + cost.draft_steps_ms(0, measured_extra=False)
+    assert modelled_round_ms([["ngram"]], [[4]], services, cost, False, frozenset({"ngram"})) == alone
+    assert modelled_round_ms([[], []], [[], []], services, cost, False) == cost.verify_ms(2, 2)
+
+
+def test_drafting_measured_dear_long_ago_is_tried_again():
+    """Once the measured extra makes every request decode plainly, no round that drafts among its own kind measures
+    it again (a probe follows plain rounds and catches its drafters up): plain rounds wear it down, so the plan drafts
+    again, and rounds that draft measure it anew."""
+    cost = model()
+    for _ in range(300):
+        plain_among_drafting(cost, drafted=(10.0, 14.0), plain=(6.0, 6.0))
+    assert 3.9 < cost.drafting_extra <= 4.0
+    for _ in range(300):
+        cost.observe_round(modelled_ms=6.0, wall_ms=6.0, drafted=False)
+    assert 0.5 < cost.drafting_extra < 3.0
+    for _ in range(3000):
+        cost.observe_round(modelled_ms=6.0, wall_ms=6.0, drafted=False)
+    assert cost.drafting_extra < 0.01
