@@ -125,7 +125,7 @@ class Drafting:
 
         overlap: another lane's verification runs while this one drafts. running: requests in all lanes."""
         router, services, controller = self.context.router, self.context.drafters, self.context.controller
-        config = router.config
+        config, scale = router.config, controller.acceptance_scale
         by_goodput = controller.adaptive and config.routing_policy == "expertise"
         free = router.model_free
         ranked, bounds, means = [], [], []
@@ -140,14 +140,13 @@ class Drafting:
             drafters = router.choose(state.routing, candidates=by_goodput, posteriors=posteriors) if drafts else []
             ranked.append(drafters)
             bounds.append(bound if drafters else 0)
-            means.append({d: a / (a + r) for d, (a, r) in posteriors.items()} if drafters else {})
+            means.append({d: scale.scaled(d, a / (a + r)) for d, (a, r) in posteriors.items()} if drafters else {})
         chosen = [d[:1] for d in ranked] if by_goodput else ranked
         if by_goodput and config.fewer_models:
             chosen = consolidate(chosen, means, bounds, services, controller.cost, self.usable(), free, controller.fill)
-        acceptance = [
-            (means[i][drafters[0]] if by_goodput else router.mean(s.routing, drafters[0])) if drafters else 0.0
-            for i, (s, drafters) in enumerate(zip(batch, chosen))
-        ]
+        # Each lead's acceptance as routing predicts it, and as the plan weighs it (what its leads gained, measured).
+        predicted = [router.mean(s.routing, drafters[0]) if drafters else 0.0 for s, drafters in zip(batch, chosen)]
+        acceptance = [scale.scaled(drafters[0], a) if drafters else 0.0 for drafters, a in zip(chosen, predicted)]
         fill = [controller.fill.rate(drafters[0]) if drafters else 1.0 for drafters in chosen]
         ks = controller.plan(acceptance, bounds, [s.rounds for s in batch], overlap, running, most_models(chosen, services, free), fill)
         gains = [0.0] * len(batch)
@@ -166,10 +165,10 @@ class Drafting:
                 controller.fill,
             )
         requests = [
-            RequestPlan(state, drafters, _depths(len(drafters), k, config.fusion_depth), _lockstep(drafters, services), gain)
+            RequestPlan(state, drafters, _depths(len(drafters), k, config.fusion_depth), _lockstep(drafters, services), gain, a)
             if k > 0
             else RequestPlan(state)
-            for state, drafters, k, gain in zip(batch, chosen, ks, gains)
+            for state, drafters, k, gain, a in zip(batch, chosen, ks, gains, predicted)
         ]
         if not controller.adaptive:
             return RoundPlan(requests)

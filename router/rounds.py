@@ -92,6 +92,9 @@ class RequestPlan:
     # Tokens the plan expects the helpers (drafters after the lead) to add, before FusionGain's efficiency
     # (router/drafter_choice.py); 0 where the plan did not weigh them (no helpers, or fusion by `fusion_below`).
     expected_gain: float = 0.0
+    # The lead's per-token acceptance as routing predicted it, before `AcceptanceScale` (router/drafter_choice.py),
+    # which verification checks against the lead's hits; 0 where no drafter drafts.
+    acceptance: float = 0.0
 
     @property
     def k(self) -> int:

@@ -63,7 +63,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from router.drafter_choice import DraftFill, FusionGain
+from router.drafter_choice import AcceptanceScale, DraftFill, FusionGain
 from router.measured_goodput import MeasuredGoodput
 from specfleet.config import SpeculationConfig
 
@@ -267,6 +267,8 @@ class SpeculationController:
     # proposes (router/drafter_choice.py); kept across reloads too.
     fusion_gain: FusionGain = field(default_factory=FusionGain)
     fill: DraftFill = field(default_factory=DraftFill)
+    # What each drafter's leads gained against what routing predicted of them; kept across reloads too.
+    acceptance_scale: AcceptanceScale = field(default_factory=AcceptanceScale)
 
     @property
     def adaptive(self) -> bool:

@@ -187,10 +187,14 @@ class Verifying:
             by_domain.draft_tokens += len(tree.proposed[drafter])
             by_domain.accepted_tokens += hits
         self.context.router.observe(state.routing, outcomes)
+        controller = self.context.controller
         for drafter, depth in zip(request.drafters, request.depths):
             if drafter in tree.proposed:  # its reply arrived
-                self.context.controller.fill.observe(drafter, len(tree.proposed[drafter]), depth)
+                controller.fill.observe(drafter, len(tree.proposed[drafter]), depth)
+        lead = request.drafters[0] if request.drafters else ""
+        if lead in outcomes and request.acceptance > 0:
+            controller.acceptance_scale.observe(lead, request.acceptance, request.k, outcomes[lead][0])
         if request.expected_gain > 0:
             # What the helpers added: the tree's accepted tokens beyond the lead's own run of hits.
             added = len(accepted_nodes) - outcomes.get(request.drafters[0], (0, 0))[0]
-            self.context.controller.fusion_gain.observe(request.expected_gain, max(0, added))
+            controller.fusion_gain.observe(request.expected_gain, max(0, added))

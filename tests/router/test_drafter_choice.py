@@ -11,7 +11,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from router.drafters import DrafterService
-from router.drafter_choice import DraftFill, FusionGain, consolidate, cooperate, expected_tokens, fused_tokens, most_models
+from router.drafter_choice import AcceptanceScale, DraftFill, FusionGain, consolidate, cooperate, expected_tokens, fused_tokens, most_models
 from router.drafting import Drafting
 from router.request import RequestSpec, RequestState
 from router.rounds import RequestPlan, RoundContext, SchedulerConfig
@@ -231,8 +231,8 @@ def test_a_round_plans_helpers_by_goodput_with_adaptive_speculation_and_by_fusio
 
 def test_verification_measures_what_the_helpers_added():
     """A round whose lead's chain missed at once and whose helper's chain was accepted two deep: the helpers added
-    two tokens against the gain the plan expected. A round with no expected gain (fusion by fusion_below, or no
-    helper) teaches nothing."""
+    two tokens against the gain the plan expected, and the lead gained none of what routing predicted of it. A round
+    with no expected gain (fusion by fusion_below, or no helper) teaches helpers nothing."""
     from router.trees import DraftTree
     from router.verifying import Verifying
     from tests.router.test_trees import chain
@@ -247,9 +247,11 @@ def test_verification_measures_what_the_helpers_added():
     tree = DraftTree()
     tree.add_chain("general", chain([5, 6, 7, 8]))
     tree.add_chain("code", chain([9, 10]))  # nodes 4 and 5
-    fused = RequestPlan(state, ["general", "code"], [4, 2], [], expected_gain=0.5)
+    fused = RequestPlan(state, ["general", "code"], [4, 2], [], expected_gain=0.5, acceptance=0.6)
     verifying._learn(fused, tree, accepted_nodes=[4, 5], emitted=[9, 10, 11])
     assert (controller.fusion_gain.expected, controller.fusion_gain.added) == (0.5, 2)
+    # The lead, predicted at 0.6 a position for four, gained nothing itself.
+    assert controller.acceptance_scale._sums == {"general": (0, [0.6, 0.6**2, 0.6**3, 0.6**4])}
     # Both filled what they were asked: 4 of 4 and 2 of 2 positions.
     assert controller.fill._sums == {"general": (4, 4), "code": (2, 2)}
     verifying._learn(RequestPlan(state, ["general", "code"], [4, 2], []), tree, accepted_nodes=[4], emitted=[9, 3])
@@ -278,3 +280,41 @@ def test_a_drafter_that_fills_few_of_its_positions_is_charged_the_rows_it_fills(
     free = frozenset({"ngram"})
     assert consolidate(chosen, acceptance, bounds, services, dear_rows, usable=["general", "ngram"], free=free, fill=fill) == [["ngram"]] * 4
     assert consolidate(chosen, acceptance, bounds, services, dear_rows, usable=["general", "ngram"], free=free) == chosen
+
+
+def test_a_drafter_whose_leads_gain_less_than_routing_predicts_is_weighed_by_what_they_gain():
+    """Leading at a predicted per-token acceptance of 0.6 for four positions (1.31 tokens expected beyond the
+    target's own), rounds that gained one token each bring the drafter's scale c to where sum_j (0.6 c)^j = 1; one
+    whose leads gain what routing predicts keeps c near 1; one that never led keeps 1."""
+    scale = AcceptanceScale()
+    predicted = sum(0.6**j for j in range(1, 5))
+    for _ in range(2000):
+        scale.observe("code", 0.6, 4, hits=1)
+        for hits in (0, 1, 1, 1):  # 0.75 a round, as 0.5 + 0.25 predicts
+            scale.observe("general", 0.5, 2, hits=hits)
+    c = scale.scale("code")
+    assert abs(sum((0.6 * c) ** j for j in range(1, 5)) - 1.0) < 0.01 and predicted > 1.3 and c < 0.9
+    assert abs(scale.scaled("code", 0.6) - 0.6 * c) < 1e-12
+    assert abs(scale.scale("general") - 1.0) < 0.01
+    assert scale.scale("french") == 1.0 and scale.scaled("french", 0.995) == AcceptanceScale.MOST
+
+
+def test_a_round_weighs_each_lead_by_what_its_leads_gained():
+    """Through `Drafting.plan`, one request in the code specialist's domain: routing's prior makes the specialist its
+    lead (0.8 per token); once its leads are measured to gain nothing (routing's own evidence unchanged), the round
+    moves the request to the general drafter. The plan records routing's own prediction for the lead."""
+    service = DrafterService("drafters", [SimpleNamespace(name="drafters-0")])
+    profiles = [DrafterProfile("general"), DrafterProfile("code", specialities=["code"])]
+    router = DrafterRouter(RoutingConfig(routing_policy="expertise", default_drafter="general"), profiles, DomainClassifier({}), ExpertiseStore(0.99))
+    controller = SpeculationController(cost(0.5, per_row_ms=0.1), settings=SpeculationConfig(remeasure_every=0))
+    context = RoundContext(SchedulerConfig(), {"general": service, "code": service}, router, controller)
+    drafting = Drafting(context, in_background=lambda coroutine: None)
+    state = _request("s0")
+    state.routing = router.start("def f(x):", domain_hint="code")
+    (before,) = drafting.plan([state], overlap=False).requests
+    assert before.drafters == ["code"] and before.k > 0 and before.acceptance == router.mean(state.routing, "code")
+    for _ in range(300):  # what verification measures (`test_verification_measures_what_the_helpers_added`)
+        controller.acceptance_scale.observe("code", 0.8, 4, hits=0)
+    assert abs(controller.acceptance_scale.scale("code") - AcceptanceScale.LOW) < 1e-6
+    (after,) = drafting.plan([state], overlap=False).requests
+    assert after.drafters == ["general"], after.drafters
