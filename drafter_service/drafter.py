@@ -67,6 +67,9 @@ class DraftResult:
     confidences: list[float] = field(default_factory=list)
     context_log_prob: float = 0.0  # mean over context_tokens, with score_context
     context_tokens: int = 0
+    # Still prefilling its context in chunks (`_catch_up`): it proposes nothing this call, for want of its context,
+    # not of a proposal, so the router does not score it as a miss.
+    prefilling: bool = False
 
 
 class DraftModel:
@@ -193,6 +196,7 @@ def _catch_up(drafting: list[Drafting], budget: int) -> list[Drafting]:
             ends.append(d.session.kv_len + share)
         if share < need:
             waiting.add(id(d))
+            d.result.prefilling = True
     _prefill(entries, ends=ends)
     return [d for d in drafting if id(d) not in waiting]
 

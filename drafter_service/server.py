@@ -114,7 +114,7 @@ class DrafterCore:
             sessions=[
                 drafter_pb2.DraftedSession(
                     session_id=r.session_id,
-                    status=common_pb2.SESSION_OK if r.known else common_pb2.SESSION_UNKNOWN,
+                    status=common_pb2.SESSION_PREFILLING if r.prefilling else common_pb2.SESSION_OK if r.known else common_pb2.SESSION_UNKNOWN,
                     token_ids=r.token_ids,
                     proposals=[common_pb2.SparseDistribution(token_ids=ids, probs=probs) for ids, probs in r.proposals],
                     confidences=r.confidences,

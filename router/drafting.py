@@ -194,7 +194,8 @@ class Drafting:
         ]
         replies: dict[str, dict[str, messages.DraftedSession]] = collections.defaultdict(dict)
         for result in await self._calls(calls, plan):
-            replies[result.call.state.spec.session_id][result.call.drafter] = result.drafted
+            if not result.drafted.prefilling:  # a drafter still prefilling the context had nothing to propose from
+                replies[result.call.state.spec.session_id][result.call.drafter] = result.drafted
         return {r.state.spec.session_id: request_tree(r, replies[r.state.spec.session_id]) for r in drafting}
 
     async def score_prompts(self, batch: list[RequestState]) -> None:

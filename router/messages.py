@@ -44,6 +44,7 @@ class DraftSession:
 @dataclass
 class DraftedSession:
     known: bool  # False: the drafter had lost the session and drafted nothing
+    prefilling: bool = False  # still prefilling its context in chunks: it proposed nothing, and is not scored
     token_ids: list[int] = field(default_factory=list)
     proposals: list = field(default_factory=list)  # in the transport's form (above), one per token
     confidences: list[float] = field(default_factory=list)

@@ -102,7 +102,8 @@ def draft_response(reply: drafter_pb2.DraftResponse) -> messages.DraftResponse:
     return messages.DraftResponse(
         sessions=[
             messages.DraftedSession(
-                known=s.status == common_pb2.SESSION_OK,
+                known=s.status in (common_pb2.SESSION_OK, common_pb2.SESSION_PREFILLING),
+                prefilling=s.status == common_pb2.SESSION_PREFILLING,
                 token_ids=list(s.token_ids),
                 proposals=list(s.proposals),
                 confidences=list(s.confidences),

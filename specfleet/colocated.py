@@ -85,6 +85,7 @@ class RecordDrafter(_RecordCore):
         drafted = [
             messages.DraftedSession(
                 known=r.known,
+                prefilling=r.prefilling,
                 token_ids=r.token_ids,
                 proposals=[common_pb2.SparseDistribution(token_ids=ids, probs=probs) for ids, probs in r.proposals],
                 confidences=r.confidences,

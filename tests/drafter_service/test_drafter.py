@@ -222,8 +222,8 @@ def test_stacked_models_share_a_prefix_cache_only_within_each_model(random_famil
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_beside_drafting_sessions(drafter_path):
-    """max_prefill_tokens 64: a 300-token prompt drafts nothing while its prefill goes on, 64 positions a call,
-    the short sessions beside it draft every call, and once it is in it drafts what an unchunked session drafts."""
+    """max_prefill_tokens 64: a 300-token prompt drafts nothing while its prefill goes on, 64 positions a call, and
+    its result says it is prefilling; the short sessions beside it draft every call, and once it is in it drafts what an unchunked session drafts."""
     model = DraftModel(load_model("d", drafter_path, use_token_map=True), SessionStore(1 << 30, 100), proposal_top_k=8)
     greedy = SamplingParams()
     prompt = torch.randint(0, 300, (300,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -233,8 +233,10 @@ def test_a_long_prompt_is_prefilled_in_chunks_beside_drafting_sessions(drafter_p
         items += [("d", DraftItem(f"short{calls}-{i}", 0, c, num_draft_tokens=4, sampling=greedy)) for i, c in enumerate(CONTEXTS)]
         long, *short = draft_batch({"d": model}, items, max_prefill_tokens=64)
         calls += 1
-        assert all(len(r.token_ids) == 4 for r in short)  # never held up
+        assert all(len(r.token_ids) == 4 and not r.prefilling for r in short)  # never held up
         kv_lens.append(model.store.get("long").kv_len)
+        # Said so, while it prefills: the router does not score a drafter for a call it had no context in.
+        assert long.prefilling == (not long.token_ids)
         if long.token_ids:
             break
         assert calls < 10

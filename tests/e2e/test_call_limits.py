@@ -143,3 +143,26 @@ def test_a_20000_token_prompt_is_served_through_the_whole_system(random_family, 
         assert reply.speculation.draft_tokens > 0, reply.speculation
     finally:
         cluster.stop()
+
+
+def test_a_drafter_is_not_scored_for_the_calls_it_spends_prefilling(random_family, tmp_path):
+    """The drafter service prefills a 90-token prompt 16 positions a call and proposes nothing meanwhile, saying so:
+    those rounds are verified plainly and do not count as its misses (adaptive speculation would otherwise stop
+    asking a drafter that has not yet seen the prompt, and its prefill would never finish). Adaptive speculation off:
+    it is asked in every round that may draft, so the rounds it is scored in are those after its prefill."""
+    config = cluster_config(
+        random_family,
+        router={"adaptive_speculation": False},
+        verifier={"colocate": False, "enable_prefix_caching": False},
+        drafter_service={"max_prefill_tokens": 16, "enable_prefix_caching": False},
+    )
+    cluster = Cluster(config, tmp_path, "drafter-prefilling").start()
+    prompt = PROMPTS[0] * 6
+    try:
+        with cluster.channel() as channel:
+            reply = generation_pb2_grpc.GenerationStub(channel).Generate(greedy_request(prompt, 16, 3), timeout=120)
+    finally:
+        cluster.stop()
+    assert list(reply.token_ids) == target_greedy(str(random_family["target"]), prompt, 16)
+    (drafter,) = reply.speculation.drafters
+    assert 0 < drafter.rounds <= reply.speculation.rounds - 4 and drafter.draft_tokens > 0, reply.speculation
