@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 
 def most_models(chosen: list[list[str]], services: dict, free: frozenset[str] = frozenset()) -> int:
@@ -34,6 +34,11 @@ def most_models(chosen: list[list[str]], services: dict, free: frozenset[str] = 
             if drafter not in free:
                 per_service[id(services[drafter])].add(drafter)
     return max((len(models) for models in per_service.values()), default=0)
+
+
+def fill_rate(fill) -> Callable[[str], float]:
+    """Each drafter's rows per position asked, by `fill` (a `DraftFill`); without one, a full row at every position."""
+    return fill.rate if fill is not None else (lambda drafter: 1.0)
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -105,7 +110,7 @@ def modelled_round_ms(
     none: plain) to `depths`, as `cooperate` weighs it: every request's root and the rows its drafters are expected
     to fill verified in one pass, and each drafter service's step running each distinct model through the round's
     deepest lead position, a helper's model through its own depth. Without `drafting_extra` (`CostModel.observe_round`)."""
-    rate = fill.rate if fill is not None else (lambda drafter: 1.0)
+    rate = fill_rate(fill)
     rows = len(drafters) + sum(depth * rate(d) for ds, dps in zip(drafters, depths) for d, depth in zip(ds, dps))
     deepest = max((dps[0] for dps in depths if dps), default=0)
     steps: dict[int, dict[str, int]] = collections.defaultdict(dict)
@@ -222,7 +227,7 @@ def cooperate(
             if drafter not in free:
                 steps[id(services[drafter])][drafter] = depth
     expected = [expected_tokens(means[i][d[0]], ks[i]) if d else 1.0 for i, d in enumerate(taken)]
-    rate = fill.rate if fill is not None else (lambda drafter: 1.0)
+    rate = fill_rate(fill)
     tokens = sum(expected)
     rows = sum(1 + (k * rate(d[0]) if d else 0) for d, k in zip(taken, ks))
 
