@@ -23,9 +23,11 @@ FROM base-${VARIANT}
 
 # Ubuntu's own Python (3.12) in a virtual environment; the distribution pins the package versions.
 # tmux: `ray exec --tmux` (deploy/ray) runs the command in the container under it.
+# g++: a CPU service builds its bfloat16 linear kernel for the node's own CPU on first use
+# (specfleet/engine/cpu_kernels.py); without it, linear layers read float32 weights.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates tmux \
+    && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates tmux g++ \
     && rm -rf /var/lib/apt/lists/*
 
 # uid 1000 matches the usual first user of a VM, so host directories the Ray cluster launcher

@@ -81,7 +81,10 @@ class ServiceConfig:
         "auto",
         "linear layers on a CPU: auto lays each weight out for the CPU's kernels at load (a transposed copy for passes of "
         "up to the row count where it measured faster on this CPU, timed per weight shape at load, oneDNN's blocked "
-        "layout for wider ones; float32; a second copy of the weights in memory: docs/benchmarks/engine-forward-pass.md); "
+        "layout for wider ones; float32; a second copy of the weights in memory: docs/benchmarks/engine-forward-pass.md), "
+        "and where a weight's values are bfloat16s (a bfloat16 checkpoint), a bfloat16 copy that specfleet's own kernel "
+        "reads at half the bytes, for passes of up to the rows where it measured fastest (built with the machine's C++ "
+        "compiler on first use; without one, not used); "
         "transposed or packed lays them out and always takes that one; plain runs F.linear on the checkpoint's layout; "
         "ignored on a GPU",
         check=one_of(LINEAR_MODES),

@@ -9,6 +9,10 @@ fastest; `torch.compile` of the dense parts of a layer, weights passed as argume
 faster than eager. So each weight is laid out both ways once, at load, and each call takes the layout
 for its number of rows. That costs a second copy of every linear weight in memory; float32 only.
 
+A checkpoint stored in bfloat16 and served in float32 has weights bfloat16 holds exactly: for those, `auto` keeps a
+third copy in bfloat16 for csrc/bf16_linear.cpp (`cpu_kernels.py`), which reads half the bytes and widens them to
+float32 in registers, and calibrates it like the other two; passes of few rows, bound by the bytes they read, take it.
+
 Where one layout stops being the faster one depends on the CPU (an AMD EPYC: oneDNN's from 3 rows; an Intel
 Xeon with AVX-512: W^T up to the 128 rows timed, docs/benchmarks/linear-calibrated.md), so `lay_out` times
 both on each of the model's weight shapes at load and keeps, per shape, the most rows the transposed copy
@@ -21,10 +25,13 @@ forward pass bound (tests/engine/test_cpu_linear.py).
 
 from __future__ import annotations
 
+import collections
 import time
 from dataclasses import dataclass
 
 import torch
+
+from specfleet.engine import cpu_kernels
 
 # Until calibrated: passes of at most this many rows take the transposed copy; wider ones oneDNN's blocked layout.
 TRANSPOSED_ROWS = 2
@@ -32,8 +39,8 @@ TRANSPOSED_ROWS = 2
 LINEAR_MODES = ("auto", "transposed", "packed", "plain")
 ALWAYS = 1 << 62  # the row count of `transposed`: every call
 # The row counts `calibrate` times, and how long it may spend on one row count of one shape.
-CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
-CALIBRATION_BUDGET_S = 0.02
+CALIBRATION_ROWS = (1, 2, 4, 8, 12, 16, 20, 24, 32, 48, 64, 128)
+CALIBRATION_BUDGET_S = 0.04
 
 
 def available(dtype: torch.dtype) -> bool:
@@ -48,10 +55,15 @@ class CpuWeight:
     transposed: torch.Tensor  # [in, out]
     packed: torch.Tensor  # oneDNN's layout of [out, in]; only its linear kernel reads it
     transposed_rows: int = TRANSPOSED_ROWS  # calls of at most this many rows take `transposed`
+    bf16: torch.Tensor | None = None  # `cpu_kernels.pack_bf16`'s copy, where the weight is exactly bfloat16
+    bf16_rows: int = 0  # calls of at most this many rows take `bf16` (before `transposed`)
 
     @staticmethod
-    def of(weight: torch.Tensor) -> "CpuWeight":
-        return CpuWeight(weight.t().contiguous(), torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None))
+    def of(weight: torch.Tensor, bf16: bool = False) -> "CpuWeight":
+        """Both float32 layouts; with bf16, also the bfloat16 copy where the weight is exactly bfloat16 and the
+        kernel is built here (its rows stay 0 until calibrated)."""
+        packed_bf16 = cpu_kernels.pack_bf16(weight) if bf16 and cpu_kernels.library() is not None else None
+        return CpuWeight(weight.t().contiguous(), torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None), bf16=packed_bf16)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -61,70 +73,96 @@ class CpuWeight:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         width = x.shape[-1]
         rows = x.numel() // width
-        if rows <= self.transposed_rows:
+        if rows <= self.bf16_rows:
+            y = cpu_kernels.linear_bf16(x.reshape(rows, width), self.bf16, self.transposed.shape[1]).view(*x.shape[:-1], -1)
+        elif rows <= self.transposed_rows:
             y = x @ self.transposed
-            return y if bias is None else y + bias
-        return self.by_packed(x.reshape(rows, width), bias).view(*x.shape[:-1], -1)
+        else:
+            return self.by_packed(x.reshape(rows, width), bias).view(*x.shape[:-1], -1)
+        return y if bias is None else y + bias
 
     def by_packed(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [rows, in] through oneDNN's layout."""
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
 
-def lay_out(model, mode: str = "auto") -> tuple[int, dict[tuple[int, ...], int]]:
+def lay_out(model, mode: str = "auto") -> tuple[int, dict[tuple[int, ...], tuple[int, int]]]:
     """Replace `model`'s linear weights (every layer's and the output layer) with `CpuWeight`s, each with the
-    row count its shape was calibrated to on this CPU (mode auto; transposed: every call takes the transposed
-    copy, packed: oneDNN's layout); the bytes added and {shape: rows}.
+    row counts its shape was calibrated to on this CPU (mode auto, which also keeps a bfloat16 copy of each weight
+    bfloat16 holds exactly; transposed: every call takes the transposed copy, packed: oneDNN's layout); the bytes
+    added and {shape: (rows the transposed copy serves, rows the bfloat16 copy serves)}.
 
     `model` is a `llama.LlamaModel` on a CPU, not a stack (a stack's layers run per model, on slices)."""
-    added = 0
-    calibrated: dict[tuple[int, ...], int] = {}
-
-    def laid_out(weight: torch.Tensor) -> CpuWeight:
-        w = CpuWeight.of(weight)
-        if weight.shape not in calibrated:
-            calibrated[weight.shape] = calibrate(w) if mode == "auto" else ALWAYS if mode == "transposed" else 0
-        w.transposed_rows = calibrated[weight.shape]
-        return w
-
-    for layer in model.layers:
-        for name in ("qkv", "out", "gate_up", "down"):
-            weight = getattr(layer, name)
-            setattr(layer, name, laid_out(weight))
-            added += weight.numel() * weight.element_size()
     head = model.lm_head
     # A tied output layer is the embedding's storage, which stays: both copies are new.
-    tied = head.data_ptr() == model.embed.data_ptr()
-    model.lm_head = laid_out(head)
-    return added + head.numel() * head.element_size() * (2 if tied else 1), calibrated
+    added = head.numel() * head.element_size() * (1 if head.data_ptr() == model.embed.data_ptr() else 0)
+    weights: list[CpuWeight] = []
+    for layer in model.layers:
+        for name in ("qkv", "out", "gate_up", "down"):
+            weight = CpuWeight.of(getattr(layer, name), bf16=mode == "auto")
+            setattr(layer, name, weight)
+            weights.append(weight)
+    model.lm_head = CpuWeight.of(head, bf16=mode == "auto")
+    weights.append(model.lm_head)
+    if mode == "auto":
+        calibrated = calibrate(weights)
+    else:
+        calibrated = {_key(w): (ALWAYS if mode == "transposed" else 0, 0) for w in weights}
+    for w in weights:
+        w.transposed_rows, w.bf16_rows = calibrated[_key(w)]
+        added += w.transposed.numel() * w.transposed.element_size() + (0 if w.bf16 is None else w.bf16.numel() * w.bf16.element_size())
+    return added, {shape: rows for (shape, _), rows in calibrated.items()}
 
 
-def calibrate(weight: CpuWeight) -> int:
-    """The most rows for which `weight`'s transposed copy computed faster than oneDNN's layout, timed here on
-    each of CALIBRATION_ROWS (the fastest of calls taking turns within a small budget, so that another process
-    taking the core for a moment moves neither much)."""
-    x = torch.randn(max(CALIBRATION_ROWS), weight.transposed.shape[0], device=weight.transposed.device)
-    timings = {}
+def _key(weight: CpuWeight) -> tuple[tuple[int, ...], bool]:
+    return tuple(weight.weight.shape), weight.bf16 is not None
+
+
+def calibrate(weights: list[CpuWeight]) -> dict[tuple[tuple[int, ...], bool], tuple[int, int]]:
+    """Per weight shape (and whether it has a bfloat16 copy): (the most rows for which the transposed copy
+    computed faster than oneDNN's layout, the most rows for which the bfloat16 copy computed faster than both; 0
+    without one), timed here on each of CALIBRATION_ROWS.
+
+    Each path is timed as a pass runs it: over every weight in turn, so that each call finds its weight where a
+    pass finds it (in memory, not in a cache the call before warmed), the paths taking turns within a small
+    budget, and the fastest of the turns kept, so that another process taking the core for a moment moves none
+    much."""
+    widths = {w.transposed.shape[0] for w in weights}
+    device = weights[0].transposed.device
+    inputs = {width: torch.randn(max(CALIBRATION_ROWS), width, device=device) for width in widths}
+    transposed: dict[tuple, dict[int, tuple[float, float]]] = {_key(w): {} for w in weights}
+    bf16: dict[tuple, dict[int, tuple[float, float]]] = {_key(w): {} for w in weights}
+    bf16_losses = 0  # row counts in a row at which no shape's bfloat16 copy was the fastest
     for rows in CALIBRATION_ROWS:
-        rows_x = x[:rows]
         paths = {
-            "transposed": lambda: rows_x @ weight.transposed,
-            "packed": lambda: weight.by_packed(rows_x),
+            "transposed": lambda w, x: x @ w.transposed,
+            "packed": lambda w, x: w.by_packed(x),
         }
-        best = dict.fromkeys(paths, float("inf"))
+        # The kernel is bound by arithmetic past a few rows, so once it has lost twice it is not timed at more.
+        if bf16_losses < 2 and any(w.bf16 is not None for w in weights):
+            paths["bf16"] = lambda w, x: w.bf16 is not None and cpu_kernels.linear_bf16(x, w.bf16, w.transposed.shape[1])
+        best = {(key, name): float("inf") for key in transposed for name in paths}
         deadline = time.perf_counter() + CALIBRATION_BUDGET_S
         for attempt in range(7):
             for name in list(paths) if attempt % 2 == 0 else list(reversed(paths)):
-                started = time.perf_counter()
-                paths[name]()
-                best[name] = min(best[name], time.perf_counter() - started)
+                spent: dict[tuple, float] = collections.defaultdict(float)
+                for w in weights:
+                    x = inputs[w.transposed.shape[0]][:rows]
+                    started = time.perf_counter()
+                    paths[name](w, x)
+                    spent[_key(w)] += time.perf_counter() - started
+                for key, seconds in spent.items():
+                    best[key, name] = min(best[key, name], seconds)
             if attempt >= 2 and time.perf_counter() > deadline:
                 break
-        timings[rows] = (best["transposed"], best["packed"])
-    return choose(timings)
+        for key in transposed:
+            transposed[key][rows] = (best[key, "transposed"], best[key, "packed"])
+            bf16[key][rows] = (best.get((key, "bf16"), float("inf")), min(best[key, "transposed"], best[key, "packed"]))
+        bf16_losses = 0 if any(copy < alternative for by_rows in bf16.values() for copy, alternative in [by_rows[rows]]) else bf16_losses + 1
+    return {key: (choose(transposed[key]), choose(bf16[key])) for key in transposed}
 
 
 def choose(timings: dict[int, tuple[float, float]]) -> int:
-    """From {rows: (seconds with the transposed copy, seconds with oneDNN's layout)}: the most rows the transposed
-    copy was faster at (0: never)."""
-    return max((rows for rows, (transposed, packed) in timings.items() if transposed < packed), default=0)
+    """From {rows: (seconds with a copy, seconds with the alternative)}: the most rows the copy was faster at
+    (0: never)."""
+    return max((rows for rows, (copy, alternative) in timings.items() if copy < alternative), default=0)

@@ -105,10 +105,11 @@ class LoadedModel:
         if self.linear != "plain" and self.model.device.type == "cpu" and cpu_linear.available(self.model.dtype):
             added, rows = cpu_linear.lay_out(self.model, self.linear)
             log.info(
-                "model %s: linear layers laid out for the CPU's kernels (%.1f MB more memory); W^T serves up to %s rows, oneDNN's layout more",
+                "model %s: linear layers laid out for the CPU's kernels (%.1f MB more memory); per weight shape, rows the "
+                "bfloat16 copy serves, then W^T, oneDNN's layout more: %s",
                 self.name,
                 added / 2**20,
-                ", ".join(f"{r} ({'x'.join(map(str, shape))})" for shape, r in rows.items()),
+                ", ".join(f"{'x'.join(map(str, shape))}: {b}, {t}" for shape, (t, b) in rows.items()),
             )
         if self.graphs is None:
             return

@@ -1,7 +1,7 @@
 """specfleet/engine/cpu_linear.py: a weight laid out for a CPU's kernels computes what F.linear computes, at
-every number of rows (both layouts), with and without a bias; the layout a call takes follows the timings of
-the calibration; `LoadedModel.prepare` lays out what `linear: auto` asks for and nothing else. Whole passes
-against transformers: tests/engine/test_llama.py."""
+every number of rows (both layouts), with and without a bias; the copy a call takes (bfloat16, transposed,
+oneDNN's) follows its row count and the timings of the calibration; `LoadedModel.prepare` lays out what
+`linear: auto` asks for and nothing else. Whole passes against transformers: tests/engine/test_llama.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from specfleet.engine import cpu_linear, load_model
-from specfleet.engine.cpu_linear import CpuWeight, calibrate
+from specfleet.engine.cpu_linear import CpuWeight
 
 pytestmark = pytest.mark.skipif(not cpu_linear.available(torch.float32), reason="this torch build has no oneDNN")
 
@@ -48,9 +48,21 @@ def test_the_transposed_copy_serves_up_to_the_most_rows_it_was_faster_at():
     assert cpu_linear.choose({1: (3.0, 2.0), 2: (3.0, 2.0)}) == 0
 
 
-def test_calibration_times_both_layouts_and_lay_out_applies_it_per_shape():
-    weight = CpuWeight.of(torch.randn(512, 64))
-    assert calibrate(weight) in (0, *cpu_linear.CALIBRATION_ROWS)
+def test_a_call_takes_the_bf16_copy_up_to_its_row_count_then_the_others():
+    """Each copy made from a different weight, so the answer says which one served the call."""
+    from specfleet.engine import cpu_kernels
+
+    if cpu_kernels.library() is None:
+        pytest.skip("no C++ compiler here to build the bfloat16 kernel")
+    gen = torch.Generator().manual_seed(0)
+    a, b, c = (torch.randn(96, 32, generator=gen).to(torch.bfloat16).float() for _ in range(3))
+    mixed = CpuWeight(a.t().contiguous(), CpuWeight.of(b).packed, transposed_rows=5, bf16=cpu_kernels.pack_bf16(c), bf16_rows=2)
+    for rows, served_by in [(1, c), (2, c), (3, a), (5, a), (6, b)]:
+        x = torch.randn(1, rows, 32, generator=gen)
+        torch.testing.assert_close(mixed(x, None), F.linear(x, served_by), atol=1e-4, rtol=1e-5)
+
+
+def test_calibration_times_every_copy_and_lay_out_applies_it_per_shape():
     loaded = load_model("t", "models/demo/target", linear="plain")
     _, rows = cpu_linear.lay_out(loaded.model)
     head, qkv = loaded.model.lm_head, loaded.model.layers[0].qkv
@@ -58,8 +70,19 @@ def test_calibration_times_both_layouts_and_lay_out_applies_it_per_shape():
         tuple(head.weight.shape),
         *(tuple(getattr(loaded.model.layers[0], n).weight.shape) for n in ("qkv", "out", "gate_up", "down")),
     }
-    assert head.transposed_rows == rows[tuple(head.weight.shape)] and qkv.transposed_rows == rows[tuple(qkv.weight.shape)]
-    assert all(layer.qkv.transposed_rows == qkv.transposed_rows for layer in loaded.model.layers)
+    choices = (0, *cpu_linear.CALIBRATION_ROWS)
+    assert all(t in choices and b in choices for t, b in rows.values())
+    assert (head.transposed_rows, head.bf16_rows) == rows[tuple(head.weight.shape)]
+    assert (qkv.transposed_rows, qkv.bf16_rows) == rows[tuple(qkv.weight.shape)]
+    assert all((layer.qkv.transposed_rows, layer.qkv.bf16_rows) == (qkv.transposed_rows, qkv.bf16_rows) for layer in loaded.model.layers)
+    # The demo checkpoint is stored in bfloat16: every weight has its bfloat16 copy where the kernel builds.
+    from specfleet.engine import cpu_kernels
+
+    assert all((w.bf16 is not None) == (cpu_kernels.library() is not None) for w in (head, qkv))
+    # Layouts other than auto take their one copy for every call.
+    other = load_model("t", "models/demo/target", linear="plain")
+    _, packed_rows = cpu_linear.lay_out(other.model, "packed")
+    assert set(packed_rows.values()) == {(0, 0)} and other.model.lm_head.bf16 is None
 
 
 def test_prepare_lays_out_with_auto_only(tmp_path):

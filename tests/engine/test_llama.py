@@ -17,7 +17,7 @@ import shutil
 import pytest
 import torch
 
-from specfleet.engine import runner
+from specfleet.engine import cpu_kernels, runner
 from specfleet.engine.cpu_linear import CpuWeight
 from specfleet.engine.llama import ATTENTION_MODES
 from specfleet.engine import ForwardItem, Session, SessionStore, forward_batch, load_model, prefill
@@ -27,7 +27,9 @@ DEVICE = os.environ.get("SPECFLEET_TEST_DEVICE", "cpu")
 TOLERANCE = dict(atol=2e-4, rtol=1e-4) if DEVICE == "cpu" else dict(atol=2e-3, rtol=1e-3)
 
 
-def _save(tmp_path, config, name):
+def _save(tmp_path, config, name, bf16_values=False):
+    """A random model of `config` saved under tmp_path / name (float32; with bf16_values, every value a bfloat16,
+    as a bfloat16 checkpoint's are when served in float32), and the module."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -37,6 +39,8 @@ def _save(tmp_path, config, name):
         for pname, param in model.named_parameters():
             if "norm" in pname or pname.endswith("bias"):
                 param.normal_(1.0 if "norm" in pname else 0.0, 0.5)
+            if bf16_values:
+                param.copy_(param.to(torch.bfloat16).float())
     model.save_pretrained(tmp_path / name)
     # The tokenizer only has to load; reuse the demo one's files.
     shutil.copytree("models/demo/tokenizer", tmp_path / name, dirs_exist_ok=True)
@@ -99,12 +103,25 @@ def test_forward_with_cpu_linear_layouts_matches_transformers(tmp_path, name):
     _forward_matches_transformers(tmp_path, name, "auto", "consecutive", "auto")
 
 
-def _forward_matches_transformers(tmp_path, name, attention, layout, linear):
-    reference = _save(tmp_path, _configs()[name], name)
+@pytest.mark.skipif(DEVICE != "cpu" or cpu_kernels.library() is None, reason="the bfloat16 kernel is a CPU's, built by a C++ compiler")
+@pytest.mark.parametrize("name", FAMILIES)
+def test_forward_with_bfloat16_weights_on_the_kernel_matches_transformers(tmp_path, name):
+    """Weights bfloat16 holds exactly (a bfloat16 checkpoint served in float32), every linear call on the bfloat16
+    kernel (csrc/bf16_linear.cpp), against transformers' float32 forward of the same values."""
+    _forward_matches_transformers(tmp_path, name, "auto", "consecutive", "auto", bf16_kernel=True)
+
+
+def _forward_matches_transformers(tmp_path, name, attention, layout, linear, bf16_kernel=False):
+    reference = _save(tmp_path, _configs()[name], name, bf16_values=bf16_kernel)
     loaded = load_model(name, tmp_path / name, device=DEVICE, attention=attention, linear=linear, kv_block_size=BLOCK)
     loaded.prepare(1 << 30, 64)
     if linear == "auto" and DEVICE == "cpu":
         assert isinstance(loaded.model.lm_head, CpuWeight) and all(isinstance(layer.qkv, CpuWeight) for layer in loaded.model.layers)
+    if bf16_kernel:
+        weights = [loaded.model.lm_head, *(getattr(layer, n) for layer in loaded.model.layers for n in ("qkv", "out", "gate_up", "down"))]
+        assert all(w.bf16 is not None for w in weights)
+        for w in weights:
+            w.bf16_rows = 1 << 20
     if layout == "scattered":
         _scatter(loaded.pool)
     else:  # what a CPU's pool does; on a GPU sessions take any free blocks
