@@ -182,6 +182,7 @@ def load_core(svc: config_mod.DrafterServiceConfig, threads: int | None = None) 
     if svc.stack_models:
         for stack in stack_draft_models({name: m for name, m in models.items() if isinstance(m, DraftModel)}):
             log.info("drafter service %s: %s draft in one pass a step (same shape, stacked)", svc.name, ", ".join(m.name for m in stack.members))
+            stack.prepare()
     for m in models.values():
         if isinstance(m, DraftModel) and m.stack is None:
             m.loaded.prepare(m.store.max_cache_bytes, m.store.max_sessions)

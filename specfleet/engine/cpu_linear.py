@@ -12,6 +12,8 @@ for its number of rows. That costs a second copy of every linear weight in memor
 A checkpoint stored in bfloat16 and served in float32 has weights bfloat16 holds exactly: for those, `auto` keeps a
 third copy in bfloat16 for csrc/bf16_linear.cpp (`cpu_kernels.py`), which reads half the bytes and widens them to
 float32 in registers, and calibrates it like the other two; passes of few rows, bound by the bytes they read, take it.
+A stack of draft models (`stack.py`) keeps its float32 weights in the checkpoints' layout, one copy for every
+member's passes; where they are bfloat16 values it gains the bfloat16 copies alone (`lay_out_stack`).
 
 Where one layout stops being the faster one depends on the CPU (an AMD EPYC: oneDNN's from 3 rows; an Intel
 Xeon with AVX-512: W^T up to the 128 rows timed, docs/benchmarks/linear-calibrated.md), so `lay_out` times
@@ -74,7 +76,8 @@ class CpuWeight:
         width = x.shape[-1]
         rows = x.numel() // width
         if rows <= self.bf16_rows:
-            y = cpu_kernels.linear_bf16(x.reshape(rows, width), self.bf16, self.transposed.shape[1]).view(*x.shape[:-1], -1)
+            out = self.transposed.shape[1]
+            y = cpu_kernels.linear_bf16(x.reshape(rows, width), self.bf16, out).view(*x.shape[:-1], out)
         elif rows <= self.transposed_rows:
             y = x @ self.transposed
         else:
@@ -166,3 +169,95 @@ def choose(timings: dict[int, tuple[float, float]]) -> int:
     """From {rows: (seconds with a copy, seconds with the alternative)}: the most rows the copy was faster at
     (0: never)."""
     return max((rows for rows, (copy, alternative) in timings.items() if copy < alternative), default=0)
+
+
+@dataclass
+class Bf16Weight:
+    """One linear weight [out, in] of a stacked model (`stack.py`), with its bfloat16 copy: calls of at most `rows`
+    rows take the kernel, wider ones F.linear on the float32 weight (a view of the stack's, so nothing is copied)."""
+
+    weight: torch.Tensor  # [out, in] float32
+    bf16: torch.Tensor  # `cpu_kernels.pack_bf16`'s copy
+    rows: int = 0
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        width = x.shape[-1]
+        rows = x.numel() // width
+        if rows > self.rows:
+            return torch.nn.functional.linear(x, self.weight, bias)
+        out = self.weight.shape[0]
+        y = cpu_kernels.linear_bf16(x.reshape(rows, width), self.bf16, out).view(*x.shape[:-1], out)
+        if bias is not None:
+            y = y + bias
+        return y
+
+
+@dataclass
+class StackedWeights:
+    """A stack's linear weight [G, out, in] as its members' `Bf16Weight`s: each model's rows (`llama.Runs`) through its own."""
+
+    members: list[Bf16Weight]
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None, runs) -> torch.Tensor:
+        return torch.cat([self.members[g](x[lo:hi], None if bias is None else bias[g]) for g, lo, hi in runs.runs])
+
+
+def lay_out_stack(stack) -> dict[tuple[int, ...], int]:
+    """Give a stack (`stack.py`) of models whose weights bfloat16 holds exactly the kernel for passes of few rows:
+    its linear weights become `StackedWeights` and each member's views `Bf16Weight`s over the same float32
+    storage, each shape calibrated like `calibrate` (the kernel against F.linear, over every weight in turn).
+    Changes nothing, and returns {}, where some weight is not exactly bfloat16 or the kernel is not built here.
+    A stack keeps its float32 weights in the checkpoint's layout (one copy for all members' passes), so the
+    float32 layouts of `lay_out` are not made."""
+    if cpu_kernels.library() is None:
+        return {}
+    model = stack.model
+    places = [(layer, name) for layer in model.layers for name in ("qkv", "out", "gate_up", "down")] + [(model, "lm_head")]
+    weights: list[list[Bf16Weight]] = []  # per place, per member
+    for owner, name in places:
+        members = []
+        for w in getattr(owner, name):
+            packed = cpu_kernels.pack_bf16(w)
+            if packed is None:
+                return {}
+            members.append(Bf16Weight(w, packed))
+        weights.append(members)
+    rows = _calibrate_bf16([w for members in weights for w in members])
+    for (owner, name), members in zip(places, weights):
+        for w in members:
+            w.rows = rows[tuple(w.weight.shape)]
+        setattr(owner, name, StackedWeights(members))
+        # The members' own passes (a step with one member's rows) take their own copies.
+        index = next((i for i, layer in enumerate(model.layers) if layer is owner), None)
+        for g, loaded in enumerate(stack.members):
+            setattr(loaded.model if index is None else loaded.model.layers[index], name, members[g])
+    return rows
+
+
+def _calibrate_bf16(weights: list[Bf16Weight]) -> dict[tuple[int, ...], int]:
+    """Per weight shape: the most of CALIBRATION_ROWS at which the kernel computed faster than F.linear, timed over
+    every weight in turn as `calibrate` times its copies."""
+    inputs = {w.weight.shape[1]: torch.randn(max(CALIBRATION_ROWS), w.weight.shape[1], device=w.weight.device) for w in weights}
+    timings: dict[tuple[int, ...], dict[int, tuple[float, float]]] = {tuple(w.weight.shape): {} for w in weights}
+    for rows in CALIBRATION_ROWS:
+        paths = {
+            "bf16": lambda w, x: cpu_kernels.linear_bf16(x, w.bf16, w.weight.shape[0]),
+            "plain": lambda w, x: torch.nn.functional.linear(x, w.weight),
+        }
+        best = {(shape, name): float("inf") for shape in timings for name in paths}
+        deadline = time.perf_counter() + CALIBRATION_BUDGET_S
+        for attempt in range(7):
+            for name in list(paths) if attempt % 2 == 0 else list(reversed(paths)):
+                spent: dict[tuple[int, ...], float] = collections.defaultdict(float)
+                for w in weights:
+                    x = inputs[w.weight.shape[1]][:rows]
+                    started = time.perf_counter()
+                    paths[name](w, x)
+                    spent[tuple(w.weight.shape)] += time.perf_counter() - started
+                for shape, seconds in spent.items():
+                    best[shape, name] = min(best[shape, name], seconds)
+            if attempt >= 2 and time.perf_counter() > deadline:
+                break
+        for shape in timings:
+            timings[shape][rows] = (best[shape, "bf16"], best[shape, "plain"])
+    return {shape: choose(by_rows) for shape, by_rows in timings.items()}

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specfleet.engine.cpu_linear import CpuWeight
+from specfleet.engine.cpu_linear import Bf16Weight, CpuWeight, StackedWeights
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # auto: batched on a GPU, per session on a CPU (there gathering every session's keys and values into
@@ -235,9 +235,13 @@ class Runs:
         return Runs(runs, torch.tensor(members, dtype=torch.long, device=device))
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor | CpuWeight, bias: torch.Tensor | None, runs: Runs | None) -> torch.Tensor:
-    if isinstance(weight, CpuWeight):  # laid out for a CPU's kernels (`cpu_linear.py`); never stacked
+def _linear(
+    x: torch.Tensor, weight: torch.Tensor | CpuWeight | Bf16Weight | StackedWeights, bias: torch.Tensor | None, runs: Runs | None
+) -> torch.Tensor:
+    if isinstance(weight, (CpuWeight, Bf16Weight)):  # laid out for a CPU's kernels (`cpu_linear.py`)
         return weight(x, bias)
+    if isinstance(weight, StackedWeights):  # a stack's, each model's rows through its own
+        return weight(x, bias, runs)
     if runs is None:
         return F.linear(x, weight, bias)
     return torch.cat([F.linear(x[lo:hi], weight[g], None if bias is None else bias[g]) for g, lo, hi in runs.runs])

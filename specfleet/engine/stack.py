@@ -22,15 +22,18 @@ Shapes: G stacked models, B sessions of a pass, V' the token maps' length.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from specfleet.engine import runner
+from specfleet.engine import cpu_linear, runner
 from specfleet.engine.kv import KVPool, Session
 from specfleet.engine.llama import Layer, LlamaModel, Runs
 from specfleet.engine.loading import LoadedModel
+
+log = logging.getLogger(__name__)
 
 _MODEL_TENSORS = ("embed", "norm", "lm_head")
 _LAYER_TENSORS = tuple(f.name for f in dataclasses.fields(Layer))
@@ -68,6 +71,20 @@ class Stack:
             return self.token_maps[row_members.view(-1, *[1] * (local.dim() - 1)), local.cpu()]
 
         return logits, global_ids
+
+    def prepare(self) -> None:
+        """Before serving, once: on a CPU with `linear: auto`, the members' bfloat16 kernel for passes of few rows,
+        where every weight is a bfloat16 value (`cpu_linear.lay_out_stack`); otherwise the checkpoints' layout."""
+        first = self.members[0]
+        if first.linear != "auto" or self.model.device.type != "cpu" or self.model.dtype != torch.float32:
+            return
+        rows = cpu_linear.lay_out_stack(self)
+        if rows:
+            log.info(
+                "stack of %s: bfloat16 copies for the kernel, serving up to %s rows per weight shape",
+                ", ".join(m.name for m in self.members),
+                ", ".join(f"{r} ({'x'.join(map(str, shape))})" for shape, r in rows.items()),
+            )
 
     def prefill(
         self, sessions: list[Session], members: list[int], keep_last: int = 1, score: bool = False, ends: list[int] | None = None

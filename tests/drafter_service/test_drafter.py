@@ -14,8 +14,8 @@ from drafter_service.server import load_core
 from specfleet.config import DEMO_MODELS
 from specfleet.config.fields import build
 from specfleet.config.services import DrafterServiceConfig
-from specfleet.engine import SessionStore, load_model
-from specfleet.engine.cpu_linear import CpuWeight, available
+from specfleet.engine import SessionStore, cpu_kernels, load_model
+from specfleet.engine.cpu_linear import Bf16Weight, CpuWeight, StackedWeights, available
 from specfleet.engine.stack import same_shape
 from specfleet.sampling import SamplingParams
 
@@ -70,17 +70,23 @@ def test_later_calls_catch_up_and_draft_as_a_fresh_session_would(drafter_path):
         assert a.confidences == pytest.approx(b.confidences, abs=1e-5)
 
 
-def stacked_and_alone(paths: dict[str, object], items: list[tuple[str, DraftItem]], calls: int = 3):
+def stacked_and_alone(paths: dict[str, object], items: list[tuple[str, DraftItem]], calls: int = 3, prepare: bool = False):
     """Draft `items` for `calls` rounds (each later round commits two of the previous drafts and
-    drafts again) with the models stacked and with each model in its own passes; both results."""
+    drafts again) with the models stacked (with prepare, each stack prepared as a service prepares it) and
+    with each model in its own passes; both results."""
 
     def load():
         return {
-            name: DraftModel(load_model(name, path, use_token_map=True, device=DEVICE), SessionStore(1 << 30, 100), 8) for name, path in paths.items()
+            name: DraftModel(
+                load_model(name, path, use_token_map=True, device=DEVICE, linear="auto" if prepare else "plain"), SessionStore(1 << 30, 100), 8
+            )
+            for name, path in paths.items()
         }
 
     stacked, alone = load(), load()
     stacks = stack_draft_models(stacked)
+    for stack in stacks if prepare else []:
+        stack.prepare()
     runs = []
     for models in (stacked, alone):
         rounds, lengths = [], {}
@@ -157,6 +163,41 @@ def test_the_demo_drafters_stack_with_their_own_token_maps():
     for (name, _), result in zip(items, stacked[0]):
         assert set(result.token_ids) <= maps[name]
         assert all(set(ids) <= maps[name] for ids, _ in result.proposals)
+
+
+@pytest.mark.skipif(DEVICE != "cpu" or cpu_kernels.library() is None, reason="the bfloat16 kernel is a CPU's, built by a C++ compiler")
+def test_a_stack_of_bfloat16_drafters_on_the_kernel_drafts_what_each_drafts_alone():
+    """The demo drafters' checkpoints hold bfloat16 values: a prepared stack runs its passes of few rows on the
+    bfloat16 kernel (csrc/bf16_linear.cpp), each member's rows through its own copy, and a member's own passes
+    through its own too; every draft and proposal is what the model drafts alone on F.linear."""
+    names = ["general", "en", "code", "structured"]
+    paths = {name: DEMO_MODELS / "drafters" / name for name in names}
+    prompt = [300 + 41 * i % 9000 for i in range(24)]
+    items = [
+        (name, DraftItem(f"r{i}", 0, prompt[i:], 4, SamplingParams(temperature=0.7, seed=5) if i % 2 else SamplingParams()))
+        for i, name in enumerate(names)
+    ]
+    items.append(("code", DraftItem("solo", 0, prompt, 3, SamplingParams())))
+    stacks, stacked, alone = stacked_and_alone(paths, items, prepare=True)
+    [stack] = stacks
+    assert isinstance(stack.model.lm_head, StackedWeights) and isinstance(stack.model.layers[0].gate_up, StackedWeights)
+    assert all(isinstance(m.model.lm_head, Bf16Weight) and m.model.lm_head.rows > 0 for m in stack.members)
+    assert_same_drafts(stacked, alone)
+    # A call whose rows are one member's runs that member's own pass, on its own copies.
+    solo, solo_alone = stacked_and_alone(paths, items[-1:], prepare=True)[1:]
+    assert_same_drafts(solo, solo_alone)
+
+
+def test_a_service_prepares_its_stacks_for_the_kernel():
+    """`load_core` prepares each stack: the demo drafters' stack takes the bfloat16 kernel where it is built."""
+    names = ("general", "code", "en")
+    svc = build(DrafterServiceConfig, {"name": "d", "models": [{"name": n, "path": str(DEMO_MODELS / "drafters" / n)} for n in names]}, "drafters[0]")
+    core = load_core(svc)
+    try:
+        kernel = DEVICE == "cpu" and cpu_kernels.library() is not None
+        assert {name: isinstance(m.loaded.model.lm_head, Bf16Weight) for name, m in core.models.items()} == dict.fromkeys(names, kernel)
+    finally:
+        core.close()
 
 
 def test_models_of_different_shapes_do_not_stack(random_family):

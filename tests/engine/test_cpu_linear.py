@@ -101,3 +101,25 @@ def test_prepare_lays_out_with_auto_only(tmp_path):
 def test_an_unknown_linear_mode_is_refused_by_name():
     with pytest.raises(ValueError, match="model 't': linear must be one of"):
         load_model("t", "models/demo/target", linear="fast")
+
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+def test_a_stack_s_weights_take_each_member_s_bf16_copy_up_to_its_rows(with_bias):
+    """`StackedWeights`: each model's rows (`llama.Runs`) through its own member's `Bf16Weight`, which takes the
+    kernel up to its row count and F.linear on the float32 weight beyond; with each member's bias."""
+    from specfleet.engine import cpu_kernels
+    from specfleet.engine.cpu_linear import Bf16Weight, StackedWeights
+    from specfleet.engine.llama import Runs
+
+    if cpu_kernels.library() is None:
+        pytest.skip("no C++ compiler here to build the bfloat16 kernel")
+    gen = torch.Generator().manual_seed(3)
+    weights = torch.randn(3, 40, 24, generator=gen).to(torch.bfloat16).float()  # [G, out, in]
+    biases = torch.randn(3, 40, generator=gen) if with_bias else None
+    stacked = StackedWeights([Bf16Weight(w, cpu_kernels.pack_bf16(w), rows=2) for w in weights])
+    members = [2, 0, 0, 0, 1, 1]  # runs of 1, 3 (past the kernel's 2 rows) and 2 rows
+    order = sorted(range(len(members)), key=members.__getitem__)
+    runs = Runs.of([members[i] for i in order], torch.device("cpu"))
+    x = torch.randn(len(members), 1, 24, generator=gen)[order]
+    expected = torch.stack([F.linear(x[i], weights[g], None if biases is None else biases[g]) for i, g in enumerate(runs.members.tolist())])
+    torch.testing.assert_close(stacked(x, biases, runs), expected, atol=1e-4, rtol=1e-5)
