@@ -130,9 +130,7 @@ def calibrate(weights: list[CpuWeight]) -> dict[tuple[tuple[int, ...], bool], tu
     pass finds it (in memory, not in a cache the call before warmed), the paths taking turns within a small
     budget, and the fastest of the turns kept, so that another process taking the core for a moment moves none
     much."""
-    widths = {w.transposed.shape[0] for w in weights}
-    device = weights[0].transposed.device
-    inputs = {width: torch.randn(max(CALIBRATION_ROWS), width, device=device) for width in widths}
+    inputs = _inputs([w.transposed for w in weights], dim=0)
     transposed: dict[tuple, dict[int, tuple[float, float]]] = {_key(w): {} for w in weights}
     bf16: dict[tuple, dict[int, tuple[float, float]]] = {_key(w): {} for w in weights}
     bf16_losses = 0  # row counts in a row at which no shape's bfloat16 copy was the fastest
@@ -144,25 +142,40 @@ def calibrate(weights: list[CpuWeight]) -> dict[tuple[tuple[int, ...], bool], tu
         # The kernel is bound by arithmetic past a few rows, so once it has lost twice it is not timed at more.
         if bf16_losses < 2 and any(w.bf16 is not None for w in weights):
             paths["bf16"] = lambda w, x: w.bf16 is not None and cpu_kernels.linear_bf16(x, w.bf16, w.transposed.shape[1])
-        best = {(key, name): float("inf") for key in transposed for name in paths}
-        deadline = time.perf_counter() + CALIBRATION_BUDGET_S
-        for attempt in range(7):
-            for name in list(paths) if attempt % 2 == 0 else list(reversed(paths)):
-                spent: dict[tuple, float] = collections.defaultdict(float)
-                for w in weights:
-                    x = inputs[w.transposed.shape[0]][:rows]
-                    started = time.perf_counter()
-                    paths[name](w, x)
-                    spent[_key(w)] += time.perf_counter() - started
-                for key, seconds in spent.items():
-                    best[key, name] = min(best[key, name], seconds)
-            if attempt >= 2 and time.perf_counter() > deadline:
-                break
+        best = _fastest(weights, paths, lambda w: inputs[w.transposed.shape[0]][:rows], _key)
         for key in transposed:
             transposed[key][rows] = (best[key, "transposed"], best[key, "packed"])
             bf16[key][rows] = (best.get((key, "bf16"), float("inf")), min(best[key, "transposed"], best[key, "packed"]))
         bf16_losses = 0 if any(copy < alternative for by_rows in bf16.values() for copy, alternative in [by_rows[rows]]) else bf16_losses + 1
     return {key: (choose(transposed[key]), choose(bf16[key])) for key in transposed}
+
+
+def _inputs(weights: list[torch.Tensor], dim: int) -> dict[int, torch.Tensor]:
+    """Random inputs of the most calibrated rows, one per width (each weight's size along `dim`)."""
+    widths = {w.shape[dim] for w in weights}
+    return {width: torch.randn(max(CALIBRATION_ROWS), width, device=weights[0].device) for width in widths}
+
+
+def _fastest(weights: list, paths: dict, inputs, key) -> dict[tuple, float]:
+    """{(key(weight), path name): seconds}: each path run over every weight in turn (on `inputs(weight)`), its time
+    summed per key, the paths taking turns (in reversed order every other turn) within CALIBRATION_BUDGET_S, at
+    least three turns, and the fastest turn kept, so that another process taking the core for a moment moves none
+    much."""
+    best: dict[tuple, float] = collections.defaultdict(lambda: float("inf"))
+    deadline = time.perf_counter() + CALIBRATION_BUDGET_S
+    for attempt in range(7):
+        for name in list(paths) if attempt % 2 == 0 else list(reversed(paths)):
+            spent: dict[tuple, float] = collections.defaultdict(float)
+            for w in weights:
+                x = inputs(w)
+                started = time.perf_counter()
+                paths[name](w, x)
+                spent[key(w)] += time.perf_counter() - started
+            for k, seconds in spent.items():
+                best[k, name] = min(best[k, name], seconds)
+        if attempt >= 2 and time.perf_counter() > deadline:
+            break
+    return dict(best)
 
 
 def choose(timings: dict[int, tuple[float, float]]) -> int:
@@ -237,27 +250,14 @@ def lay_out_stack(stack) -> dict[tuple[int, ...], int]:
 def _calibrate_bf16(weights: list[Bf16Weight]) -> dict[tuple[int, ...], int]:
     """Per weight shape: the most of CALIBRATION_ROWS at which the kernel computed faster than F.linear, timed over
     every weight in turn as `calibrate` times its copies."""
-    inputs = {w.weight.shape[1]: torch.randn(max(CALIBRATION_ROWS), w.weight.shape[1], device=w.weight.device) for w in weights}
+    inputs = _inputs([w.weight for w in weights], dim=1)
     timings: dict[tuple[int, ...], dict[int, tuple[float, float]]] = {tuple(w.weight.shape): {} for w in weights}
     for rows in CALIBRATION_ROWS:
         paths = {
             "bf16": lambda w, x: cpu_kernels.linear_bf16(x, w.bf16, w.weight.shape[0]),
             "plain": lambda w, x: torch.nn.functional.linear(x, w.weight),
         }
-        best = {(shape, name): float("inf") for shape in timings for name in paths}
-        deadline = time.perf_counter() + CALIBRATION_BUDGET_S
-        for attempt in range(7):
-            for name in list(paths) if attempt % 2 == 0 else list(reversed(paths)):
-                spent: dict[tuple[int, ...], float] = collections.defaultdict(float)
-                for w in weights:
-                    x = inputs[w.weight.shape[1]][:rows]
-                    started = time.perf_counter()
-                    paths[name](w, x)
-                    spent[tuple(w.weight.shape)] += time.perf_counter() - started
-                for shape, seconds in spent.items():
-                    best[shape, name] = min(best[shape, name], seconds)
-            if attempt >= 2 and time.perf_counter() > deadline:
-                break
+        best = _fastest(weights, paths, lambda w: inputs[w.weight.shape[1]][:rows], lambda w: tuple(w.weight.shape))
         for shape in timings:
             timings[shape][rows] = (best[shape, "bf16"], best[shape, "plain"])
     return {shape: choose(by_rows) for shape, by_rows in timings.items()}
