@@ -41,6 +41,8 @@ import time
 import zlib
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from specfleet.config import ROUTING_POLICIES, RoutingConfig
 
 log = logging.getLogger(__name__)
@@ -59,7 +61,10 @@ def _shape(ch: str) -> str:
     return ch
 
 
-def _trigram_vector(text: str, dims: int = 8192) -> dict[int, float]:
+FEATURES = 8192  # hashed features of a text's vector
+
+
+def _trigram_vector(text: str, dims: int = FEATURES) -> dict[int, float]:
     """Hashed counts of character trigrams (what words it uses) and of 4-grams of character
     shapes, letters and digits folded (how it is laid out: indentation, `key: value`, brackets)."""
     counts: dict[int, float] = collections.defaultdict(float)
@@ -77,27 +82,36 @@ def _trigram_vector(text: str, dims: int = 8192) -> dict[int, float]:
 class DomainClassifier:
     """The speciality of the exemplar most similar to the prompt (nearest neighbour).
 
-    The exemplars' vectors are kept as an inverted index (feature -> the exemplars that have it), so a
-    prompt costs the postings of its own features, not a pass over every exemplar (its cost:
+    The exemplars' vectors are kept as a sparse matrix (each nonzero: its exemplar, feature and value), so a
+    prompt costs one gather and one sum over the nonzeros in numpy, not a Python loop over them (its cost:
     docs/benchmarks/exemplar-margin.md)."""
 
     def __init__(self, exemplars: dict[str, list[str]]):
         self.labels: list[str] = []  # each exemplar's label, by exemplar index
-        self.index: dict[int, list[tuple[int, float]]] = collections.defaultdict(list)
+        rows: list[int] = []
+        features: list[int] = []
+        values: list[float] = []
         for label, texts in exemplars.items():
             for text in texts:
                 for feature, value in _trigram_vector(text).items():
-                    self.index[feature].append((len(self.labels), value))
+                    rows.append(len(self.labels))
+                    features.append(feature)
+                    values.append(value)
                 self.labels.append(label)
+        self._rows = np.asarray(rows, dtype=np.int64)
+        self._features = np.asarray(features, dtype=np.int64)
+        self._values = np.asarray(values, dtype=np.float64)
 
     def scores(self, prompt: str) -> dict[str, float]:
         """Each label's best cosine similarity between the prompt and one of its exemplars."""
-        similarity = [0.0] * len(self.labels)
+        if not self.labels:
+            return {}
+        vector = np.zeros(FEATURES, dtype=np.float64)
         for feature, value in _trigram_vector(prompt[-2000:]).items():
-            for exemplar, weight in self.index.get(feature, ()):
-                similarity[exemplar] += value * weight
+            vector[feature] = value
+        similarity = np.bincount(self._rows, weights=self._values * vector[self._features], minlength=len(self.labels))
         best: dict[str, float] = {}
-        for label, score in zip(self.labels, similarity):
+        for label, score in zip(self.labels, similarity.tolist()):
             best[label] = max(score, best.get(label, 0.0))
         return best
 
