@@ -6,6 +6,7 @@ build the kernel serves with torch's kernels alone. Whole passes against transfo
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -86,3 +87,28 @@ def test_without_a_compiler_the_model_serves_with_torch_s_kernels(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "served" in done.stdout
     assert "building bf16_linear.cpp with false failed, so linear layers read float32 weights" in done.stderr
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="-mno-avx512f is an x86 flag")
+def test_the_kernel_without_avx512_computes_f_linear(tmp_path):
+    """The generic vector form `widen` falls back to where the CPU has no AVX-512 (compiled here with it turned
+    off, into a cache of its own) computes what the AVX-512 form and F.linear compute."""
+    script = textwrap.dedent(
+        """
+        import torch, torch.nn.functional as F
+        from specfleet.engine import cpu_kernels
+        cpu_kernels.FLAGS = (*cpu_kernels.FLAGS, "-mno-avx512f")
+        assert cpu_kernels.library() is not None
+        gen = torch.Generator().manual_seed(0)
+        for rows, n, k in [(1, 300, 64), (2, 33, 65), (13, 128, 8), (40, 70, 96)]:
+            weight = torch.randn(n, k, generator=gen).to(torch.bfloat16).float()
+            x = torch.randn(rows, k, generator=gen)
+            y = cpu_kernels.linear_bf16(x, cpu_kernels.pack_bf16(weight), n)
+            torch.testing.assert_close(y, F.linear(x.double(), weight.double()).float(), atol=1e-4, rtol=1e-5)
+        print("computed")
+        """
+    )
+    env = {**os.environ, "SPECFLEET_KERNEL_CACHE": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "computed" in done.stdout and list(tmp_path.glob("bf16_linear-*.so"))
