@@ -68,7 +68,8 @@ def consolidate(
     chosen = [list(drafters) for drafters in chosen]
     depth, n = max(bounds, default=0), len(chosen)
     # Each drafter's share of its positions filled (DraftFill), and its expected tokens per request, as asked for.
-    rates = {d: fill.rate(d) if fill is not None else 1.0 for d in set().union(*means)}
+    rate = fill_rate(fill)
+    rates = {d: rate(d) for d in set().union(*means)}
     table: list[dict[str, float]] = [{} for _ in chosen]
 
     def tokens_of(i: int, drafter: str) -> float:

@@ -94,14 +94,15 @@ def pack_bf16(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def linear_bf16(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    """x [M, K] float32 times the weight `pack_bf16` packed, transposed: [M, out_features] float32."""
+    """x [..., K] float32 times the weight `pack_bf16` packed, transposed: [..., out_features] float32."""
     lib = library()
     if lib is None:
         raise RuntimeError(f"the bfloat16 linear kernel is not built on this machine ({SOURCE.name}; see the warning logged)")
-    rows, width = x.shape
+    *leading, width = x.shape
     if x.dtype != torch.float32 or packed.dim() != 3 or packed.shape[1] != width or packed.shape[0] * BLOCK < out_features:
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} does not fit a packed weight {tuple(packed.shape)} of {out_features} outputs")
-    x = x.contiguous()
+    rows = x.numel() // width
+    x = x.reshape(rows, width).contiguous()
     y = torch.empty(rows, out_features, dtype=torch.float32, device=x.device)
     lib.specfleet_linear_bf16(x.data_ptr(), packed.data_ptr(), y.data_ptr(), rows, out_features, width)
-    return y
+    return y.view(*leading, out_features)

@@ -76,8 +76,7 @@ class CpuWeight:
         width = x.shape[-1]
         rows = x.numel() // width
         if rows <= self.bf16_rows:
-            out = self.transposed.shape[1]
-            y = cpu_kernels.linear_bf16(x.reshape(rows, width), self.bf16, out).view(*x.shape[:-1], out)
+            y = cpu_kernels.linear_bf16(x, self.bf16, self.transposed.shape[1])
         elif rows <= self.transposed_rows:
             y = x @ self.transposed
         else:
@@ -145,7 +144,9 @@ def calibrate(weights: list[CpuWeight]) -> dict[tuple[tuple[int, ...], bool], tu
         best = _fastest(weights, paths, lambda w: inputs[w.transposed.shape[0]][:rows], _key)
         for key in transposed:
             transposed[key][rows] = (best[key, "transposed"], best[key, "packed"])
-            bf16[key][rows] = (best.get((key, "bf16"), float("inf")), min(best[key, "transposed"], best[key, "packed"]))
+            # A shape whose weights have no bfloat16 copy ran nothing on the kernel: it never wins.
+            kernel = best.get((key, "bf16"), float("inf")) if key[1] else float("inf")
+            bf16[key][rows] = (kernel, min(best[key, "transposed"], best[key, "packed"]))
         bf16_losses = 0 if any(copy < alternative for by_rows in bf16.values() for copy, alternative in [by_rows[rows]]) else bf16_losses + 1
     return {key: (choose(transposed[key]), choose(bf16[key])) for key in transposed}
 
@@ -194,12 +195,9 @@ class Bf16Weight:
     rows: int = 0
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        width = x.shape[-1]
-        rows = x.numel() // width
-        if rows > self.rows:
+        if x.numel() // x.shape[-1] > self.rows:
             return torch.nn.functional.linear(x, self.weight, bias)
-        out = self.weight.shape[0]
-        y = cpu_kernels.linear_bf16(x.reshape(rows, width), self.bf16, out).view(*x.shape[:-1], out)
+        y = cpu_kernels.linear_bf16(x, self.bf16, self.weight.shape[0])
         if bias is not None:
             y = y + bias
         return y
@@ -225,25 +223,28 @@ def lay_out_stack(stack) -> dict[tuple[int, ...], int]:
     if cpu_kernels.library() is None:
         return {}
     model = stack.model
-    places = [(layer, name) for layer in model.layers for name in ("qkv", "out", "gate_up", "down")] + [(model, "lm_head")]
+
+    def owner(of, layer: int | None):  # a model's layer, or the model itself for its output layer
+        return of if layer is None else of.layers[layer]
+
+    places = [(i, name) for i in range(len(model.layers)) for name in ("qkv", "out", "gate_up", "down")] + [(None, "lm_head")]
     weights: list[list[Bf16Weight]] = []  # per place, per member
-    for owner, name in places:
+    for layer, name in places:
         members = []
-        for w in getattr(owner, name):
+        for w in getattr(owner(model, layer), name):
             packed = cpu_kernels.pack_bf16(w)
             if packed is None:
                 return {}
             members.append(Bf16Weight(w, packed))
         weights.append(members)
     rows = _calibrate_bf16([w for members in weights for w in members])
-    for (owner, name), members in zip(places, weights):
+    for (layer, name), members in zip(places, weights):
         for w in members:
             w.rows = rows[tuple(w.weight.shape)]
-        setattr(owner, name, StackedWeights(members))
+        setattr(owner(model, layer), name, StackedWeights(members))
         # The members' own passes (a step with one member's rows) take their own copies.
-        index = next((i for i, layer in enumerate(model.layers) if layer is owner), None)
         for g, loaded in enumerate(stack.members):
-            setattr(loaded.model if index is None else loaded.model.layers[index], name, members[g])
+            setattr(owner(loaded.model, layer), name, members[g])
     return rows
 
 

@@ -123,3 +123,19 @@ def test_a_stack_s_weights_take_each_member_s_bf16_copy_up_to_its_rows(with_bias
     x = torch.randn(len(members), 1, 24, generator=gen)[order]
     expected = torch.stack([F.linear(x[i], weights[g], None if biases is None else biases[g]) for i, g in enumerate(runs.members.tolist())])
     torch.testing.assert_close(stacked(x, biases, runs), expected, atol=1e-4, rtol=1e-5)
+
+
+def test_a_shape_without_bf16_copies_is_never_calibrated_onto_the_kernel():
+    """A model whose weights are bfloat16 values in some shapes only: the kernel is timed for those, and a shape
+    whose weights have no bfloat16 copy serves no row count on it (it has no copy to read)."""
+    from specfleet.engine import cpu_kernels
+
+    if cpu_kernels.library() is None:
+        pytest.skip("no C++ compiler here to build the bfloat16 kernel")
+    gen = torch.Generator().manual_seed(4)
+    exact = CpuWeight.of(torch.randn(64, 32, generator=gen).to(torch.bfloat16).float(), bf16=True)
+    inexact = CpuWeight.of(torch.randn(96, 32, generator=gen), bf16=True)
+    assert exact.bf16 is not None and inexact.bf16 is None
+    rows = cpu_linear.calibrate([exact, inexact])
+    assert rows[(96, 32), False][1] == 0
+    assert rows[(64, 32), True][1] in (0, *cpu_linear.CALIBRATION_ROWS)
