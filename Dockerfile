@@ -23,8 +23,8 @@ FROM base-${VARIANT}
 
 # Ubuntu's own Python (3.12) in a virtual environment; the distribution pins the package versions.
 # tmux: `ray exec --tmux` (deploy/ray) runs the command in the container under it.
-# g++: a CPU service builds its bfloat16 linear kernel for the node's own CPU on first use
-# (specfleet/engine/cpu_kernels.py); without it, linear layers read float32 weights.
+# g++: a CPU service builds its kernels (bfloat16 linear layers, attention, norms) for the node's own CPU on first
+# use (specfleet/engine/cpu_kernels.py); without it, passes run on torch's kernels alone.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates tmux g++ \

@@ -16,7 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from specfleet.engine import Session, llama, load_model
+from specfleet.engine import Session, attention, llama, load_model
 
 torch.set_num_threads(1)
 MODEL = pathlib.Path(__file__).resolve().parent.parent / "models" / "demo" / "target"
@@ -61,7 +61,7 @@ def fwd(input_ids, positions, kv, places, kv_lens, new_lens, attends, compiled):
     x = m.embed[input_ids]
     cos = m.cos[positions].unsqueeze(1)
     sin = m.sin[positions].unsqueeze(1)
-    masks = llama._session_masks(m, kv_lens, new_lens, attends)
+    masks = attention._session_masks(m, kv_lens, new_lens, attends)
     P, Q, Hd = (cpre, cpost, chead) if compiled else (pre, post, head)
     for i, layer in enumerate(m.layers):
         q, new_kv = P(x, layer.input_norm, layer.qkv, m.eps, H, KV, D, cos, sin)

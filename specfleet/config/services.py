@@ -9,8 +9,8 @@ from specfleet.config.fields import Check, at_least, knob, one_of, redefault, re
 
 # cpu, cuda, cuda:N (a GPU by index) or auto (cuda if torch sees one, else cpu).
 DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?|auto")
-# specfleet.engine.llama.ATTENTION_MODES, spelled out so that reading a config does not import torch.
-ATTENTION_MODES = ("auto", "per-session", "batched")
+# specfleet.engine.attention.ATTENTION_MODES, spelled out so that reading a config does not import torch.
+ATTENTION_MODES = ("auto", "per-session", "batched", "kernel")
 # specfleet.engine.cpu_linear.LINEAR_MODES, likewise.
 LINEAR_MODES = ("auto", "transposed", "packed", "plain")
 RESERVED_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
@@ -73,8 +73,9 @@ class ServiceConfig:
     dtype: str = knob("float32", "the models' dtype on their device")
     attention: str = knob(
         "auto",
-        "attention of a forward pass: batched (one call per layer for the whole batch, its KV gathered), per-session, or "
-        "auto: batched on a GPU, per session on a CPU (docs/benchmarks/engine-forward-pass.md)",
+        "attention of a forward pass: batched (one call per layer for the whole batch, its KV gathered), per-session, "
+        "kernel (one compiled call per layer on a CPU, float32), or auto: batched on a GPU, kernel on a CPU where it is "
+        "built, else per session (docs/benchmarks/engine-forward-pass.md)",
         check=one_of(ATTENTION_MODES),
     )
     linear: str = knob(

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from specfleet.engine import llama
+from specfleet.engine import attention, llama
 
 log = logging.getLogger(__name__)
 
@@ -117,12 +117,12 @@ class _Graph:
         self.positions = torch.zeros(sessions, tokens, **long)
         # Until the first replay every row writes into the pool's scratch block (index 0) and reads it alone.
         rows = sessions * tokens
-        self.plan = llama._BatchPlan(
+        self.plan = attention.BatchPlan(
             write_b=torch.arange(sessions, **long).repeat_interleave(tokens),
             write_j=torch.arange(tokens, **long).repeat(sessions),
             write_index=torch.zeros(rows, **long),
             read_index=torch.zeros(sessions, positions, **long),
-            bias=llama.ragged_bias(model, [0] * sessions, [0] * sessions, [None] * sessions, tokens, positions).unsqueeze(1),
+            bias=attention.ragged_bias(model, [0] * sessions, [0] * sessions, [None] * sessions, tokens, positions).unsqueeze(1),
         )
         self.out: torch.Tensor | None = None
         self.graph = self._capture(memory)
@@ -161,13 +161,13 @@ class _Graph:
         self.positions.copy_(to_tensor(pos))
         # Each session's positions [0, T') on the pool's token axis; padding (past its length, or past B) at 0.
         total = plan.read_index.shape[1]
-        read = llama.read_index(places, [k + n for k, n in zip(kv_lens, new_lens)], total, S, device)
+        read = attention.read_index(places, [k + n for k, n in zip(kv_lens, new_lens)], total, S, device)
         write = torch.zeros(S, N, dtype=torch.long, device=device)
         for b in range(batch):
             write[b, : new_lens[b]] = read[b, kv_lens[b] : kv_lens[b] + new_lens[b]]
         plan.read_index.copy_(read)
         plan.write_index.copy_(write.view(-1))
-        bias = llama.ragged_bias(self.model, list(kv_lens) + [0] * pad_b, list(new_lens) + [0] * pad_b, list(attends) + [None] * pad_b, N, total)
+        bias = attention.ragged_bias(self.model, list(kv_lens) + [0] * pad_b, list(new_lens) + [0] * pad_b, list(attends) + [None] * pad_b, N, total)
         plan.bias.copy_(bias.unsqueeze(1))
         self.graph.replay()
         return self.out[:batch, :width].clone()

@@ -46,16 +46,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specfleet.engine import attention, cpu_kernels
 from specfleet.engine.cpu_linear import Bf16Weight, CpuWeight, StackedWeights
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-# auto: batched on a GPU, per session on a CPU (there gathering every session's keys and values into
-#   one padded tensor costs more than the per-session calls it saves: docs/benchmarks/engine-forward-pass.md).
-# per-session: one attention call per session and layer over its own positions (a view where its blocks
-#   are consecutive), nothing padded.
-# batched: one call per layer for all sessions, their positions gathered from the KV pool, with an
-#   additive mask (padding, ragged lengths, tree patterns).
-ATTENTION_MODES = ("auto", "per-session", "batched")
+ATTENTION_MODES = attention.ATTENTION_MODES
 # RoPE variants computed here (`rope_frequencies`); the others (yarn, dynamic, longrope, ...) are refused.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -255,6 +250,16 @@ def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float, runs: Runs | None) 
     return F.rms_norm(x, (x.shape[-1],), None, eps) * scale
 
 
+def _add_norm(model: LlamaModel, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | None, runs: Runs | None):
+    """The residual stream x + delta (x where delta is None), and its RMSNorm by `weight` (None where no norm
+    follows). On the CPU kernels one call does both, x updated in place (the pass's own tensor)."""
+    if weight is not None and runs is None and attention.kernels_serve(model):
+        return x, cpu_kernels.add_rms_norm(x, delta, weight, model.eps)
+    if delta is not None:
+        x = x + delta
+    return x, None if weight is None else _norm(x, weight, model.eps, runs)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE: x * cos + [-x2, x1] * sin for x's halves x1, x2, as [x2, x1] * [-sin1, sin2] (the model's `sin`), the same
     products in fewer ops (a pass's small ops cost more than their arithmetic on a CPU)."""
@@ -272,7 +277,7 @@ def forward(
     new_lens: list[int],  # n_b; the session's place holds kv_b + n_b positions
     attends: list[torch.Tensor | None],  # per session [n_b, n_b] bool, or None when n_b == 1
     logits: bool = True,
-    plan: _BatchPlan | None = None,
+    plan: attention.BatchPlan | None = None,
     runs: Runs | None = None,
 ) -> torch.Tensor | None:
     """Logits [B, N, V] (row b valid for its first n_b positions), or None with logits=False.
@@ -286,63 +291,81 @@ def forward(
     all sessions in one indexed write per layer).
     """
     batch, width = input_ids.shape
-    H, KV, D = model.heads, model.kv_heads, model.head_dim
-    device = model.device
-    input_ids, positions = input_ids.to(device), positions.to(device)
+    H, D = model.heads, model.head_dim
+    input_ids, positions = input_ids.to(model.device), positions.to(model.device)
     x = model.embed[input_ids] if runs is None else model.embed[runs.members[:, None], input_ids]  # [B, N, E]
-    cos = model.cos[positions].to(model.dtype).unsqueeze(1)  # [B, 1, N, D]
-    sin = model.sin[positions].to(model.dtype).unsqueeze(1)
-    batched = plan is not None or (batch > 1 and runs_batched(model))
-    if not batched:
-        masks = _session_masks(model, kv_lens, new_lens, attends)
-        # Built once a pass: each consecutive session's keys and values as a view over every layer,
-        # [layers, 2, 1, KV, T, D] (None: scattered, gathered per layer), and where the new tokens' KV goes.
-        views = [kv[:, :, None, :, p : p + k + n] if isinstance(p, int) else None for p, k, n in zip(places, kv_lens, new_lens)]
-        writes = _writes(model, places, kv_lens, new_lens) if batch > 1 else None
-    elif plan is None:
-        plan = _batch_plan(model, places, kv_lens, new_lens, attends, width)
+    layout = attention.layout(model, plan, places, kv_lens, new_lens, attends, width, kv)
+    # On the kernel RoPE is rotated and the new KV written in one call a layer, except where queries and keys are
+    # normed first (Qwen3): there torch rotates them, and writes them as the other modes do.
+    fused = layout.kind == "kernel" and model.layers[0].q_norm is None
+    if not fused:
+        cos = model.cos[positions].to(model.dtype).unsqueeze(1)  # [B, 1, N, D]
+        sin = model.sin[positions].to(model.dtype).unsqueeze(1)
+    elif positions.numel() and int(positions.max()) >= model.cos.shape[0]:  # the kernel reads the table unchecked
+        raise IndexError(f"position {int(positions.max())} is past the model's {model.cos.shape[0]}")
+    x, h = _add_norm(model, x, None, model.layers[0].input_norm, runs)
     for i, layer in enumerate(model.layers):
-        h = _norm(x, layer.input_norm, model.eps, runs)
         qkv = _linear(h, layer.qkv, layer.qkv_bias, runs)  # [B, N, (H + 2 KV) D]
-        if layer.q_norm is None:  # q and k rotated together
-            qk = _rotate(qkv[..., : (H + KV) * D].view(batch, width, H + KV, D).transpose(1, 2), cos, sin)
-            q, k = qk[:, :H], qk[:, H:]  # [B, H, N, D], [B, KV, N, D]
+        if fused:  # rotated, written and attended in two calls
+            q = cpu_kernels.rope_write(qkv.contiguous(), positions, model.cos, model.sin, kv[i], layout.where)
+            attn = cpu_kernels.attend(q.transpose(1, 2), kv[i], layout.where)  # [B, N, H, D]
         else:
-            q, k = qkv[..., : H * D].view(batch, width, H, D), qkv[..., H * D : (H + KV) * D].view(batch, width, KV, D)
-            q = _rotate(_norm(q, layer.q_norm, model.eps, runs).transpose(1, 2), cos, sin)
-            k = _rotate(_norm(k, layer.k_norm, model.eps, runs).transpose(1, 2), cos, sin)
-        v = qkv[..., (H + KV) * D :].view(batch, width, KV, D).transpose(1, 2)
-        new_kv = torch.stack([k, v], dim=1)  # [B, 2, KV, N, D]
-        if batched:
-            # One indexed write for every session: [2, KV, C, D] at the new tokens' indices.
-            kv[i][:, :, plan.write_index] = new_kv[plan.write_b, :, :, plan.write_j].permute(1, 2, 0, 3)
-            attn = _attend_batched(q, kv[i], plan, KV != H)
-        else:
-            # Per session, as few tensor ops as possible: at 32 sessions and 16 layers this loop
-            # runs 512 times a pass, and each op costs about a microsecond of dispatch.
-            if writes is None:
-                kv[i][:, :, _positions(places[0], kv_lens[0], new_lens[0])] = new_kv[0, :, :, : new_lens[0]]
-            else:  # every session's new KV in one indexed write
-                kv[i][:, :, writes[2]] = new_kv[writes[0], :, :, writes[1]].permute(1, 2, 0, 3)
-            outs = []
-            for b in range(batch):
-                kv_len, n, place = kv_lens[b], new_lens[b], places[b]
-                # 4-D operands, [1, KV, T, D]: the 3-D form falls back to a slower kernel on CPU.
-                if views[b] is not None:  # a range of the token axis: a view
-                    keys, values = views[b][i]
-                else:  # scattered blocks: gathered by index
-                    keys, values = kv[i][:, None, :, place[: kv_len + n]]
-                out = F.scaled_dot_product_attention(q[b : b + 1, :, :n], keys, values, attn_mask=masks[b], enable_gqa=KV != H)
-                outs.append(out if n == width else F.pad(out, (0, 0, 0, width - n)))
-            attn = torch.cat(outs)  # [B, H, N, D]
-        x = x + _row_parallel(model, attn.transpose(1, 2).reshape(batch, width, H * D), layer.out, layer.out_bias, runs)
-        h = _norm(x, layer.mlp_norm, model.eps, runs)
-        gate, up = _linear(h, layer.gate_up, None, runs).chunk(2, dim=-1)
-        x = x + _row_parallel(model, F.silu(gate) * up, layer.down, None, runs)
+            attn = _attend(model, layer, kv[i], qkv, cos, sin, layout, i, runs)
+        x, h = _add_norm(model, x, _row_parallel(model, attn.reshape(batch, width, H * D), layer.out, layer.out_bias, runs), layer.mlp_norm, runs)
+        x, h = _mlp(model, layer, x, h, i, logits, runs)
     if not logits:
         return None
-    scores = _linear(_norm(x, model.norm, model.eps, runs), model.lm_head, None, runs)
+    scores = _linear(h, model.lm_head, None, runs)
     return scores if model.parallel is None else model.parallel.gather_vocab(scores, model.vocab)
+
+
+def _attend(model: LlamaModel, layer: Layer, pool_layer, qkv, cos, sin, layout: attention.Layout, i: int, runs: Runs | None) -> torch.Tensor:
+    """Layer i's attention on torch's operations (the kernel's too where queries and keys are normed first):
+    its new tokens' queries and keys rotated, their KV written into the pool, [B, N, H, D] out."""
+    batch, width = qkv.shape[:2]
+    H, KV, D = model.heads, model.kv_heads, model.head_dim
+    if layer.q_norm is None:  # q and k rotated together
+        qk = _rotate(qkv[..., : (H + KV) * D].view(batch, width, H + KV, D).transpose(1, 2), cos, sin)
+        q, k = qk[:, :H], qk[:, H:]  # [B, H, N, D], [B, KV, N, D]
+    else:
+        q, k = qkv[..., : H * D].view(batch, width, H, D), qkv[..., H * D : (H + KV) * D].view(batch, width, KV, D)
+        q = _rotate(_norm(q, layer.q_norm, model.eps, runs).transpose(1, 2), cos, sin)
+        k = _rotate(_norm(k, layer.k_norm, model.eps, runs).transpose(1, 2), cos, sin)
+    v = qkv[..., (H + KV) * D :].view(batch, width, KV, D).transpose(1, 2)
+    new_kv = torch.stack([k, v], dim=1)  # [B, 2, KV, N, D]
+    if layout.kind == "batched":
+        plan = layout.plan  # one indexed write for every session: [2, KV, C, D] at the new tokens' indices
+        pool_layer[:, :, plan.write_index] = new_kv[plan.write_b, :, :, plan.write_j].permute(1, 2, 0, 3)
+        return attention.attend_batched(q, pool_layer, plan, KV != H).transpose(1, 2)
+    attention.write_new(pool_layer, new_kv, layout.places, layout.kv_lens, layout.new_lens, layout.writes)
+    if layout.kind == "kernel":
+        return cpu_kernels.attend(q, pool_layer, layout.where)
+    # Per session, as few tensor ops as possible: at 32 sessions and 16 layers this loop runs 512 times a pass,
+    # and each op costs about a microsecond of dispatch.
+    outs = []
+    for b in range(batch):
+        kv_len, n, place = layout.kv_lens[b], layout.new_lens[b], layout.places[b]
+        # 4-D operands, [1, KV, T, D]: the 3-D form falls back to a slower kernel on CPU.
+        if layout.views[b] is not None:  # a range of the token axis: a view
+            keys, values = layout.views[b][i]
+        else:  # scattered blocks: gathered by index
+            keys, values = pool_layer[:, None, :, place[: kv_len + n]]
+        out = F.scaled_dot_product_attention(q[b : b + 1, :, :n], keys, values, attn_mask=layout.masks[b], enable_gqa=KV != H)
+        outs.append(out if n == width else F.pad(out, (0, 0, 0, width - n)))
+    return torch.cat(outs).transpose(1, 2)  # [B, N, H, D]
+
+
+def _mlp(model: LlamaModel, layer: Layer, x: torch.Tensor, h: torch.Tensor, i: int, logits: bool, runs: Runs | None):
+    """Layer i's MLP on its normed input h, added to the residual stream x, and the stream normed for what follows
+    (layer i + 1, or the output layer: nothing where the pass wants no logits)."""
+    gate_up = _linear(h, layer.gate_up, None, runs)
+    if runs is None and attention.kernels_serve(model):
+        gated = cpu_kernels.silu_mul(gate_up.contiguous())
+    else:
+        gate, up = gate_up.chunk(2, dim=-1)
+        gated = F.silu(gate) * up
+    following = model.layers[i + 1].input_norm if i + 1 < len(model.layers) else model.norm if logits else None
+    return _add_norm(model, x, _row_parallel(model, gated, layer.down, None, runs), following, runs)
 
 
 def _row_parallel(model: LlamaModel, x: torch.Tensor, weight, bias: torch.Tensor | None, runs: Runs | None) -> torch.Tensor:
@@ -352,101 +375,3 @@ def _row_parallel(model: LlamaModel, x: torch.Tensor, weight, bias: torch.Tensor
         return _linear(x, weight, bias, runs)
     out = model.parallel.all_reduce(_linear(x, weight, None, runs))
     return out if bias is None else out + bias
-
-
-def runs_batched(model: LlamaModel) -> bool:
-    """Whether a pass of several sessions attends in one call per layer."""
-    if model.attention != "auto":
-        return model.attention == "batched"
-    return model.device.type != "cpu"
-
-
-def _positions(place: int | torch.Tensor, kv_len: int, n: int) -> slice | torch.Tensor:
-    """Where positions [kv_len, kv_len + n) of a session lie on the pool's token axis: a range, or indices."""
-    return slice(place + kv_len, place + kv_len + n) if isinstance(place, int) else place[kv_len : kv_len + n]
-
-
-def _writes(model, places, kv_lens, new_lens) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(b, j, index) of every new token of the pass: token j of session b goes to `index` on the pool's token axis."""
-    device = model.device
-    rows = [(b, j) for b, n in enumerate(new_lens) for j in range(n)]
-    index = torch.cat(
-        [torch.arange(p + k, p + k + n, device=device) if isinstance(p, int) else p[k : k + n] for p, k, n in zip(places, kv_lens, new_lens)]
-    )
-    to_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
-    return to_tensor([b for b, _ in rows]), to_tensor([j for _, j in rows]), index
-
-
-def _session_masks(model, kv_lens, new_lens, attends) -> list[torch.Tensor | None]:
-    """Per session: [n_b, kv_b + n_b] additive, every cached position visible; None means "all visible"."""
-    masks = []
-    for kv_len, n, attend in zip(kv_lens, new_lens, attends):
-        if attend is None:
-            masks.append(None)
-            continue
-        # Additive, in the model's dtype: SDPA would convert a boolean mask on every layer.
-        mask = torch.zeros(n, kv_len + n, dtype=model.dtype, device=model.device)
-        mask[:, kv_len:].masked_fill_(~attend.to(model.device), float("-inf"))
-        masks.append(mask)
-    return masks
-
-
-@dataclass
-class _BatchPlan:
-    """How one pass's sessions attend in one call per layer (built once a pass, used by every layer)."""
-
-    write_b: torch.Tensor  # [R]: the pass's new tokens (b, j), R = sum of n_b ...
-    write_j: torch.Tensor
-    write_index: torch.Tensor  # ... and where their KV goes on the pool's token axis
-    read_index: torch.Tensor  # [B, T]: what row b reads at t (padding reads the pool's scratch, masked)
-    bias: torch.Tensor  # [B, 1, N, T] additive
-
-
-def _batch_plan(model, places, kv_lens, new_lens, attends, width) -> _BatchPlan:
-    """Where the pass writes and reads on the pool's token axis, and its mask (`ragged_bias`)."""
-    device = model.device
-    total = max(k + n for k, n in zip(kv_lens, new_lens))
-    write_b, write_j, write_index = _writes(model, places, kv_lens, new_lens)
-    return _BatchPlan(
-        write_b=write_b,
-        write_j=write_j,
-        write_index=write_index,
-        read_index=read_index(places, [k + n for k, n in zip(kv_lens, new_lens)], total, len(places), device),
-        bias=ragged_bias(model, kv_lens, new_lens, attends, width, total).unsqueeze(1),
-    )
-
-
-def read_index(places: list, lengths: list[int], total: int, rows: int, device: torch.device) -> torch.Tensor:
-    """[rows, total] long: row b's positions [0, lengths[b]) on the pool's token axis (`places`), the rest
-    (and rows past the places) 0, the first position of the pool's scratch block, which the mask hides."""
-    read = torch.zeros(rows, total, dtype=torch.long, device=device)
-    for b, (place, length) in enumerate(zip(places, lengths)):
-        read[b, :length] = torch.arange(place, place + length, device=device) if isinstance(place, int) else place[:length]
-    return read
-
-
-def ragged_bias(model, kv_lens, new_lens, attends, width: int, total: int) -> torch.Tensor:
-    """[B, N, T] additive: row i of session b sees its cached prefix and its own pattern among the new
-    tokens, nothing past its end; a padding row (i >= n_b) sees position 0, so that no row is all -inf."""
-    device, batch = model.device, len(kv_lens)
-    to_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
-    pattern = torch.zeros(batch, width, width, dtype=torch.bool, device=device)
-    for b, (n, attend) in enumerate(zip(new_lens, attends)):
-        if attend is None:
-            pattern[b, :n, :n] = True
-        else:
-            pattern[b, :n, :n] = attend.to(device)
-    t = torch.arange(total, device=device)
-    kv_len = to_tensor(kv_lens)[:, None, None]  # [B, 1, 1]
-    offset = t - kv_len  # [B, 1, T]: position relative to the first new token
-    new = pattern.gather(2, offset.clamp(0, width - 1).expand(batch, width, total)) & (offset >= 0) & (offset < width)
-    visible = (offset < 0) | new  # [B, N, T]
-    padding = torch.arange(width, device=device) >= to_tensor(new_lens)[:, None]  # [B, N]
-    visible[:, :, 0] |= padding
-    return torch.zeros(batch, width, total, dtype=model.dtype, device=device).masked_fill_(~visible, float("-inf"))
-
-
-def _attend_batched(q: torch.Tensor, pool_layer: torch.Tensor, plan: _BatchPlan, gqa: bool) -> torch.Tensor:
-    """[B, H, N, D]: one SDPA call for every session of the pass over its positions, gathered from the pool."""
-    keys, values = pool_layer[:, :, plan.read_index].transpose(1, 2).unbind(0)  # [B, KV, T, D] each
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=plan.bias, enable_gqa=gqa)

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from specfleet.engine import checkpoint, cpu_linear, kv, llama, parallel
+from specfleet.engine.attention import ATTENTION_MODES, kernels_serve
 from specfleet.engine.kv import KVPool
 from specfleet.engine.llama import LlamaModel, check_supported, from_weights
 from specfleet.tokenizer import load_tokenizer, tokenizer_fingerprint
@@ -148,8 +149,8 @@ def _checked(name: str, path: pathlib.Path, dtype: str, attention: str, device: 
         raise FileNotFoundError(f"model '{name}': no config.json in {path}; expected a Hugging Face model directory")
     if dtype not in DTYPES:
         raise ValueError(f"model '{name}': dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    if attention not in llama.ATTENTION_MODES:
-        raise ValueError(f"model '{name}': attention must be one of {list(llama.ATTENTION_MODES)}, got {attention!r}")
+    if attention not in ATTENTION_MODES:
+        raise ValueError(f"model '{name}': attention must be one of {list(ATTENTION_MODES)}, got {attention!r}")
     try:
         return resolve_device(str(device))
     except (RuntimeError, ValueError) as e:
@@ -241,6 +242,11 @@ def _build(name: str, path: pathlib.Path, tokenizer, device, group: parallel.Gro
     if isinstance(eos, list):
         eos = eos[0]
     model.attention = attention
+    if attention == "kernel" and not kernels_serve(model):
+        raise ValueError(
+            f"model '{name}': attention 'kernel' runs a float32 model on a CPU with the kernels this machine compiles "
+            f"(specfleet/engine/cpu_kernels.py; a C++ compiler), here {dtype} on {model.device}: use auto"
+        )
     token_map = local_index = None
     if options["use_token_map"] and (path / TOKEN_MAP_FILE).exists():
         token_map = read_token_map(name, path / TOKEN_MAP_FILE, int(config.vocab_size))

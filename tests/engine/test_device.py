@@ -98,16 +98,24 @@ def test_model_info_names_device_and_dtype(dtype):
 
 
 def test_attention_mode_is_a_checked_setting_spelt_as_the_engine_spells_it():
-    from specfleet.engine import cpu_linear, llama
+    from specfleet.engine import attention, cpu_linear
 
-    assert config_mod.ATTENTION_MODES == llama.ATTENTION_MODES
+    assert config_mod.ATTENTION_MODES == attention.ATTENTION_MODES
     assert config_mod.LINEAR_MODES == cpu_linear.LINEAR_MODES
     data = _config()
     data["verifier"]["attention"] = "batched"
     assert config_mod.parse(data).verifier.attention == "batched"
     data["drafters"][0]["attention"] = "paged"
-    with pytest.raises(config_mod.ConfigError, match=r"drafters\[0\].attention: must be one of auto, per-session, batched, got 'paged'"):
+    with pytest.raises(config_mod.ConfigError, match=r"drafters\[0\].attention: must be one of auto, per-session, batched, kernel, got 'paged'"):
         config_mod.parse(data)
+
+
+def test_the_attention_kernel_asked_for_where_it_cannot_run_is_refused_at_load():
+    """`attention: kernel` is a float32 model's on a CPU: a bfloat16 model asking for it is told to use auto."""
+    from specfleet.engine import load_model
+
+    with pytest.raises(ValueError, match="attention 'kernel' runs a float32 model on a CPU .* here bfloat16 on cpu: use auto"):
+        load_model("target", "models/demo/target", dtype="bfloat16", attention="kernel")
 
 
 @pytest.mark.parametrize("sizes", [[[4, 1], [8, 5]], []])

@@ -3,7 +3,7 @@
 Every supported family (Llama with GQA, Llama 3 with its `llama3` RoPE scaling
 and attention bias, linear RoPE scaling, Qwen2's QKV bias, Qwen3's per-head query/key norms,
 Mistral), ragged batches of sessions with different cached lengths, chains and
-trees, with attention per session and batched (one call per layer), over sessions whose KV blocks
+trees, with attention per session, batched (one call per layer) and on the CPU's kernel, over sessions whose KV blocks
 are consecutive (read as views) or scattered (gathered), crossing block boundaries: every logit our
 pass gives must be the one the reference gives for that token's own path through the tree. SPECFLEET_TEST_DEVICE=cuda runs them on a
 GPU (scripts/device-check).
@@ -19,7 +19,7 @@ import torch
 
 from specfleet.engine import cpu_kernels, runner
 from specfleet.engine.cpu_linear import CpuWeight
-from specfleet.engine.llama import ATTENTION_MODES
+from specfleet.engine.attention import ATTENTION_MODES
 from specfleet.engine import ForwardItem, Session, SessionStore, forward_batch, load_model, prefill
 
 DEVICE = os.environ.get("SPECFLEET_TEST_DEVICE", "cpu")
@@ -78,7 +78,10 @@ FAMILIES = list(_configs())
 # hands them out to a quiet pool (each session one range, read as a view), or "scattered": the pool's
 # free blocks are every other one and sessions may not move, so every session is gathered by index.
 LAYOUTS = ("consecutive", "scattered")
-CASES = [(attention, layout) for attention in ATTENTION_MODES for layout in LAYOUTS]
+# The attention kernel is a CPU's (csrc/attention.cpp); `auto` takes it there.
+CASES = [
+    (attention, layout) for attention in ATTENTION_MODES for layout in LAYOUTS if attention != "kernel" or (DEVICE == "cpu" and cpu_kernels.library())
+]
 # Blocks of 4 positions: every session below spans several, and its new tokens cross their boundaries.
 BLOCK = 4
 
@@ -425,23 +428,25 @@ def test_a_long_context_model_serves_its_whole_context_in_blocks(tmp_path):
         prefill(short, [Session(token_ids=prompt[:5000])], keep_last=1)
 
 
-def test_auto_attention_is_per_session_on_a_cpu_and_batched_on_a_gpu(tmp_path, monkeypatch):
-    """`auto` (the services' default) takes one call per layer where it is the faster: on a GPU; on a CPU
-    gathering every session's KV costs more than the calls it saves (docs/benchmarks/engine-forward-pass.md)."""
+def test_auto_attention_is_the_kernel_on_a_cpu_and_batched_on_a_gpu(tmp_path, monkeypatch):
+    """`auto` (the services' default) takes one call per layer: on a GPU batched; on a CPU the compiled kernel where
+    the machine built it, else per session, where gathering every session's KV costs more than the calls it saves
+    (docs/benchmarks/engine-forward-pass.md)."""
     from types import SimpleNamespace
 
-    from specfleet.engine import llama
+    from specfleet.engine import attention
 
     on = lambda device, mode="auto": SimpleNamespace(attention=mode, device=torch.device(device))  # noqa: E731
-    assert llama.runs_batched(on("cuda")) and not llama.runs_batched(on("cpu"))
-    assert llama.runs_batched(on("cpu", "batched")) and not llama.runs_batched(on("cuda", "per-session"))
+    assert attention.runs_batched(on("cuda")) and not attention.runs_batched(on("cpu"))
+    assert attention.runs_batched(on("cpu", "batched")) and not attention.runs_batched(on("cuda", "per-session"))
 
     _save(tmp_path, _configs()["llama-gqa"], "llama-gqa")
     loaded = load_model("llama-gqa", tmp_path / "llama-gqa", device=DEVICE)
     assert loaded.model.attention == "auto"
+    assert attention.attends_on_kernel(loaded.model) == (DEVICE == "cpu" and cpu_kernels.library() is not None)
     plans = []
-    real_plan = llama._batch_plan
-    monkeypatch.setattr(llama, "_batch_plan", lambda *args: plans.append(len(args[1])) or real_plan(*args))
+    real_plan = attention.batch_plan
+    monkeypatch.setattr(attention, "batch_plan", lambda *args: plans.append(len(args[1])) or real_plan(*args))
     sessions = [Session(token_ids=[1, 2, 3]) for _ in range(3)]
     prefill(loaded, sessions, keep_last=1)
     forward_batch(loaded, [ForwardItem(s, [3], [2]) for s in sessions])
