@@ -30,7 +30,7 @@ from router.transport import GrpcDrafter, GrpcVerifier
 from router.drafters import DrafterService
 from router.verifiers import VerifierPool
 from specfleet import config as config_mod
-from specfleet import limits, metrics, placement, security
+from specfleet import limits, metrics, placement, security, serving
 from router.telemetry import RouterTelemetry
 from specfleet.tokenizer import load_tokenizer, tokenizer_fingerprint
 from specfleet.ports import listen, report
@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("router")
     cfg = config_mod.load(args.config) if args.config else config_mod.default_config(config_mod.REPO / ".cache")
     try:
-        asyncio.run(
+        serving.run(
             run(
                 cfg,
                 args.host or cfg.router.host,

@@ -23,7 +23,7 @@ from router import server as router_server
 from router.transport import InProcessDrafter, InProcessVerifier
 from specfleet import cli, limits, security, service_shell
 from specfleet import config as config_mod
-from specfleet.serving import setup_logging, wait_until_serving
+from specfleet.serving import run, setup_logging, wait_until_serving
 from specfleet.v1 import common_pb2
 from verifier_service import server as verifier_server
 
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             log.error("%s cannot start: %s", spec.command, err)
             return 1
     try:
-        asyncio.run(serve(cfg, args, started))
+        run(serve(cfg, args, started))
     except router_server.STARTUP_ERRORS as err:
         log.error("router cannot start: %s", err)
         return 2

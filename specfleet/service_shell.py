@@ -29,7 +29,7 @@ import yaml
 
 from specfleet import config as config_mod
 from specfleet import limits as limits_mod
-from specfleet import metrics, ray_actors, security
+from specfleet import metrics, ray_actors, security, serving
 from specfleet.ports import listen
 from specfleet.serving import serve, setup_logging
 from specfleet.v1 import common_pb2
@@ -117,7 +117,7 @@ def main(spec: ServiceSpec, argv: list[str] | None = None) -> int:
     refused = (config_mod.ConfigError, security.InsecureBinding, OSError, *spec.errors)
     try:
         started = start(spec, args)
-        asyncio.run(serve_core(spec, started.section.name, started.core, args.host, started.port, started.sec, started.metrics_sock))
+        serving.run(serve_core(spec, started.section.name, started.core, args.host, started.port, started.sec, started.metrics_sock))
     except refused as err:
         raise SystemExit(f"specfleet {spec.command}: {err}") from None
     return 0

@@ -35,6 +35,27 @@ CHANNEL_OPTIONS = [
 ]
 
 
+EVENT_LOOPS = ("uvloop", "asyncio")
+
+
+def run(main: Awaitable) -> object:
+    """Run a service's main coroutine to its end on uvloop's event loop where uvloop is installed, else on asyncio's
+    (`SPECFLEET_EVENT_LOOP=asyncio` chooses asyncio's). A round wakes the loop several times (its calls' answers
+    from the batch queues' model threads, the client's stream), and uvloop's wake-ups and callbacks cost less:
+    docs/benchmarks/event-loop.md."""
+    chosen = os.environ.get("SPECFLEET_EVENT_LOOP", "uvloop")
+    if chosen not in EVENT_LOOPS:
+        raise SystemExit(f"SPECFLEET_EVENT_LOOP must be one of {', '.join(EVENT_LOOPS)}, got {chosen!r}")
+    if chosen == "uvloop":
+        try:
+            import uvloop
+        except ImportError:
+            log.info("uvloop is not installed: serving on asyncio's event loop")
+        else:
+            return uvloop.run(main)
+    return asyncio.run(main)
+
+
 class _JsonFormatter(logging.Formatter):
     def __init__(self, service: str):
         super().__init__()

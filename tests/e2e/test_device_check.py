@@ -17,7 +17,7 @@ import pytest
 from tests.harness import REPO
 
 # What the GPU machine's Python lacks (the brief; docs/benchmarks/gpu.md).
-MISSING = "fastapi,uvicorn,pydantic,starlette,redis,ray,openai,cryptography"
+MISSING = "fastapi,uvicorn,pydantic,starlette,redis,ray,openai,cryptography,uvloop"
 # What may travel to the GPU machine at most (the tool's limit is 64 MiB; the rest is headroom for the carried wheels).
 TRAVEL_LIMIT_MIB = 60
 

@@ -25,3 +25,30 @@ def test_a_port_another_grpc_server_holds_is_refused_not_shared():
             await other.stop(None)
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("chosen", ["uvloop", "asyncio"])
+def test_services_run_on_the_event_loop_chosen(monkeypatch, chosen):
+    """uvloop's loop by default (a dependency), asyncio's when SPECFLEET_EVENT_LOOP says so; the main coroutine's
+    result comes back either way."""
+    import uvloop
+
+    monkeypatch.setenv("SPECFLEET_EVENT_LOOP", chosen)
+
+    async def main():
+        return type(asyncio.get_running_loop())
+
+    loop_type = serving.run(main())
+    assert issubclass(loop_type, uvloop.Loop) == (chosen == "uvloop")
+
+
+def test_an_unknown_event_loop_is_refused_naming_the_variable(monkeypatch):
+    monkeypatch.setenv("SPECFLEET_EVENT_LOOP", "trio")
+
+    async def main():
+        return None
+
+    coroutine = main()
+    with pytest.raises(SystemExit, match="SPECFLEET_EVENT_LOOP must be one of uvloop, asyncio, got 'trio'"):
+        serving.run(coroutine)
+    coroutine.close()
