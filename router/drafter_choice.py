@@ -87,10 +87,10 @@ def consolidate(
         best, best_goodput = None, goodput(chosen)
         leads = {d[0] for d in chosen if len(d) == 1}
         for model in sorted(leads - fused):
-            rest = leads - {model} | fused
+            rest = sorted(leads - {model} | fused)
             if not rest:
                 continue
-            trial = [[max(sorted(rest), key=means[i].get)] if d == [model] else d for i, d in enumerate(chosen)]
+            trial = [[max(rest, key=means[i].get)] if d == [model] else d for i, d in enumerate(chosen)]
             trial_goodput = goodput(trial)
             if trial_goodput > best_goodput:
                 best, best_goodput = trial, trial_goodput

@@ -141,6 +141,8 @@ class Drafting:
             ranked.append(drafters)
             bounds.append(bound if drafters else 0)
             means.append({d: scale.scaled(d, a / (a + r)) for d, (a, r) in posteriors.items()} if drafters else {})
+        if not any(ranked):  # nobody drafts this round (speculation off, prompts being scored, last tokens)
+            return self._planned([RequestPlan(state) for state in batch], overlap)
         chosen = [d[:1] for d in ranked] if by_goodput else ranked
         if by_goodput and config.fewer_models:
             chosen = consolidate(chosen, means, bounds, services, controller.cost, self.usable(), free, controller.fill)
@@ -170,11 +172,19 @@ class Drafting:
             else RequestPlan(state)
             for state, drafters, k, gain, a in zip(batch, chosen, ks, gains, predicted)
         ]
+        return self._planned(requests, overlap)
+
+    def _planned(self, requests: list[RequestPlan], overlap: bool) -> RoundPlan:
+        """The round's plan, with what the cost model expects it to take where speculation adapts (checked against
+        its wall time: `CostModel.observe_round`)."""
+        controller = self.context.controller
         if not controller.adaptive:
             return RoundPlan(requests)
-        # What the plan expects the round to take, checked against its wall time (`CostModel.observe_round`).
         drafters, depths = [r.drafters for r in requests], [r.depths for r in requests]
-        return RoundPlan(requests, modelled_round_ms(drafters, depths, services, controller.cost, overlap, free, controller.fill))
+        modelled = modelled_round_ms(
+            drafters, depths, self.context.drafters, controller.cost, overlap, self.context.router.model_free, controller.fill
+        )
+        return RoundPlan(requests, modelled)
 
     def usable(self) -> list[str]:
         """The drafters a round may move requests to: those whose service has a replica the breaker lets rounds call

@@ -1,8 +1,8 @@
 """How a pass's sessions attend over the KV pool (`ATTENTION_MODES`): the mode a pass takes and what it builds once
 for every layer (`layout`), the batched mode's gathers and masks (also a CUDA graph's static plan, graphs.py), the
 per-session mode's views and masks, the kernel's places (`cpu_kernels.AttendPlan`), and where a pass's new keys and
-values go. The layers' arithmetic is llama.py's; these functions take any model with `attention`, `device`, `dtype`
-and `heads`."""
+values go. The layers' arithmetic is llama.py's; these functions read a model's `attention`, `device`, `dtype`,
+`heads` and whether its layers norm queries and keys."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ ATTENTION_MODES = ("auto", "per-session", "batched", "kernel")
 
 @dataclass
 class Layout:
-    """How one pass's sessions attend (`_layout`), built once a pass and read by every layer."""
+    """How one pass's sessions attend (`layout`), built once a pass and read by every layer."""
 
     kind: str  # "kernel", "batched" or "per-session"
     places: list
