@@ -241,11 +241,27 @@ class VLLMTarget(System):
                 await asyncio.to_thread(self.proc.wait, 30)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
+        if self.proc:
+            await _until_gone(self.proc.pid, 30)
         if hasattr(self, "_log"):
             self._log.close()
 
     def describe(self) -> dict:
         return {**super().describe(), "speculative_config": self.speculative_config(), "version": getattr(self, "version", None)}
+
+
+async def _until_gone(group: int, timeout_s: float) -> None:
+    """Wait until no process of the group is left, then kill what remains: vLLM's engine core outlives its API
+    server by seconds, and would share the cores of the system measured next."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return
+        await asyncio.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(group, signal.SIGKILL)
 
 
 class VLLMDraft(VLLMTarget):
