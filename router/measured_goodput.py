@@ -72,13 +72,16 @@ class MeasuredGoodput:
     4-7, 8-15, ...): passes over more sessions take longer, so drafting and plain decoding are
     compared at comparable loads only, and every lane's rounds at one load share one decision.
     Each estimate is a ratio of decayed sums (`_Rounds`: an older round weighs `forget` times less
-    per newer one, about 19 rounds in effect at 0.9), so no single slow round decides. Drafting
+    per newer one, about 65 rounds in effect at 0.97), so no single slow round decides: served
+    rounds' goodputs spread by a third or more (a lane's round waits for the other lane's pass,
+    new prompts prefill in some), and over fewer rounds the difference a loss makes stays within
+    its noise (docs/benchmarks/measured-fallback.md). Drafting
     loses only when plain decoding is ahead by LOSES_BY_SE standard errors: a round that drafts
     commits 1 to k + 1 tokens a request, and at one client a few unlucky rounds in a row would
     otherwise send every request to plain decoding for `remeasure_every` rounds although drafting
     pays on average (docs/benchmarks/measured-fallback.md)."""
 
-    def __init__(self, forget: float = 0.9):
+    def __init__(self, forget: float = 0.97):
         self.forget = forget
         self._rounds: dict[tuple[int, bool], _Rounds] = {}  # (load, drafted) -> the rounds measured
         self._since: dict[tuple[int, bool], int] = {}  # (load, drafted) -> rounds at that load since one of that kind was measured
