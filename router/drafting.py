@@ -125,6 +125,10 @@ class Drafting:
 
         overlap: another lane's verification runs while this one drafts. running: requests in all lanes."""
         router, services, controller = self.context.router, self.context.drafters, self.context.controller
+        if controller.adaptive and batch and not controller.drafts(running or len(batch)):
+            # Drafting measured slower than plain decoding at this load (router/measured_goodput.py): the round
+            # decodes plainly, as cheaply as with speculation off, without routing its requests or scoring prompts.
+            return self._planned([RequestPlan(state) for state in batch], overlap, routed=False)
         config, scale = router.config, controller.acceptance_scale
         by_goodput = controller.adaptive and config.routing_policy == "expertise"
         free = router.model_free
@@ -174,17 +178,17 @@ class Drafting:
         ]
         return self._planned(requests, overlap)
 
-    def _planned(self, requests: list[RequestPlan], overlap: bool) -> RoundPlan:
+    def _planned(self, requests: list[RequestPlan], overlap: bool, routed: bool = True) -> RoundPlan:
         """The round's plan, with what the cost model expects it to take where speculation adapts (checked against
         its wall time: `CostModel.observe_round`)."""
         controller = self.context.controller
         if not controller.adaptive:
-            return RoundPlan(requests)
+            return RoundPlan(requests, routed=routed)
         drafters, depths = [r.drafters for r in requests], [r.depths for r in requests]
         modelled = modelled_round_ms(
             drafters, depths, self.context.drafters, controller.cost, overlap, self.context.router.model_free, controller.fill
         )
-        return RoundPlan(requests, modelled)
+        return RoundPlan(requests, modelled, routed=routed)
 
     def usable(self) -> list[str]:
         """The drafters a round may move requests to: those whose service has a replica the breaker lets rounds call

@@ -111,9 +111,17 @@ class RoundPlan:
     # included): a stage's calls run concurrently, so the longest is what the round waited for.
     draft_calls_ms: float = 0.0
     verify_calls_ms: float = 0.0
+    # Whether routing weighed the round's requests: not where the measured check sent the whole round to plain
+    # decoding, which then scores no prompt either (a prompt is scored in the first round that routes it).
+    routed: bool = True
 
     def drafting(self) -> list[RequestPlan]:
         return [r for r in self.requests if r.k > 0]
+
+    def to_score(self) -> list[RequestState]:
+        """The requests whose prompts the specialists score this round: those routing could not place, in a round
+        that routes (they decode plainly meanwhile)."""
+        return [r.state for r in self.requests if r.state.routing.needs_scores] if self.routed else []
 
     def called(self, stage: str, wall_ms: float) -> None:
         """One call of the stage ("draft" or "verify") took wall_ms."""

@@ -204,7 +204,7 @@ class Scheduler:
         plan = self.drafting.plan(batch, overlap=sum(1 for lane in self._lanes if lane) > 1, running=running)
         drafted = bool(plan.drafting())
         clean = self._kinds.start(index, drafted)
-        unscored = [s for s in batch if s.routing.needs_scores]
+        unscored = plan.to_score()
         ended = await concurrently([self._draft_and_verify(plan), *([self.drafting.score_prompts(unscored)] if unscored else [])])
         self.context.metrics.rounds += 1
         # What the round delivered in its wall time, for the controller's check that drafting pays; it

@@ -318,3 +318,35 @@ def test_a_round_weighs_each_lead_by_what_its_leads_gained():
     assert abs(controller.acceptance_scale.scale("code") - AcceptanceScale.LOW) < 1e-6
     (after,) = drafting.plan([state], overlap=False).requests
     assert after.drafters == ["general"], after.drafters
+
+
+def test_a_round_the_measured_check_sends_to_plain_decoding_routes_nothing_and_scores_no_prompt():
+    """Where rounds that draft were measured slower than plain ones at this load (router/measured_goodput.py), the
+    round decodes plainly without routing: no drafter, no prompt placed (so none scored beside it), the plan marked
+    unrouted; with drafting measured ahead the same requests are routed and draft."""
+    service = DrafterService("left", [SimpleNamespace(name="left-0")])
+    hosted = {"general": service, "code": service}
+    exemplars = DomainClassifier({"code": ["def f(x): return x"], "en": ["the cat sat on the mat"]})
+    config = RoutingConfig(routing_policy="expertise", default_drafter="general", exemplar_margin=0.01)
+    profiles = [DrafterProfile("general"), DrafterProfile("code", specialities=["code"])]
+
+    def plan(plain_ms: float, drafting_ms: float):
+        router = DrafterRouter(config, profiles, exemplars, ExpertiseStore(0.99))
+        controller = SpeculationController(cost(0.5), settings=SpeculationConfig(remeasure_every=32))
+        for _ in range(40):  # two requests running: plain rounds commit one token each, drafting rounds two
+            controller.observe_round(2, 2, plain_ms, drafted=False, running=2)
+            controller.observe_round(2, 4, drafting_ms, drafted=True, running=2)
+        drafting = Drafting(RoundContext(SchedulerConfig(), hosted, router, controller), in_background=lambda coroutine: None)
+        batch = [_request(f"s{i}") for i in range(2)]
+        for state in batch:
+            state.routing = router.start("def f(x): return x", domain_hint="")
+        return drafting.plan(batch, overlap=False, running=2), batch
+
+    plain, batch = plan(plain_ms=4.0, drafting_ms=12.0)  # drafting: 2 tokens in 12 ms against 1 in 4
+    assert not plain.routed and all(r.k == 0 and not r.drafters for r in plain.requests)
+    assert all(s.routing.needs_scores for s in batch) and plain.to_score() == [], "no prompt placed or scored unrouted"
+    routed, batch = plan(plain_ms=8.0, drafting_ms=9.0)
+    assert routed.routed and all(r.k > 0 for r in routed.requests)
+    assert not any(s.routing.needs_scores for s in batch)  # the exemplars placed them
+    batch[0].routing.needs_scores = True  # one the exemplars could not place: scored in a round that routes
+    assert routed.to_score() == [batch[0]]
