@@ -71,9 +71,15 @@ def kernels_serve(model) -> bool:
     return model.device.type == "cpu" and model.dtype == torch.float32 and cpu_kernels.library() is not None
 
 
+def kernel_takes_heads(model) -> bool:
+    """Whether the attention kernel takes the model's head size: a multiple of 16, at most `cpu_kernels.MAX_HEAD_DIM`."""
+    return model.head_dim % 16 == 0 and model.head_dim <= cpu_kernels.MAX_HEAD_DIM
+
+
 def attends_on_kernel(model) -> bool:
-    """Whether a pass attends through `cpu_kernels.attend`: asked for, or `auto` where the kernels serve."""
-    return model.attention == "kernel" or (model.attention == "auto" and kernels_serve(model))
+    """Whether a pass attends through `cpu_kernels.attend`: asked for, or `auto` where the kernels serve and take the
+    model's head size."""
+    return model.attention == "kernel" or (model.attention == "auto" and kernels_serve(model) and kernel_takes_heads(model))
 
 
 def write_new(pool_layer: torch.Tensor, new_kv: torch.Tensor, places, kv_lens, new_lens, writes) -> None:

@@ -114,8 +114,23 @@ def test_the_attention_kernel_asked_for_where_it_cannot_run_is_refused_at_load()
     """`attention: kernel` is a float32 model's on a CPU: a bfloat16 model asking for it is told to use auto."""
     from specfleet.engine import load_model
 
-    with pytest.raises(ValueError, match="attention 'kernel' runs a float32 model on a CPU .* here bfloat16 on cpu: use auto"):
+    with pytest.raises(ValueError, match="attention 'kernel' runs a float32 model on a CPU .* here bfloat16 on cpu with heads of 64: use auto"):
         load_model("target", "models/demo/target", dtype="bfloat16", attention="kernel")
+
+
+def test_auto_attention_on_a_cpu_takes_the_kernel_only_for_head_sizes_it_takes():
+    """A head size the kernel does not take (not a multiple of 16, or past its largest) attends per session under
+    `auto`, rather than failing every pass."""
+    from types import SimpleNamespace
+
+    from specfleet.engine import attention, cpu_kernels
+
+    def model(head_dim: int):
+        return SimpleNamespace(attention="auto", device=torch.device("cpu"), dtype=torch.float32, head_dim=head_dim)
+
+    built = cpu_kernels.library() is not None
+    assert attention.attends_on_kernel(model(64)) == built and attention.attends_on_kernel(model(256)) == built
+    assert not attention.attends_on_kernel(model(72)) and not attention.attends_on_kernel(model(512))
 
 
 @pytest.mark.parametrize("sizes", [[[4, 1], [8, 5]], []])
