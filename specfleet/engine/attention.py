@@ -72,8 +72,8 @@ def kernels_serve(model) -> bool:
 
 
 def kernel_takes_heads(model) -> bool:
-    """Whether the attention kernel takes the model's head size: a multiple of 16, at most `cpu_kernels.MAX_HEAD_DIM`."""
-    return model.head_dim % 16 == 0 and model.head_dim <= cpu_kernels.MAX_HEAD_DIM
+    """Whether the attention kernel takes the model's head size (`cpu_kernels.takes_head_dim`)."""
+    return cpu_kernels.takes_head_dim(model.head_dim)
 
 
 def attends_on_kernel(model) -> bool:

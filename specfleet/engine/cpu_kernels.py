@@ -61,6 +61,12 @@ def _cpu_signature() -> bytes:
     return f"{platform.machine()} {platform.processor()}".encode()
 
 
+def takes_head_dim(head_dim: int) -> bool:
+    """Whether `attend` and `rope_write` take heads of this size: a multiple of 16 (every vector width's lanes), at
+    most MAX_HEAD_DIM (csrc/attention.cpp keeps a head in registers)."""
+    return head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM
+
+
 class Pass(ctypes.Structure):
     """csrc/attention.cpp's `Pass`: where one pass's sessions lie (`AttendPlan`)."""
 
@@ -144,7 +150,7 @@ class AttendPlan:
 
     def __init__(self, places: list, kv_lens: list[int], new_lens: list[int], attends: list, width: int, pool: torch.Tensor, heads: int):
         _, _, kv_heads, capacity, head_dim = pool.shape
-        if pool.dtype != torch.float32 or not pool.is_contiguous() or head_dim % 16 or head_dim > MAX_HEAD_DIM:
+        if pool.dtype != torch.float32 or not pool.is_contiguous() or not takes_head_dim(head_dim):
             raise ValueError(
                 f"the attention kernel reads a contiguous float32 pool of head size 16, 32, ... {MAX_HEAD_DIM}, got {pool.dtype} {tuple(pool.shape)}"
             )

@@ -50,7 +50,6 @@ from specfleet.engine import attention, cpu_kernels
 from specfleet.engine.cpu_linear import Bf16Weight, CpuWeight, StackedWeights
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-ATTENTION_MODES = attention.ATTENTION_MODES
 # RoPE variants computed here (`rope_frequencies`); the others (yarn, dynamic, longrope, ...) are refused.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -84,7 +83,7 @@ class LlamaModel:
     kv_heads: int
     head_dim: int
     eps: float
-    # How attention runs (`ATTENTION_MODES`): per session, one call per layer for the whole batch, or auto.
+    # How attention runs (`attention.ATTENTION_MODES`): per session, batched, on the CPU kernel, or auto.
     attention: str = "auto"
     # Tensor parallelism (`parallel.Group`), or None: this rank's heads (heads, kv_heads above), intermediate
     # width and vocabulary slice, the others' partial sums added by all-reduces, their scores gathered.
@@ -250,10 +249,11 @@ def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float, runs: Runs | None) 
     return F.rms_norm(x, (x.shape[-1],), None, eps) * scale
 
 
-def _add_norm(model: LlamaModel, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | None, runs: Runs | None):
+def _add_norm(model: LlamaModel, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | None, runs: Runs | None, kernels: bool):
     """The residual stream x + delta (x where delta is None), and its RMSNorm by `weight` (None where no norm
-    follows). On the CPU kernels one call does both, x updated in place (the pass's own tensor)."""
-    if weight is not None and runs is None and attention.kernels_serve(model):
+    follows). On the CPU kernels (`kernels`: the pass takes them) one call does both, x updated in place (the pass's
+    own tensor)."""
+    if weight is not None and kernels:
         return x, cpu_kernels.add_rms_norm(x, delta, weight, model.eps)
     if delta is not None:
         x = x + delta
@@ -294,6 +294,9 @@ def forward(
     H, D = model.heads, model.head_dim
     input_ids, positions = input_ids.to(model.device), positions.to(model.device)
     x = model.embed[input_ids] if runs is None else model.embed[runs.members[:, None], input_ids]  # [B, N, E]
+    # The norms and the gate on the CPU kernels: a float32 model on a CPU, one model's rows (a stack's rows scale by
+    # each member's own norm weights, on torch's operations).
+    kernels = runs is None and attention.kernels_serve(model)
     layout = attention.layout(model, plan, places, kv_lens, new_lens, attends, width, kv)
     # On the kernel RoPE is rotated and the new KV written in one call a layer, except where queries and keys are
     # normed first (Qwen3): there torch rotates them, and writes them as the other modes do.
@@ -303,7 +306,7 @@ def forward(
         sin = model.sin[positions].to(model.dtype).unsqueeze(1)
     elif positions.numel() and int(positions.max()) >= model.cos.shape[0]:  # the kernel reads the table unchecked
         raise IndexError(f"position {int(positions.max())} is past the model's {model.cos.shape[0]}")
-    x, h = _add_norm(model, x, None, model.layers[0].input_norm, runs)
+    x, h = _add_norm(model, x, None, model.layers[0].input_norm, runs, kernels)
     for i, layer in enumerate(model.layers):
         qkv = _linear(h, layer.qkv, layer.qkv_bias, runs)  # [B, N, (H + 2 KV) D]
         if fused:  # rotated, written and attended in two calls
@@ -311,8 +314,10 @@ def forward(
             attn = cpu_kernels.attend(q.transpose(1, 2), kv[i], layout.where)  # [B, N, H, D]
         else:
             attn = _attend(model, layer, kv[i], qkv, cos, sin, layout, i, runs)
-        x, h = _add_norm(model, x, _row_parallel(model, attn.reshape(batch, width, H * D), layer.out, layer.out_bias, runs), layer.mlp_norm, runs)
-        x, h = _mlp(model, layer, x, h, i, logits, runs)
+        x, h = _add_norm(
+            model, x, _row_parallel(model, attn.reshape(batch, width, H * D), layer.out, layer.out_bias, runs), layer.mlp_norm, runs, kernels
+        )
+        x, h = _mlp(model, layer, x, h, i, logits, runs, kernels)
     if not logits:
         return None
     scores = _linear(h, model.lm_head, None, runs)
@@ -355,17 +360,17 @@ def _attend(model: LlamaModel, layer: Layer, pool_layer, qkv, cos, sin, layout: 
     return torch.cat(outs).transpose(1, 2)  # [B, N, H, D]
 
 
-def _mlp(model: LlamaModel, layer: Layer, x: torch.Tensor, h: torch.Tensor, i: int, logits: bool, runs: Runs | None):
+def _mlp(model: LlamaModel, layer: Layer, x: torch.Tensor, h: torch.Tensor, i: int, logits: bool, runs: Runs | None, kernels: bool):
     """Layer i's MLP on its normed input h, added to the residual stream x, and the stream normed for what follows
     (layer i + 1, or the output layer: nothing where the pass wants no logits)."""
     gate_up = _linear(h, layer.gate_up, None, runs)
-    if runs is None and attention.kernels_serve(model):
+    if kernels:
         gated = cpu_kernels.silu_mul(gate_up.contiguous())
     else:
         gate, up = gate_up.chunk(2, dim=-1)
         gated = F.silu(gate) * up
     following = model.layers[i + 1].input_norm if i + 1 < len(model.layers) else model.norm if logits else None
-    return _add_norm(model, x, _row_parallel(model, gated, layer.down, None, runs), following, runs)
+    return _add_norm(model, x, _row_parallel(model, gated, layer.down, None, runs), following, runs, kernels)
 
 
 def _row_parallel(model: LlamaModel, x: torch.Tensor, weight, bias: torch.Tensor | None, runs: Runs | None) -> torch.Tensor:

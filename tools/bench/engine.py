@@ -130,7 +130,7 @@ def run(args) -> dict:
     device = resolve_device(args.device)
     dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     dtype = DTYPES[dtype_name]
-    from specfleet.engine.llama import ATTENTION_MODES
+    from specfleet.engine.attention import ATTENTION_MODES
 
     sessions, tokens = _csv_ints(args.sessions), _csv_ints(args.tokens)
     args.modes = [m.strip() for m in args.attention.split(",") if m.strip()]

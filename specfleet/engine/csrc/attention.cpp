@@ -159,7 +159,7 @@ extern "C" void specfleet_attend(const Pass* pass, const float* q, int64_t q_b, 
         for (int64_t v = 0; v < vectors; ++v) query[v] = load(q + b * q_b + h * q_h + i * q_n + v * LANES);
         const float* k = keys + (h / group) * capacity * head_dim;
         const float* val = values + (h / group) * capacity * head_dim;
-        // Scores, 16 positions at a time; then the positions this row does not see hidden.
+        // Scores, LANES positions at a time; then the positions this row does not see hidden.
         vec top = HIDDEN - vec{};
         for (int64_t t0 = 0; t0 < padded; t0 += LANES) {
           vec dots[LANES];
