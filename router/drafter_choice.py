@@ -67,20 +67,43 @@ def consolidate(
     drafters cooperate (fusion) keep theirs, and so do the models they use."""
     chosen = [list(drafters) for drafters in chosen]
     depth, n = max(bounds, default=0), len(chosen)
-    # Each drafter's share of its positions filled (DraftFill), and its expected tokens per request, as asked for.
+    # A plan weighs dozens of trials, later passes many of the same, so what they share is kept: each drafter's
+    # share of its positions filled (DraftFill) and service (None: model-free), its expected tokens per request as
+    # asked for, the drafting term per count of distinct models, and each assignment's goodput.
     rate = fill_rate(fill)
     rates = {d: rate(d) for d in set().union(*means)}
+    service_of: dict[str, int | None] = {}
     table: list[dict[str, float]] = [{} for _ in chosen]
-
-    def tokens_of(i: int, drafter: str) -> float:
-        if drafter not in table[i]:
-            table[i][drafter] = expected_tokens(means[i][drafter], bounds[i])
-        return table[i][drafter]
+    draft_ms: dict[int, float] = {}
+    weighed: dict[tuple, float] = {}
 
     def goodput(assignment: list[list[str]]) -> float:
-        tokens = sum(tokens_of(i, d[0]) if d else 1.0 for i, d in enumerate(assignment))
-        rows = n + sum(bounds[i] * rates[d[0]] for i, d in enumerate(assignment) if d)
-        return tokens / (cost.verify_ms(n, rows) + cost.draft_ms(depth, most_models(assignment, services, free)))
+        key = tuple(map(tuple, assignment))
+        if key not in weighed:
+            weighed[key] = _goodput(assignment)
+        return weighed[key]
+
+    def _goodput(assignment: list[list[str]]) -> float:
+        tokens, rows, per_service = 0.0, 0.0, {}
+        for i, ds in enumerate(assignment):
+            if not ds:
+                tokens += 1.0
+                continue
+            lead = ds[0]
+            known = table[i].get(lead)
+            if known is None:
+                known = table[i][lead] = expected_tokens(means[i][lead], bounds[i])
+            tokens += known
+            rows += bounds[i] * rates[lead]
+            for d in ds:
+                if d not in service_of:
+                    service_of[d] = None if d in free else id(services[d])
+                if service_of[d] is not None:
+                    per_service.setdefault(service_of[d], set()).add(d)
+        models = max(map(len, per_service.values()), default=0)
+        if models not in draft_ms:
+            draft_ms[models] = cost.draft_ms(depth, models)
+        return tokens / (cost.verify_ms(n, n + rows) + draft_ms[models])
 
     fused = {d for drafters in chosen if len(drafters) > 1 for d in drafters}
     while True:

@@ -154,7 +154,7 @@ class Drafting:
         predicted = [router.mean(s.routing, drafters[0]) if drafters else 0.0 for s, drafters in zip(batch, chosen)]
         acceptance = [scale.scaled(drafters[0], a) if drafters else 0.0 for drafters, a in zip(chosen, predicted)]
         fill = [controller.fill.rate(drafters[0]) if drafters else 1.0 for drafters in chosen]
-        ks = controller.plan(acceptance, bounds, [s.rounds for s in batch], overlap, running, most_models(chosen, services, free), fill)
+        ks = controller.plan(acceptance, bounds, overlap, running, most_models(chosen, services, free), fill)
         gains = [0.0] * len(batch)
         if by_goodput and config.fusion_width > 1:
             leads_first = [lead + [d for d in drafters if d not in lead][: config.fusion_width - 1] for lead, drafters in zip(chosen, ranked)]

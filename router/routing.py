@@ -461,11 +461,12 @@ class DrafterRouter:
         prior_a, prior_r = self._prior(drafter, routing.domain)
         shared = self.store.get(routing.domain, drafter)
         scale = min(1.0, self.tuning.shared_evidence_cap / max(1e-9, shared.accepted + shared.rejected))
-        mine = routing.evidence.get(drafter, Evidence())
+        mine = routing.evidence.get(drafter)
+        mine_a, mine_r = (mine.accepted, mine.rejected) if mine is not None else (0.0, 0.0)
         w = self.tuning.request_weight
         return (
-            prior_a + scale * shared.accepted + w * mine.accepted,
-            prior_r + scale * shared.rejected + w * mine.rejected,
+            prior_a + scale * shared.accepted + w * mine_a,
+            prior_r + scale * shared.rejected + w * mine_r,
         )
 
     def mean(self, routing: RequestRouting, drafter: str) -> float:

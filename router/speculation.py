@@ -28,8 +28,10 @@ request whose next token is most likely accepted (gain a_i^(k_i + 1)), as
 long as that raises goodput. So k grows with acceptance and falls with load, and is 0 when drafting costs
 more than it returns. The drafting term depends only on the deepest draft, so
 the plan tries each depth D and, for that D, adds draft tokens in order of
-gain while they raise goodput. A request planned at k = 0 still drafts one token every
-`probe_every` rounds, so its acceptance estimate can recover.
+gain while they raise goodput. A request planned at k = 0 still drafts one token in
+every `probe_every`-th round the controller plans, so its acceptance estimate can recover;
+every such request of that round probes in it, so the round's draft call, its plan's
+routing and its wider pass are paid once for all of them, not once per request.
 
 The model's prediction is then checked against what rounds deliver
 (`MeasuredGoodput`, router/measured_goodput.py). The model leaves costs out (the router's own work per
@@ -261,6 +263,7 @@ class SpeculationController:
     # leaves out (network, the router's own work) outweigh so small a gain.
     min_acceptance: float = 0.1
     probe_every: int = 8
+    planned: int = 0  # rounds planned with adaptive speculation: every probe_every-th is a probe round
     # What rounds deliver with drafting and without; kept across reloads (dataclasses.replace).
     measured: MeasuredGoodput = field(default_factory=MeasuredGoodput)
     # What helpers add against what was expected of them, and how much of what it is asked for each drafter
@@ -312,14 +315,13 @@ class SpeculationController:
         self,
         acceptance: list[float],
         max_draft_tokens: list[int],
-        rounds: list[int],
         overlap: bool = False,
         running: int | None = None,
         models: int = 1,
         fill: list[float] | None = None,
     ) -> list[int]:
-        """Draft lengths (num_draft_tokens) for one round's requests, from each one's acceptance a_i,
-        max_draft_tokens and rounds so far.
+        """Draft lengths (num_draft_tokens) for one round's requests, from each one's acceptance a_i and
+        max_draft_tokens.
 
         overlap: another group's verification runs while this group drafts (pipelined lanes
         with work in more than one), so a round lasts max(draft, verify), not their sum.
@@ -350,23 +352,26 @@ class SpeculationController:
             # Each request's next position, most likely accepted first (ties: the earlier request).
             queue = [(-acceptance[i], i) for i in eligible if caps[i] > 0]
             heapq.heapify(queue)
+            now_ms = round_ms(drafted)
             while queue:
                 gain, i = -queue[0][0], queue[0][1]
                 rows = fill[i] if fill else 1.0  # the tree rows this position is expected to add
-                if (expected + gain) / round_ms(drafted + rows) <= expected / round_ms(drafted):
+                next_ms = round_ms(drafted + rows)
+                if (expected + gain) / next_ms <= expected / now_ms:
                     break
                 heapq.heappop(queue)
                 trial[i] += 1
                 expected += gain
                 drafted += rows
+                now_ms = next_ms
                 if trial[i] < caps[i]:
                     heapq.heappush(queue, (-(acceptance[i] ** (trial[i] + 1)), i))
             if max(trial, default=0) < depth:
                 continue  # this depth is not used; a shallower one covers the plan
-            goodput = expected / round_ms(drafted)
+            goodput = expected / now_ms
             if goodput > best_goodput:
                 best_goodput, ks = goodput, trial
-        for i in range(len(ks)):
-            if ks[i] == 0 and max_draft_tokens[i] > 0 and rounds[i] % self.probe_every == self.probe_every - 1:
-                ks[i] = 1
+        self.planned += 1
+        if self.planned % self.probe_every == 0:  # a probe round (module docstring)
+            ks = [1 if k == 0 and bound > 0 else k for k, bound in zip(ks, max_draft_tokens)]
         return ks

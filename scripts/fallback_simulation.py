@@ -37,7 +37,7 @@ def lane(loses_by_se: float, forget: float, acceptance: float, drafting_ms: floa
     controller = SpeculationController(cost=cost, measured=MeasuredGoodput(forget))
     drafted_last, drafting, tokens, ms = False, 0, 0, 0.0
     for r in range(ROUNDS):
-        drafted = any(controller.plan([0.8], [4], [r]))
+        drafted = any(controller.plan([0.8], [4]))
         if drafted:
             accepted = next((i for i in range(4) if rng.random() >= acceptance), 4)
             round_tokens, wall = 1 + accepted, drafting_ms * rng.uniform(1 - 2 * jitter, 1 + 2 * jitter)

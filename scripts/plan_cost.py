@@ -1,20 +1,28 @@
 """How long the router takes to plan one round (`Drafting.plan`): routing, consolidation, k, helpers.
 
-Synthetic rounds of 4 and 16 requests among the demo family's eight drafters (seven specialists, the general
+Synthetic rounds of 1, 4 and 16 requests among the demo family's eight drafters (seven specialists, the general
 drafter), each request in a domain of its own in turn, adaptive speculation on, fusion_width 1; the best of five
 timings of 300 plans each. Give a checkout's root to time that tree's router (an older commit: `git worktree add`).
 
     .venv/bin/python scripts/plan_cost.py [ROOT]
+
+Timings on a shared machine move by a half between runs. `--plans N` runs N plans a size untimed, for an
+instruction count that does not: the difference between two counts under callgrind, divided by the plans between
+them, is what one plan executes (docs/benchmarks/plan-cost.md):
+
+    valgrind --tool=callgrind --callgrind-out-file=/dev/null .venv/bin/python scripts/plan_cost.py [ROOT] --sizes 4 --plans 600
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, sys.argv[1] if len(sys.argv) > 1 else str(Path(__file__).resolve().parents[1]))
+ROOT = sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("-") else str(Path(__file__).resolve().parents[1])
+sys.path.insert(0, ROOT)
 
 from router.drafters import DrafterService  # noqa: E402
 from router.drafting import Drafting  # noqa: E402
@@ -44,6 +52,11 @@ def request(i: int) -> RequestState:
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("root", nargs="?", default=ROOT, help="the checkout whose router is timed (default: this one)")
+    parser.add_argument("--sizes", default="1,4,16", help="requests a round, comma separated")
+    parser.add_argument("--plans", type=int, default=0, help="run this many plans a size untimed (for callgrind), after 50 warm-up plans")
+    args = parser.parse_args()
     profiles = [DrafterProfile(d, [d]) for d in DOMAINS] + [DrafterProfile("general")]
     service = DrafterService("drafters", [SimpleNamespace(name="drafters-0")])
     router = DrafterRouter(
@@ -54,12 +67,15 @@ def main() -> int:
     )
     controller = SpeculationController(CostModel(), settings=SpeculationConfig(remeasure_every=0))
     drafting = Drafting(RoundContext(SchedulerConfig(), {p.name: service for p in profiles}, router, controller), in_background=lambda c: None)
-    for n in (4, 16):
+    router.rng.seed(0)
+    for n in (int(size) for size in args.sizes.split(",")):
         batch = [request(i) for i in range(n)]
         for i, state in enumerate(batch):
             state.routing = router.start("x", domain_hint=DOMAINS[i % len(DOMAINS)])
-        for _ in range(50):
+        for _ in range(50 + args.plans):
             drafting.plan(batch, overlap=False)
+        if args.plans:
+            continue
         best = float("inf")
         for _ in range(5):
             started = time.perf_counter()

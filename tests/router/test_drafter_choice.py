@@ -270,8 +270,8 @@ def test_a_drafter_that_fills_few_of_its_positions_is_charged_the_rows_it_fills(
     assert abs(fill.rate("ngram") - 1 / 3) < 0.02 and fill.rate("general") == 1.0
     dear_rows = CostModel(verify_base=5.0, verify_per_token=1.5, draft_per_token=0.5, draft_base=0.0, verify_call=0.0, draft_call=0.0, pinned=True)
     controller = SpeculationController(dear_rows, settings=SpeculationConfig(remeasure_every=0))
-    (full,) = controller.plan([0.6], [8], [0])
-    (third,) = controller.plan([0.6], [8], [0], fill=[1 / 3])
+    (full,) = controller.plan([0.6], [8])
+    (third,) = controller.plan([0.6], [8], fill=[1 / 3])
     assert third > full
     # Four requests, general at 0.6; the n-gram drafter at 0.5 runs no model and fills a third of its rows.
     chosen, bounds = [["general"]] * 4, [4] * 4

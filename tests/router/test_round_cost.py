@@ -54,7 +54,7 @@ def test_what_drafting_rounds_cost_beyond_the_model_makes_marginal_requests_deco
     accepted at 0.95 still drafts. Only rounds that ran among their own kind teach the model."""
     settings = SpeculationConfig(remeasure_every=0)
     controller = SpeculationController(model(), settings=settings)
-    assert controller.plan([0.5], [4], [0]) != [0]
+    assert controller.plan([0.5], [4]) != [0]
     controller.observe_round(1, 1, 6.0, drafted=False, modelled_ms=5.2)
     controller.observe_round(1, 2, 20.0, drafted=True, clean=False, modelled_ms=8.0)
     assert controller.cost.drafting_extra == 0.0
@@ -63,8 +63,8 @@ def test_what_drafting_rounds_cost_beyond_the_model_makes_marginal_requests_deco
         for _ in range(10):
             controller.observe_round(1, 2, 12.8, drafted=True, modelled_ms=8.0)
     assert 3.9 < controller.cost.drafting_extra <= 4.0
-    assert controller.plan([0.5], [4], [0]) == [0]
-    assert controller.plan([0.95], [4], [0]) != [0]
+    assert controller.plan([0.5], [4]) == [0]
+    assert controller.plan([0.95], [4]) != [0]
 
 
 def test_the_modelled_round_is_what_the_plan_weighed():

@@ -108,23 +108,34 @@ def pinned_controller() -> SpeculationController:
 
 def test_k_is_zero_for_a_useless_drafter_and_maximal_for_a_perfect_one():
     controller = pinned_controller()
-    assert controller.plan([0.01], [8], [0]) == [0]
-    assert controller.plan([0.999], [8], [0]) == [8]
-    mid = controller.plan([0.6], [8], [0])[0]
+    assert controller.plan([0.01], [8]) == [0]
+    assert controller.plan([0.999], [8]) == [8]
+    mid = controller.plan([0.6], [8])[0]
     assert 1 <= mid < 8
 
 
 def test_k_shrinks_under_load():
     controller = SpeculationController(cost=CostModel(verify_base=10.0, verify_per_token=1.0, draft_per_token=0.5, pinned=True))
-    light = controller.plan([0.7], [8], [0])[0]
-    heavy = controller.plan([0.7] * 64, [8] * 64, [0] * 64)
+    light = controller.plan([0.7], [8])[0]
+    heavy = controller.plan([0.7] * 64, [8] * 64)
     assert max(heavy) < light
 
 
 def test_requests_at_k_zero_still_probe():
     controller = pinned_controller()
-    ks = [controller.plan([0.01], [8], [r])[0] for r in range(16)]
+    ks = [controller.plan([0.01], [8])[0] for _ in range(16)]
     assert ks.count(1) == 2 and ks.count(0) == 14
+
+
+def test_a_round_s_requests_at_k_zero_probe_together():
+    """Probes share their round: its draft call and wider pass are paid once for every request that probes in it,
+    not once per request in rounds of their own. A request that may not draft (bound 0) does not probe, and one
+    the plan drafts for keeps its k."""
+    controller = pinned_controller()
+    rounds = [controller.plan([0.01, 0.01, 0.01, 0.999], [8, 8, 0, 8]) for _ in range(16)]
+    probing = [ks for ks in rounds if ks[:3] != [0, 0, 0]]
+    assert probing == [[1, 1, 0, 8]] * 2
+    assert all(ks[3] == 8 for ks in rounds)
 
 
 def test_draft_cost_is_fitted_as_base_plus_per_token():
@@ -170,10 +181,10 @@ def test_k_stays_deep_under_load_when_a_draft_token_costs_only_its_own_share():
     than it is (0.35 ms): here the plan then drafts one token a request instead of three."""
     cost = profiled_cost()
     controller = SpeculationController(cost=cost)
-    ks = controller.plan([0.7] * 16, [4] * 16, [0] * 16, overlap=True)
+    ks = controller.plan([0.7] * 16, [4] * 16, overlap=True)
     assert sum(ks) >= 3 * 16
     folded = CostModel(verify_base=15.0, verify_per_token=1.35, draft_base=3.0, draft_per_token=4.0, verify_call=0.0, draft_call=0.0, pinned=True)
-    assert sum(SpeculationController(cost=folded).plan([0.7] * 16, [4] * 16, [0] * 16, overlap=True)) < sum(ks) * 0.75
+    assert sum(SpeculationController(cost=folded).plan([0.7] * 16, [4] * 16, overlap=True)) < sum(ks) * 0.75
 
 
 def test_cost_model_without_spread_still_costs_what_it_measured():
@@ -191,25 +202,25 @@ def test_k_holds_steady_when_the_cost_model_learns_from_its_own_plans():
     controller = SpeculationController(cost=cost)
     ks = []
     for r in range(60):
-        (k,) = controller.plan([0.7], [8], [r])
+        (k,) = controller.plan([0.7], [8])
         ks.append(k)
         if k:
             cost.observe_draft(k, 3.0 + 0.5 * k)  # catch-up forward + one step per token
         cost.observe_verify(1, k + 1, 10.0 + 0.2 * (k + 1))
     truth = CostModel(verify_base=10.0, verify_per_token=0.2, draft_base=3.0, draft_per_token=0.5, verify_call=0.0, draft_call=0.0, pinned=True)
-    assert ks[-1] == SpeculationController(cost=truth).plan([0.7], [8], [0])[0] >= 3
+    assert ks[-1] == SpeculationController(cost=truth).plan([0.7], [8])[0] >= 3
 
 
 def test_several_requests_draft_together_when_the_shared_drafting_step_pays():
     """The drafting step is shared by the batch: one request alone may not pay for it, four together do."""
     controller = SpeculationController(cost=CostModel(verify_base=22.0, verify_per_token=0.5, draft_per_token=3.0, pinned=True))
-    assert all(k >= 1 for k in controller.plan([0.7] * 4, [8] * 4, [0] * 4))
+    assert all(k >= 1 for k in controller.plan([0.7] * 4, [8] * 4))
 
 
 def test_pipelined_rounds_hide_drafting_so_k_can_be_deeper():
     cost = dict(verify_base=22.0, verify_per_token=1.0, draft_per_token=3.0, verify_call=0.0, draft_call=0.0, pinned=True)
-    sequential = SpeculationController(cost=CostModel(**cost)).plan([0.8] * 8, [8] * 8, [0] * 8)
-    overlapped = SpeculationController(cost=CostModel(**cost)).plan([0.8] * 8, [8] * 8, [0] * 8, overlap=True)
+    sequential = SpeculationController(cost=CostModel(**cost)).plan([0.8] * 8, [8] * 8)
+    overlapped = SpeculationController(cost=CostModel(**cost)).plan([0.8] * 8, [8] * 8, overlap=True)
     assert sum(overlapped) > sum(sequential)
 
 
@@ -252,8 +263,8 @@ def test_a_prompt_the_exemplars_place_clearly_is_not_scored():
 def test_a_call_overhead_makes_drafting_deeper_not_shallower():
     """A round that drafts pays for one more call; once paid, deeper drafts amortise it."""
     cost = dict(verify_base=7.0, verify_per_token=1.5, draft_per_token=1.75, pinned=True)
-    cheap_calls = SpeculationController(cost=CostModel(**cost, verify_call=0.0, draft_call=0.0)).plan([0.75], [8], [0])
-    costly_calls = SpeculationController(cost=CostModel(**cost, verify_call=3.0, draft_call=3.0)).plan([0.75], [8], [0])
+    cheap_calls = SpeculationController(cost=CostModel(**cost, verify_call=0.0, draft_call=0.0)).plan([0.75], [8])
+    costly_calls = SpeculationController(cost=CostModel(**cost, verify_call=3.0, draft_call=3.0)).plan([0.75], [8])
     assert costly_calls[0] > cheap_calls[0] >= 1
 
 

@@ -39,7 +39,7 @@ class Lane:
     def run(self, rounds: int) -> list[list[int]]:
         n, plans = len(self.acceptance), []
         for _ in range(rounds):
-            ks = self.controller.plan(self.acceptance, [4] * n, [self.rounds] * n)
+            ks = self.controller.plan(self.acceptance, [4] * n)
             drafted = any(ks)
             cold = drafted and not self.drafted_last
             wall = (self.cold_ms if cold else self.drafting_ms) if drafted else PLAIN_MS
@@ -58,7 +58,7 @@ class Lane:
 def test_drafting_that_does_not_pay_under_the_measured_costs_falls_back_to_k_zero_for_every_request():
     controller = optimistic_controller()
     acceptance = [0.8] * 7 + [0.01]  # the last request alone would still probe one token every probe_every rounds
-    assert all(k > 0 for k in controller.plan(acceptance[:7], [4] * 7, [0] * 7))  # the model alone drafts
+    assert all(k > 0 for k in controller.plan(acceptance[:7], [4] * 7))  # the model alone drafts
     lane = Lane(controller, acceptance, LOSING_MS)
     lane.run(3 * EVERY)
     assert controller.measured.drafting_loses(len(acceptance))
@@ -121,7 +121,7 @@ def test_rounds_that_commit_nothing_are_not_measured():
 def test_without_adaptive_speculation_every_request_drafts_what_it_asked_for():
     controller = SpeculationController(cost=CostModel(pinned=True), settings=SpeculationConfig(adaptive_speculation=False))
     Lane(controller, [0.8] * 4, LOSING_MS).run(3 * EVERY)
-    assert controller.plan([0.8] * 4, [4] * 4, [0] * 4) == [4] * 4
+    assert controller.plan([0.8] * 4, [4] * 4) == [4] * 4
 
 
 def test_a_round_is_measured_only_among_rounds_of_its_own_kind():
@@ -147,7 +147,7 @@ def test_remeasure_every_zero_turns_the_measured_check_off():
         controller.observe_round(4, 4, PLAIN_MS, drafted=False, running=4)
         controller.observe_round(4, 4, 10 * LOSING_MS, drafted=True, running=4)
     assert controller.measured.drafting_loses(4) and controller.drafts(4)
-    assert all(k > 0 for k in controller.plan([0.9] * 4, [4] * 4, [10] * 4, running=4))
+    assert all(k > 0 for k in controller.plan([0.9] * 4, [4] * 4, running=4))
 
 
 def noisy_lane(acceptance: float, rounds: int, seed: int) -> tuple[float, float]:
@@ -158,7 +158,7 @@ def noisy_lane(acceptance: float, rounds: int, seed: int) -> tuple[float, float]
     controller = optimistic_controller()
     drafted_last, drafting, tokens, ms = False, 0, 0, 0.0
     for r in range(rounds):
-        drafted = any(controller.plan([0.8], [4], [r]))
+        drafted = any(controller.plan([0.8], [4]))
         accepted = next((i for i in range(4) if rng.random() >= acceptance), 4)
         round_tokens, wall = (1 + accepted, 15.0) if drafted else (1, 8.0)
         cold = drafted and not drafted_last
