@@ -28,13 +28,10 @@ request whose next token is most likely accepted (gain a_i^(k_i + 1)), as
 long as that raises goodput. So k grows with acceptance and falls with load, and is 0 when drafting costs
 more than it returns. The drafting term depends only on the deepest draft, so
 the plan tries each depth D and, for that D, adds draft tokens in order of
-gain while they raise goodput. A request predicted below `min_acceptance` still drafts
-one token in every `probe_every`-th round the controller plans, so its acceptance estimate
-can recover; every such request of that round probes in it, so the round's draft call, its
-plan's routing and its wider pass are paid once for all of them. A request planned at k = 0
-for what drafting costs at this load does not probe: its estimate is not what keeps it
-plain, and a probe would cost it a draft call, its drafters' catching up and a wider pass
-(docs/benchmarks/plan-cost.md).
+gain while they raise goodput. A request planned at k = 0 still drafts one token in
+every `probe_every`-th round the controller plans, so its acceptance estimate can recover;
+every such request of that round probes in it, so the round's draft call, its plan's
+routing and its wider pass are paid once for all of them, not once per request.
 
 The model's prediction is then checked against what rounds deliver
 (`MeasuredGoodput`, router/measured_goodput.py). The model leaves costs out (the router's own work per
@@ -262,7 +259,7 @@ class SpeculationController:
     cost: CostModel
     # The router's speculation section (adaptive_speculation, stop_below_confidence), replaced whole on reload.
     settings: SpeculationConfig = field(default_factory=SpeculationConfig)
-    # Below this predicted acceptance a request does not draft (but probes, module docstring): costs the model
+    # Below this predicted acceptance a request does not draft (but probes): costs the model
     # leaves out (network, the router's own work) outweigh so small a gain.
     min_acceptance: float = 0.1
     probe_every: int = 8
@@ -376,6 +373,5 @@ class SpeculationController:
                 best_goodput, ks = goodput, trial
         self.planned += 1
         if self.planned % self.probe_every == 0:  # a probe round (module docstring)
-            low = [a < self.min_acceptance for a in acceptance]
-            ks = [1 if k == 0 and bound > 0 and unknown else k for k, bound, unknown in zip(ks, max_draft_tokens, low)]
+            ks = [1 if k == 0 and bound > 0 else k for k, bound in zip(ks, max_draft_tokens)]
         return ks

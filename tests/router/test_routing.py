@@ -138,14 +138,6 @@ def test_a_round_s_requests_at_k_zero_probe_together():
     assert all(ks[3] == 8 for ks in rounds)
 
 
-def test_a_request_kept_plain_by_what_drafting_costs_does_not_probe():
-    """Probes let a low acceptance estimate recover. A request whose drafts would be accepted often enough, planned
-    plainly because drafting costs more than it returns at this load, learns nothing from a probe that pays for it."""
-    controller = SpeculationController(cost=CostModel(verify_base=10.0, verify_per_token=0.2, draft_per_token=50.0, pinned=True))
-    rounds = [controller.plan([0.6, 0.01], [8, 8]) for _ in range(16)]
-    assert rounds.count([0, 1]) == 2 and rounds.count([0, 0]) == 14
-
-
 def test_draft_cost_is_fitted_as_base_plus_per_token():
     """A draft call's base is catching its sessions up on the committed tokens: charged per
     token, it made shallow drafts look dear, so the plan drafted ever shallower."""
