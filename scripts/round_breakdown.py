@@ -1,0 +1,65 @@
+"""Where a served run's rounds went, by kind: from the router's per-round debug lines.
+
+`specfleet serve` with SPECFLEET_LOG_LEVEL=DEBUG logs one line a round (router/scheduler.py `_round`). This
+groups a run's rounds of one batch size by what they did: plain (nobody drafted), plain while new prompts were
+prefilled, plain while specialists scored new prompts, drafting rounds that only probed (at most one draft token
+a request), and drafting rounds; for each, how many, the median plan, draft-call, verify-call and wall times, the
+tokens committed a round, and its share of the wall time. It is how docs/benchmarks/plan-cost.md found what the
+default spends beside speculation off at four clients.
+
+    SPECFLEET_LOG_LEVEL=DEBUG specfleet serve ... 2> serve.log
+    .venv/bin/python scripts/round_breakdown.py serve.log --requests 4 [--skip LINES]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+
+LINE = re.compile(r"round: (.*)$")
+
+
+def rounds(path: str, skip: int) -> list[dict[str, float]]:
+    found = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            match = LINE.search(line)
+            if match:
+                found.append({k: float(v) for k, v in (field.split("=") for field in match.group(1).split())})
+    return found[skip:]
+
+
+def kind(r: dict[str, float]) -> str:
+    if r["k"] == 0:
+        return "plain, scoring prompts" if r["scored"] else "plain, prefilling prompts" if r["prefills"] else "plain"
+    return "probing (k <= 1 a request)" if r["k"] <= r["requests"] else "drafting"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("log", help="the serve log with the router's debug lines")
+    parser.add_argument("--requests", type=int, default=1, help="rounds of this many requests (default 1)")
+    parser.add_argument("--skip", type=int, default=0, help="leave out the first SKIP round lines (an earlier run's)")
+    args = parser.parse_args()
+    chosen = [r for r in rounds(args.log, args.skip) if r["requests"] == args.requests]
+    total = sum(r["wall_ms"] for r in chosen) or 1.0
+    print(f"{len(chosen)} rounds of {args.requests} requests, {total / 1e3:.2f} s")
+    print("| rounds | n | plan ms | draft ms | verify ms | wall ms | tokens a round | share of wall |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name in ("plain", "plain, prefilling prompts", "plain, scoring prompts", "probing (k <= 1 a request)", "drafting"):
+        group = [r for r in chosen if kind(r) == name]
+        if not group:
+            continue
+        med = {key: statistics.median(r[key] for r in group) for key in ("plan_ms", "draft_ms", "verify_ms", "wall_ms")}
+        tokens = statistics.mean(r["committed"] for r in group)
+        share = sum(r["wall_ms"] for r in group) / total
+        print(
+            f"| {name} | {len(group)} | {med['plan_ms']:.2f} | {med['draft_ms']:.2f} | {med['verify_ms']:.2f} | "
+            f"{med['wall_ms']:.2f} | {tokens:.2f} | {share:.0%} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
