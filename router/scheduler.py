@@ -202,7 +202,8 @@ class Scheduler:
         # whose specialists still score its prompt decodes plainly in this round, which verifies its prompt while
         # they score it (in the same round, beside its draft and verify calls), not after.
         plan = self.drafting.plan(batch, overlap=sum(1 for lane in self._lanes if lane) > 1, running=running)
-        planned, prefills = time.perf_counter(), sum(1 for s in batch if s.rounds == 0)
+        debug = log.isEnabledFor(logging.DEBUG)  # one line a round, for scripts/round_breakdown.py
+        planned, prefills = time.perf_counter(), sum(1 for s in batch if s.rounds == 0) if debug else 0
         drafted = bool(plan.drafting())
         clean = self._kinds.start(index, drafted)
         unscored = plan.to_score()
@@ -221,7 +222,7 @@ class Scheduler:
             state.timing_ms["router"] += router_ms
         if self.context.telemetry is not None:
             self.context.telemetry.phases["router"].observe(router_ms / 1e3)
-        if log.isEnabledFor(logging.DEBUG):  # one line a round, for scripts/round_breakdown.py
+        if debug:
             log.debug(
                 "round: requests=%d k=%d committed=%d plan_ms=%.3f draft_ms=%.3f verify_ms=%.3f wall_ms=%.3f scored=%d prefills=%d clean=%d",
                 len(batch),

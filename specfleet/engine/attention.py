@@ -71,15 +71,15 @@ def kernels_serve(model) -> bool:
     return model.device.type == "cpu" and model.dtype == torch.float32 and cpu_kernels.library() is not None
 
 
-def kernel_takes_heads(model) -> bool:
-    """Whether the attention kernel takes the model's head size (`cpu_kernels.takes_head_dim`)."""
-    return cpu_kernels.takes_head_dim(model.head_dim)
+def kernel_attends(model) -> bool:
+    """Whether the attention kernel can attend for the model: the kernels serve it and take its head size
+    (`cpu_kernels.takes_head_dim`)."""
+    return kernels_serve(model) and cpu_kernels.takes_head_dim(model.head_dim)
 
 
 def attends_on_kernel(model) -> bool:
-    """Whether a pass attends through `cpu_kernels.attend`: asked for, or `auto` where the kernels serve and take the
-    model's head size."""
-    return model.attention == "kernel" or (model.attention == "auto" and kernels_serve(model) and kernel_takes_heads(model))
+    """Whether a pass attends through `cpu_kernels.attend`: asked for, or `auto` where the kernel can."""
+    return model.attention == "kernel" or (model.attention == "auto" and kernel_attends(model))
 
 
 def write_new(pool_layer: torch.Tensor, new_kv: torch.Tensor, places, kv_lens, new_lens, writes) -> None:

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from specfleet.engine import checkpoint, cpu_kernels, cpu_linear, kv, llama, parallel
-from specfleet.engine.attention import ATTENTION_MODES, kernel_takes_heads, kernels_serve
+from specfleet.engine.attention import ATTENTION_MODES, kernel_attends
 from specfleet.engine.kv import KVPool
 from specfleet.engine.llama import LlamaModel, check_supported, from_weights
 from specfleet.tokenizer import load_tokenizer, tokenizer_fingerprint
@@ -242,7 +242,7 @@ def _build(name: str, path: pathlib.Path, tokenizer, device, group: parallel.Gro
     if isinstance(eos, list):
         eos = eos[0]
     model.attention = attention
-    if attention == "kernel" and not (kernels_serve(model) and kernel_takes_heads(model)):
+    if attention == "kernel" and not kernel_attends(model):
         raise ValueError(
             f"model '{name}': attention 'kernel' runs a float32 model on a CPU with the kernels this machine compiles "
             f"(specfleet/engine/cpu_kernels.py; a C++ compiler) and heads of 16, 32, ... {cpu_kernels.MAX_HEAD_DIM}, "
