@@ -1,7 +1,8 @@
 """What rounds deliver, measured: the check that adaptive speculation's plan pays (router/speculation.py).
 
-Tokens committed per request per millisecond of round wall time, for rounds that drafted and for rounds that
-did not, per load; drafting loses only when plain decoding is ahead beyond the measurements' noise.
+Tokens committed per request per millisecond of round wall time, for rounds that speculated (the plan routed them:
+drafting, probing, or every request at k = 0) and for rounds the check sent to plain decoding, per load; speculating
+loses only when plain decoding is ahead beyond the measurements' noise.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 # A way of decoding is judged from this many rounds at least: one has no spread to judge by.
 MIN_ROUNDS = 2
-# Drafting loses when plain decoding's goodput exceeds drafting's by this many standard errors of the difference.
+# Speculating loses when plain decoding's goodput exceeds its by this many standard errors of the difference.
 LOSES_BY_SE = 2.0
 
 
@@ -66,16 +67,16 @@ class _Rounds:
 
 class MeasuredGoodput:
     """What rounds deliver, per load: tokens committed per request per millisecond of round
-    wall time, for rounds that drafted and for rounds that did not (plain decoding).
+    wall time, for rounds that speculated and for rounds decoded plainly, unrouted.
 
     The load is the number of requests running in the router, grouped by powers of two (1, 2-3,
-    4-7, 8-15, ...): passes over more sessions take longer, so drafting and plain decoding are
+    4-7, 8-15, ...): passes over more sessions take longer, so speculating and plain decoding are
     compared at comparable loads only, and every lane's rounds at one load share one decision.
     Each estimate is a ratio of decayed sums (`_Rounds`: an older round weighs `forget` times less
     per newer one, about 65 rounds in effect at 0.97), so no single slow round decides: served
     rounds' goodputs spread by a third or more (a lane's round waits for the other lane's pass,
     new prompts prefill in some), and over fewer rounds the difference a loss makes stays within
-    its noise (docs/benchmarks/measured-fallback.md). Drafting
+    its noise (docs/benchmarks/measured-fallback.md). Speculating
     loses only when plain decoding is ahead by LOSES_BY_SE standard errors: a round that drafts
     commits 1 to k + 1 tokens a request, and at one client a few unlucky rounds in a row would
     otherwise send every request to plain decoding for `remeasure_every` rounds although drafting
@@ -83,36 +84,36 @@ class MeasuredGoodput:
 
     def __init__(self, forget: float = 0.97):
         self.forget = forget
-        self._rounds: dict[tuple[int, bool], _Rounds] = {}  # (load, drafted) -> the rounds measured
-        self._since: dict[tuple[int, bool], int] = {}  # (load, drafted) -> rounds at that load since one of that kind was measured
+        self._rounds: dict[tuple[int, bool], _Rounds] = {}  # (load, speculated) -> the rounds measured
+        self._since: dict[tuple[int, bool], int] = {}  # (load, speculated) -> rounds at that load since one of that way was measured
 
     @staticmethod
     def load(running: int) -> int:
         return running.bit_length()
 
-    def observe(self, running: int, sessions: int, tokens: int, wall_ms: float, drafted: bool, clean: bool = True) -> None:
+    def observe(self, running: int, sessions: int, tokens: int, wall_ms: float, speculated: bool, clean: bool = True) -> None:
         if sessions <= 0 or tokens <= 0 or wall_ms <= 0:
             return  # nothing committed (a failed call, no live verifier): a fault, not what a way of decoding costs
         load = self.load(running)
         for kind in (False, True):
             self._since[load, kind] = self._since.get((load, kind), 0) + 1
         if not clean:
-            return  # it ran beside or right after rounds of the other kind: it measures neither way cleanly
-        self._rounds.setdefault((load, drafted), _Rounds()).add(self.forget, tokens / sessions, wall_ms)
-        self._since[load, drafted] = 0
+            return  # it ran beside rounds of the other way, or caught its drafters up after them: it measures neither cleanly
+        self._rounds.setdefault((load, speculated), _Rounds()).add(self.forget, tokens / sessions, wall_ms)
+        self._since[load, speculated] = 0
 
-    def goodput(self, running: int, drafted: bool) -> float | None:
-        """Tokens per request per millisecond of rounds at this load that drafted (or not); None until measured."""
-        rounds = self._rounds.get((self.load(running), drafted))
+    def goodput(self, running: int, speculated: bool) -> float | None:
+        """Tokens per request per millisecond of rounds at this load that speculated (or not); None until measured."""
+        rounds = self._rounds.get((self.load(running), speculated))
         return rounds.goodput if rounds else None
 
-    def drafting_loses(self, running: int) -> bool:
-        """Whether plain decoding is measured ahead of drafting at this load, beyond the measurements' noise."""
-        drafting, plain = self._rounds.get((self.load(running), True)), self._rounds.get((self.load(running), False))
-        if drafting is None or plain is None:
+    def speculating_loses(self, running: int) -> bool:
+        """Whether plain decoding is measured ahead of speculating at this load, beyond the measurements' noise."""
+        speculating, plain = self._rounds.get((self.load(running), True)), self._rounds.get((self.load(running), False))
+        if speculating is None or plain is None:
             return False
-        return plain.goodput - drafting.goodput > LOSES_BY_SE * math.sqrt(drafting.variance() + plain.variance())
+        return plain.goodput - speculating.goodput > LOSES_BY_SE * math.sqrt(speculating.variance() + plain.variance())
 
-    def rounds_since(self, running: int, drafted: bool) -> int:
-        """Rounds at this load since one that drafted (or not) was measured."""
-        return self._since.get((self.load(running), drafted), 0)
+    def rounds_since(self, running: int, speculated: bool) -> int:
+        """Rounds at this load since one that speculated (or not) was measured."""
+        return self._since.get((self.load(running), speculated), 0)

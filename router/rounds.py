@@ -8,8 +8,8 @@ from stage to stage; what lasts beyond the round stays in `RequestState`.
 The stages share one `RoundContext`: the scheduler's settings, the drafter services,
 the routing policy, the speculation controller and the router's counters, so that a
 config reload swaps the drafters and the policies in one place for all of them.
-`LaneKinds` tracks which lanes' rounds draft, so that a round's measured goodput
-counts only among rounds of its own kind.
+`RoundMeasures` tells adaptive speculation what each round delivered, counted
+only among rounds of its own kind (`LaneKinds`).
 """
 
 from __future__ import annotations
@@ -111,8 +111,9 @@ class RoundPlan:
     # included): a stage's calls run concurrently, so the longest is what the round waited for.
     draft_calls_ms: float = 0.0
     verify_calls_ms: float = 0.0
-    # Whether routing weighed the round's requests: not where the measured check sent the whole round to plain
-    # decoding, which then scores no prompt either (a prompt is scored in the first round that routes it).
+    # Whether routing weighed the round's requests (the round speculates): not where it decodes plainly, unrouted,
+    # scoring no prompt either (a prompt is scored in the first round that routes it), because the measured check
+    # sent it there or because none of its requests drafts at all.
     routed: bool = True
 
     def drafting(self) -> list[RequestPlan]:
@@ -137,24 +138,78 @@ class RoundPlan:
 
 
 class LaneKinds:
-    """Whether each lane's round in flight (or its last) drafts; None while the lane is idle.
+    """Each lane's kind of round in flight (or its last); None while the lane is idle. True is the kind that, right
+    after a round of the other kind, first catches its drafters up on the tokens committed without them: drafting
+    against plain rounds (what the cost model learns from), or speculating against rounds the measured check
+    decoded plainly (what that check compares; router/speculation.py).
 
-    A round measures its way of decoding (router/speculation.py) cleanly only among rounds of its own
-    kind: another lane's round beside it shares the verifier (a plain round merged with, or queued
-    behind, a drafting round's wider pass looks slow), and a drafting round right after a plain one
-    in its lane first catches its drafters up on the tokens committed without them."""
+    A round measures its kind cleanly only among rounds of its own kind: another lane's round beside it shares
+    the verifier (a plain round merged with, or queued behind, a drafting round's wider pass looks slow), and a
+    round of kind True right after one of the other kind in its lane pays for the switch, not for its kind. A
+    lane's first round after idle is a new request's: its drafters prefill the prompt, which the cost model's
+    drafting term leaves out (`after_idle_clean` False), and which is part of what speculating costs a request,
+    beside its prompt's prefill and scoring (True)."""
 
-    def __init__(self, lanes: int):
+    def __init__(self, lanes: int, after_idle_clean: bool = False):
         self._kinds: list[bool | None] = [None] * lanes
+        self._after_idle_clean = after_idle_clean
 
-    def start(self, lane: int, drafted: bool) -> bool:
-        """The lane starts a round that drafts (or not); whether it starts clean."""
-        previous, self._kinds[lane] = self._kinds[lane], drafted
-        return (previous is True or not drafted) and self.beside_own_kind(lane, drafted)
+    def start(self, lane: int, kind: bool) -> bool:
+        """The lane starts a round of this kind; whether it starts clean."""
+        previous, self._kinds[lane] = self._kinds[lane], kind
+        switched = kind and previous is not True and (previous is not None or not self._after_idle_clean)
+        return not switched and self.beside_own_kind(lane, kind)
 
-    def beside_own_kind(self, lane: int, drafted: bool) -> bool:
-        """Whether every other busy lane's round drafts as this one does (or not)."""
-        return all(kind is None or kind == drafted for i, kind in enumerate(self._kinds) if i != lane)
+    def beside_own_kind(self, lane: int, kind: bool) -> bool:
+        """Whether every other busy lane's round is of this one's kind."""
+        return all(other is None or other == kind for i, other in enumerate(self._kinds) if i != lane)
 
     def idle(self, lane: int) -> None:
         self._kinds[lane] = None
+
+
+class RoundMeasures:
+    """What each lane's rounds teach adaptive speculation (router/speculation.py). The measured check compares the
+    two ways a round can go: speculating (the plan routed it: drafting, probing, or every request at k = 0, with new
+    prompts scored beside it) and plain decoding (the check sent it to k = 0, unrouted), so every cost of speculating
+    (its plans, its probes, its prompts scored) is in speculating's rounds. The cost model learns what rounds that
+    draft take beyond its prediction, against rounds that do not. Each counts a round only among rounds of its own
+    kind (`LaneKinds`)."""
+
+    def __init__(self, lanes: int):
+        self._kinds = LaneKinds(lanes)  # drafting or not: the cost model's
+        self._ways = LaneKinds(lanes, after_idle_clean=True)  # speculating or not: the measured check's
+
+    def start(self, lane: int, plan: RoundPlan) -> tuple[bool, bool]:
+        """The lane starts the planned round; whether it starts clean for the cost model, and for the check."""
+        return self._kinds.start(lane, bool(plan.drafting())), self._ways.start(lane, plan.routed)
+
+    def ended(
+        self,
+        lane: int,
+        plan: RoundPlan,
+        started: tuple[bool, bool],
+        controller: SpeculationController,
+        committed: int,
+        wall_ms: float,
+        running: int,
+        scored: bool,
+        prefilled: bool,
+    ) -> tuple[bool, bool]:
+        """The round (`start` said `started`) committed `committed` tokens in wall_ms with `running` requests in the
+        router; scored: specialists scored prompts beside it; prefilled: the verifier prefilled a new request's prompt
+        in it. Tells the controller; returns whether the round counted for the cost model and for the check."""
+        drafted, speculated = bool(plan.drafting()), plan.routed
+        # A prompt's prefill costs the verifier the same whichever way the lane decodes, and its rounds, several times
+        # a decoding round's length, are the check's largest noise: the check leaves them out, but for those where
+        # specialists score the prompt beside it, which is speculating's cost.
+        in_way = started[1] and self._ways.beside_own_kind(lane, speculated) and (scored or not prefilled)
+        controller.observe_round(len(plan.requests), committed, wall_ms, speculated, in_way, running)
+        # Prompt scoring is no draft call's: the cost model leaves rounds with it out.
+        clean = started[0] and self._kinds.beside_own_kind(lane, drafted) and not scored
+        controller.observe_modelled(plan.modelled_ms, wall_ms, drafted, clean, committed)
+        return clean, in_way
+
+    def idle(self, lane: int) -> None:
+        self._kinds.idle(lane)
+        self._ways.idle(lane)

@@ -375,6 +375,10 @@ class RequestRouting:
     # Set while the domain waits for the specialists to score the prompt; the exemplar
     # classifier then runs only if no specialist could (it costs the router real CPU).
     needs_scores: bool = False
+    # False once a round decoded the request plainly before any round routed it (the measured check's plain
+    # decoding): the exemplars alone place its prompt when a round routes it. Scored then, the prompts that
+    # arrived while every round decoded plainly would all be scored in the round that speculates again.
+    scorable: bool = True
     prompt: str = ""
 
 
@@ -435,12 +439,15 @@ class DrafterRouter:
         return [name for name, profile in self.drafters.items() if profile.specialities]
 
     def place(self, routing: RequestRouting) -> None:
-        """Before a request's prompt is scored: where the exemplars place it clearly, their label is its domain and no
-        specialist spends a prefill on it. In the request's first round, not at submission, so that a call of many
-        prompts costs the event loop one classification per request admitted, not all of them at once."""
+        """Before a request's prompt is scored: where the exemplars place it clearly (or it is not `scorable`), their
+        label is its domain and no specialist spends a prefill on it. In the request's first round that routes, not
+        at submission, so that a call of many prompts costs the event loop one classification per request admitted,
+        not all of them at once."""
         sure = self.classifier.sure(routing.prompt, self.config.exemplar_margin)
         if sure:
             routing.domain, routing.needs_scores, routing.prompt = sure, False, ""
+        elif not routing.scorable:
+            self.assign_domain(routing, {})  # the exemplars' best guess, however close
 
     def assign_domain(self, routing: RequestRouting, scores: dict[str, float]) -> None:
         """scores: drafter -> its mean log-probability of the prompt. The best specialist's speciality wins;

@@ -39,7 +39,7 @@ import grpc
 from router.drafters import DrafterService
 from router.drafting import Drafting
 from router.request import RequestState
-from router.rounds import LaneKinds, RoundContext, RoundPlan, SchedulerConfig, concurrently
+from router.rounds import RoundContext, RoundMeasures, RoundPlan, SchedulerConfig, concurrently
 from router.routing import DrafterRouter
 from router.speculation import SpeculationController
 from router.verifiers import VerifierPool
@@ -77,7 +77,7 @@ class Scheduler:
         self._waiting: list[RequestState] = []
         self._turns: collections.Counter[str] = collections.Counter()  # requests admitted per client that still has some waiting
         self._lanes: list[list[RequestState]] = [[] for _ in range(max(1, config.pipeline_depth))]
-        self._kinds = LaneKinds(len(self._lanes))
+        self._measures = RoundMeasures(len(self._lanes))
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
 
@@ -153,14 +153,14 @@ class Scheduler:
         while True:
             self._admit(lane)
             if not lane:
-                self._kinds.idle(index)
+                self._measures.idle(index)
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             try:
                 await self._round(list(lane), index)
             except Exception:  # a bug must not stop the router: fail this round's requests, keep serving
-                self._kinds.idle(index)
+                self._measures.idle(index)
                 log.exception("round failed")
                 for state in lane:
                     state.error = (grpc.StatusCode.INTERNAL, "internal error in the router's scheduler; see its log")
@@ -202,29 +202,26 @@ class Scheduler:
         # whose specialists still score its prompt decodes plainly in this round, which verifies its prompt while
         # they score it (in the same round, beside its draft and verify calls), not after.
         plan = self.drafting.plan(batch, overlap=sum(1 for lane in self._lanes if lane) > 1, running=running)
-        debug = log.isEnabledFor(logging.DEBUG)  # one line a round, for scripts/round_breakdown.py
-        planned, prefills = time.perf_counter(), sum(1 for s in batch if s.rounds == 0) if debug else 0
-        drafted = bool(plan.drafting())
-        clean = self._kinds.start(index, drafted)
+        planned, prefills = time.perf_counter(), sum(1 for s in batch if s.rounds == 0)
+        clean_start = self._measures.start(index, plan)
         unscored = plan.to_score()
         ended = await concurrently([self._draft_and_verify(plan), *([self.drafting.score_prompts(unscored)] if unscored else [])])
         self.context.metrics.rounds += 1
-        # What the round delivered in its wall time, for the controller's check that drafting pays; it
-        # measures a way of decoding only among rounds of that way, beside it and before it (LaneKinds), and
-        # without prompt scoring beside it.
-        clean = clean and self._kinds.beside_own_kind(index, drafted) and not unscored
         wall_ms = (ended[0] - started) * 1e3
         committed = sum(len(s.tokens) for s in batch) - before
-        self.context.controller.observe_round(len(batch), committed, wall_ms, drafted, clean, running, plan.modelled_ms)
+        # What the round delivered in its wall time, for the controller's measurements.
+        measures, controller = self._measures, self.context.controller
+        clean, in_way = measures.ended(index, plan, clean_start, controller, committed, wall_ms, running, bool(unscored), prefills > 0)
         # Every request of the round waited for the router's own part of it.
         router_ms = plan.router_ms(wall_ms)
         for state in batch:
             state.timing_ms["router"] += router_ms
         if self.context.telemetry is not None:
             self.context.telemetry.phases["router"].observe(router_ms / 1e3)
-        if debug:
+        if log.isEnabledFor(logging.DEBUG):  # one line a round, for scripts/round_breakdown.py
             log.debug(
-                "round: requests=%d k=%d committed=%d plan_ms=%.3f draft_ms=%.3f verify_ms=%.3f wall_ms=%.3f scored=%d prefills=%d clean=%d",
+                "round: requests=%d k=%d committed=%d plan_ms=%.3f draft_ms=%.3f verify_ms=%.3f wall_ms=%.3f scored=%d prefills=%d"
+                " clean=%d routed=%d in_way=%d modelled_ms=%.3f expected=%.2f extra_ms=%.3f",
                 len(batch),
                 sum(r.k for r in plan.requests),
                 committed,
@@ -235,7 +232,20 @@ class Scheduler:
                 len(unscored),
                 prefills,
                 clean,
+                plan.routed,
+                in_way,
+                plan.modelled_ms or 0.0,
+                self._expected_tokens(plan),
+                self.context.controller.cost.drafting_extra,
             )
+
+    def _expected_tokens(self, plan: RoundPlan) -> float:
+        """The tokens the plan expected the round to commit, by its leads' scaled acceptance (the debug line's)."""
+        scale, expected = self.context.controller.acceptance_scale, 0.0
+        for request in plan.requests:
+            a = scale.scaled(request.drafters[0], request.acceptance) if request.k > 0 else 0.0
+            expected += sum(a**i for i in range(request.k + 1)) + request.expected_gain
+        return expected
 
     async def _draft_and_verify(self, plan: RoundPlan) -> float:
         """The round's draft and verify stages; returns when they ended (time.perf_counter)."""

@@ -40,18 +40,26 @@ and with them it drafted where plain decoding was faster: 0.82x the tokens/s of
 speculation off at 1 client and 0.69x at 16 on an H200 with a small target,
 0.85x on the 2-core CPU machine at 4 clients, with 2.4-3.0 tokens a round. So
 the controller measures tokens committed per request per millisecond of round
-wall time, in rounds that drafted and in rounds that did not, at comparable
-load (requests running), and while drafting delivers less than plain decoding
-every request decodes plainly (k = 0, no probes). "Less" means beyond the
+wall time at comparable load (requests running), in the two ways a round can
+go: speculating (the plan routes the round's requests and drafts, probes, or
+keeps them all at k = 0; specialists score the new prompts beside it) and
+plain decoding (the check sends the round to k = 0 for all, unrouted, as
+cheaply as speculation off). Every cost of speculating is in its rounds:
+rounds it plans at k = 0 pay for the plan, probes for their draft calls, new
+prompts for their scoring. Judged by whether a round drafted, those costs
+would fall on plain decoding's side or on neither, and the check would keep
+speculating where it loses to speculation off (docs/benchmarks/plan-cost.md).
+While speculating delivers less than plain decoding every request decodes
+plainly. "Less" means beyond the
 measurements' noise (two standard errors of the difference): a round that
 drafts commits 1 to k + 1 tokens a request, and judged by point estimates, a
 few unlucky rounds sent every request to plain decoding for `remeasure_every`
 rounds, so that at one client the default drafted in about a quarter of its rounds and
 served 0.82-0.87x what drafting in all of them served. Whichever way it decodes,
 once every `remeasure_every` rounds at a load it decodes the other way, so both
-measurements stay current and it returns to drafting when drafting pays again
+measurements stay current and it returns to speculating when that pays again
 (`remeasure_every: 0` turns the check off).
-Only rounds run among rounds of their own kind are measured (the scheduler
+Only rounds run among rounds of their own way are measured (the scheduler
 says which: router/rounds.py `LaneKinds`). Times are passed in
 (`observe_round`): the decision reads no clock.
 
@@ -282,34 +290,32 @@ class SpeculationController:
         """Drafters stop once their confidence falls below it (0: never)."""
         return self.settings.stop_below_confidence
 
-    def observe_round(
-        self,
-        sessions: int,
-        tokens: int,
-        wall_ms: float,
-        drafted: bool,
-        clean: bool = True,
-        running: int | None = None,
-        modelled_ms: float | None = None,
-    ) -> None:
+    def observe_round(self, sessions: int, tokens: int, wall_ms: float, speculated: bool, clean: bool = True, running: int | None = None) -> None:
         """A round of `sessions` requests committed `tokens` tokens in all and took wall_ms (measured by the
-        caller), with `running` requests in the router (default: its own). drafted: some request drafted.
-        clean: it ran among rounds of its own kind (router/rounds.py `LaneKinds`); only clean rounds count.
-        modelled_ms: what the cost model expected the round to take (`RoundPlan.modelled_ms`)."""
-        self.measured.observe(running or sessions, sessions, tokens, wall_ms, drafted, clean)
+        caller), with `running` requests in the router (default: its own), for the measured check. speculated: the
+        plan routed it (`RoundPlan.routed`: drafting, probing or every request at k = 0), not one the check sent to
+        plain decoding. clean: it ran among rounds of its own way (router/rounds.py `LaneKinds`); only clean rounds
+        count."""
+        self.measured.observe(running or sessions, sessions, tokens, wall_ms, speculated, clean)
+
+    def observe_modelled(self, modelled_ms: float | None, wall_ms: float, drafted: bool, clean: bool = True, tokens: int = 1) -> None:
+        """A round the cost model expected to take modelled_ms (`RoundPlan.modelled_ms`; None: no model weighed it) took
+        wall_ms and committed `tokens`. drafted: some request drafted. clean: it ran among rounds that drafted as it did,
+        with no prompt scored beside it; only clean rounds that committed something teach the model."""
         if clean and modelled_ms is not None and tokens > 0:
             self.cost.observe_round(modelled_ms, wall_ms, drafted)
 
-    def drafts(self, running: int) -> bool:
-        """Whether a round, with this many requests running, drafts as planned (True) or decodes plainly, k = 0 for all."""
+    def speculates(self, running: int) -> bool:
+        """Whether a round, with this many requests running, speculates (True: routed, drafting as planned) or decodes
+        plainly, k = 0 for all and unrouted."""
         every = self.settings.remeasure_every
         if every == 0:
             return True  # the measured check is off: draft as the cost model plans
-        if self.measured.drafting_loses(running):
-            # Measured slower than plain decoding: decode plainly, drafting now and then to see whether it pays again.
-            return self.measured.rounds_since(running, drafted=True) >= every
-        # Drafting pays, or is not measured yet: draft as planned, decoding plainly now and then to keep measuring that.
-        return self.measured.rounds_since(running, drafted=False) < every
+        if self.measured.speculating_loses(running):
+            # Measured slower than plain decoding: decode plainly, speculating now and then to see whether it pays again.
+            return self.measured.rounds_since(running, speculated=True) >= every
+        # Speculating pays, or is not measured yet: draft as planned, decoding plainly now and then to keep measuring that.
+        return self.measured.rounds_since(running, speculated=False) < every
 
     def plan(
         self,
@@ -333,7 +339,7 @@ class SpeculationController:
         if not self.adaptive:
             return list(max_draft_tokens)
         n = len(max_draft_tokens)
-        if n and not self.drafts(running or n):
+        if n and not self.speculates(running or n):
             return [0] * n  # plain decoding for everyone: drafting measured slower (module docstring)
         best_goodput, ks = n / self.cost.round_ms([0] * n) if n else 0.0, [0] * n
         eligible = [i for i in range(n) if acceptance[i] >= self.min_acceptance]

@@ -1,10 +1,11 @@
 """Where a served run's rounds went, by kind: from the router's per-round debug lines.
 
 `specfleet serve` with SPECFLEET_LOG_LEVEL=DEBUG logs one line a round (router/scheduler.py `_round`). This
-groups a run's rounds of one batch size by what they did: plain (nobody drafted), plain while new prompts were
-prefilled, plain while specialists scored new prompts, drafting rounds that only probed (at most one draft token
-a request), and drafting rounds; for each, how many, the median plan, draft-call, verify-call and wall times, the
-tokens committed a round, and its share of the wall time. It is how docs/benchmarks/plan-cost.md found what the
+groups a run's rounds of one batch size by what they did: plain and unrouted (the measured check decoded them
+plainly), plain (routed, nobody drafted), plain while new prompts were prefilled, plain while specialists scored
+new prompts, drafting rounds that only probed (at most one draft token a request), and drafting rounds; for each,
+how many, the median plan, draft-call, verify-call and wall times, the tokens committed a round, and its share of
+the wall time. It is how docs/benchmarks/plan-cost.md found what the
 default spends beside speculation off at four clients.
 
     SPECFLEET_LOG_LEVEL=DEBUG specfleet serve ... 2> serve.log
@@ -18,6 +19,14 @@ import re
 import statistics
 
 LINE = re.compile(r"round: (.*)$")
+KINDS = (
+    "plain, unrouted (the measured check)",
+    "plain",
+    "plain, prefilling prompts",
+    "plain, scoring prompts",
+    "probing (k <= 1 a request)",
+    "drafting",
+)
 
 
 def rounds(path: str, skip: int) -> list[dict[str, float]]:
@@ -32,6 +41,8 @@ def rounds(path: str, skip: int) -> list[dict[str, float]]:
 
 def kind(r: dict[str, float]) -> str:
     if r["k"] == 0:
+        if not r.get("routed", 1):
+            return "plain, unrouted (the measured check)"
         return "plain, scoring prompts" if r["scored"] else "plain, prefilling prompts" if r["prefills"] else "plain"
     return "probing (k <= 1 a request)" if r["k"] <= r["requests"] else "drafting"
 
@@ -47,7 +58,7 @@ def main() -> int:
     print(f"{len(chosen)} rounds of {args.requests} requests, {total / 1e3:.2f} s")
     print("| rounds | n | plan ms | draft ms | verify ms | wall ms | tokens a round | share of wall |")
     print("|---|---|---|---|---|---|---|---|")
-    for name in ("plain", "plain, prefilling prompts", "plain, scoring prompts", "probing (k <= 1 a request)", "drafting"):
+    for name in KINDS:
         group = [r for r in chosen if kind(r) == name]
         if not group:
             continue

@@ -44,7 +44,7 @@ def test_reload_replaces_each_section_whole_and_keeps_what_was_learned(tmp_path)
     old_sections = (old.config.settings, old.controller.settings, front_door.limits.requests)
     cost, measured = old.controller.cost, old.controller.measured
     cost.verify_base = 3.5  # learned since start-up
-    old.controller.observe_round(8, 8, 5.0, drafted=False)
+    old.controller.observe_round(8, 8, 5.0, speculated=False)
 
     path = write(
         tmp_path / "b.yaml",
@@ -70,7 +70,7 @@ def test_reload_replaces_each_section_whole_and_keeps_what_was_learned(tmp_path)
     assert old_sections[0].max_running == 4 and old_sections[2].max_tokens_limit == 512
     # what the router learned stays; what the target dictates stays
     assert shared.controller.cost is cost and cost.verify_base == 3.5 and shared.router.store is store
-    assert shared.controller.measured is measured and measured.goodput(8, drafted=False) == 8 / 8 / 5.0
+    assert shared.controller.measured is measured and measured.goodput(8, speculated=False) == 8 / 8 / 5.0
     assert (front_door.limits.vocab_size, front_door.limits.max_context, front_door.limits.max_prompt_chars) == (100, 1024, 5000)
     assert shared.config.pipeline_depth == 2
 

@@ -189,7 +189,7 @@ def test_what_helpers_add_is_measured_against_what_was_expected_of_them():
     assert abs(gain.efficiency - 0.75) < 0.05
 
 
-def _request(session_id: str) -> RequestState:
+def _request(session_id: str, max_draft_tokens: int = 4) -> RequestState:
     spec = RequestSpec(
         request_id=session_id,
         session_id=session_id,
@@ -198,7 +198,7 @@ def _request(session_id: str) -> RequestState:
         sampling=SamplingParams(),
         stop=[],
         stop_at_eos=True,
-        max_draft_tokens=4,
+        max_draft_tokens=max_draft_tokens,
         domain="code",
     )
     return RequestState(spec=spec, tokenizer=None, eos_token_id=0, max_context=512, deadline=None, tokens=[1, 2, 3])
@@ -330,16 +330,16 @@ def test_a_round_the_measured_check_sends_to_plain_decoding_routes_nothing_and_s
     config = RoutingConfig(routing_policy="expertise", default_drafter="general", exemplar_margin=0.01)
     profiles = [DrafterProfile("general"), DrafterProfile("code", specialities=["code"])]
 
-    def plan(plain_ms: float, drafting_ms: float):
+    def plan(plain_ms: float, drafting_ms: float, max_draft_tokens: int = 4):
         router = DrafterRouter(config, profiles, exemplars, ExpertiseStore(0.99))
         controller = SpeculationController(cost(0.5), settings=SpeculationConfig(remeasure_every=32))
         for _ in range(40):  # two requests running: plain rounds commit one token each, drafting rounds two
-            controller.observe_round(2, 2, plain_ms, drafted=False, running=2)
-            controller.observe_round(2, 4, drafting_ms, drafted=True, running=2)
+            controller.observe_round(2, 2, plain_ms, speculated=False, running=2)
+            controller.observe_round(2, 4, drafting_ms, speculated=True, running=2)
         drafting = Drafting(RoundContext(SchedulerConfig(), hosted, router, controller), in_background=lambda coroutine: None)
-        batch = [_request(f"s{i}") for i in range(2)]
+        batch = [_request(f"s{i}", max_draft_tokens) for i in range(2)]
         for state in batch:
-            state.routing = router.start("def f(x): return x", domain_hint="")
+            state.routing = router.start("def f(x): return x", domain_hint="", drafts=max_draft_tokens > 0)
         return drafting.plan(batch, overlap=False, running=2), batch
 
     plain, batch = plan(plain_ms=4.0, drafting_ms=12.0)  # drafting: 2 tokens in 12 ms against 1 in 4
@@ -350,3 +350,31 @@ def test_a_round_the_measured_check_sends_to_plain_decoding_routes_nothing_and_s
     assert not any(s.routing.needs_scores for s in batch)  # the exemplars placed them
     batch[0].routing.needs_scores = True  # one the exemplars could not place: scored in a round that routes
     assert routed.to_score() == [batch[0]]
+    # A round none of whose requests drafts at all (speculation off for each) decodes plainly, unrouted, whatever
+    # the check measured: it is plain decoding's round, not speculating's.
+    assert not plan(plain_ms=8.0, drafting_ms=9.0, max_draft_tokens=0)[0].routed
+
+
+def test_a_prompt_first_decoded_plainly_by_the_measured_check_is_placed_by_the_exemplars_not_scored():
+    """A request whose first round the check decoded plainly, unrouted, is not scored when a round routes it: the
+    exemplars' best guess places it, so that a round that speculates again does not pay for every prompt that arrived
+    while the lane decoded plainly. A request routed from its first round is scored as before."""
+    service = DrafterService("left", [SimpleNamespace(name="left-0")])
+    hosted = {"general": service, "code": service}
+    exemplars = DomainClassifier({"code": ["def f(x): return x"], "en": ["the cat sat on the mat"]})
+    config = RoutingConfig(routing_policy="expertise", default_drafter="general", exemplar_margin=100.0)  # nothing sure
+    router = DrafterRouter(config, [DrafterProfile("general"), DrafterProfile("code", specialities=["code"])], exemplars, ExpertiseStore(0.99))
+    controller = SpeculationController(cost(0.5), settings=SpeculationConfig(remeasure_every=32))
+    for _ in range(40):  # plain decoding measured ahead
+        controller.observe_round(2, 2, 4.0, speculated=False, running=2)
+        controller.observe_round(2, 4, 12.0, speculated=True, running=2)
+    drafting = Drafting(RoundContext(SchedulerConfig(), hosted, router, controller), in_background=lambda coroutine: None)
+    early = _request("early")
+    early.routing = router.start("def f(x): return x", domain_hint="")
+    assert not drafting.plan([early], overlap=False, running=2).routed
+    controller.settings = SpeculationConfig(remeasure_every=0)  # from now on every round routes
+    late = _request("late")
+    late.routing = router.start("def f(x): return x", domain_hint="")
+    routed = drafting.plan([early, late], overlap=False, running=2)
+    assert routed.routed and routed.to_score() == [late]
+    assert not early.routing.needs_scores and early.routing.domain == "code"

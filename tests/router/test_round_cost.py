@@ -55,13 +55,13 @@ def test_what_drafting_rounds_cost_beyond_the_model_makes_marginal_requests_deco
     settings = SpeculationConfig(remeasure_every=0)
     controller = SpeculationController(model(), settings=settings)
     assert controller.plan([0.5], [4]) != [0]
-    controller.observe_round(1, 1, 6.0, drafted=False, modelled_ms=5.2)
-    controller.observe_round(1, 2, 20.0, drafted=True, clean=False, modelled_ms=8.0)
+    controller.observe_modelled(5.2, 6.0, drafted=False)
+    controller.observe_modelled(8.0, 20.0, drafted=True, clean=False)
     assert controller.cost.drafting_extra == 0.0
     for _ in range(300):
-        controller.observe_round(1, 1, 6.0, drafted=False, modelled_ms=5.2)
+        controller.observe_modelled(5.2, 6.0, drafted=False)
         for _ in range(10):
-            controller.observe_round(1, 2, 12.8, drafted=True, modelled_ms=8.0)
+            controller.observe_modelled(8.0, 12.8, drafted=True)
     assert 3.9 < controller.cost.drafting_extra <= 4.0
     assert controller.plan([0.5], [4]) == [0]
     assert controller.plan([0.95], [4]) != [0]

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from router.rounds import LaneKinds
+from router.rounds import LaneKinds, RequestPlan, RoundMeasures, RoundPlan
 from router.speculation import CostModel, SpeculationController
 from specfleet.config import SpeculationConfig
 
@@ -39,12 +39,13 @@ class Lane:
     def run(self, rounds: int) -> list[list[int]]:
         n, plans = len(self.acceptance), []
         for _ in range(rounds):
+            speculated = self.controller.speculates(n)
             ks = self.controller.plan(self.acceptance, [4] * n)
             drafted = any(ks)
             cold = drafted and not self.drafted_last
             wall = (self.cold_ms if cold else self.drafting_ms) if drafted else PLAIN_MS
             tokens = n * TOKENS if drafted else n
-            self.controller.observe_round(n, round(tokens), wall, drafted, clean=not cold)
+            self.controller.observe_round(n, round(tokens), wall, speculated, clean=not cold)
             self.rounds, self.drafted_last = self.rounds + 1, drafted
             self.tokens, self.ms = self.tokens + tokens, self.ms + wall
             plans.append(ks)
@@ -61,7 +62,7 @@ def test_drafting_that_does_not_pay_under_the_measured_costs_falls_back_to_k_zer
     assert all(k > 0 for k in controller.plan(acceptance[:7], [4] * 7))  # the model alone drafts
     lane = Lane(controller, acceptance, LOSING_MS)
     lane.run(3 * EVERY)
-    assert controller.measured.drafting_loses(len(acceptance))
+    assert controller.measured.speculating_loses(len(acceptance))
     lane.tokens = lane.ms = 0.0
     plans = lane.run(4 * EVERY)
     drafting = [ks for ks in plans if any(ks)]
@@ -74,7 +75,7 @@ def test_drafting_that_pays_under_the_measured_costs_keeps_k_above_zero():
     controller = optimistic_controller()
     lane = Lane(controller, [0.8] * 8, PAYING_MS)
     lane.run(3 * EVERY)
-    assert not controller.measured.drafting_loses(8) and controller.measured.goodput(8, drafted=False) is not None
+    assert not controller.measured.speculating_loses(8) and controller.measured.goodput(8, speculated=False) is not None
     plans = lane.run(4 * EVERY)
     plain = [ks for ks in plans if not any(ks)]
     # Every request drafts, but in one round in EVERY + 1, which keeps plain decoding measured.
@@ -106,16 +107,16 @@ def test_loads_are_compared_apart():
     for _ in range(5 * EVERY):
         crowded.run(1)
         alone.run(1)
-    assert controller.measured.drafting_loses(16) and not controller.measured.drafting_loses(1)
+    assert controller.measured.speculating_loses(16) and not controller.measured.speculating_loses(1)
     assert sum(1 for ks in crowded.run(EVERY) if any(ks)) <= 2 and sum(1 for ks in alone.run(EVERY) if any(ks)) >= EVERY - 1
 
 
 def test_rounds_that_commit_nothing_are_not_measured():
     """A failed verify call or no live verifier: a fault, not what either way of decoding costs."""
     controller = optimistic_controller()
-    controller.observe_round(8, 0, 500.0, drafted=False)
-    controller.observe_round(8, 8, PLAIN_MS, drafted=False)
-    assert controller.measured.goodput(8, drafted=False) == 1 / PLAIN_MS
+    controller.observe_round(8, 0, 500.0, speculated=False)
+    controller.observe_round(8, 8, PLAIN_MS, speculated=False)
+    assert controller.measured.goodput(8, speculated=False) == 1 / PLAIN_MS
 
 
 def test_without_adaptive_speculation_every_request_drafts_what_it_asked_for():
@@ -128,15 +129,48 @@ def test_a_round_is_measured_only_among_rounds_of_its_own_kind():
     """Two lanes share the verifier: a plain round beside a drafting one is merged with, or queued behind,
     its wider pass, and a drafting round right after a plain one first catches its drafters up."""
     kinds = LaneKinds(2)
-    assert not kinds.start(0, drafted=True)  # the lane's first round: its drafters catch up on the prompt
-    assert kinds.start(0, drafted=True)  # the other lane is idle
-    assert not kinds.start(1, drafted=True) and kinds.start(1, drafted=True)  # beside lane 0's drafting
-    assert not kinds.start(0, drafted=False)  # plain beside a drafting round
-    assert kinds.start(1, drafted=False)  # plain right after drafting in its own lane: nothing to catch up
-    assert kinds.beside_own_kind(0, drafted=False)  # lane 0's round ends beside a plain one, but it started mixed
-    assert not kinds.start(1, drafted=True)  # drafting after plain: its drafters catch up
+    assert not kinds.start(0, True)  # the lane's first round: its drafters catch up on the prompt
+    assert kinds.start(0, True)  # the other lane is idle
+    assert not kinds.start(1, True) and kinds.start(1, True)  # beside lane 0's drafting
+    assert not kinds.start(0, False)  # plain beside a drafting round
+    assert kinds.start(1, False)  # plain right after drafting in its own lane: nothing to catch up
+    assert kinds.beside_own_kind(0, False)  # lane 0's round ends beside a plain one, but it started mixed
+    assert not kinds.start(1, True)  # drafting after plain: its drafters catch up
     kinds.idle(1)
-    assert kinds.start(0, drafted=False) and not kinds.start(0, drafted=True)
+    assert kinds.start(0, False) and not kinds.start(0, True)
+    # Ways of decoding (speculating or not): a new request's first round is what speculating costs a request.
+    ways = LaneKinds(2, after_idle_clean=True)
+    assert ways.start(0, True) and ways.start(1, True)
+    assert not ways.start(0, False)  # plain beside speculating
+    assert ways.start(1, False) and not ways.start(1, True)  # speculating right after plain in its lane: catching up
+    ways.idle(0)
+    ways.idle(1)
+    assert ways.start(1, True)
+
+
+def test_rounds_the_plan_routes_are_speculating_s_whatever_they_draft():
+    """A round the plan routes pays for the plan, and beside it for probes and new prompts scored, even where it leaves
+    every request at k = 0: it is speculating's round, compared with rounds the check decoded plainly and unrouted.
+    Routed rounds that draft nothing but take 7 ms against 6 send the lane to plain decoding, which then speculates
+    only to remeasure. A new request's first round after the lane idled counts where its prompt is scored beside it,
+    which is speculating's cost; a prompt's prefill alone costs the same either way, and its round is left out."""
+    controller, measures, spoke = SpeculationController(cost=CostModel(pinned=True)), RoundMeasures(1), []
+    for _ in range(20 * EVERY):
+        speculated = controller.speculates(4)
+        plan = RoundPlan([RequestPlan(None) for _ in range(4)], routed=speculated)  # every request at k = 0
+        started = measures.start(0, plan)
+        measures.ended(0, plan, started, controller, 4, 7.0 if speculated else 6.0, 4, scored=False, prefilled=False)
+        spoke.append(speculated)
+    assert controller.measured.speculating_loses(4)
+    assert sum(spoke[-10 * EVERY :]) <= 10 * 2 + 2, sum(spoke[-10 * EVERY :])  # to remeasure: two rounds in EVERY
+    measures.idle(0)
+    plan = RoundPlan([RequestPlan(None)], routed=True)
+    assert measures.ended(0, plan, measures.start(0, plan), controller, 1, 40.0, 4, scored=True, prefilled=True) == (False, True)
+    # A prompt prefilled without scoring costs the same either way: the check leaves the round out.
+    for routed in (True, False):
+        plan = RoundPlan([RequestPlan(None)], routed=routed)
+        assert measures.ended(0, plan, measures.start(0, plan), controller, 1, 40.0, 4, scored=False, prefilled=True)[1] is False
+        assert measures.ended(0, plan, measures.start(0, plan), controller, 1, 4.0, 4, scored=False, prefilled=False)[1] is True
 
 
 def test_remeasure_every_zero_turns_the_measured_check_off():
@@ -144,9 +178,9 @@ def test_remeasure_every_zero_turns_the_measured_check_off():
     controller = optimistic_controller()
     controller.settings = SpeculationConfig(remeasure_every=0)
     for _ in range(3 * EVERY):
-        controller.observe_round(4, 4, PLAIN_MS, drafted=False, running=4)
-        controller.observe_round(4, 4, 10 * LOSING_MS, drafted=True, running=4)
-    assert controller.measured.drafting_loses(4) and controller.drafts(4)
+        controller.observe_round(4, 4, PLAIN_MS, speculated=False, running=4)
+        controller.observe_round(4, 4, 10 * LOSING_MS, speculated=True, running=4)
+    assert controller.measured.speculating_loses(4) and controller.speculates(4)
     assert all(k > 0 for k in controller.plan([0.9] * 4, [4] * 4, running=4))
 
 
@@ -158,11 +192,12 @@ def noisy_lane(acceptance: float, rounds: int, seed: int) -> tuple[float, float]
     controller = optimistic_controller()
     drafted_last, drafting, tokens, ms = False, 0, 0, 0.0
     for r in range(rounds):
+        speculated = controller.speculates(1)
         drafted = any(controller.plan([0.8], [4]))
         accepted = next((i for i in range(4) if rng.random() >= acceptance), 4)
         round_tokens, wall = (1 + accepted, 15.0) if drafted else (1, 8.0)
         cold = drafted and not drafted_last
-        controller.observe_round(1, round_tokens, wall + 5.0 * cold, drafted, clean=not cold)
+        controller.observe_round(1, round_tokens, wall + 5.0 * cold, speculated, clean=not cold)
         drafted_last, drafting, tokens, ms = drafted, drafting + drafted, tokens + round_tokens, ms + wall + 5.0 * cold
     return drafting / rounds, tokens / ms
 
