@@ -376,8 +376,9 @@ class RequestRouting:
     # classifier then runs only if no specialist could (it costs the router real CPU).
     needs_scores: bool = False
     # False once a round decoded the request plainly before any round routed it (the measured check's plain
-    # decoding): the exemplars alone place its prompt when a round routes it. Scored then, the prompts that
-    # arrived while every round decoded plainly would all be scored in the round that speculates again.
+    # decoding), or its first routed round only remeasured speculating: the exemplars alone place its prompt.
+    # Scored then, the prompts that arrived while every round decoded plainly would all be scored in the round
+    # that speculates again.
     scorable: bool = True
     prompt: str = ""
 

@@ -305,6 +305,11 @@ class SpeculationController:
         if clean and modelled_ms is not None and tokens > 0:
             self.cost.observe_round(modelled_ms, wall_ms, drafted)
 
+    def remeasuring(self, running: int) -> bool:
+        """Whether speculating at this load is measured slower than plain decoding, so that a round that speculates
+        does so only to remeasure it (`speculates`)."""
+        return self.adaptive and self.settings.remeasure_every > 0 and self.measured.speculating_loses(running)
+
     def speculates(self, running: int) -> bool:
         """Whether a round, with this many requests running, speculates (True: routed, drafting as planned) or decodes
         plainly, k = 0 for all and unrouted."""

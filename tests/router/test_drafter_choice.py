@@ -358,7 +358,8 @@ def test_a_round_the_measured_check_sends_to_plain_decoding_routes_nothing_and_s
 def test_a_prompt_first_decoded_plainly_by_the_measured_check_is_placed_by_the_exemplars_not_scored():
     """A request whose first round the check decoded plainly, unrouted, is not scored when a round routes it: the
     exemplars' best guess places it, so that a round that speculates again does not pay for every prompt that arrived
-    while the lane decoded plainly. A request routed from its first round is scored as before."""
+    while the lane decoded plainly. Nor is one whose first round speculates only to remeasure speculating. A request
+    routed from its first round while speculating is not measured to lose is scored as before."""
     service = DrafterService("left", [SimpleNamespace(name="left-0")])
     hosted = {"general": service, "code": service}
     exemplars = DomainClassifier({"code": ["def f(x): return x"], "en": ["the cat sat on the mat"]})
@@ -372,6 +373,13 @@ def test_a_prompt_first_decoded_plainly_by_the_measured_check_is_placed_by_the_e
     early = _request("early")
     early.routing = router.start("def f(x): return x", domain_hint="")
     assert not drafting.plan([early], overlap=False, running=2).routed
+    for _ in range(32):  # plain rounds until speculating is due to be remeasured
+        controller.observe_round(2, 2, 4.0, speculated=False, running=2)
+    remeasured = _request("remeasured")
+    remeasured.routing = router.start("def f(x): return x", domain_hint="")
+    plan = drafting.plan([remeasured], overlap=False, running=2)
+    assert plan.routed and plan.to_score() == [], "a round that only remeasures speculating scores no prompt"
+    assert not remeasured.routing.needs_scores and remeasured.routing.domain == "code"
     controller.settings = SpeculationConfig(remeasure_every=0)  # from now on every round routes
     late = _request("late")
     late.routing = router.start("def f(x): return x", domain_hint="")
