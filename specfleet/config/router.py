@@ -102,8 +102,8 @@ class SpeculationConfig:
 
     adaptive_speculation: bool = knob(
         True,
-        "choose k per request and round from predicted acceptance and load, 0 for all while drafting measures slower than plain "
-        "decoding; false: always num_draft_tokens",
+        "choose k per request and round from predicted acceptance and load, 0 for all (unrouted) while speculating measures "
+        "slower than plain decoding; false: always num_draft_tokens",
     )
     stop_below_confidence: float = knob(0.0, "drafters stop once the product of their confidences falls below this (0: never)", check=at_least(0))
     verify_base_ms: float = knob(8.0, "cost model: a verification pass's fixed cost (a guess until profiled)", check=at_least(0))
@@ -114,9 +114,9 @@ class SpeculationConfig:
     pin_cost_model: bool = knob(False, "keep the cost model as given: no profiling at start-up, no following online")
     remeasure_every: int = knob(
         32,
-        "adaptive speculation decodes plainly while rounds that draft are measured slower than rounds that do not; once per this "
-        "many rounds at a load it measures the other way (plain rounds while drafting, drafting rounds while not); 0: never falls "
-        "back (drafting as the cost model plans)",
+        "adaptive speculation decodes plainly while rounds that speculate (every round it routes) are measured slower than rounds "
+        "decoded plainly, unrouted; once per this many rounds at a load it measures the other way; 0: never falls back (drafting "
+        "as the cost model plans)",
         check=at_least(0),
     )
 
