@@ -58,7 +58,8 @@ rounds, so that at one client the default drafted in about a quarter of its roun
 served 0.82-0.87x what drafting in all of them served. Whichever way it decodes,
 once every `remeasure_every` rounds at a load it decodes the other way, so both
 measurements stay current and it returns to speculating when that pays again
-(`remeasure_every: 0` turns the check off).
+(`remeasure_every: 0` turns the check off); while speculating keeps losing, the
+remeasures grow apart (`MAX_REMEASURE_BACKOFF`), until one finds it ahead.
 Only rounds run among rounds of their own way are measured (the scheduler
 says which: router/rounds.py `LaneKinds`). Times are passed in
 (`observe_round`): the decision reads no clock.
@@ -80,6 +81,11 @@ from specfleet.config import SpeculationConfig
 # How fast each plain round pulls the measured cost of drafting rounds toward plain rounds', against a drafting round's
 # own pull (`CostModel.observe_round`).
 STALE_PULL = 0.1
+
+# While speculating keeps losing at a load, the rounds between its remeasures double with each remeasure that finds it
+# slower still, up to this many times `remeasure_every`: at four clients on one core the rounds that remeasure cost the
+# router's event loop several times an unrouted round (docs/benchmarks/measured-ways.md).
+MAX_REMEASURE_BACKOFF = 4
 
 # The configured starting point's one default (specfleet/config/router.py), not a copy of it.
 _CONFIGURED = SpeculationConfig()
@@ -280,6 +286,10 @@ class SpeculationController:
     fill: DraftFill = field(default_factory=DraftFill)
     # What each drafter's leads gained against what routing predicted of them; kept across reloads too.
     acceptance_scale: AcceptanceScale = field(default_factory=AcceptanceScale)
+    # Per load: remeasures in a row after which speculating still lost, and the loads whose remeasure is under way
+    # (`speculates`); kept across reloads too.
+    lost_in_a_row: dict[int, int] = field(default_factory=dict)
+    remeasures: set[int] = field(default_factory=set)
 
     @property
     def adaptive(self) -> bool:
@@ -297,6 +307,16 @@ class SpeculationController:
         plain decoding. clean: it ran among rounds of its own way (router/rounds.py `LaneKinds`); only clean rounds
         count."""
         self.measured.observe(running or sessions, sessions, tokens, wall_ms, speculated, clean)
+        load = self.measured.load(running or sessions)
+        if speculated and clean and tokens > 0 and wall_ms > 0 and load in self.remeasures:
+            # A remeasure that finds speculating ahead of plain decoding in its own round brings the next ones back to
+            # every `remeasure_every` rounds, so that the way back takes a few of them, not a few times the backoff.
+            self.remeasures.discard(load)
+            plain = self.measured.goodput(running or sessions, speculated=False)
+            if plain is not None and tokens / sessions / wall_ms >= plain:
+                self.lost_in_a_row.pop(load, None)
+            elif self.measured.speculating_loses(running or sessions):
+                self.lost_in_a_row[load] = min(self.lost_in_a_row.get(load, 0) + 1, MAX_REMEASURE_BACKOFF)
 
     def observe_modelled(self, modelled_ms: float | None, wall_ms: float, drafted: bool, clean: bool = True, tokens: int = 1) -> None:
         """A round the cost model expected to take modelled_ms (`RoundPlan.modelled_ms`; None: no model weighed it) took
@@ -317,8 +337,14 @@ class SpeculationController:
         if every == 0:
             return True  # the measured check is off: draft as the cost model plans
         if self.measured.speculating_loses(running):
-            # Measured slower than plain decoding: decode plainly, speculating now and then to see whether it pays again.
-            return self.measured.rounds_since(running, speculated=True) >= every
+            # Measured slower than plain decoding: decode plainly, speculating now and then to see whether it pays again,
+            # the longer apart the more remeasures in a row found it slower still (each costs its rounds).
+            load = self.measured.load(running)
+            backoff = min(2 ** self.lost_in_a_row.get(load, 0), MAX_REMEASURE_BACKOFF)
+            due = self.measured.rounds_since(running, speculated=True) >= every * backoff
+            if due:
+                self.remeasures.add(load)
+            return due
         # Speculating pays, or is not measured yet: draft as planned, decoding plainly now and then to keep measuring that.
         return self.measured.rounds_since(running, speculated=False) < every
 

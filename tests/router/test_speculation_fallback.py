@@ -12,7 +12,7 @@ import random
 import pytest
 
 from router.rounds import LaneKinds, RequestPlan, RoundMeasures, RoundPlan
-from router.speculation import CostModel, SpeculationController
+from router.speculation import MAX_REMEASURE_BACKOFF, CostModel, SpeculationController
 from specfleet.config import SpeculationConfig
 
 EVERY = SpeculationConfig().remeasure_every
@@ -98,6 +98,22 @@ def test_the_controller_follows_the_measured_costs_both_ways():
     lane.run(3 * EVERY)
     back = lane.run(2 * EVERY)
     assert sum(1 for ks in back if any(ks)) >= 2 * EVERY - 2 and all(min(ks) > 0 for ks in back if any(ks))
+
+
+def test_remeasures_grow_apart_while_speculating_keeps_losing_and_come_back_once_one_finds_it_ahead():
+    """Each remeasure costs its rounds (a catch-up and a measured one): while speculating keeps losing they come up to
+    MAX_REMEASURE_BACKOFF times remeasure_every apart; once one finds speculating ahead of plain decoding they come
+    every remeasure_every rounds again, and the lane is back to drafting within a few of them."""
+    controller = optimistic_controller()
+    lane, load = Lane(controller, [0.8] * 8, LOSING_MS), controller.measured.load(8)
+    lane.run(20 * EVERY)
+    late = lane.run(16 * EVERY)
+    assert sum(1 for ks in late if any(ks)) <= 2 * 16 // MAX_REMEASURE_BACKOFF + 2, "two rounds a remeasure"
+    assert controller.lost_in_a_row[load] >= 2
+    lane.drafting_ms = lane.cold_ms = PAYING_MS
+    lane.run(2 * MAX_REMEASURE_BACKOFF * EVERY)
+    assert sum(1 for ks in lane.run(2 * EVERY) if any(ks)) >= 2 * EVERY - 2
+    assert load not in controller.lost_in_a_row
 
 
 def test_loads_are_compared_apart():
