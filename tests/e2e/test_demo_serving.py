@@ -102,13 +102,20 @@ def test_the_exemplars_or_the_specialists_scoring_the_prompt_find_its_domain(dem
 
 def test_a_request_that_never_drafts_is_not_scored(demo_cluster):
     """Speculation off: no drafter will draft for the request, so no specialist prefills and scores its prompt (the
-    drafters spend nothing on it) and its output is the target's."""
+    drafters spend nothing on it) and its output is the target's, also in rounds it shares with requests that draft
+    (a round of requests that never draft is not routed at all)."""
     target = str(DEMO_MODELS / "target")
     text = prompts("de", 1)[0]
     request = generation_pb2.GenerateRequest(prompt=text, max_tokens=8, temperature=0.0, speculation=generation_pb2.SpeculationOptions(disabled=True))
     with demo_cluster.channel() as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
+        # Three requests that draft, streaming, so that every lane holds one while the request that never drafts runs.
+        streams = [stub.GenerateStream(greedy_request(p, 128, 4, stop_at_eos=False), timeout=300) for p in prompts("code", 3)]
+        for stream in streams:
+            next(stream)
         replies = [stub.Generate(request, timeout=300) for _ in range(2)]
+        for stream in streams:
+            list(stream)
     for reply in replies:
         assert list(reply.token_ids) == target_greedy(target, text, 8)
         spec = reply.speculation
