@@ -125,12 +125,11 @@ class Drafting:
 
         overlap: another lane's verification runs while this one drafts. running: requests in all lanes."""
         router, services, controller = self.context.router, self.context.drafters, self.context.controller
-        if not any(state.spec.max_draft_tokens > 0 for state in batch):
-            # No request of the round drafts at all (speculation off for each): plain decoding, unrouted, and measured
-            # as plain decoding, which it is.
-            return self._planned([RequestPlan(state) for state in batch], overlap, routed=False)
-        if controller.adaptive and not controller.speculates(running or len(batch)):
-            # Speculating measured slower than plain decoding at this load (router/measured_goodput.py): the round
+        # No request of the round drafts at all (speculation off for each): plain decoding, unrouted, and measured as
+        # plain decoding, which it is.
+        never_drafts = not any(state.spec.max_draft_tokens > 0 for state in batch)
+        if never_drafts or (controller.adaptive and not controller.speculates(running or len(batch))):
+            # Or speculating measured slower than plain decoding at this load (router/measured_goodput.py): the round
             # decodes plainly, as cheaply as with speculation off, without routing its requests or scoring prompts.
             for state in batch:
                 if state.routing.needs_scores:

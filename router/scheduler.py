@@ -236,7 +236,7 @@ class Scheduler:
                 in_way,
                 plan.modelled_ms or 0.0,
                 self._expected_tokens(plan),
-                self.context.controller.cost.drafting_extra,
+                controller.cost.drafting_extra,
             )
 
     def _expected_tokens(self, plan: RoundPlan) -> float:
