@@ -41,30 +41,6 @@ def test_no_earlier_occurrence_of_a_long_enough_suffix_is_no_proposal():
     assert next_token_counts([7], 4, 1, 16) == ([], [])
 
 
-def _tensor_counts(tokens: list[int], ngram_max: int, ngram_min: int, matches: int) -> tuple[list[int], list[int]]:
-    """The lookup in tensor operations (every window of the context compared at once): the reference."""
-    context = torch.tensor(tokens, dtype=torch.long)
-    for n in range(min(ngram_max, len(tokens) - 1), ngram_min - 1, -1):
-        windows = context[:-1].unfold(0, n, 1)
-        starts = (windows == context[-n:]).all(dim=1).nonzero().flatten()
-        if len(starts):
-            ids, counts = context[starts[-matches:] + n].unique(return_counts=True)
-            return ids.tolist(), counts.tolist()
-    return [], []
-
-
-def test_the_lookup_finds_what_comparing_every_window_finds():
-    """Random contexts over few token ids (many repeats, overlapping and at the ends), every setting."""
-    gen = torch.Generator().manual_seed(11)
-    for trial in range(400):
-        length = int(torch.randint(1, 60, (1,), generator=gen))
-        tokens = torch.randint(0, 1 + trial % 6, (length,), generator=gen).tolist()
-        ngram_min = 1 + trial % 3
-        for ngram_max, matches in ((ngram_min, 1), (ngram_min + 1, 2), (4, 16)):
-            got = next_token_counts(tokens, max(ngram_max, ngram_min), ngram_min, matches)
-            assert got == _tensor_counts(tokens, max(ngram_max, ngram_min), ngram_min, matches), (tokens, ngram_min, ngram_max, matches)
-
-
 def test_greedy_is_a_point_mass_on_the_most_frequent_token_ties_to_the_lowest_id():
     assert choose([3, 5, 8], [1, 2, 2], SamplingParams(), 10, 1) == (5, ([5], [1.0]))
     assert choose([3, 5, 8], [1, 2, 3], SamplingParams(), 10, 1) == (8, ([8], [1.0]))
