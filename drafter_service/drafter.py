@@ -254,8 +254,8 @@ def _draft_batch(models: dict[str, DraftModel | NgramModel], tagged: list[tuple[
                 still.append(d)
         active = still
         step += 1
-    # Only the stores this batch holds the locks of: another model's may be in a release, or in a call drafting in
-    # place (drafter_service/server.py), and its budget was kept by its own last batch.
+    # Only the stores this batch holds the locks of: another model's may be in a release on another thread, and its
+    # budget was kept by its own last batch.
     in_use = {r.session_id for r in results if r.known}
     for name in {name for name, _ in tagged}:
         models[name].store.enforce_budget(protect=in_use)
