@@ -103,7 +103,7 @@ def consolidate(
         models = max(map(len, per_service.values()), default=0)
         if models not in draft_ms:
             draft_ms[models] = cost.draft_ms(depth, models)
-        return tokens / (cost.verify_ms(n, n + rows) + draft_ms[models])
+        return tokens / cost.drafting_round_ms(cost.verify_ms(n, n + rows), draft_ms[models], cost.verify_ms(n, n))
 
     fused = {d for drafters in chosen if len(drafters) > 1 for d in drafters}
     while True:
@@ -146,7 +146,7 @@ def modelled_round_ms(
     verifying = cost.verify_ms(len(drafters), rows)
     if deepest == 0:
         return verifying
-    drafting = cost.draft_steps_ms(max((sum(m.values()) for m in steps.values()), default=0), measured_extra=False)
+    drafting = cost.draft_steps_ms(max((sum(m.values()) for m in steps.values()), default=0))
     return max(verifying, drafting) if overlap else verifying + drafting
 
 
@@ -255,10 +255,10 @@ def cooperate(
     tokens = sum(expected)
     rows = sum(1 + (k * rate(d[0]) if d else 0) for d, k in zip(taken, ks))
 
+    plain = cost.verify_ms(n, n)
+
     def round_ms(rows: float, busiest: int) -> float:
-        verifying = cost.verify_ms(n, rows)
-        drafting = cost.draft_steps_ms(busiest)
-        return max(verifying, drafting) if overlap else verifying + drafting
+        return cost.drafting_round_ms(cost.verify_ms(n, rows), cost.draft_steps_ms(busiest), plain, overlap)
 
     def depth_of(i: int) -> int:
         return min(fusion_depth or ks[i], ks[i])

@@ -13,9 +13,11 @@ terms are what a call costs beyond the servers' compute (network,
 serialisation, queueing): a round that drafts pays for one more call. What the
 router does between its calls (routing, planning, merging trees, scoring
 proposals) is no call's: each round's wall time is compared with what the model
-expected of it, and the drafting term also carries `drafting_extra`, what
+expected of it, and each round that drafts also carries `drafting_extra`, what
 rounds that draft take beyond the model against what plain rounds take beyond
-it (`CostModel.observe_round`).
+it (`CostModel.observe_round`), a round-level term that is added to (or, measured
+below zero, taken off) the whole drafting round, never making it cheaper than the
+plain round of the same requests (`CostModel.drafting_round_ms`).
 A verification pass pays per session (attention over its context, its share
 of the bookkeeping) apart from per token fed. Folded into one per-token term
 fitted through live passes, where tokens grow with sessions, a draft token
@@ -193,17 +195,27 @@ class CostModel:
         call whose drafters run no model, such as the n-gram drafter, costs its base alone)."""
         return self.draft_steps_ms(depth * models) if depth > 0 else 0.0
 
-    def draft_steps_ms(self, steps: int, measured_extra: bool = True) -> float:
-        """One draft call that runs `steps` model steps in all (each distinct model's step at each of its positions),
-        with what a round that drafts was measured to cost beyond the model (`drafting_extra`; not with
-        measured_extra=False, the model's own prediction, which `observe_round` checks)."""
-        modelled = self.draft_call + self.draft_base + self.draft_per_token * steps
-        return max(0.0, modelled + self.drafting_extra) if measured_extra else modelled
+    def draft_steps_ms(self, steps: int) -> float:
+        """One draft call that runs `steps` model steps in all (each distinct model's step at each of its positions)."""
+        return self.draft_call + self.draft_base + self.draft_per_token * steps
+
+    def drafting_round_ms(self, verifying: float, drafting: float, plain: float, overlap: bool = False) -> float:
+        """A round that drafts: its verification and its draft call (overlapped, `plan`'s overlap: the slower side
+        sets the pace) and what rounds that draft were measured to take beyond both (`drafting_extra`). The extra
+        belongs to the round, as `observe_round` measures it, not to the draft call: measured below zero (the
+        model's verification of drafted rows dearer than they are, a draft call partly hidden) it takes its share
+        off the whole round. Never less than `plain`, the plain round of the same requests: more rows do not
+        verify faster."""
+        modelled = max(verifying, drafting) if overlap else verifying + drafting
+        return max(plain, modelled + self.drafting_extra)
 
     def round_ms(self, ks: list[int]) -> float:
         if not ks:
             return 0.0
-        return self.verify_ms(len(ks), sum(k + 1 for k in ks)) + self.draft_ms(max(ks))
+        plain = self.verify_ms(len(ks), len(ks))
+        if max(ks) == 0:
+            return plain
+        return self.drafting_round_ms(self.verify_ms(len(ks), sum(k + 1 for k in ks)), self.draft_ms(max(ks)), plain)
 
     def observe_calls(self, draft_overhead_ms: float | None = None, verify_overhead_ms: float | None = None) -> None:
         """What a call cost beyond the server's compute (wall minus compute), as moving averages."""
@@ -372,7 +384,8 @@ class SpeculationController:
         n = len(max_draft_tokens)
         if n and not self.speculates(running or n):
             return [0] * n  # plain decoding for everyone: drafting measured slower (module docstring)
-        best_goodput, ks = n / self.cost.round_ms([0] * n) if n else 0.0, [0] * n
+        plain_ms = self.cost.round_ms([0] * n)
+        best_goodput, ks = n / plain_ms if n else 0.0, [0] * n
         eligible = [i for i in range(n) if acceptance[i] >= self.min_acceptance]
         # The drafting term depends on the deepest draft only, so fix the depth D first;
         # for a given D, adding a draft token with gain g pays iff it raises sum E / T.
@@ -382,9 +395,8 @@ class SpeculationController:
             caps = [min(max_draft_tokens[i], depth) for i in range(n)]
 
             def round_ms(drafted: float) -> float:
-                verifying = self.cost.verify_ms(n, n + drafted)
                 # Pipelined, one group drafts while another is verified: the slower side sets the pace.
-                return max(verifying, drafting) if overlap else verifying + drafting
+                return self.cost.drafting_round_ms(self.cost.verify_ms(n, n + drafted), drafting, plain_ms, overlap)
 
             # Each request's next position, most likely accepted first (ties: the earlier request).
             queue = [(-acceptance[i], i) for i in eligible if caps[i] > 0]

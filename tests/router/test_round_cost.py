@@ -29,8 +29,9 @@ def test_drafting_rounds_pay_what_they_were_measured_to_take_beyond_the_model_an
     # Both kinds run 1 ms beyond their calls (transport the model already has, say); drafting 2 ms more (a little
     # less: plain rounds wear the measured cost of drafting down, `test_drafting_measured_dear_long_ago_is_tried_again`).
     assert 1.95 < cost.drafting_extra <= 2.0
-    assert abs(cost.draft_steps_ms(4) - (0.5 + 0.5 * 4 + cost.drafting_extra)) < 1e-9
-    assert cost.draft_steps_ms(4, measured_extra=False) == 0.5 + 0.5 * 4
+    assert cost.draft_steps_ms(4) == 0.5 + 0.5 * 4  # the draft call alone: the extra is the round's
+    assert abs(cost.drafting_round_ms(7.0, 2.5, plain=6.0) - (7.0 + 2.5 + cost.drafting_extra)) < 1e-9
+    assert abs(cost.drafting_round_ms(7.0, 2.5, plain=6.0, overlap=True) - (7.0 + cost.drafting_extra)) < 1e-9
     assert cost.draft_ms(0) == 0.0  # a round that drafts nothing pays no drafting term at all
     before = cost.drafting_extra
     cost.observe_round(modelled_ms=10.0, wall_ms=1000.0, drafted=True)  # a stall counts its modelled time at most
@@ -41,11 +42,35 @@ def test_drafting_rounds_pay_what_they_were_measured_to_take_beyond_the_model_an
     assert pinned.drafting_extra == 0.0
 
 
-def test_a_drafting_round_measured_cheaper_than_modelled_cannot_make_drafting_free_of_cost():
+def test_drafting_rounds_measured_cheaper_than_modelled_are_planned_cheaper_but_never_below_a_plain_round():
+    """Measured below zero, the extra comes off the whole round, not just off the draft call (which a cheap drafter
+    makes smaller than the extra: clamped at the call, rounds that draft stay modelled dearer than they run), and a
+    round that drafts is never modelled cheaper than the plain round of the same requests."""
     cost = model()
     for _ in range(300):
-        plain_among_drafting(cost, drafted=(10.0, 5.0), plain=(6.0, 6.0))
-    assert cost.drafting_extra < -4.9 and cost.draft_steps_ms(1) == 0.0
+        plain_among_drafting(cost, drafted=(10.0, 8.0), plain=(6.0, 6.0))
+    assert -2.0 <= cost.drafting_extra < -1.9
+    # A draft call of 0.5 ms under an extra of -2: the round is modelled 1.5 ms under its verification.
+    assert abs(cost.drafting_round_ms(8.0, 0.5, plain=6.0) - (8.5 + cost.drafting_extra)) < 1e-9
+    assert cost.drafting_round_ms(6.5, 0.5, plain=6.0) == 6.0
+    for _ in range(300):
+        plain_among_drafting(cost, drafted=(10.0, 1.0), plain=(6.0, 6.0))
+    assert cost.drafting_round_ms(9.0, 0.5, plain=6.0) == 6.0
+
+
+def test_a_cheap_drafter_under_a_negative_extra_drafts_where_the_extra_pays_for_its_rows():
+    """Rounds that draft measured 1.5 ms cheaper than modelled against plain ones (the model's verification of drafted
+    rows dearer than they run), a draft call of 0.3 ms. A request accepted at 0.15 drafts: one row more is modelled
+    at max(2.5, 2.5 + 0.5 + 0.3 - 1.5) = 2.5 ms for 1.15 tokens, against 2.5 ms for one plainly. Charged to the draft
+    call alone and clamped there, the extra would leave the row at 3.0 ms, which 1.15 tokens do not pay for."""
+    cost = CostModel(verify_base=2.0, verify_per_session=0.0, verify_per_token=0.5, draft_per_token=0.05, draft_base=0.25,
+                     verify_call=0.0, draft_call=0.0)
+    for _ in range(300):
+        plain_among_drafting(cost, drafted=(10.0, 8.5), plain=(6.0, 6.0))
+    assert -1.5 <= cost.drafting_extra < -1.45
+    controller = SpeculationController(cost, settings=SpeculationConfig(remeasure_every=0), probe_every=1000)
+    assert controller.plan([0.15], [4]) in ([1], [2])
+    assert controller.plan([0.15, 0.15], [4, 4]) != [0, 0]
 
 
 def test_what_drafting_rounds_cost_beyond_the_model_makes_marginal_requests_decode_plainly():
@@ -79,11 +104,11 @@ def test_the_modelled_round_is_what_the_plan_weighed():
         fill.observe("code", 1, 2)
     drafters, depths = [["general", "code"], []], [[4, 2], []]
     rows = 2 + 4 + 2 * fill.rate("code")
-    verifying, drafting = cost.verify_ms(2, rows), cost.draft_steps_ms(4, measured_extra=False)
+    verifying, drafting = cost.verify_ms(2, rows), cost.draft_steps_ms(4)
     assert abs(modelled_round_ms(drafters, depths, services, cost, False, fill=fill) - (verifying + drafting)) < 1e-9
     assert modelled_round_ms(drafters, depths, services, cost, True, fill=fill) == max(verifying, drafting)
     # A model-free drafter adds no step; a plain round is its verification alone.
-    alone = cost.verify_ms(1, 5) + cost.draft_steps_ms(0, measured_extra=False)
+    alone = cost.verify_ms(1, 5) + cost.draft_steps_ms(0)
     assert modelled_round_ms([["ngram"]], [[4]], services, cost, False, frozenset({"ngram"})) == alone
     assert modelled_round_ms([[], []], [[], []], services, cost, False) == cost.verify_ms(2, 2)
 
