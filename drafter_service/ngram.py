@@ -4,7 +4,7 @@ At each draft position it looks up the context's longest suffix, of `ngram_max` 
 to `ngram_min`, that occurred earlier in the same context (prompt, output so far, its own
 drafts of this call), and proposes from the tokens that followed its `ngram_matches` most
 recent earlier occurrences. Code, structured data and text that repeats its prompt continue
-like this often, and a lookup costs a few tensor comparisons, no forward pass.
+like this often, and a lookup costs a scan of the context, no forward pass.
 
 Each proposal carries the exact distribution its token was drawn from, as a model drafter's
 does (drafter.py): q(v) = count(v) / total over those occurrences' next tokens. Greedy
@@ -23,6 +23,7 @@ checks against the target's.
 
 from __future__ import annotations
 
+import collections
 import json
 import pathlib
 import zlib
@@ -77,16 +78,31 @@ def load_source(name: str, path: str) -> NgramSource:
 
 def next_token_counts(tokens: list[int], ngram_max: int, ngram_min: int, matches: int) -> tuple[list[int], list[int]]:
     """(ids in increasing order, counts) of the tokens that followed the `matches` most recent earlier
-    occurrences of the longest suffix of `tokens` (ngram_max down to ngram_min tokens); ([], []) if none occurred."""
-    context = torch.tensor(tokens, dtype=torch.long)
-    for n in range(min(ngram_max, len(tokens) - 1), ngram_min - 1, -1):
-        # Windows starting at 0 .. len - n - 1: each has a next token; the suffix's own window is left out.
-        windows = context[:-1].unfold(0, n, 1)
-        starts = (windows == context[-n:]).all(dim=1).nonzero().flatten()
-        if len(starts):
-            followers = context[starts[-matches:] + n]
-            ids, counts = followers.unique(return_counts=True)  # sorted ids
-            return ids.tolist(), counts.tolist()
+    occurrences of the longest suffix of `tokens` (ngram_max down to ngram_min tokens); ([], []) if none occurred.
+
+    In plain list operations: `list.index` finds the earlier occurrences of the last token (a scan in C), and only
+    those are compared further. Tensor operations over the context (windows, comparisons, nonzero) cost tens of
+    microseconds of dispatch a lookup whatever the context's length, and a drafting call looks up once a position
+    and session (docs/benchmarks/ngram.md)."""
+    length = len(tokens)
+    longest = min(ngram_max, length - 1)
+    if longest < ngram_min:
+        return [], []
+    last = tokens[-1]
+    ends, j = [], -1  # where the last token occurred before: the ends of the candidate windows, in order
+    try:
+        while True:
+            j = tokens.index(last, j + 1, length - 1)
+            ends.append(j)
+    except ValueError:
+        pass
+    for n in range(longest, ngram_min - 1, -1):
+        suffix = tokens[length - n :]
+        found = [e for e in ends if e >= n - 1 and tokens[e - n + 1 : e + 1] == suffix]
+        if found:
+            counts = collections.Counter(tokens[e + 1] for e in found[-matches:])
+            ids = sorted(counts)
+            return ids, [counts[i] for i in ids]
     return [], []
 
 

@@ -6,7 +6,9 @@ runs as `specfleet drafter` and as the Ray actor (`drafter_service.actor`)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 
 import grpc
 
@@ -38,6 +40,11 @@ def session_item(s, sampling: SamplingParams) -> tuple[str, DraftItem]:
         s.score_context,
         s.lockstep_group,
     )
+
+
+# A call of model-free drafters only drafts on the calling thread up to this many draft positions (16 sessions of
+# k = 4: a few milliseconds of lookups at contexts of thousands of tokens), so the event loop is never held long.
+IN_PLACE_POSITIONS = 64
 
 
 class IncompatibleModels(ValueError):
@@ -101,10 +108,30 @@ class DrafterCore:
         return None
 
     async def draft_items(self, items: list[tuple[str, DraftItem]]) -> tuple[list[DraftResult], BatchStats | None]:
-        """Validated (model name, item) pairs (`items`, `validated`) through the batch queue."""
+        """Validated (model name, item) pairs (`items`, `validated`) through the batch queue, or in place where no
+        item's drafter runs a model (`_in_place`)."""
         if not items:
             return [], None
-        return await self.batcher.submit(items)
+        done = self._in_place(items)
+        return done if done is not None else await self.batcher.submit(items)
+
+    def _in_place(self, items: list[tuple[str, DraftItem]]) -> tuple[list[DraftResult], BatchStats] | None:
+        """A call whose drafters all run no model (n-gram lookups), of at most IN_PLACE_POSITIONS draft positions,
+        drafted on the calling thread, as the model thread would: handing it to that thread and back costs more than
+        the lookups (docs/benchmarks/ngram.md). None (the queue takes it, in turn) for any other call, or while a
+        batch holds one of its drafters' sessions."""
+        names = sorted({name for name, _ in items})
+        if sum(item.num_draft_tokens for _, item in items) > IN_PLACE_POSITIONS or not all(isinstance(self.models[n], NgramModel) for n in names):
+            return None
+        with contextlib.ExitStack() as held:
+            for name in names:
+                lock = self.models[name].store.lock
+                if not lock.acquire(blocking=False):
+                    return None
+                held.callback(lock.release)
+            started = time.perf_counter()
+            results = self.batcher.process(items)
+            return results, BatchStats(compute_ms=(time.perf_counter() - started) * 1e3, batch_size=len(items))
 
     async def draft(self, request: drafter_pb2.DraftRequest) -> drafter_pb2.DraftResponse:
         results, stats = await self.draft_items(self.items(request))

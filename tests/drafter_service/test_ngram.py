@@ -3,8 +3,10 @@ proposal is exactly the distribution its token was drawn from, and the service h
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import math
+import threading
 
 import pytest
 import torch
@@ -39,6 +41,30 @@ def test_no_earlier_occurrence_of_a_long_enough_suffix_is_no_proposal():
     assert next_token_counts([1, 2, 9, 1, 3, 1, 2], 4, 3, 16) == ([], [])
     assert next_token_counts([1, 2, 9, 1, 3, 1, 2], 4, 2, 16) == ([9], [1])
     assert next_token_counts([7], 4, 1, 16) == ([], [])
+
+
+def _tensor_counts(tokens: list[int], ngram_max: int, ngram_min: int, matches: int) -> tuple[list[int], list[int]]:
+    """The lookup in tensor operations (every window of the context compared at once): the reference."""
+    context = torch.tensor(tokens, dtype=torch.long)
+    for n in range(min(ngram_max, len(tokens) - 1), ngram_min - 1, -1):
+        windows = context[:-1].unfold(0, n, 1)
+        starts = (windows == context[-n:]).all(dim=1).nonzero().flatten()
+        if len(starts):
+            ids, counts = context[starts[-matches:] + n].unique(return_counts=True)
+            return ids.tolist(), counts.tolist()
+    return [], []
+
+
+def test_the_lookup_finds_what_comparing_every_window_finds():
+    """Random contexts over few token ids (many repeats, overlapping and at the ends), every setting."""
+    gen = torch.Generator().manual_seed(11)
+    for trial in range(400):
+        length = int(torch.randint(1, 60, (1,), generator=gen))
+        tokens = torch.randint(0, 1 + trial % 6, (length,), generator=gen).tolist()
+        ngram_min = 1 + trial % 3
+        for ngram_max, matches in ((ngram_min, 1), (ngram_min + 1, 2), (4, 16)):
+            got = next_token_counts(tokens, max(ngram_max, ngram_min), ngram_min, matches)
+            assert got == _tensor_counts(tokens, max(ngram_max, ngram_min), ngram_min, matches), (tokens, ngram_min, ngram_max, matches)
 
 
 def test_greedy_is_a_point_mass_on_the_most_frequent_token_ties_to_the_lowest_id():
@@ -136,5 +162,53 @@ def test_the_service_hosts_it_beside_a_model_and_reports_the_targets_tokenizer(r
         target = load_model("t", random_family["target"])
         assert infos["ngram"].tokenizer_fingerprint == target.fingerprint == infos["noisy"].tokenizer_fingerprint
         assert infos["ngram"].vocab_size == target.vocab_size and infos["ngram"].parameters == 0
+    finally:
+        core.close()
+
+
+def test_a_call_of_model_free_drafters_drafts_in_place_and_any_other_through_the_queue(random_family):
+    """Handing n-gram lookups to the model thread and back costs more than they do: a call of n-gram sessions alone
+    drafts on the caller's thread (no queue wait), one with a model drafter goes through the queue, and so does an
+    n-gram call while a batch (here another thread) holds the n-gram drafter's sessions, without holding up the
+    event loop."""
+    svc = config_mod.DrafterServiceConfig(
+        name="mixed",
+        models=[
+            config_mod.DraftModelConfig(name="noisy", path=str(random_family["drafter-noisy"])),
+            config_mod.DraftModelConfig(name="ngram", kind="ngram", path=str(random_family["target"])),
+        ],
+    )
+    core = load_core(svc)
+    greedy = SamplingParams()
+
+    def items(*names: str, sid: str) -> list:
+        return [(name, DraftItem(f"{sid}-{name}", 0, [1, 2, 3, 4, 1, 2], num_draft_tokens=3, sampling=greedy)) for name in names]
+
+    async def scenario():
+        (alone,), stats = await core.draft_items(items("ngram", sid="a"))
+        assert alone.token_ids == [3, 4, 1] and stats.queue_ms == 0.0 and stats.batch_size == 1
+        results, stats = await core.draft_items(items("ngram", "noisy", sid="b"))
+        assert results[0].token_ids == [3, 4, 1] and len(results[1].token_ids) == 3 and stats.queue_ms > 0
+
+        held, release = threading.Event(), threading.Event()
+
+        def hold():
+            with core.models["ngram"].store.lock:
+                held.set()
+                release.wait(5.0)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        held.wait(5.0)
+        call = asyncio.create_task(core.draft_items(items("ngram", sid="c")))
+        await asyncio.sleep(0.2)  # the event loop runs on: the call waits in the queue, not on the lock
+        assert not call.done()
+        release.set()
+        (queued,), stats = await call
+        holder.join()
+        assert queued.token_ids == [3, 4, 1] and stats.queue_ms > 0
+
+    try:
+        asyncio.run(scenario())
     finally:
         core.close()
