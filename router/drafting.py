@@ -186,6 +186,9 @@ class Drafting:
             else RequestPlan(state)
             for state, drafters, k, gain, a in zip(batch, chosen, ks, gains, predicted)
         ]
+        for request in requests:
+            if request.k > 0:
+                router.leads.observe(request.state.routing.domain, request.drafters[0])
         return self._planned(requests, overlap)
 
     def _planned(self, requests: list[RequestPlan], overlap: bool, routed: bool = True) -> RoundPlan:

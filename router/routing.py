@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from router.lead_tally import LeadTally
 from specfleet.config import ROUTING_POLICIES, RoutingConfig
 
 log = logging.getLogger(__name__)
@@ -407,6 +408,8 @@ class DrafterRouter:
         self.rng = random.Random(seed)
         # (domain, drafter) -> rounds in which the drafter led (was chosen first).
         self.led: collections.Counter[tuple[str, str]] = collections.Counter()
+        # Which drafter the round plans led each domain with (router/lead_tally.py): whether scoring a prompt pays.
+        self.leads = LeadTally()
 
     def admits(self, domain: str) -> bool:
         """Whether a request may name this domain (GenerateRequest.domain): a drafter's speciality, or one of the
@@ -440,15 +443,17 @@ class DrafterRouter:
         return [name for name, profile in self.drafters.items() if profile.specialities]
 
     def place(self, routing: RequestRouting) -> None:
-        """Before a request's prompt is scored: where the exemplars place it clearly (or it is not `scorable`), their
-        label is its domain and no specialist spends a prefill on it. In the request's first round that routes, not
+        """Before a request's prompt is scored: where the exemplars place it clearly (or it is not `scorable`, or
+        recent rounds led every domain with the same drafter: `LeadTally`), their label is its domain and no
+        specialist spends a prefill on it. In the request's first round that routes, not
         at submission, so that a call of many prompts costs the event loop one classification per request admitted,
         not all of them at once."""
         sure = self.classifier.sure(routing.prompt, self.config.exemplar_margin)
         if sure:
             routing.domain, routing.needs_scores, routing.prompt = sure, False, ""
-        elif not routing.scorable:
-            self.assign_domain(routing, {})  # the exemplars' best guess, however close
+        elif not routing.scorable or not self.leads.domain_matters():
+            # The exemplars' best guess, however close: scoring may not run, or cannot change the request's lead.
+            self.assign_domain(routing, {})
 
     def assign_domain(self, routing: RequestRouting, scores: dict[str, float]) -> None:
         """scores: drafter -> its mean log-probability of the prompt. The best specialist's speciality wins;

@@ -63,8 +63,9 @@ def test_a_cheap_drafter_under_a_negative_extra_drafts_where_the_extra_pays_for_
     rows dearer than they run), a draft call of 0.3 ms. A request accepted at 0.15 drafts: one row more is modelled
     at max(2.5, 2.5 + 0.5 + 0.3 - 1.5) = 2.5 ms for 1.15 tokens, against 2.5 ms for one plainly. Charged to the draft
     call alone and clamped there, the extra would leave the row at 3.0 ms, which 1.15 tokens do not pay for."""
-    cost = CostModel(verify_base=2.0, verify_per_session=0.0, verify_per_token=0.5, draft_per_token=0.05, draft_base=0.25,
-                     verify_call=0.0, draft_call=0.0)
+    cost = CostModel(
+        verify_base=2.0, verify_per_session=0.0, verify_per_token=0.5, draft_per_token=0.05, draft_base=0.25, verify_call=0.0, draft_call=0.0
+    )
     for _ in range(300):
         plain_among_drafting(cost, drafted=(10.0, 8.5), plain=(6.0, 6.0))
     assert -1.5 <= cost.drafting_extra < -1.45
