@@ -148,14 +148,19 @@ def test_in_a_lockstep_group_it_continues_from_the_lead_and_stops_alone(random_f
     assert ngram.store.get("g").token_ids == main
 
 
-def test_the_service_hosts_it_beside_a_model_and_reports_the_targets_tokenizer(random_family):
-    svc = config_mod.DrafterServiceConfig(
+def mixed_service(random_family) -> config_mod.DrafterServiceConfig:
+    """A drafter service holding a draft model and the n-gram drafter."""
+    return config_mod.DrafterServiceConfig(
         name="mixed",
         models=[
             config_mod.DraftModelConfig(name="noisy", path=str(random_family["drafter-noisy"])),
             config_mod.DraftModelConfig(name="ngram", kind="ngram", path=str(random_family["target"])),
         ],
     )
+
+
+def test_the_service_hosts_it_beside_a_model_and_reports_the_targets_tokenizer(random_family):
+    svc = mixed_service(random_family)
     core = load_core(svc)
     try:
         infos = {m.name: m for m in core.info().models}
@@ -171,13 +176,7 @@ def test_a_call_of_model_free_drafters_drafts_in_place_and_any_other_through_the
     drafts on the caller's thread (no queue wait), one with a model drafter goes through the queue, and so does an
     n-gram call while a batch (here another thread) holds the n-gram drafter's sessions, without holding up the
     event loop."""
-    svc = config_mod.DrafterServiceConfig(
-        name="mixed",
-        models=[
-            config_mod.DraftModelConfig(name="noisy", path=str(random_family["drafter-noisy"])),
-            config_mod.DraftModelConfig(name="ngram", kind="ngram", path=str(random_family["target"])),
-        ],
-    )
+    svc = mixed_service(random_family)
     core = load_core(svc)
     greedy = SamplingParams()
 
