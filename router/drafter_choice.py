@@ -76,6 +76,7 @@ def consolidate(
     table: list[dict[str, float]] = [{} for _ in chosen]
     draft_ms: dict[int, float] = {}
     weighed: dict[tuple, float] = {}
+    plain = cost.verify_ms(n, n)  # the same requests decoded plainly: no round that drafts is modelled below it
 
     def goodput(assignment: list[list[str]]) -> float:
         key = tuple(map(tuple, assignment))
@@ -103,7 +104,7 @@ def consolidate(
         models = max(map(len, per_service.values()), default=0)
         if models not in draft_ms:
             draft_ms[models] = cost.draft_ms(depth, models)
-        return tokens / cost.drafting_round_ms(cost.verify_ms(n, n + rows), draft_ms[models], cost.verify_ms(n, n))
+        return tokens / cost.drafting_round_ms(cost.verify_ms(n, n + rows), draft_ms[models], plain)
 
     fused = {d for drafters in chosen if len(drafters) > 1 for d in drafters}
     while True:

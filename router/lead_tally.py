@@ -3,8 +3,8 @@
 A prompt is scored (every specialist prefills it and the best names its domain) so that the round plan can lead
 its request with the drafter best for that domain. Where the plans of recent rounds led every domain with the same
 drafter (the n-gram drafter, say, on a machine where a model's draft step costs more than the tokens it adds), the
-domain does not change the lead, so a prompt's scoring buys nothing and costs a prefill per specialist (about
-15 ms a prompt, 7% of a one-client run, docs/benchmarks/heldout-default.md): the exemplars place it instead.
+domain does not change the lead, so a prompt's scoring buys nothing and costs a prefill per specialist
+(docs/benchmarks/cheap-drafting.md): the exemplars place it instead.
 Once a domain's lead differs from another's, prompts are scored again.
 """
 

@@ -406,8 +406,6 @@ class DrafterRouter:
         self.classifier = classifier
         self.store = store
         self.rng = random.Random(seed)
-        # (domain, drafter) -> rounds in which the drafter led (was chosen first).
-        self.led: collections.Counter[tuple[str, str]] = collections.Counter()
         # Which drafter the round plans led each domain with (router/lead_tally.py): whether scoring a prompt pays.
         self.leads = LeadTally()
 
@@ -514,7 +512,6 @@ class DrafterRouter:
             best_mean = max(a / (a + r) for a, r in posteriors.values())
             width = 1 if best_mean >= self.config.fusion_below and not candidates else self.config.fusion_width
             chosen = ranked[: max(1, width)]
-        self.led[(routing.domain, chosen[0])] += 1
         return chosen
 
     def observe(self, routing: RequestRouting, outcomes: dict[str, tuple[int, int]]) -> None:
