@@ -75,6 +75,7 @@ class VerifySession:
     sampling: SamplingParams
     logprobs: bool = False
     top_logprobs: int = 0
+    plain_steps: int = 1  # with an empty tree: tokens to decode plainly in this call, one pass each
 
 
 @dataclass
@@ -94,3 +95,4 @@ class VerifyResponse:
     compute_ms: float
     batch_size: int  # sessions in the verifier's pass, this call's and others' merged with it
     queue_ms: float = 0.0  # the call's wait in the verifier's batch queue before its pass
+    passes: int = 1  # forward passes the batch ran (more than one where sessions decoded plain steps)

@@ -126,6 +126,7 @@ def verify_request(sessions: list[messages.VerifySession]) -> verifier_pb2.Verif
                 sampling=sampling_message(s.sampling),
                 logprobs=s.logprobs,
                 top_logprobs=s.top_logprobs,
+                plain_steps=s.plain_steps,
             )
             for s in sessions
         ]
@@ -149,6 +150,7 @@ def verify_response(reply: verifier_pb2.VerifyResponse) -> messages.VerifyRespon
         compute_ms=reply.compute_ms,
         batch_size=reply.batch_size,
         queue_ms=reply.queue_ms,
+        passes=reply.passes or 1,
     )
 
 

@@ -29,6 +29,8 @@ class BatchStats:
     # How long this caller's items waited in the queue before its batch's pass started (the wait for the
     # model thread to finish the pass before, plus max_wait_s of collecting): the caller's own, not the batch's.
     queue_ms: float = 0.0
+    # Forward passes the batch ran (the batch function's `passes` of its results).
+    passes: int = 1
 
 
 def housekeeping_every(idle_s: float) -> float:
@@ -55,6 +57,7 @@ class BatchQueue:
         max_wait_s: float,
         housekeeping: Callable[[], None] | None = None,
         housekeeping_every_s: float = 10.0,
+        passes: Callable[[list], int] | None = None,
     ):
         self.name = name
         self.process = process
@@ -65,6 +68,7 @@ class BatchQueue:
         self.housekeeping = housekeeping
         self.housekeeping_every_s = housekeeping_every_s
         self._next_housekeeping = time.monotonic() + housekeeping_every_s
+        self.passes = passes  # how many forward passes a batch's results took (None: one)
         self._queue: list[_Pending] = []
         self._cond = threading.Condition()
         self._closed = False
@@ -80,6 +84,11 @@ class BatchQueue:
             self._queue.append(pending)
             self._cond.notify()
         return await pending.future
+
+    def waiting(self) -> bool:
+        """Whether a call waits for the model thread: a batch function that runs several passes (plain steps) asks
+        between them, and ends early so that the waiting call joins the next batch."""
+        return bool(self._queue)
 
     def close(self) -> None:
         with self._cond:
@@ -136,7 +145,8 @@ class BatchQueue:
                 log.exception("%s: batch of %d items failed", self.name, len(items))
                 results, error = None, exc
             elapsed = time.perf_counter() - started
-            stats = BatchStats(compute_ms=elapsed * 1e3, batch_size=len(items))
+            passes = self.passes(results) if error is None and self.passes is not None else 1
+            stats = BatchStats(compute_ms=elapsed * 1e3, batch_size=len(items), passes=passes)
             offset = 0
             for pending in batch:
                 n = len(pending.items)

@@ -68,7 +68,9 @@ class RecordVerifier(_RecordCore):
             )
             for r in results
         ]
-        return messages.VerifyResponse(sessions=verified, compute_ms=stats.compute_ms, batch_size=stats.batch_size, queue_ms=stats.queue_ms)
+        return messages.VerifyResponse(
+            sessions=verified, compute_ms=stats.compute_ms, batch_size=stats.batch_size, queue_ms=stats.queue_ms, passes=stats.passes
+        )
 
 
 class RecordDrafter(_RecordCore):

@@ -225,7 +225,7 @@ class PassTelemetry:
         )
         self.pass_seconds = Histogram(
             f"specfleet:{kind}_pass_seconds",
-            f"Time of one {kind} batch (forward pass and its bookkeeping).",
+            f"Time of one {kind} batch (its forward pass, or passes where sessions decode plain steps, and their bookkeeping).",
             names,
             buckets=PASS_BUCKETS,
             registry=self.registry,

@@ -19,7 +19,7 @@ from specfleet.sampling import SamplingParams
 from specfleet.service_shell import CoreServicer, InvalidArgument, Section, ServiceSpec
 from specfleet.batching import BatchQueue, BatchStats, housekeeping_every
 from specfleet.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from verifier_service.verifier import Verifier, VerifyItem, VerifyResult, validate_item
+from verifier_service.verifier import Verifier, VerifyItem, VerifyResult, passes, validate_item
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,7 @@ def session_item(s, sampling: SamplingParams) -> VerifyItem:
         proposals=[(list(p.token_ids), list(p.probs)) for p in s.tree.proposals],
         logprobs=s.logprobs,
         top_logprobs=s.top_logprobs,
+        plain_steps=s.plain_steps or 1,
     )
 
 
@@ -104,6 +105,7 @@ class VerifierCore:
             compute_ms=stats.compute_ms,
             batch_size=stats.batch_size,
             queue_ms=stats.queue_ms,
+            passes=stats.passes,
         )
 
     async def release(self, request: common_pb2.ReleaseRequest) -> common_pb2.ReleaseResponse:
@@ -158,7 +160,9 @@ def load_core(vcfg: config_mod.VerifierConfig, model: str | None = None, threads
         vcfg.max_wait_ms / 1e3,
         housekeeping=store.expire_idle,
         housekeeping_every_s=housekeeping_every(vcfg.session_idle_s),
+        passes=passes,
     )
+    verifier.waiting = batcher.waiting
     return VerifierCore(
         verifier,
         batcher,

@@ -8,13 +8,18 @@ layer, `specfleet.engine`, runs the pass and shapes), run
 drafter-invariant sessions, `verify_trees_greedy` on the target's fixed token at
 every row (the argmax, or the winner of the seeded exponential race), keep the
 KV of the accepted path only, and append the accepted tokens and the next token
-to the session.
+to the session. A plain session (an empty tree) may ask for several such steps in one
+call (`plain_steps`): the batch's plain sessions then take further one-token passes
+together, each exactly the pass a round of its own would run, until each has its steps,
+ends its sequence, or another call waits for the model (`waiting`), so that no caller
+waits behind them for more than one pass.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specfleet.engine import LoadedModel, SessionStore, UnknownSession, prefill, prefill_shares, shaping, tree_pass
@@ -37,6 +42,8 @@ class VerifyItem:
     # Return the emitted tokens' log-probabilities, and this many alternatives each.
     logprobs: bool = False
     top_logprobs: int = 0
+    # With an empty tree: tokens to decode plainly in this call, one pass each (1: one).
+    plain_steps: int = 1
 
 
 @dataclass
@@ -50,10 +57,18 @@ class VerifyResult:
     logprobs: list[float] = field(default_factory=list)
     top_token_ids: list[int] = field(default_factory=list)  # top_logprobs per token, flattened
     top_logprobs: list[float] = field(default_factory=list)
+    steps: int = 0  # forward passes that emitted this session's tokens
+
+
+def passes(results: list[VerifyResult]) -> int:
+    """Forward passes a batch's verification ran (its sessions' plain steps run together)."""
+    return max((r.steps for r in results), default=0) or 1
 
 
 # Alternatives per token at most (OpenAI's chat API allows 20).
 MAX_TOP_LOGPROBS = 20
+# Plain steps a session may ask for in one call at most.
+MAX_PLAIN_STEPS = 64
 
 
 def validate_item(item: VerifyItem, vocab_size: int, max_context: int) -> None:
@@ -75,6 +90,12 @@ def validate_item(item: VerifyItem, vocab_size: int, max_context: int) -> None:
         raise ValueError(f"session {item.session_id}: sync.prefix_length must be >= 0")
     if item.prefix_length + len(item.new_token_ids) + n + 1 > max_context:
         raise ValueError(f"session {item.session_id}: context plus tree exceeds the model's {max_context} positions")
+    if not 1 <= item.plain_steps <= MAX_PLAIN_STEPS:
+        raise ValueError(f"session {item.session_id}: plain_steps must be between 1 and {MAX_PLAIN_STEPS}, got {item.plain_steps}")
+    if item.plain_steps > 1 and n:
+        raise ValueError(f"session {item.session_id}: plain_steps > 1 needs an empty tree (a tree is verified in one pass)")
+    if item.prefix_length + len(item.new_token_ids) + item.plain_steps > max_context:
+        raise ValueError(f"session {item.session_id}: context plus {item.plain_steps} plain steps exceeds the model's {max_context} positions")
     if item.prefix_length == 0 and not item.new_token_ids:
         raise ValueError(f"session {item.session_id}: a new session needs at least one token")
     if not 0 <= item.top_logprobs <= MAX_TOP_LOGPROBS:
@@ -91,6 +112,8 @@ class Verifier:
         # Chunked prefill: positions a batch prefills at most (0: no limit); see `_chunk`.
         self.max_prefill_tokens = max_prefill_tokens
         self.sessions_verified = 0
+        # Whether another call waits for the model (the batch queue's): plain steps stop at the next pass.
+        self.waiting: Callable[[], bool] = lambda: False
 
     def verify_batch(self, items: list[VerifyItem]) -> list[VerifyResult]:
         with self.store.lock:
@@ -110,9 +133,30 @@ class Verifier:
         if live:
             for (idx, _, _), result in zip(live, self._verify(live)):
                 results[idx] = result
+            self._plain_steps(live, results)
         self.store.enforce_budget(protect={item.session_id for _, item, _ in live})
         self.sessions_verified += len(live)
         return results
+
+    def _plain_steps(self, live: list, results: list[VerifyResult]) -> None:
+        """Further one-token passes for the plain sessions that asked for them, all together: a session's step is the
+        pass a round of its own would run on the same tokens (the same shaping and seeded noise at the same positions),
+        so its tokens are the target's whatever the number of steps. A session stops at the model's end of sequence
+        (the client decides whether it ends there), the batch once another call waits for the model."""
+        eos = self.loaded.eos_token_id
+        step = 1
+        while True:
+            more = [(idx, item, session) for idx, item, session in live if item.plain_steps > step and results[idx].token_ids[-1] != eos]
+            if not more or self.waiting():
+                return
+            for (idx, _, _), result in zip(more, self._verify(more)):
+                done = results[idx]
+                done.token_ids.extend(result.token_ids)
+                done.logprobs.extend(result.logprobs)
+                done.top_token_ids.extend(result.top_token_ids)
+                done.top_logprobs.extend(result.top_logprobs)
+                done.steps += 1
+            live, step = more, step + 1
 
     def _chunk(self, live: list, results: list) -> list:
         """Chunked prefill: the sessions to verify in this batch, within `max_prefill_tokens` of prefill.
@@ -189,7 +233,7 @@ class Verifier:
             session.commit(rows)
             tokens = [item.tree_tokens[node] for node in path] + [next_token[b]]
             session.token_ids.extend(tokens)
-            result = VerifyResult(item.session_id, known=True, accepted_nodes=path, token_ids=tokens)
+            result = VerifyResult(item.session_id, known=True, accepted_nodes=path, token_ids=tokens, steps=1)
             if item.logprobs:
                 result.logprobs, result.top_token_ids, result.top_logprobs = shaping.token_logprobs(logits[b, rows], tokens, item.top_logprobs)
             results.append(result)

@@ -18,18 +18,20 @@ class TokenTree(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., proposals: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ...) -> None: ...
 
 class VerifySession(_message.Message):
-    __slots__ = ("sync", "tree", "sampling", "logprobs", "top_logprobs")
+    __slots__ = ("sync", "tree", "sampling", "logprobs", "top_logprobs", "plain_steps")
     SYNC_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PLAIN_STEPS_FIELD_NUMBER: _ClassVar[int]
     sync: _common_pb2.SessionSync
     tree: TokenTree
     sampling: _common_pb2.SamplingParams
     logprobs: bool
     top_logprobs: int
-    def __init__(self, sync: _Optional[_Union[_common_pb2.SessionSync, _Mapping]] = ..., tree: _Optional[_Union[TokenTree, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    plain_steps: int
+    def __init__(self, sync: _Optional[_Union[_common_pb2.SessionSync, _Mapping]] = ..., tree: _Optional[_Union[TokenTree, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., plain_steps: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("sessions",)
@@ -56,16 +58,18 @@ class VerifiedSession(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., status: _Optional[_Union[_common_pb2.SessionStatus, str]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("sessions", "compute_ms", "batch_size", "queue_ms")
+    __slots__ = ("sessions", "compute_ms", "batch_size", "queue_ms", "passes")
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    PASSES_FIELD_NUMBER: _ClassVar[int]
     sessions: _containers.RepeatedCompositeFieldContainer[VerifiedSession]
     compute_ms: float
     batch_size: int
     queue_ms: float
-    def __init__(self, sessions: _Optional[_Iterable[_Union[VerifiedSession, _Mapping]]] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., queue_ms: _Optional[float] = ...) -> None: ...
+    passes: int
+    def __init__(self, sessions: _Optional[_Iterable[_Union[VerifiedSession, _Mapping]]] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., queue_ms: _Optional[float] = ..., passes: _Optional[int] = ...) -> None: ...
 
 class VerifierServiceStats(_message.Message):
     __slots__ = ("session_ids",)

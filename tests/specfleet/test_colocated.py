@@ -90,7 +90,7 @@ def test_the_record_path_carries_every_field_both_ways():
         async def verify_items(self, items):
             self.items = items
             result = VerifyResult("s", True, [0], [7, 8], [-0.5, -0.25], [7, 3], [-0.5, -1.5])
-            return [result], BatchStats(compute_ms=3.0, batch_size=4, queue_ms=0.5)
+            return [result], BatchStats(compute_ms=3.0, batch_size=4, queue_ms=0.5, passes=2)
 
     sampling = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=123, drafter_invariant=True)
     proposal = type("Proposal", (), {"token_ids": [7, 9], "probs": [0.75, 0.25]})()
@@ -100,16 +100,17 @@ def test_the_record_path_carries_every_field_both_ways():
         sampling=sampling,
         logprobs=True,
         top_logprobs=1,
+        plain_steps=2,  # with a tree the verifier refuses it (`validated`); this core only records what reaches it
     )
     core = Core()
     reply = asyncio.run(RecordVerifier(core).call([session]))
     (item,) = core.items
     assert core.size == (1, 3 + 2 + 1)
     assert all(getattr(item, f.name) != VerifyItem.__dataclass_fields__[f.name].default for f in dataclasses.fields(VerifyItem))
-    assert item == VerifyItem("s", 3, [1, 2], sampling, [7], [-1], [([7, 9], [0.75, 0.25])], True, 1)
+    assert item == VerifyItem("s", 3, [1, 2], sampling, [7], [-1], [([7, 9], [0.75, 0.25])], True, 1, 2)
     (verified,) = reply.sessions
     assert verified == messages.VerifiedSession(True, [0], [7, 8], [-0.5, -0.25], [7, 3], [-0.5, -1.5])
-    assert (reply.compute_ms, reply.batch_size, reply.queue_ms) == (3.0, 4, 0.5)
+    assert (reply.compute_ms, reply.batch_size, reply.queue_ms, reply.passes) == (3.0, 4, 0.5, 2)
 
 
 # --- a drafter service in the router's process ------------------------------------------------------------------

@@ -1,16 +1,19 @@
-"""verifier_service/verifier.py: chunked prefill (`max_prefill_tokens`).
+"""verifier_service/verifier.py: chunked prefill (`max_prefill_tokens`) and plain steps (`plain_steps`).
 
 A long prompt is prefilled a budget's worth a batch and answered `prefilling` until it is whole, while a
 session already decoding is verified in every batch, before or after it in the batch; each session's
-tokens are the target's, as without chunks."""
+tokens are the target's, as without chunks. A plain session's steps in one call are the tokens (and
+log-probabilities) as many calls of one step give, greedy, raced and sampled; they stop at end of sequence
+and once another call waits."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specfleet.engine import SessionStore, load_model
 from specfleet.sampling import SamplingParams
-from verifier_service.verifier import Verifier, VerifyItem
+from verifier_service.verifier import Verifier, VerifyItem, validate_item
 
 BUDGET = 64
 
@@ -66,3 +69,74 @@ def test_a_chunked_batch_looks_each_prompt_up_in_the_prefix_cache_once(random_fa
     assert (loaded.pool.queries, loaded.pool.hits) == (39, 0)
     verifier.verify_batch([VerifyItem("b", 0, prompt, SamplingParams())])
     assert (loaded.pool.queries, loaded.pool.hits) == (78, 32), "b finds a's two full blocks"
+
+
+PLAIN = [SamplingParams(), SamplingParams(0.8, seed=7, drafter_invariant=True), SamplingParams(0.8, top_p=0.9, seed=11)]
+
+
+def _one_step_calls(path: str, prompts: list[list[int]], params: list[SamplingParams], steps: int) -> list[tuple[list[int], list[float]]]:
+    """Each session's tokens and log-probabilities over `steps` calls of one plain step, all sessions in each call."""
+    verifier = Verifier(load_model("target", path), SessionStore(1 << 30, 100))
+    out = [([], []) for _ in prompts]
+    for _ in range(steps):
+        items = [
+            VerifyItem(f"s{i}", len(prompt) + len(out[i][0]) if out[i][0] else 0, [] if out[i][0] else prompt, p, logprobs=True)
+            for i, (prompt, p) in enumerate(zip(prompts, params))
+        ]
+        for (tokens, logprobs), result in zip(out, verifier.verify_batch(items)):
+            tokens += result.token_ids
+            logprobs += result.logprobs
+    return out
+
+
+def _prompts(n: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randint(1, 300, (5 + 3 * i,), generator=gen).tolist() for i in range(n)]
+
+
+def test_plain_steps_in_one_call_are_the_tokens_of_as_many_calls(random_family):
+    path = str(random_family["target"])
+    prompts = _prompts(len(PLAIN))
+    expected = _one_step_calls(path, prompts, PLAIN, 5)
+    verifier = Verifier(load_model("target", path), SessionStore(1 << 30, 100))
+    verifier.loaded.eos_token_id = -1  # no session stops at end of sequence here
+    results = verifier.verify_batch(
+        [VerifyItem(f"s{i}", 0, prompt, p, logprobs=True, plain_steps=5) for i, (prompt, p) in enumerate(zip(prompts, PLAIN))]
+    )
+    assert [r.token_ids for r in results] == [tokens for tokens, _ in expected]
+    for result, (_, logprobs) in zip(results, expected):
+        assert result.logprobs == pytest.approx(logprobs, abs=1e-4)
+    assert [r.steps for r in results] == [5, 5, 5]
+    # The sessions hold what they emitted: the next call goes on from there.
+    assert [len(verifier.store.get(f"s{i}").token_ids) for i in range(3)] == [len(p) + 5 for p in prompts]
+
+
+def test_plain_steps_stop_at_end_of_sequence_and_when_another_call_waits(random_family):
+    path = str(random_family["target"])
+    prompts = _prompts(2)
+    expected = _one_step_calls(path, prompts, PLAIN[:2], 6)
+    verifier = Verifier(load_model("target", path), SessionStore(1 << 30, 100))
+    verifier.loaded.eos_token_id = expected[0][0][2]  # session 0's third token ends its sequence
+    stops = iter([False, False, False, True])
+    verifier.waiting = lambda: next(stops)
+    results = verifier.verify_batch([VerifyItem(f"s{i}", 0, prompt, p, plain_steps=6) for i, (prompt, p) in enumerate(zip(prompts, PLAIN[:2]))])
+    eos_at = expected[0][0].index(verifier.loaded.eos_token_id)
+    assert results[0].token_ids == expected[0][0][: eos_at + 1]
+    # Session 1 goes on alone until the fourth question between passes finds a call waiting: four passes.
+    assert results[1].token_ids == expected[1][0][:4] and results[1].steps == 4
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(plain_steps=0), "plain_steps must be between 1 and 64"),
+        (dict(plain_steps=2, tree_tokens=[5], tree_parents=[-1], proposals=[([5], [1.0])]), "needs an empty tree"),
+        (dict(plain_steps=64, new_token_ids=[1] * 8), "exceeds the model's 64 positions"),
+    ],
+)
+def test_plain_steps_out_of_bounds_are_refused_naming_the_field(change, message):
+    item = VerifyItem("s", 0, [1, 2, 3], SamplingParams())
+    for key, value in change.items():
+        setattr(item, key, value)
+    with pytest.raises(ValueError, match=message):
+        validate_item(item, vocab_size=300, max_context=64)
