@@ -109,6 +109,17 @@ def _drafting_models(sessions: list[messages.DraftSession], free: frozenset[str]
     return len({s.model for s in sessions if s.num_draft_tokens > 0 and s.model not in free})
 
 
+def plain_steps(requests: list[RequestPlan], most: int) -> None:
+    """In a round where no request drafts, each request decodes up to `most` tokens in the round's verify call, as many
+    as it may still produce: the round's overhead (its plan, its calls, its commit) then comes once for them all. A
+    request's first round decodes one, so that its first token streams as soon as its prompt is prefilled."""
+    if most <= 1 or any(r.k > 0 for r in requests):
+        return
+    for request in requests:
+        if request.state.rounds > 0:
+            request.plain_steps = max(1, min(most, request.state.remaining()))
+
+
 class Drafting:
     def __init__(self, context: RoundContext, in_background: Callable):
         self.context = context
@@ -195,12 +206,16 @@ class Drafting:
         """The round's plan, with what the cost model expects it to take where speculation adapts (checked against
         its wall time: `CostModel.observe_round`)."""
         controller = self.context.controller
+        plain_steps(requests, self.context.config.settings.plain_steps)
+        if routed and controller.adaptive:
+            controller.decoded_plainly(max((r.plain_steps for r in requests), default=1))
         if not controller.adaptive:
             return RoundPlan(requests, routed=routed)
         drafters, depths = [r.drafters for r in requests], [r.depths for r in requests]
         modelled = modelled_round_ms(
             drafters, depths, self.context.drafters, controller.cost, overlap, self.context.router.model_free, controller.fill
         )
+        modelled += controller.cost.plain_steps_ms([r.plain_steps for r in requests])
         return RoundPlan(requests, modelled, routed=routed)
 
     def usable(self) -> list[str]:

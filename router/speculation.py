@@ -31,7 +31,8 @@ long as that raises goodput. So k grows with acceptance and falls with load, and
 more than it returns. The drafting term depends only on the deepest draft, so
 the plan tries each depth D and, for that D, adds draft tokens in order of
 gain while they raise goodput. A request planned at k = 0 still drafts one token in
-every `probe_every`-th round the controller plans, so its acceptance estimate can recover;
+every `probe_every`-th round the controller plans (a round of plain steps counting each step),
+so its acceptance estimate can recover;
 every such request of that round probes in it, so the round's draft call, its plan's
 routing and its wider pass are paid once for all of them, not once per request.
 
@@ -170,6 +171,12 @@ class CostModel:
         """One verification call over `sessions` sessions that feeds `tokens` tokens in all."""
         return self.verify_call + self.verify_scale * self._verify_compute_ms(sessions, tokens)
 
+    def plain_steps_ms(self, steps: list[int]) -> float:
+        """What the passes beyond the first add to a verify call whose plain sessions decode `steps` tokens each: the
+        sessions that still decode take the next pass together, in the same call."""
+        extra = [sum(1 for s in steps if s > j) for j in range(1, max(steps, default=1))]
+        return sum(self.verify_scale * self._verify_compute_ms(m, m) for m in extra)
+
     def fit_verify(self, passes: list[tuple[int, int, float]]) -> None:
         """Base, per-session and per-token cost from timed passes (sessions, tokens, ms) by least
         squares. A term the passes cannot separate (singular), or make negative, is dropped and
@@ -248,12 +255,15 @@ class CostModel:
         if len(self._residual) == 2:
             self.drafting_extra = self._residual[True] - self._residual[False]
 
-    def observe_verify(self, sessions: int, tokens: int, compute_ms: float) -> None:
-        """One verification pass over `sessions` sessions that fed `tokens` tokens took compute_ms."""
+    def observe_verify(self, sessions: int, tokens: int, compute_ms: float, passes: int = 1) -> None:
+        """A verification call over `sessions` sessions that fed `tokens` tokens took compute_ms in `passes` forward
+        passes (more than one where its sessions decoded plain steps: each a pass of the same sessions, one token
+        each, so the model learns one pass's time)."""
         modelled = self._verify_compute_ms(sessions, tokens)
         if self.pinned or sessions <= 0 or modelled <= 0:
             return
-        self.verify_scale += (1 - self.forget) * (compute_ms / modelled - self.verify_scale)
+        per_pass = compute_ms / max(1, passes)
+        self.verify_scale += (1 - self.forget) * (per_pass / modelled - self.verify_scale)
 
     def observe_draft(self, depth: int, compute_ms: float, models: int = 1) -> None:
         """One draft call `depth` tokens deep with `models` distinct draft models took compute_ms."""
@@ -289,7 +299,10 @@ class SpeculationController:
     # leaves out (network, the router's own work) outweigh so small a gain.
     min_acceptance: float = 0.1
     probe_every: int = 8
-    planned: int = 0  # rounds planned with adaptive speculation: every probe_every-th is a probe round
+    # Rounds planned with adaptive speculation, in all and since the last probe round, a round of plain steps counting
+    # one per step (`decoded_plainly`): every probe_every-th is a probe round.
+    planned: int = 0
+    since_probe: int = 0
     # What rounds deliver with drafting and without; kept across reloads (dataclasses.replace).
     measured: MeasuredGoodput = field(default_factory=MeasuredGoodput)
     # What helpers add against what was expected of them, and how much of what it is asked for each drafter
@@ -336,6 +349,13 @@ class SpeculationController:
         with no prompt scored beside it; only clean rounds that committed something teach the model."""
         if clean and modelled_ms is not None and tokens > 0:
             self.cost.observe_round(modelled_ms, wall_ms, drafted)
+
+    def decoded_plainly(self, steps: int) -> None:
+        """A round it planned at k = 0 for all decodes `steps` tokens a request (router/drafting.py `plain_steps`): it
+        counts as that many rounds towards the next probe, so that a request probes as often per token as it would
+        decoding a token a round, and its acceptance estimate recovers as soon."""
+        self.planned += max(0, steps - 1)
+        self.since_probe += max(0, steps - 1)
 
     def remeasuring(self, running: int) -> bool:
         """Whether speculating at this load is measured slower than plain decoding, so that a round that speculates
@@ -421,6 +441,8 @@ class SpeculationController:
             if goodput > best_goodput:
                 best_goodput, ks = goodput, trial
         self.planned += 1
-        if self.planned % self.probe_every == 0:  # a probe round (module docstring)
+        self.since_probe += 1
+        if self.since_probe >= self.probe_every:  # a probe round (module docstring)
+            self.since_probe = 0
             ks = [1 if k == 0 and bound > 0 else k for k, bound in zip(ks, max_draft_tokens)]
         return ks

@@ -109,6 +109,7 @@ class Verifying:
                 sampling=state.spec.sampling,
                 logprobs=state.spec.logprobs,
                 top_logprobs=state.spec.top_logprobs,
+                plain_steps=request.plain_steps,
             )
             units.append([VerifyCall(request, tree, session)])
         parts = limits.split(units, lambda call: limits.verify_tokens(call.session), self.context.config.verify_limits)
@@ -144,7 +145,7 @@ class Verifying:
         metrics.verify_busy_ms += reply.compute_ms * len(sessions) / max(reply.batch_size, len(sessions))
         fed = sum(1 + len(s.tree.token_ids) for s in sessions)
         share = reply.batch_size / max(1, len(sessions))
-        cost.observe_verify(round(len(sessions) * share), round(fed * share), reply.compute_ms)
+        cost.observe_verify(round(len(sessions) * share), round(fed * share), reply.compute_ms, reply.passes)
         cost.observe_calls(verify_overhead_ms=wall - reply.compute_ms)
         for call, verified in zip(part, reply.sessions):
             state = call.request.state

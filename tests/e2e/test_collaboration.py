@@ -158,9 +158,9 @@ def test_k_adapts_to_acceptance(random_family, tmp_path, drafter, expect):
     reference = target_greedy(str(random_family["target"]), PROMPTS[0], 96)
     assert list(reply.token_ids)[: len(reference)] == reference
     if expect == "falls to zero":
-        # A fixed k of 8 would draft 8 per round; adapted, only the first rounds and probes draft.
-        assert spec.rounds >= 90
-        assert spec.draft_tokens <= 12 + spec.rounds // 8
+        # A fixed k of 8 would draft 8 per round, about 96 rounds of 8 here; adapted, only the first rounds and the
+        # probes draft, a probe per 8 tokens decoded plainly (in plain steps, several a round).
+        assert spec.draft_tokens <= 12 + 96 // 8
     else:
         # Every round drafts the maximum and all is accepted: 9 tokens per round.
         assert spec.accepted_tokens >= 0.95 * spec.draft_tokens

@@ -21,7 +21,7 @@ import pytest
 from router.openai_api import ApiError, render_chat
 from specfleet.tokenizer import load_tokenizer
 from specfleet.v1 import generation_pb2_grpc
-from tests.harness import Cluster, cluster_config, free_port
+from tests.harness import HELPERS_PAY, Cluster, cluster_config, free_port
 from tests.helpers import greedy_request, target_greedy, target_logprobs
 from tests.operations import host_pid, metrics, service_pid, without_model_name
 
@@ -48,7 +48,10 @@ def api(random_family, target_with_template, tmp_path_factory):
     # The drafter service a process of its own: its environment is checked for the API key (test_only_the_router_...).
     config = cluster_config(
         random_family,
-        router={"http_port": free_port(), "metrics_port": free_port(), "served_model_name": "random-target"},
+        # A cost model under which drafting pays: requests draft in every round, so that tests see drafted tokens accepted
+        # (test_completions_logprobs_...), whatever the machine measures; a round's plain steps would otherwise decode
+        # a short request before the first probe drafts.
+        router={"http_port": free_port(), "metrics_port": free_port(), "served_model_name": "random-target", **HELPERS_PAY},
         drafter_service={"colocate": False},
     )
     config["verifier"]["model"] = str(target_with_template)

@@ -128,3 +128,13 @@ def test_drafting_measured_dear_long_ago_is_tried_again():
     for _ in range(3000):
         cost.observe_round(modelled_ms=6.0, wall_ms=6.0, drafted=False)
     assert cost.drafting_extra < 0.01
+
+
+def test_plain_steps_add_a_pass_of_the_sessions_still_decoding_and_teach_one_pass_s_time():
+    cost = model()
+    # Three requests decoding 1, 4 and 2 tokens: the second pass holds two of them, the third and fourth one.
+    assert cost.plain_steps_ms([1, 4, 2]) == (5.0 + 0.2 * 2) + 2 * (5.0 + 0.2)
+    assert cost.plain_steps_ms([1, 1]) == 0.0 and cost.plain_steps_ms([]) == 0.0
+    for _ in range(200):  # four passes of one session, each as the model expects a pass to take
+        cost.observe_verify(1, 1, 4 * (5.0 + 0.2), passes=4)
+    assert abs(cost.verify_scale - 1.0) < 1e-6

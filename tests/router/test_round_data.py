@@ -5,7 +5,8 @@ from __future__ import annotations
 import gc
 
 from router import messages, transport
-from router.drafting import _depths
+from router.drafting import _depths, plain_steps
+from router.request import RequestSpec, RequestState
 from router.rounds import RequestPlan, RoundPlan
 from specfleet.sampling import SamplingParams
 from specfleet.v1 import common_pb2, drafter_pb2, verifier_pb2
@@ -79,9 +80,10 @@ def test_replies_become_records():
         top_token_ids=[4, 6],
         top_logprobs=[-0.5, -1.0],
     )
-    reply = transport.verify_response(verifier_pb2.VerifyResponse(sessions=[verified], compute_ms=3.0, batch_size=5))
+    reply = transport.verify_response(verifier_pb2.VerifyResponse(sessions=[verified], compute_ms=3.0, batch_size=5, passes=3))
     (got,) = reply.sessions
-    assert (reply.compute_ms, reply.batch_size, got.known, got.accepted_nodes, got.token_ids) == (3.0, 5, True, [0], [4, 6])
+    assert (reply.compute_ms, reply.batch_size, reply.passes, got.known, got.accepted_nodes, got.token_ids) == (3.0, 5, 3, True, [0], [4, 6])
+    assert transport.verify_response(verifier_pb2.VerifyResponse(compute_ms=1.0)).passes == 1, "a server that does not say ran one pass"
     assert (got.logprobs, got.top_token_ids, got.top_logprobs) == ([-0.5, -1.0], [4, 6], [-0.5, -1.0])
 
 
@@ -104,3 +106,35 @@ def test_the_plan_gives_each_drafter_its_depth():
     plan = RoundPlan([RequestPlan(state=None, drafters=["a", "b"], depths=[4, 2]), RequestPlan(state=None)])
     assert [r.k for r in plan.requests] == [4, 0]
     assert plan.drafting() == plan.requests[:1]
+
+
+def _state(rounds: int, max_tokens: int = 32, generated: int = 0) -> RequestState:
+    spec = RequestSpec(
+        request_id=f"s{rounds}-{max_tokens}",
+        session_id=f"s{rounds}-{max_tokens}",
+        prompt_ids=[1, 2, 3],
+        max_tokens=max_tokens,
+        sampling=SamplingParams(),
+        stop=[],
+        stop_at_eos=True,
+        max_draft_tokens=4,
+        domain="",
+    )
+    state = RequestState(spec=spec, tokenizer=None, eos_token_id=0, max_context=512, deadline=None)
+    state.tokens += [7] * generated
+    state.rounds = rounds
+    return state
+
+
+def test_a_round_where_nobody_drafts_decodes_plain_steps_as_far_as_each_request_may_go():
+    first, going, last = _state(0), _state(3, generated=3), _state(5, max_tokens=8, generated=6)
+    plain = [RequestPlan(first), RequestPlan(going), RequestPlan(last)]
+    plain_steps(plain, 4)
+    # The first round's token streams at once; the last request has two tokens left.
+    assert [r.plain_steps for r in plain] == [1, 4, 2]
+    one = [RequestPlan(_state(3, generated=3))]
+    plain_steps(one, 1)
+    assert one[0].plain_steps == 1
+    mixed = [RequestPlan(_state(3, generated=3)), RequestPlan(_state(3, generated=3), drafters=["a"], depths=[4])]
+    plain_steps(mixed, 4)
+    assert [r.plain_steps for r in mixed] == [1, 1], "a round that drafts for one request verifies in one pass"

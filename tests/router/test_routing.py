@@ -138,6 +138,22 @@ def test_a_round_s_requests_at_k_zero_probe_together():
     assert all(ks[3] == 8 for ks in rounds)
 
 
+def test_a_request_decoding_plain_steps_probes_as_often_per_token():
+    """A round planned at k = 0 whose requests decode 4 plain steps counts 4 rounds towards the next probe: probes
+    come every 8 tokens, as at a token a round, not every 8 rounds (32 tokens)."""
+    controller = pinned_controller()
+    tokens, probes = 0, []
+    while tokens < 64:
+        ks = controller.plan([0.01], [8])
+        if ks[0] > 0:
+            probes.append(tokens)
+            tokens += 1
+        else:
+            controller.decoded_plainly(4)
+            tokens += 4
+    assert len(probes) >= 6 and all(b - a <= 9 for a, b in zip(probes, probes[1:])), probes
+
+
 def test_draft_cost_is_fitted_as_base_plus_per_token():
     """A draft call's base is catching its sessions up on the committed tokens: charged per
     token, it made shallow drafts look dear, so the plan drafted ever shallower."""
