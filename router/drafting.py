@@ -109,15 +109,19 @@ def _drafting_models(sessions: list[messages.DraftSession], free: frozenset[str]
     return len({s.model for s in sessions if s.num_draft_tokens > 0 and s.model not in free})
 
 
+def plain_steps_of(state: RequestState, most: int) -> int:
+    """The tokens a request decodes in a round where no request drafts: up to `most`, as many as it may still produce;
+    one in its first round, so that its first token streams as soon as its prompt is prefilled."""
+    return max(1, min(most, state.remaining())) if state.rounds > 0 else 1
+
+
 def plain_steps(requests: list[RequestPlan], most: int) -> None:
-    """In a round where no request drafts, each request decodes up to `most` tokens in the round's verify call, as many
-    as it may still produce: the round's overhead (its plan, its calls, its commit) then comes once for them all. A
-    request's first round decodes one, so that its first token streams as soon as its prompt is prefilled."""
+    """In a round where no request drafts, each request decodes its plain steps (`plain_steps_of`) in the round's
+    verify call: the round's overhead (its plan, its calls, its commit) then comes once for them all."""
     if most <= 1 or any(r.k > 0 for r in requests):
         return
     for request in requests:
-        if request.state.rounds > 0:
-            request.plain_steps = max(1, min(most, request.state.remaining()))
+        request.plain_steps = plain_steps_of(request.state, most)
 
 
 class Drafting:
@@ -175,7 +179,8 @@ class Drafting:
         predicted = [router.mean(s.routing, drafters[0]) if drafters else 0.0 for s, drafters in zip(batch, chosen)]
         acceptance = [scale.scaled(drafters[0], a) if drafters else 0.0 for drafters, a in zip(chosen, predicted)]
         fill = [controller.fill.rate(drafters[0]) if drafters else 1.0 for drafters in chosen]
-        ks = controller.plan(acceptance, bounds, overlap, running, most_models(chosen, services, free), fill)
+        steps = [plain_steps_of(state, self.context.config.settings.plain_steps) for state in batch]
+        ks = controller.plan(acceptance, bounds, overlap, running, most_models(chosen, services, free), fill, steps)
         gains = [0.0] * len(batch)
         if by_goodput and config.fusion_width > 1:
             leads_first = [lead + [d for d in drafters if d not in lead][: config.fusion_width - 1] for lead, drafters in zip(chosen, ranked)]

@@ -388,6 +388,7 @@ class SpeculationController:
         running: int | None = None,
         models: int = 1,
         fill: list[float] | None = None,
+        plain_steps: list[int] | None = None,
     ) -> list[int]:
         """Draft lengths (num_draft_tokens) for one round's requests, from each one's acceptance a_i and
         max_draft_tokens.
@@ -398,14 +399,17 @@ class SpeculationController:
         models: the most distinct draft models any one drafter service runs this round.
         fill: per request, the tree rows its drafter fills per position asked (router/drafter_choice.py `DraftFill`;
         default 1: a draft model proposes every position).
+        plain_steps: per request, the tokens it decodes in the round if nobody drafts (router/drafting.py
+        `plain_steps`; default 1): drafting must beat that round's goodput, not one token a request's.
         """
         if not self.adaptive:
             return list(max_draft_tokens)
         n = len(max_draft_tokens)
         if n and not self.speculates(running or n):
             return [0] * n  # plain decoding for everyone: drafting measured slower (module docstring)
-        plain_ms = self.cost.round_ms([0] * n)
-        best_goodput, ks = n / plain_ms if n else 0.0, [0] * n
+        plain_ms = self.cost.round_ms([0] * n)  # one pass: what a round that drafts never beats (`drafting_round_ms`)
+        steps = plain_steps or [1] * n
+        best_goodput, ks = sum(steps) / (plain_ms + self.cost.plain_steps_ms(steps)) if n else 0.0, [0] * n
         eligible = [i for i in range(n) if acceptance[i] >= self.min_acceptance]
         # The drafting term depends on the deepest draft only, so fix the depth D first;
         # for a given D, adding a draft token with gain g pays iff it raises sum E / T.

@@ -138,6 +138,19 @@ def test_a_round_s_requests_at_k_zero_probe_together():
     assert all(ks[3] == 8 for ks in rounds)
 
 
+def test_drafting_must_beat_the_plain_round_s_steps():
+    """The plan weighs drafting against the round it would otherwise be: plain steps, several tokens for one round's
+    overhead. A drafter good enough to beat one plain token a round is not always good enough to beat four; k never
+    grows for the plain round getting cheaper, and a near-perfect drafter still drafts."""
+    acceptances = [i / 20 for i in range(1, 20)] + [0.999]
+    # probe_every 10**6: no probe round among these plans.
+    alone = [SpeculationController(cost=pinned_controller().cost, probe_every=10**6).plan([a], [8]) for a in acceptances]
+    stepped = [SpeculationController(cost=pinned_controller().cost, probe_every=10**6).plan([a], [8], plain_steps=[4]) for a in acceptances]
+    assert all(s[0] <= a[0] for s, a in zip(stepped, alone))
+    assert any(s[0] == 0 < a[0] for s, a in zip(stepped, alone)), list(zip(acceptances, alone, stepped))
+    assert stepped[-1] == [8]
+
+
 def test_a_request_decoding_plain_steps_probes_as_often_per_token():
     """A round planned at k = 0 whose requests decode 4 plain steps counts 4 rounds towards the next probe: probes
     come every 8 tokens, as at a token a round, not every 8 rounds (32 tokens)."""
