@@ -560,6 +560,17 @@ def test_killed_verifier_rank_loses_no_request(ray_client_serve, random_family):
     reply = _generate(serve, PROMPTS[0], max_tokens=8)
     assert list(reply.token_ids) == target_greedy(str(random_family["target"]), PROMPTS[0], 8)
     assert serve.proc.poll() is None
-    [new_rank], after = ray_query(serve, ranks_and_where)
+    # Ray may still be restarting the actor (the streams can end before it has): asked until it answers.
+    restarted = (
+        "import time\n"
+        "deadline = time.monotonic() + 120\n"
+        "while True:\n"
+        "    try:\n" + "".join("        " + line + "\n" for line in ranks_and_where.splitlines()) + "        break\n"
+        "    except ray.exceptions.ActorUnavailableError:\n"
+        "        if time.monotonic() > deadline:\n"
+        "            raise\n"
+        "        time.sleep(0.5)"
+    )
+    [new_rank], after = ray_query(serve, restarted)
     assert after["restarted"] and after["pid"] != before["pid"] and after["placement_group"] == before["placement_group"], (before, after)
     assert new_rank["pid"] != rank["pid"] and new_rank["placement_group"] == before["placement_group"], (rank, new_rank)
