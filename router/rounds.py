@@ -139,6 +139,23 @@ class RoundPlan:
         return max(0.0, wall_ms - self.draft_calls_ms - self.verify_calls_ms)
 
 
+class RecentLoad:
+    """The load a round runs under, for adaptive speculation: the most requests running in the router over its last
+    `rounds` rounds, not at this round's start alone. Requests that end together (equal lengths, a client's batch)
+    leave the next rounds with one or two running while their clients' next requests arrive: judged at that load,
+    where speculating was measured to pay (at one client), such a round routes its lone request and waits for the
+    specialists to score its prompt while the others queue behind it (docs/benchmarks/plain-steps.md). A load that
+    really falls is followed after `rounds` rounds."""
+
+    def __init__(self, rounds: int = 8):
+        self._recent: collections.deque[int] = collections.deque(maxlen=rounds)
+
+    def observe(self, running: int) -> int:
+        """A round starts with `running` requests in the router; the load it runs under."""
+        self._recent.append(running)
+        return max(self._recent)
+
+
 class LaneKinds:
     """Each lane's kind of round in flight (or its last); None while the lane is idle. True is the kind that, right
     after a round of the other kind, first catches its drafters up on the tokens committed without them: drafting

@@ -39,7 +39,7 @@ import grpc
 from router.drafters import DrafterService
 from router.drafting import Drafting
 from router.request import RequestState
-from router.rounds import RoundContext, RoundMeasures, RoundPlan, SchedulerConfig, concurrently
+from router.rounds import RecentLoad, RoundContext, RoundMeasures, RoundPlan, SchedulerConfig, concurrently
 from router.routing import DrafterRouter
 from router.speculation import SpeculationController
 from router.verifiers import VerifierPool
@@ -78,6 +78,7 @@ class Scheduler:
         self._turns: collections.Counter[str] = collections.Counter()  # requests admitted per client that still has some waiting
         self._lanes: list[list[RequestState]] = [[] for _ in range(max(1, config.pipeline_depth))]
         self._measures = RoundMeasures(len(self._lanes))
+        self._load = RecentLoad()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
 
@@ -197,7 +198,7 @@ class Scheduler:
         batch = [s for s in batch if not s.finished]
         if not batch:
             return
-        started, before, running = time.perf_counter(), sum(len(s.tokens) for s in batch), self.running
+        started, before, running = time.perf_counter(), sum(len(s.tokens) for s in batch), self._load.observe(self.running)
         # Drafting hides behind verification only while another lane has requests to verify. A new request
         # whose specialists still score its prompt decodes plainly in this round, which verifies its prompt while
         # they score it (in the same round, beside its draft and verify calls), not after.

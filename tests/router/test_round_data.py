@@ -7,7 +7,7 @@ import gc
 from router import messages, transport
 from router.drafting import _depths, plain_steps
 from router.request import RequestSpec, RequestState
-from router.rounds import RequestPlan, RoundPlan
+from router.rounds import RecentLoad, RequestPlan, RoundPlan
 from specfleet.sampling import SamplingParams
 from specfleet.v1 import common_pb2, drafter_pb2, verifier_pb2
 
@@ -138,3 +138,11 @@ def test_a_round_where_nobody_drafts_decodes_plain_steps_as_far_as_each_request_
     mixed = [RequestPlan(_state(3, generated=3)), RequestPlan(_state(3, generated=3), drafters=["a"], depths=[4])]
     plain_steps(mixed, 4)
     assert [r.plain_steps for r in mixed] == [1, 1], "a round that drafts for one request verifies in one pass"
+
+
+def test_the_load_a_round_runs_under_is_the_most_running_over_the_last_rounds():
+    """Four requests that end together leave a round or two with one running while their clients' next ones arrive:
+    those rounds run under the load of four, and a load that really falls is followed eight rounds later."""
+    load = RecentLoad(rounds=8)
+    assert [load.observe(n) for n in [1, 2, 4, 4, 4, 1, 2, 3, 4]] == [1, 2, 4, 4, 4, 4, 4, 4, 4]
+    assert [load.observe(1) for _ in range(8)] == [4] * 7 + [1]
