@@ -95,7 +95,7 @@ class RequestPlan:
     # The lead's per-token acceptance as routing predicted it, before `AcceptanceScale` (router/drafter_choice.py),
     # which verification checks against the lead's hits; 0 where no drafter drafts.
     acceptance: float = 0.0
-    # Tokens to decode plainly in this round's verify call, one pass each (scheduling.plain_steps; 1 where it drafts).
+    # Tokens to decode plainly in this round's verify call, one pass each (router.plain_steps; 1 where it drafts).
     plain_steps: int = 1
 
     @property
