@@ -50,8 +50,16 @@ def api(random_family, target_with_template, tmp_path_factory):
         random_family,
         # A cost model under which drafting pays: requests draft in every round, so that tests see drafted tokens accepted
         # (test_completions_logprobs_...), whatever the machine measures; a round's plain steps would otherwise decode
-        # a short request before the first probe drafts.
-        router={"http_port": free_port(), "metrics_port": free_port(), "served_model_name": "random-target", **HELPERS_PAY},
+        # a short request before the first probe drafts. A token a plain round: a request of 900 plain tokens on the
+        # small random model then outlasts the hang-up's detection (test_a_unary_client_that_hangs_up_...), which
+        # with 4 steps a round it may not; the gRPC tests cover plain steps.
+        router={
+            "http_port": free_port(),
+            "metrics_port": free_port(),
+            "served_model_name": "random-target",
+            "plain_steps": 1,
+            **HELPERS_PAY,
+        },
         drafter_service={"colocate": False},
     )
     config["verifier"]["model"] = str(target_with_template)
