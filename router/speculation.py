@@ -299,9 +299,8 @@ class SpeculationController:
     # leaves out (network, the router's own work) outweigh so small a gain.
     min_acceptance: float = 0.1
     probe_every: int = 8
-    # Rounds planned with adaptive speculation, in all and since the last probe round, a round of plain steps counting
-    # one per step (`decoded_plainly`): every probe_every-th is a probe round.
-    planned: int = 0
+    # Rounds planned with adaptive speculation since the last probe round, a round of plain steps counting one per step
+    # (`decoded_plainly`): every probe_every-th is a probe round.
     since_probe: int = 0
     # What rounds deliver with drafting and without; kept across reloads (dataclasses.replace).
     measured: MeasuredGoodput = field(default_factory=MeasuredGoodput)
@@ -354,7 +353,6 @@ class SpeculationController:
         """A round it planned at k = 0 for all decodes `steps` tokens a request (router/drafting.py `plain_steps`): it
         counts as that many rounds towards the next probe, so that a request probes as often per token as it would
         decoding a token a round, and its acceptance estimate recovers as soon."""
-        self.planned += max(0, steps - 1)
         self.since_probe += max(0, steps - 1)
 
     def remeasuring(self, running: int) -> bool:
@@ -444,7 +442,6 @@ class SpeculationController:
             goodput = expected / now_ms
             if goodput > best_goodput:
                 best_goodput, ks = goodput, trial
-        self.planned += 1
         self.since_probe += 1
         if self.since_probe >= self.probe_every:  # a probe round (module docstring)
             self.since_probe = 0
