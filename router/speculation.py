@@ -256,14 +256,13 @@ class CostModel:
             self.drafting_extra = self._residual[True] - self._residual[False]
 
     def observe_verify(self, sessions: int, tokens: int, compute_ms: float, passes: int = 1) -> None:
-        """A verification call over `sessions` sessions that fed `tokens` tokens took compute_ms in `passes` forward
-        passes (more than one where its sessions decoded plain steps: each a pass of the same sessions, one token
-        each, so the model learns one pass's time)."""
-        modelled = self._verify_compute_ms(sessions, tokens)
+        """A verification call over `sessions` sessions whose first pass fed `tokens` tokens (prompts prefilled
+        included: router/verifying.py `fed_tokens`) took compute_ms in `passes` forward passes (more than one where
+        its sessions decoded plain steps: each further pass one token a session)."""
+        modelled = self._verify_compute_ms(sessions, tokens) + (max(1, passes) - 1) * self._verify_compute_ms(sessions, sessions)
         if self.pinned or sessions <= 0 or modelled <= 0:
             return
-        per_pass = compute_ms / max(1, passes)
-        self.verify_scale += (1 - self.forget) * (per_pass / modelled - self.verify_scale)
+        self.verify_scale += (1 - self.forget) * (compute_ms / modelled - self.verify_scale)
 
     def observe_draft(self, depth: int, compute_ms: float, models: int = 1) -> None:
         """One draft call `depth` tokens deep with `models` distinct draft models took compute_ms."""

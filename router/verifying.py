@@ -32,6 +32,15 @@ from specfleet.v1 import generation_pb2
 
 log = logging.getLogger(__name__)
 
+
+def fed_tokens(session: messages.VerifySession) -> int:
+    """The tokens a session feeds the verifier's first pass of a call: its new tokens (a new prompt, or the whole
+    context on a replica that lost it; one where the verifier holds them all: the last committed token, whose row
+    predicts the next) and its tree. The cost model learns a pass's time from it: counting a prompt's prefill as one
+    token made passes look several times dearer than they are, so plain steps looked dear and drafting cheap."""
+    return max(1, len(session.sync.new_token_ids)) + len(session.tree.token_ids)
+
+
 # A verify call may take this many times the modelled pass, and at least the floor, before its
 # replica counts as hung: the call also waits behind other callers' passes, merged at the verifier.
 VERIFY_DEADLINE_FACTOR = 20.0
@@ -143,7 +152,7 @@ class Verifying:
         # A merged batch reports its whole compute time to every caller: count this call's share
         # as busy time, and scale this call's sessions and tokens up to the pass for the cost model.
         metrics.verify_busy_ms += reply.compute_ms * len(sessions) / max(reply.batch_size, len(sessions))
-        fed = sum(1 + len(s.tree.token_ids) for s in sessions)
+        fed = sum(fed_tokens(s) for s in sessions)
         share = reply.batch_size / max(1, len(sessions))
         cost.observe_verify(round(len(sessions) * share), round(fed * share), reply.compute_ms, reply.passes)
         cost.observe_calls(verify_overhead_ms=wall - reply.compute_ms)

@@ -4,8 +4,10 @@
 
 from __future__ import annotations
 
+from router import messages
 from router.drafter_choice import DraftFill, modelled_round_ms
 from router.speculation import CostModel, SpeculationController
+from router.verifying import fed_tokens
 from specfleet.config import SpeculationConfig
 
 
@@ -137,4 +139,22 @@ def test_plain_steps_add_a_pass_of_the_sessions_still_decoding_and_teach_one_pas
     assert cost.plain_steps_ms([1, 1]) == 0.0 and cost.plain_steps_ms([]) == 0.0
     for _ in range(200):  # four passes of one session, each as the model expects a pass to take
         cost.observe_verify(1, 1, 4 * (5.0 + 0.2), passes=4)
+    assert abs(cost.verify_scale - 1.0) < 1e-6
+
+
+def test_a_prompt_s_prefill_counts_its_tokens_so_the_model_keeps_a_pass_s_measured_cost():
+    """The verify call of a request's first round prefills its prompt: counted as the one token a decoding session
+    feeds, it taught the model that a pass costs several times what it does (passes modelled at 2.2x their measured
+    time on the 2-core machine), so plain steps looked dear and drafting cheap."""
+    sampling = messages.SamplingParams(temperature=0.0)
+    prompt = messages.VerifySession(sync=messages.SessionSync("new", 0, list(range(64))), tree=messages.TokenTree(), sampling=sampling)
+    tree = messages.TokenTree(token_ids=[5, 6, 7], parents=[-1, 0, 1], proposals=[None] * 3)
+    decoding = messages.VerifySession(sync=messages.SessionSync("old", 80, []), tree=tree, sampling=sampling)
+    assert fed_tokens(prompt) == 64 and fed_tokens(decoding) == 4
+    cost = model()
+    for i in range(400):  # a prompt every eighth call, the others four plain steps of one session; all as modelled
+        if i % 8 == 0:
+            cost.observe_verify(1, fed_tokens(prompt), 5.0 + 0.2 * 64)
+        else:
+            cost.observe_verify(1, 1, 4 * (5.0 + 0.2), passes=4)
     assert abs(cost.verify_scale - 1.0) < 1e-6
