@@ -154,12 +154,12 @@ class Drafting:
         by_goodput = controller.adaptive and config.routing_policy == "expertise"
         free = router.model_free
         ranked, bounds, means = [], [], []
-        # A round that speculates only to remeasure it (measured to lose at this load) scores no prompt: its new prompts
-        # would most likely decode plainly, and the exemplars place them.
-        remeasuring = controller.remeasuring(running or len(batch))
+        # Specialists score new prompts only where speculating is measured to pay at this load; elsewhere (a cold
+        # start, a round that speculates only to remeasure it) the exemplars place them.
+        scoring = controller.scoring_pays(running or len(batch))
         for state in batch:
             if state.routing.needs_scores:
-                state.routing.scorable = state.routing.scorable and not remeasuring
+                state.routing.scorable = state.routing.scorable and scoring
                 router.place(state.routing)
             bound = max(0, min(state.spec.max_draft_tokens, state.remaining() - 1))
             # A prompt still being scored has no domain to route by: it decodes plainly this round.

@@ -386,3 +386,27 @@ def test_a_prompt_first_decoded_plainly_by_the_measured_check_is_placed_by_the_e
     routed = drafting.plan([early, late], overlap=False, running=2)
     assert routed.routed and routed.to_score() == [late]
     assert not early.routing.needs_scores and early.routing.domain == "code"
+
+
+def test_prompts_are_scored_only_where_speculating_is_measured_to_pay():
+    """The specialists' scoring of a new prompt (a prefill each) buys better drafting, which pays only where drafting
+    does: on a cold start, before speculating is measured against plain decoding, the exemplars place the prompt;
+    once speculating is measured ahead at the load, new prompts are scored."""
+    service = DrafterService("left", [SimpleNamespace(name="left-0")])
+    hosted = {"general": service, "code": service}
+    exemplars = DomainClassifier({"code": ["def f(x): return x"], "en": ["the cat sat on the mat"]})
+    config = RoutingConfig(routing_policy="expertise", default_drafter="general", exemplar_margin=100.0)  # nothing sure
+    router = DrafterRouter(config, [DrafterProfile("general"), DrafterProfile("code", specialities=["code"])], exemplars, ExpertiseStore(0.99))
+    controller = SpeculationController(cost(0.5), settings=SpeculationConfig(remeasure_every=32))
+    drafting = Drafting(RoundContext(SchedulerConfig(), hosted, router, controller), in_background=lambda coroutine: None)
+    cold = _request("cold")
+    cold.routing = router.start("def f(x): return x", domain_hint="")
+    plan = drafting.plan([cold], overlap=False, running=2)
+    assert plan.routed and plan.to_score() == [], "a cold start scores no prompt"
+    assert not cold.routing.needs_scores and cold.routing.domain == "code"  # the exemplars' best guess
+    for _ in range(40):  # speculating measured ahead: two tokens a request in 9 ms against one in 8
+        controller.observe_round(2, 2, 8.0, speculated=False, running=2)
+        controller.observe_round(2, 4, 9.0, speculated=True, running=2)
+    warm = _request("warm")
+    warm.routing = router.start("def f(x): return x", domain_hint="")
+    assert drafting.plan([warm], overlap=False, running=2).to_score() == [warm]
