@@ -64,7 +64,8 @@ class RoutingConfig:
     domain_prior: str = knob(
         "likelihood",
         "how a new request's domain is guessed: likelihood (each specialist scores the "
-        "prompt while prefilling it) or exemplars (n-gram similarity to the exemplars)",
+        "prompt while prefilling it, where adaptive speculation measures speculating ahead of plain decoding; the "
+        "exemplars elsewhere) or exemplars (n-gram similarity to the exemplars)",
         check=one_of(DOMAIN_PRIORS),
     )
     exemplar_margin: float = knob(
