@@ -31,8 +31,8 @@ long as that raises goodput. So k grows with acceptance and falls with load, and
 more than it returns. The drafting term depends only on the deepest draft, so
 the plan tries each depth D and, for that D, adds draft tokens in order of
 gain while they raise goodput. A request planned at k = 0 still drafts one token in
-every `probe_every`-th round the controller plans (a round of plain steps counting each step; further apart,
-up to `MAX_PROBE_INTERVAL`, while no plan between them drafts), so its acceptance estimate can recover;
+every `probe_every`-th round the controller plans (a round of plain steps counting each step),
+so its acceptance estimate can recover;
 every such request of that round probes in it, so the round's draft call, its plan's
 routing and its wider pass are paid once for all of them, not once per request.
 
@@ -89,10 +89,6 @@ STALE_PULL = 0.1
 # slower still, up to this many times `remeasure_every`: at four clients on one core the rounds that remeasure cost the
 # router's event loop several times an unrouted round (docs/benchmarks/measured-ways.md).
 MAX_REMEASURE_BACKOFF = 4
-# While the plans between probes keep every request at k = 0, each probe comes twice as long after the last, up to this
-# many rounds (a round of plain steps counting each step): a probe round decodes a token or two where a round of plain
-# steps decodes several, so probing every probe_every tokens of a request that never drafts cost a sixth of the rounds.
-MAX_PROBE_INTERVAL = 64
 
 # The configured starting point's one default (specfleet/config/router.py), not a copy of it.
 _CONFIGURED = SpeculationConfig()
@@ -303,10 +299,8 @@ class SpeculationController:
     min_acceptance: float = 0.1
     probe_every: int = 8
     # Rounds planned with adaptive speculation since the last probe round, a round of plain steps counting one per step
-    # (`decoded_plainly`): every probe_interval-th is a probe round; the interval is probe_every while plans draft and
-    # doubles after each probe that no drafting plan followed (MAX_PROBE_INTERVAL).
+    # (`decoded_plainly`): every probe_every-th is a probe round.
     since_probe: int = 0
-    probe_interval: int = 0
     # What rounds deliver with drafting and without; kept across reloads (dataclasses.replace).
     measured: MeasuredGoodput = field(default_factory=MeasuredGoodput)
     # What helpers add against what was expected of them, and how much of what it is asked for each drafter
@@ -454,13 +448,8 @@ class SpeculationController:
             goodput = expected / now_ms
             if goodput > best_goodput:
                 best_goodput, ks = goodput, trial
-        drafts = any(ks)
-        if drafts or not self.probe_interval:
-            self.probe_interval = self.probe_every  # drafting pays somewhere: probe as often as configured
         self.since_probe += 1
-        if self.since_probe >= self.probe_interval:  # a probe round (module docstring)
+        if self.since_probe >= self.probe_every:  # a probe round (module docstring)
             self.since_probe = 0
-            if not drafts:
-                self.probe_interval = min(2 * self.probe_interval, max(MAX_PROBE_INTERVAL, self.probe_every))
             ks = [1 if k == 0 and bound > 0 else k for k, bound in zip(ks, max_draft_tokens)]
         return ks

@@ -8,7 +8,7 @@ import pytest
 
 from router.routing import MAX_EXTRA_DOMAINS, DomainClassifier, DrafterProfile, DrafterRouter, ExpertiseStore
 from specfleet.config import RoutingConfig
-from router.speculation import MAX_PROBE_INTERVAL, CostModel, SpeculationController
+from router.speculation import CostModel, SpeculationController
 
 EXEMPLARS = {
     "code": ["def main(argv):\n    return 0\n", "import os\nfor x in range(10):\n    print(x)\n", "class Foo:\n    def bar(self): pass"],
@@ -123,8 +123,8 @@ def test_k_shrinks_under_load():
 
 def test_requests_at_k_zero_still_probe():
     controller = pinned_controller()
-    ks = [controller.plan([0.01], [8])[0] for _ in range(24)]
-    assert [i for i, k in enumerate(ks) if k] == [7, 23]  # every 8th plan, then twice as far apart (no plan drafted)
+    ks = [controller.plan([0.01], [8])[0] for _ in range(16)]
+    assert ks.count(1) == 2 and ks.count(0) == 14
 
 
 def test_a_round_s_requests_at_k_zero_probe_together():
@@ -151,41 +151,20 @@ def test_drafting_must_beat_the_plain_round_s_steps():
     assert stepped[-1] == [8]
 
 
-def probes_over(controller: SpeculationController, acceptance: list[float], tokens: int) -> list[int]:
-    """The tokens after which a request decoding 4 plain steps a round while it does not draft probes, over `tokens`
-    tokens; acceptance[i]: what routing predicts in the i-th round."""
-    decoded, probes, i = 0, [], 0
-    while decoded < tokens:
-        ks = controller.plan([acceptance[min(i, len(acceptance) - 1)]], [8])
-        i += 1
+def test_a_request_decoding_plain_steps_probes_as_often_per_token():
+    """A round planned at k = 0 whose requests decode 4 plain steps counts 4 rounds towards the next probe: probes
+    come every 8 tokens, as at a token a round, not every 8 rounds (32 tokens)."""
+    controller = pinned_controller()
+    tokens, probes = 0, []
+    while tokens < 64:
+        ks = controller.plan([0.01], [8])
         if ks[0] > 0:
-            probes.append(decoded)
-            decoded += 1
+            probes.append(tokens)
+            tokens += 1
         else:
             controller.decoded_plainly(4)
-            decoded += 4
-    return probes
-
-
-def test_a_request_decoding_plain_steps_probes_as_often_per_token():
-    """A round planned at k = 0 whose requests decode 4 plain steps counts 4 rounds towards the next probe: the first
-    probe comes after 8 tokens, as at a token a round, not after 8 rounds (32 tokens)."""
-    probes = probes_over(pinned_controller(), [0.01], 12)
-    assert probes and probes[0] <= 9, probes
-
-
-def test_probes_come_further_apart_while_no_plan_drafts_and_as_often_as_configured_once_one_does():
-    """A probe round decodes a token where a round of plain steps decodes several: while the plans between probes keep
-    every request at k = 0, each probe comes twice as long after the last, up to MAX_PROBE_INTERVAL steps; a plan that
-    drafts brings them back to every probe_every."""
-    probes = probes_over(pinned_controller(), [0.01], 400)
-    gaps = [b - a for a, b in zip(probes, probes[1:])]
-    assert gaps[0] <= 17 and gaps[1] > gaps[0] and max(gaps) <= MAX_PROBE_INTERVAL + 5 and gaps[-1] > 48, gaps
-    controller = pinned_controller()
-    probes_over(controller, [0.01], 200)  # backed off
-    assert controller.probe_interval > controller.probe_every
-    assert controller.plan([0.95], [8])[0] > 0  # a request routing now predicts well drafts...
-    assert controller.probe_interval == controller.probe_every  # ...and probes come as often as configured again
+            tokens += 4
+    assert len(probes) >= 6 and all(b - a <= 9 for a, b in zip(probes, probes[1:])), probes
 
 
 def test_draft_cost_is_fitted_as_base_plus_per_token():
