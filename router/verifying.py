@@ -36,8 +36,8 @@ log = logging.getLogger(__name__)
 def fed_tokens(session: messages.VerifySession) -> int:
     """The tokens a session feeds the verifier's first pass of a call: its new tokens (a new prompt, or the whole
     context on a replica that lost it; one where the verifier holds them all: the last committed token, whose row
-    predicts the next) and its tree. The cost model learns a pass's time from it: counting a prompt's prefill as one
-    token made passes look several times dearer than they are, so plain steps looked dear and drafting cheap."""
+    predicts the next) and its tree. The cost model learns a pass's time from it, so a prompt's prefill counts its
+    tokens: counted as one, passes would look several times dearer than they are, plain steps dear, drafting cheap."""
     return max(1, len(session.sync.new_token_ids)) + len(session.tree.token_ids)
 
 
