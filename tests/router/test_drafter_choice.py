@@ -355,16 +355,16 @@ def test_a_round_the_measured_check_sends_to_plain_decoding_routes_nothing_and_s
     assert not plan(plain_ms=8.0, drafting_ms=9.0, max_draft_tokens=0)[0].routed
 
 
-def scoring_setup() -> tuple[dict, DrafterRouter, SpeculationController]:
-    """A general drafter and a code specialist on one service, exemplars that place no prompt for sure, and a
-    controller with the measured check on: (the hosted drafters, the router, the controller)."""
+def scoring_setup() -> tuple[DrafterRouter, SpeculationController, Drafting]:
+    """A general drafter and a code specialist on one service, exemplars that place no prompt for sure, a controller
+    with the measured check on, and the round planning over them: (the router, the controller, the planning)."""
     service = DrafterService("left", [SimpleNamespace(name="left-0")])
     hosted = {"general": service, "code": service}
     exemplars = DomainClassifier({"code": ["def f(x): return x"], "en": ["the cat sat on the mat"]})
     config = RoutingConfig(routing_policy="expertise", default_drafter="general", exemplar_margin=100.0)  # nothing sure
     router = DrafterRouter(config, [DrafterProfile("general"), DrafterProfile("code", specialities=["code"])], exemplars, ExpertiseStore(0.99))
     controller = SpeculationController(cost(0.5), settings=SpeculationConfig(remeasure_every=32))
-    return hosted, router, controller
+    return router, controller, Drafting(RoundContext(SchedulerConfig(), hosted, router, controller), in_background=lambda coroutine: None)
 
 
 def test_a_prompt_first_decoded_plainly_by_the_measured_check_is_placed_by_the_exemplars_not_scored():
@@ -372,11 +372,10 @@ def test_a_prompt_first_decoded_plainly_by_the_measured_check_is_placed_by_the_e
     exemplars' best guess places it, so that a round that speculates again does not pay for every prompt that arrived
     while the lane decoded plainly. Nor is one whose first round speculates only to remeasure speculating. A request
     routed from its first round while speculating is not measured to lose is scored as before."""
-    hosted, router, controller = scoring_setup()
+    router, controller, drafting = scoring_setup()
     for _ in range(40):  # plain decoding measured ahead
         controller.observe_round(2, 2, 4.0, speculated=False, running=2)
         controller.observe_round(2, 4, 12.0, speculated=True, running=2)
-    drafting = Drafting(RoundContext(SchedulerConfig(), hosted, router, controller), in_background=lambda coroutine: None)
     early = _request("early")
     early.routing = router.start("def f(x): return x", domain_hint="")
     assert not drafting.plan([early], overlap=False, running=2).routed
@@ -399,8 +398,7 @@ def test_prompts_are_scored_only_where_speculating_is_measured_to_pay():
     """The specialists' scoring of a new prompt (a prefill each) buys better drafting, which pays only where drafting
     does: on a cold start, before speculating is measured against plain decoding, the exemplars place the prompt;
     once speculating is measured ahead at the load, new prompts are scored."""
-    hosted, router, controller = scoring_setup()
-    drafting = Drafting(RoundContext(SchedulerConfig(), hosted, router, controller), in_background=lambda coroutine: None)
+    router, controller, drafting = scoring_setup()
     cold = _request("cold")
     cold.routing = router.start("def f(x): return x", domain_hint="")
     plan = drafting.plan([cold], overlap=False, running=2)

@@ -143,9 +143,9 @@ def test_plain_steps_add_a_pass_of_the_sessions_still_decoding_and_teach_one_pas
 
 
 def test_a_prompt_s_prefill_counts_its_tokens_so_the_model_keeps_a_pass_s_measured_cost():
-    """The verify call of a request's first round prefills its prompt: counted as the one token a decoding session
-    feeds, it taught the model that a pass costs several times what it does (passes modelled at 2.2x their measured
-    time on the 2-core machine), so plain steps looked dear and drafting cheap."""
+    """The verify call of a request's first round prefills its prompt, so it feeds the prompt's tokens, not the one a
+    decoding session feeds: counted as one, each prefill would tell the model that a pass costs several times what it
+    does, and plain steps would look dear and drafting cheap."""
     sampling = messages.SamplingParams(temperature=0.0)
     prompt = messages.VerifySession(sync=messages.SessionSync("new", 0, list(range(64))), tree=messages.TokenTree(), sampling=sampling)
     tree = messages.TokenTree(token_ids=[5, 6, 7], parents=[-1, 0, 1], proposals=[None] * 3)
