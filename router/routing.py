@@ -32,13 +32,12 @@ Policies for comparison: `fixed` (one drafter for everything), `random`,
 
 from __future__ import annotations
 
-import collections
 import logging
 import math
 import random
+import re
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -54,81 +53,109 @@ POLICIES = ROUTING_POLICIES
 # --- 1. the prior -------------------------------------------------------------------------------------------
 
 
-def _shape(ch: str) -> str:
-    if ch.isalpha():
-        return "a"
-    if ch.isdigit():
-        return "0"
-    return ch
-
-
 FEATURES = 8192  # hashed features of a text's vector
 
+_LETTERS = re.compile(r"[^\W\d_]+")  # a run of letters: one "a" in a text's layout
+_DIGIT = re.compile(r"\d")
+_MIX = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+_LAYOUT_SALT = np.uint64(0x9E3779B97F4A7C15)  # a layout 4-gram hashes apart from a trigram of the same characters
 
-def _trigram_vector(text: str, dims: int = FEATURES) -> dict[int, float]:
-    """Hashed counts of character trigrams (what words it uses) and of 4-grams of character
-    shapes, letters and digits folded (how it is laid out: indentation, `key: value`, brackets)."""
-    counts: dict[int, float] = collections.defaultdict(float)
+
+def _mixed(x: np.ndarray) -> np.ndarray:
+    """A 64-bit integer hash of each element (splitmix64's finaliser: every input bit moves every output bit)."""
+    x = (x ^ (x >> np.uint64(30))) * _MIX[0]
+    x = (x ^ (x >> np.uint64(27))) * _MIX[1]
+    return x ^ (x >> np.uint64(31))
+
+
+def _gram_hashes(text: str, n: int) -> np.ndarray:
+    """A hash of each n characters in a row of `text`, all in numpy (a prompt's vector is on the event loop)."""
+    codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32).astype(np.uint64)
+    count = len(codes) - n + 1
+    if count <= 0:
+        return np.zeros(0, dtype=np.uint64)
+    key = codes[:count]
+    for j in range(1, n):
+        key = _mixed(key) ^ codes[j : j + count]
+    return _mixed(key)
+
+
+def _trigram_vector(text: str, dims: int = FEATURES) -> tuple[np.ndarray, np.ndarray]:
+    """A text's unit vector of hashed counts of character trigrams (what words it uses) and of 4-grams of its
+    layout, each run of letters one letter and digits folded (indentation, `key: value`, brackets): its nonzero
+    features, ascending, and their values."""
     padded = f"  {text}  "
-    for i in range(len(padded) - 2):
-        counts[zlib.crc32(padded[i : i + 3].encode()) % dims] += 1.0
-    shapes = "".join(_shape(c) for c in padded)
-    shapes = "".join(c for i, c in enumerate(shapes) if not (c == "a" and i and shapes[i - 1] == "a"))
-    for i in range(len(shapes) - 3):
-        counts[zlib.crc32(b"shape" + shapes[i : i + 4].encode()) % dims] += 1.0
-    norm = math.sqrt(sum(v * v for v in counts.values())) or 1.0
-    return {k: v / norm for k, v in counts.items()}
+    layout = _DIGIT.sub("0", _LETTERS.sub("a", padded))
+    hashes = np.concatenate([_gram_hashes(padded, 3), _gram_hashes(layout, 4) ^ _LAYOUT_SALT])
+    counts = np.bincount((hashes % np.uint64(dims)).astype(np.int64), minlength=dims)
+    features = np.flatnonzero(counts)
+    values = counts[features].astype(np.float64)
+    return features, values / (math.sqrt(float(values @ values)) or 1.0)
 
 
 class DomainClassifier:
     """The speciality of the exemplar most similar to the prompt (nearest neighbour).
 
-    The exemplars' vectors are kept as a sparse matrix (each nonzero: its exemplar, feature and value), so a
-    prompt costs one gather and one sum over the nonzeros in numpy, not a Python loop over them (its cost:
-    docs/benchmarks/exemplar-margin.md)."""
+    The exemplars' vectors are kept as an inverted index in numpy (for each feature, the exemplars that have it and
+    their values), so a prompt costs a gather of the nonzeros it shares with them and one sum, not a pass over every
+    exemplar's nonzeros (its cost: docs/benchmarks/exemplar-margin.md)."""
 
     def __init__(self, exemplars: dict[str, list[str]]):
         self.labels: list[str] = []  # each exemplar's label, by exemplar index
-        rows: list[int] = []
-        features: list[int] = []
-        values: list[float] = []
+        self._names: list[str] = []  # each label with exemplars, and the row of its first (they are consecutive)
+        firsts: list[int] = []
+        rows, features, values = [], [], []
         for label, texts in exemplars.items():
+            if texts:
+                self._names.append(label)
+                firsts.append(len(self.labels))
             for text in texts:
-                for feature, value in _trigram_vector(text).items():
-                    rows.append(len(self.labels))
-                    features.append(feature)
-                    values.append(value)
+                f, v = _trigram_vector(text)
+                rows.append(np.full(len(f), len(self.labels), dtype=np.int64))
+                features.append(f)
+                values.append(v)
                 self.labels.append(label)
-        self._rows = np.asarray(rows, dtype=np.int64)
-        self._features = np.asarray(features, dtype=np.int64)
-        self._values = np.asarray(values, dtype=np.float64)
+        order = np.argsort(np.concatenate(features), kind="stable") if features else np.zeros(0, dtype=np.int64)
+        by_feature = np.concatenate(features)[order] if features else np.zeros(0, dtype=np.int64)
+        self._rows = np.concatenate(rows)[order] if rows else np.zeros(0, dtype=np.int64)
+        self._values = np.concatenate(values)[order] if values else np.zeros(0, dtype=np.float64)
+        # Feature f's nonzeros are entries _starts[f] to _starts[f + 1] - 1.
+        self._starts = np.searchsorted(by_feature, np.arange(FEATURES + 1))
+        self._firsts = np.asarray(firsts, dtype=np.int64)
 
     def scores(self, prompt: str) -> dict[str, float]:
         """Each label's best cosine similarity between the prompt and one of its exemplars."""
         if not self.labels:
             return {}
-        vector = np.zeros(FEATURES, dtype=np.float64)
-        for feature, value in _trigram_vector(prompt[-2000:]).items():
-            vector[feature] = value
-        similarity = np.bincount(self._rows, weights=self._values * vector[self._features], minlength=len(self.labels))
-        best: dict[str, float] = {}
-        for label, score in zip(self.labels, similarity.tolist()):
-            best[label] = max(score, best.get(label, 0.0))
-        return best
+        features, values = _trigram_vector(prompt[-2000:])
+        starts, lengths = self._starts[features], self._starts[features + 1] - self._starts[features]
+        # The entries of every shared feature, in one index: each feature's run starts where its own entries do.
+        offsets = np.cumsum(lengths) - lengths
+        entries = np.repeat(starts - offsets, lengths) + np.arange(int(lengths.sum()))
+        weights = self._values[entries] * np.repeat(values, lengths)
+        similarity = np.bincount(self._rows[entries], weights=weights, minlength=len(self.labels))
+        # A label's exemplars are consecutive rows: its best is the maximum over its run.
+        return dict(zip(self._names, np.maximum.reduceat(similarity, self._firsts).tolist()))
 
     def classify(self, prompt: str) -> str:
-        scores = self.scores(prompt)
-        return max(scores, key=scores.get) if scores else ""
+        return best_label(self.scores(prompt))
 
     def sure(self, prompt: str, margin: float) -> str:
         """The prompt's label where its best exemplar beats every other label's by at least `margin`, else ""."""
-        if margin <= 0:
-            return ""
-        scores = self.scores(prompt)
-        ranked = sorted(scores, key=scores.get, reverse=True)
-        if not ranked or (len(ranked) > 1 and scores[ranked[0]] - scores[ranked[1]] < margin):
-            return ""
-        return ranked[0]
+        return sure_label(self.scores(prompt), margin) if margin > 0 else ""
+
+
+def best_label(scores: dict[str, float]) -> str:
+    """The label of the best score ("" with none)."""
+    return max(scores, key=scores.get) if scores else ""
+
+
+def sure_label(scores: dict[str, float], margin: float) -> str:
+    """The best label where it leads every other by at least `margin` (> 0), else ""."""
+    ranked = sorted(scores, key=scores.get, reverse=True)
+    if not ranked or (len(ranked) > 1 and scores[ranked[0]] - scores[ranked[1]] < margin):
+        return ""
+    return ranked[0]
 
 
 # --- 2. the learned state -------------------------------------------------------------------------------------
@@ -446,12 +473,15 @@ class DrafterRouter:
         specialist spends a prefill on it. In the request's first round that routes, not
         at submission, so that a call of many prompts costs the event loop one classification per request admitted,
         not all of them at once."""
-        sure = self.classifier.sure(routing.prompt, self.config.exemplar_margin)
-        if sure:
-            routing.domain, routing.needs_scores, routing.prompt = sure, False, ""
-        elif not routing.scorable or not self.leads.domain_matters():
-            # The exemplars' best guess, however close: scoring may not run, or cannot change the request's lead.
-            self.assign_domain(routing, {})
+        margin, settles = self.config.exemplar_margin, not routing.scorable or not self.leads.domain_matters()
+        if margin <= 0 and not settles:
+            return  # the specialists score it: no classification to spend
+        scores = self.classifier.scores(routing.prompt)  # once: the sure label and the best guess read the same
+        sure = sure_label(scores, margin) if margin > 0 else ""
+        if sure or settles:
+            # Clearly placed, or the exemplars' best guess, however close: scoring may not run, or cannot change the
+            # request's lead.
+            routing.domain, routing.needs_scores, routing.prompt = sure or best_label(scores), False, ""
 
     def assign_domain(self, routing: RequestRouting, scores: dict[str, float]) -> None:
         """scores: drafter -> its mean log-probability of the prompt. The best specialist's speciality wins;
