@@ -8,15 +8,17 @@ layer, `specfleet.engine`, runs the pass and shapes), run
 drafter-invariant sessions, `verify_trees_greedy` on the target's fixed token at
 every row (the argmax, or the winner of the seeded exponential race), keep the
 KV of the accepted path only, and append the accepted tokens and the next token
-to the session. A plain session (an empty tree) may ask for several such steps in one
-call (`plain_steps`): the batch's plain sessions then take further one-token passes
-together, each exactly the pass a round of its own would run, until each has its steps,
-ends its sequence, or another call waits for the model (`waiting`), so that no caller
-waits behind them for more than one pass.
+to the session. A session may ask for several passes in one call (`plain_steps`): its
+tree, if it has one, is verified in the first, and each further pass decodes one token
+plainly, all such sessions of the batch together, each pass exactly the one a round of
+its own would run on the tokens emitted so far, until each has its passes, ends its
+sequence, or another call waits for the model (`waiting`), so that no caller waits
+behind them for more than one pass.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable
@@ -42,7 +44,8 @@ class VerifyItem:
     # Return the emitted tokens' log-probabilities, and this many alternatives each.
     logprobs: bool = False
     top_logprobs: int = 0
-    # With an empty tree: tokens to decode plainly in this call, one pass each (1: one).
+    # Forward passes for this session in this call: the first verifies its tree (an empty tree: decodes a token), each
+    # further one decodes a token plainly (1: the tree's pass alone).
     plain_steps: int = 1
 
 
@@ -88,14 +91,11 @@ def validate_item(item: VerifyItem, vocab_size: int, max_context: int) -> None:
             raise ValueError(f"session {item.session_id}: tree.proposals[{i}] must be a non-empty distribution over vocabulary ids")
     if item.prefix_length < 0:
         raise ValueError(f"session {item.session_id}: sync.prefix_length must be >= 0")
-    if item.prefix_length + len(item.new_token_ids) + n + 1 > max_context:
-        raise ValueError(f"session {item.session_id}: context plus tree exceeds the model's {max_context} positions")
     if not 1 <= item.plain_steps <= MAX_PLAIN_STEPS:
         raise ValueError(f"session {item.session_id}: plain_steps must be between 1 and {MAX_PLAIN_STEPS}, got {item.plain_steps}")
-    if item.plain_steps > 1 and n:
-        raise ValueError(f"session {item.session_id}: plain_steps > 1 needs an empty tree (a tree is verified in one pass)")
-    if item.prefix_length + len(item.new_token_ids) + item.plain_steps > max_context:
-        raise ValueError(f"session {item.session_id}: context plus {item.plain_steps} plain steps exceeds the model's {max_context} positions")
+    if item.prefix_length + len(item.new_token_ids) + n + item.plain_steps > max_context:
+        what = "tree" if item.plain_steps == 1 else f"{item.plain_steps} passes" + (" and tree" if n else "")
+        raise ValueError(f"session {item.session_id}: context plus {what} exceeds the model's {max_context} positions")
     if item.prefix_length == 0 and not item.new_token_ids:
         raise ValueError(f"session {item.session_id}: a new session needs at least one token")
     if not 0 <= item.top_logprobs <= MAX_TOP_LOGPROBS:
@@ -103,6 +103,11 @@ def validate_item(item: VerifyItem, vocab_size: int, max_context: int) -> None:
     problem = item.sampling.problem()
     if problem:
         raise ValueError(f"session {item.session_id}: {problem}")
+
+
+def _plain(item: VerifyItem) -> VerifyItem:
+    """The item a pass after its tree's runs: the same session and sampling, an empty tree."""
+    return dataclasses.replace(item, tree_tokens=[], tree_parents=[], proposals=[]) if item.tree_tokens else item
 
 
 class Verifier:
@@ -139,11 +144,13 @@ class Verifier:
         return results
 
     def _plain_steps(self, live: list, results: list[VerifyResult]) -> None:
-        """Further one-token passes for the plain sessions that asked for them, all together: a session's step is the
-        pass a round of its own would run on the same tokens (the same shaping and seeded noise at the same positions),
-        so its tokens are the target's whatever the number of steps. A session stops at the model's end of sequence
-        (the client decides whether it ends there), the batch once another call waits for the model."""
+        """Further one-token passes for the sessions that asked for them, all together, after the first pass verified
+        their trees: a session's step is the pass a round of its own would run on the same tokens, an empty tree (the
+        same shaping and seeded noise at the same positions), so its tokens are the target's whatever the number of
+        steps and whatever its tree accepted. A session stops at the model's end of sequence (the client decides
+        whether it ends there), the batch once another call waits for the model."""
         eos = self.loaded.eos_token_id
+        live = [(idx, _plain(item), session) for idx, item, session in live]
         step = 1
         while True:
             more = [(idx, item, session) for idx, item, session in live if item.plain_steps > step and results[idx].token_ids[-1] != eos]

@@ -3,8 +3,8 @@
 A long prompt is prefilled a budget's worth a batch and answered `prefilling` until it is whole, while a
 session already decoding is verified in every batch, before or after it in the batch; each session's
 tokens are the target's, as without chunks. A plain session's steps in one call are the tokens (and
-log-probabilities) as many calls of one step give, greedy, raced and sampled; they stop at end of sequence
-and once another call waits."""
+log-probabilities) as many calls of one step give, greedy, raced and sampled, after a tree's pass too; they stop
+at end of sequence and once another call waits."""
 
 from __future__ import annotations
 
@@ -126,11 +126,46 @@ def test_plain_steps_stop_at_end_of_sequence_and_when_another_call_waits(random_
     assert results[1].token_ids == expected[1][0][:4] and results[1].steps == 4
 
 
+def test_a_tree_then_plain_steps_in_one_call_are_the_tokens_of_a_tree_call_then_one_step_calls(random_family):
+    """A session may verify its tree and decode plainly after it in the same call (a probe in a round of plain
+    steps): its tree's verdict and every token after it are those of the tree's own call followed by one-step calls,
+    greedy, raced and sampled, beside a session without a tree."""
+    path = str(random_family["target"])
+    prompts = _prompts(len(PLAIN) + 1)
+    plain = _one_step_calls(path, prompts, PLAIN + [SamplingParams()], 1)
+    # Each tree's one node: the token the target emits first (accepted where greedy), drawn from a spread-out proposal.
+    trees = [dict(tree_tokens=[tokens[0]], tree_parents=[-1], proposals=[([tokens[0], 7], [0.6, 0.4])]) for tokens, _ in plain[: len(PLAIN)]]
+
+    def items(steps: int) -> list[VerifyItem]:
+        treed = [
+            VerifyItem(f"s{i}", 0, prompt, p, logprobs=True, plain_steps=steps, **tree)
+            for i, (prompt, p, tree) in enumerate(zip(prompts, PLAIN, trees))
+        ]
+        return treed + [VerifyItem("plain", 0, prompts[-1], SamplingParams(), logprobs=True, plain_steps=steps)]
+
+    apart = Verifier(load_model("target", path), SessionStore(1 << 30, 100))
+    apart.loaded.eos_token_id = -1
+    expected = [(r.accepted_nodes, r.token_ids, r.logprobs) for r in apart.verify_batch(items(1))]
+    for _ in range(3):
+        step = [VerifyItem(item.session_id, len(apart.store.get(item.session_id).token_ids), [], item.sampling, logprobs=True) for item in items(1)]
+        for (_, tokens, logprobs), result in zip(expected, apart.verify_batch(step)):
+            tokens += result.token_ids
+            logprobs += result.logprobs
+    together = Verifier(load_model("target", path), SessionStore(1 << 30, 100))
+    together.loaded.eos_token_id = -1
+    results = together.verify_batch(items(4))
+    assert [(r.accepted_nodes, r.token_ids) for r in results] == [(nodes, tokens) for nodes, tokens, _ in expected]
+    for result, (_, _, logprobs) in zip(results, expected):
+        assert result.logprobs == pytest.approx(logprobs, abs=1e-4)
+    assert [r.steps for r in results] == [4] * len(results)
+    assert results[0].accepted_nodes == [0], "the greedy session's node is the target's token"
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
         (dict(plain_steps=0), "plain_steps must be between 1 and 64"),
-        (dict(plain_steps=2, tree_tokens=[5], tree_parents=[-1], proposals=[([5], [1.0])]), "needs an empty tree"),
+        (dict(plain_steps=60, tree_tokens=[5, 6], tree_parents=[-1, 0], proposals=[([5], [1.0]), ([6], [1.0])]), "60 passes and tree exceeds"),
         (dict(plain_steps=64, new_token_ids=[1] * 8), "exceeds the model's 64 positions"),
     ],
 )
