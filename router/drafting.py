@@ -109,22 +109,19 @@ def _drafting_models(sessions: list[messages.DraftSession], free: frozenset[str]
     return len({s.model for s in sessions if s.num_draft_tokens > 0 and s.model not in free})
 
 
-def plain_steps_of(state: RequestState, most: int, drafted: int = 0) -> int:
-    """The passes a request takes in a round where no request drafts but to probe: up to `most`, as many as it may
-    still produce beside the `drafted` tokens of its probe; one in its first round, so that its first token streams
-    as soon as its prompt is prefilled."""
-    return max(1, min(most, state.remaining() - drafted)) if state.rounds > 0 else 1
+def plain_steps_of(state: RequestState, most: int) -> int:
+    """The tokens a request decodes in a round where no request drafts: up to `most`, as many as it may still produce;
+    one in its first round, so that its first token streams as soon as its prompt is prefilled."""
+    return max(1, min(most, state.remaining())) if state.rounds > 0 else 1
 
 
 def plain_steps(requests: list[RequestPlan], most: int) -> None:
-    """In a round where no request drafts, or only probes do, each request decodes its plain steps (`plain_steps_of`)
-    in the round's verify call, a probe's after its tree's pass: the round's overhead (its plan, its calls, its
-    commit) then comes once for them all, and a probe costs its draft call, not the steps' tokens. A round that
-    drafts by plan verifies its trees in one pass: its requests' next drafts wait for no plain step."""
-    if most <= 1 or any(r.k > 0 and not r.probe for r in requests):
+    """In a round where no request drafts, each request decodes its plain steps (`plain_steps_of`) in the round's
+    verify call: the round's overhead (its plan, its calls, its commit) then comes once for them all."""
+    if most <= 1 or any(r.k > 0 for r in requests):
         return
     for request in requests:
-        request.plain_steps = plain_steps_of(request.state, most, request.k)
+        request.plain_steps = plain_steps_of(request.state, most)
 
 
 class Drafting:
@@ -199,12 +196,11 @@ class Drafting:
                 free,
                 controller.fill,
             )
-        probed = controller.probed or [False] * len(batch)
         requests = [
-            RequestPlan(state, drafters, _depths(len(drafters), k, config.fusion_depth), _lockstep(drafters, services), gain, a, probe=probe)
+            RequestPlan(state, drafters, _depths(len(drafters), k, config.fusion_depth), _lockstep(drafters, services), gain, a)
             if k > 0
             else RequestPlan(state)
-            for state, drafters, k, gain, a, probe in zip(batch, chosen, ks, gains, predicted, probed)
+            for state, drafters, k, gain, a in zip(batch, chosen, ks, gains, predicted)
         ]
         for request in requests:
             if request.k > 0:

@@ -95,11 +95,8 @@ class RequestPlan:
     # The lead's per-token acceptance as routing predicted it, before `AcceptanceScale` (router/drafter_choice.py),
     # which verification checks against the lead's hits; 0 where no drafter drafts.
     acceptance: float = 0.0
-    # Passes of this round's verify call for the request (router.plain_steps): its tree's, then a token each decoded
-    # plainly; 1 where it drafts, except a probe in a round where nothing else drafts (router/drafting.py `plain_steps`).
+    # Tokens to decode plainly in this round's verify call, one pass each (router.plain_steps; 1 where it drafts).
     plain_steps: int = 1
-    # It drafts only to probe: the plan left it at k = 0 (router/speculation.py `SpeculationController.probed`).
-    probe: bool = False
 
     @property
     def k(self) -> int:

@@ -34,10 +34,7 @@ gain while they raise goodput. A request planned at k = 0 still drafts one token
 every `probe_every`-th round the controller plans (a round of plain steps counting each step),
 so its acceptance estimate can recover;
 every such request of that round probes in it, so the round's draft call, its plan's
-routing and its wider pass are paid once for all of them, not once per request
-(`probed` says which). Where nothing but probes drafts, the round still decodes its
-plain steps, the probes' trees in the first pass (router/drafting.py `plain_steps`):
-a probe costs its draft call and a row, not the plain steps' tokens.
+routing and its wider pass are paid once for all of them, not once per request.
 
 The model's prediction is then checked against what rounds deliver
 (`MeasuredGoodput`, router/measured_goodput.py). The model leaves costs out (the router's own work per
@@ -304,8 +301,6 @@ class SpeculationController:
     # Rounds planned with adaptive speculation since the last probe round, a round of plain steps counting one per step
     # (`decoded_plainly`): every probe_every-th is a probe round.
     since_probe: int = 0
-    # Which requests of the last plan probe in it (drafting one token that the plan left at k = 0); none in other rounds.
-    probed: list[bool] = field(default_factory=list)
     # What rounds deliver with drafting and without; kept across reloads (dataclasses.replace).
     measured: MeasuredGoodput = field(default_factory=MeasuredGoodput)
     # What helpers add against what was expected of them, and how much of what it is asked for each drafter
@@ -411,7 +406,6 @@ class SpeculationController:
         plain_steps: per request, the tokens it decodes in the round if nobody drafts (router/drafting.py
         `plain_steps`; default 1): drafting must beat that round's goodput, not one token a request's.
         """
-        self.probed = []
         if not self.adaptive:
             return list(max_draft_tokens)
         n = len(max_draft_tokens)
@@ -457,6 +451,5 @@ class SpeculationController:
         self.since_probe += 1
         if self.since_probe >= self.probe_every:  # a probe round (module docstring)
             self.since_probe = 0
-            self.probed = [k == 0 and bound > 0 for k, bound in zip(ks, max_draft_tokens)]
-            ks = [1 if probe else k for k, probe in zip(ks, self.probed)]
+            ks = [1 if k == 0 and bound > 0 else k for k, bound in zip(ks, max_draft_tokens)]
         return ks

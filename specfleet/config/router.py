@@ -44,9 +44,8 @@ class SchedulingConfig:
     plain_steps: int = knob(
         4,
         "tokens a request decodes plainly in one verify call, one forward pass each, in a round where no request drafts "
-        "but to probe, a probe's tree in the first pass (1: one a round); the verifier stops early at end of sequence or "
-        "once another call waits for it, and a request's first round decodes one, so its first token streams at once "
-        "(docs/benchmarks/plain-steps.md)",
+        "(1: one a round); the verifier stops early at end of sequence or once another call waits for it, and a request's "
+        "first round decodes one, so its first token streams at once (docs/benchmarks/plain-steps.md)",
         check=Check(lambda v: 1 <= v <= 64, "between 1 and 64, got {value}"),
     )
 

@@ -410,27 +410,3 @@ def test_prompts_are_scored_only_where_speculating_is_measured_to_pay():
     warm = _request("warm")
     warm.routing = router.start("def f(x): return x", domain_hint="")
     assert drafting.plan([warm], overlap=False, running=2).to_score() == [warm]
-
-
-def test_a_round_where_only_probes_draft_keeps_its_plain_steps():
-    """Requests the plan leaves at k = 0 decode plain steps, several tokens a round; in the round where they probe,
-    each drafts its one token and still decodes its steps after the probe's pass, so that probing costs the draft
-    call, not the steps' tokens. A round that drafts by plan verifies in one pass."""
-    router, controller, drafting = scoring_setup()
-    for drafter in ("general", "code"):
-        router.store.add("code", drafter, 0, 1000)  # nothing drafted for code is accepted
-    states = [_request(f"r{i}") for i in range(2)]
-    for state in states:
-        state.routing = router.start("", domain_hint="code")
-        state.rounds = 3
-    plans = [drafting.plan(states, overlap=False) for _ in range(8)]
-    probes = [plan for plan in plans if plan.drafting()]
-    assert probes and len(probes) < len(plans)
-    for plan in plans:
-        steps = SchedulerConfig().settings.plain_steps
-        assert [r.plain_steps for r in plan.requests] == [steps, steps]
-    assert all(r.probe and r.k == 1 for plan in probes for r in plan.requests)
-    router.store.add("code", "code", 10_000, 0)  # now the code drafter is nearly always right
-    drafted = drafting.plan(states, overlap=False)
-    assert drafted.drafting() and not any(r.probe for r in drafted.requests)
-    assert [r.plain_steps for r in drafted.requests] == [1, 1]

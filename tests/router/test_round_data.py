@@ -138,10 +138,6 @@ def test_a_round_where_nobody_drafts_decodes_plain_steps_as_far_as_each_request_
     mixed = [RequestPlan(_state(3, generated=3)), RequestPlan(_state(3, generated=3), drafters=["a"], depths=[4])]
     plain_steps(mixed, 4)
     assert [r.plain_steps for r in mixed] == [1, 1], "a round that drafts for one request verifies in one pass"
-    probed = [RequestPlan(_state(3, generated=3)), RequestPlan(_state(3, max_tokens=8, generated=5), drafters=["a"], depths=[1], probe=True)]
-    plain_steps(probed, 4)
-    # A probe verifies its token and decodes on, to the two tokens its request may still produce beside the probe's.
-    assert [r.plain_steps for r in probed] == [4, 2], "probes alone keep the round's plain steps"
 
 
 def test_the_load_a_round_runs_under_is_the_most_running_over_the_last_rounds():
