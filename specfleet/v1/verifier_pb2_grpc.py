@@ -63,8 +63,8 @@ class VerifierServicer:
     def Verify(self, request, context):
         """Verify each session's token tree against the target model. Concurrent
         calls are merged into one batched forward pass. A session with an empty
-        tree is plain decoding: one token sampled from the target, or up to
-        plain_steps of them in as many passes.
+        tree is plain decoding: one token sampled from the target; with
+        plain_steps, up to that many passes, its tree's first.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
