@@ -115,10 +115,11 @@ class DomainClassifier:
                 features.append(f)
                 values.append(v)
                 self.labels.append(label)
-        order = np.argsort(np.concatenate(features), kind="stable") if features else np.zeros(0, dtype=np.int64)
-        by_feature = np.concatenate(features)[order] if features else np.zeros(0, dtype=np.int64)
+        every = np.concatenate(features) if features else np.zeros(0, dtype=np.int64)
+        order = np.argsort(every, kind="stable")
         self._rows = np.concatenate(rows)[order] if rows else np.zeros(0, dtype=np.int64)
         self._values = np.concatenate(values)[order] if values else np.zeros(0, dtype=np.float64)
+        by_feature = every[order]
         # Feature f's nonzeros are entries _starts[f] to _starts[f + 1] - 1.
         self._starts = np.searchsorted(by_feature, np.arange(FEATURES + 1))
         self._firsts = np.asarray(firsts, dtype=np.int64)

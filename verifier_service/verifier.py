@@ -150,7 +150,7 @@ class Verifier:
         steps and whatever its tree accepted. A session stops at the model's end of sequence (the client decides
         whether it ends there), the batch once another call waits for the model."""
         eos = self.loaded.eos_token_id
-        live = [(idx, _plain(item), session) for idx, item, session in live]
+        live = [(idx, _plain(item), session) for idx, item, session in live if item.plain_steps > 1]  # the rest took their pass
         step = 1
         while True:
             more = [(idx, item, session) for idx, item, session in live if item.plain_steps > step and results[idx].token_ids[-1] != eos]

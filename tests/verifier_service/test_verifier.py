@@ -127,8 +127,8 @@ def test_plain_steps_stop_at_end_of_sequence_and_when_another_call_waits(random_
 
 
 def test_a_tree_then_plain_steps_in_one_call_are_the_tokens_of_a_tree_call_then_one_step_calls(random_family):
-    """A session may verify its tree and decode plainly after it in the same call (a probe in a round of plain
-    steps): its tree's verdict and every token after it are those of the tree's own call followed by one-step calls,
+    """A session may verify its tree and decode plainly after it in the same call (what a probe in a round of plain
+    steps would ask): its tree's verdict and every token after it are those of the tree's own call followed by one-step calls,
     greedy, raced and sampled, beside a session without a tree."""
     path = str(random_family["target"])
     prompts = _prompts(len(PLAIN) + 1)
