@@ -1,7 +1,7 @@
 """Who drafts for each request of a round, beyond routing's ranking: the round's expected goodput decides.
 
 Routing (router/routing.py) ranks each request's drafters by their sampled acceptance. Two decisions weigh that
-against what the round costs (router/speculation.py `CostModel`), each by the round's expected goodput, tokens
+against what the round costs (router/cost_model.py `CostModel`), each by the round's expected goodput, tokens
 committed per millisecond:
 
 - `consolidate` moves requests onto fewer distinct draft models: a drafter service runs each distinct model's
@@ -245,7 +245,7 @@ def cooperate(
     if depth == 0:
         return taken, gains
     # Per drafter service, its models' steps: a lead's model steps through the round's depth, a helper's model
-    # through the deepest position it drafts for any request (router/speculation.py `CostModel.draft_steps_ms`).
+    # through the deepest position it drafts for any request (router/cost_model.py `CostModel.draft_steps_ms`).
     steps: dict[int, dict[str, int]] = collections.defaultdict(dict)
     for drafters in taken:
         for drafter in drafters:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from router import messages
-from router.speculation import CostModel
+from router.cost_model import CostModel
 from router.transport import point_mass
 from specfleet import limits
 from specfleet.sampling import SamplingParams

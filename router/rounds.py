@@ -107,7 +107,7 @@ class RequestPlan:
 class RoundPlan:
     requests: list[RequestPlan]  # every request of the round, drafting or not, in the lane's order
     # What the cost model expects the round to take (ms), before what drafting rounds were measured to cost beyond
-    # it (router/speculation.py `CostModel.observe_round` compares the two); None where no model weighed the plan.
+    # it (router/cost_model.py `CostModel.observe_round` compares the two); None where no model weighed the plan.
     modelled_ms: float | None = None
     # The round's longest draft call and longest verify call (ms, as the router saw them, failed ones
     # included): a stage's calls run concurrently, so the longest is what the round waited for.

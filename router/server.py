@@ -25,7 +25,8 @@ from router.routing import (
 )
 from router.rounds import SchedulerConfig
 from router.scheduler import Scheduler
-from router.speculation import CostModel, SpeculationController
+from router.cost_model import CostModel
+from router.speculation import SpeculationController
 from router.transport import GrpcDrafter, GrpcVerifier
 from router.drafters import DrafterService
 from router.verifiers import VerifierPool

@@ -19,7 +19,8 @@ import random
 
 import router.measured_goodput as measured
 from router.measured_goodput import MeasuredGoodput
-from router.speculation import CostModel, SpeculationController
+from router.cost_model import CostModel
+from router.speculation import SpeculationController
 
 RULES = {
     "point estimates, forget 0.75 (first)": (0.0, 0.75),

@@ -29,7 +29,12 @@ from router.drafting import Drafting  # noqa: E402
 from router.request import RequestSpec, RequestState  # noqa: E402
 from router.rounds import RoundContext, SchedulerConfig  # noqa: E402
 from router.routing import DomainClassifier, DrafterProfile, DrafterRouter, ExpertiseStore  # noqa: E402
-from router.speculation import CostModel, SpeculationController  # noqa: E402
+from router.speculation import SpeculationController  # noqa: E402
+
+try:  # an older checkout (ROOT) keeps the cost model beside the controller
+    from router.cost_model import CostModel  # noqa: E402
+except ImportError:
+    from router.speculation import CostModel  # noqa: E402
 from specfleet.config import RoutingConfig, SpeculationConfig  # noqa: E402
 from specfleet.sampling import SamplingParams  # noqa: E402
 

@@ -106,7 +106,7 @@ class RoutingConfig:
 
 @dataclass
 class SpeculationConfig:
-    """How many tokens to draft (router/speculation.py: `CostModel`'s starting point, `SpeculationController`)."""
+    """How many tokens to draft (router/cost_model.py `CostModel`: its starting point; router/speculation.py `SpeculationController`)."""
 
     adaptive_speculation: bool = knob(
         True,

@@ -11,7 +11,8 @@ from router import server
 from router.request import Limits
 from router.rounds import SchedulerConfig
 from router.routing import ExpertiseStore
-from router.speculation import CostModel, SpeculationController
+from router.cost_model import CostModel
+from router.speculation import SpeculationController
 from specfleet import config as config_mod
 
 MODELS = [{"name": "general", "path": "models/demo/drafters/general"}, {"name": "code", "path": "models/demo/drafters/code"}]

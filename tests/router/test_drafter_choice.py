@@ -16,7 +16,8 @@ from router.drafting import Drafting
 from router.request import RequestSpec, RequestState
 from router.rounds import RequestPlan, RoundContext, SchedulerConfig
 from router.routing import DomainClassifier, DrafterProfile, DrafterRouter, ExpertiseStore
-from router.speculation import CostModel, SpeculationController
+from router.cost_model import CostModel
+from router.speculation import SpeculationController
 from specfleet.config import RoutingConfig, SpeculationConfig
 from specfleet.sampling import SamplingParams
 

@@ -11,7 +11,8 @@ from router.lead_tally import LeadTally
 from router.request import RequestSpec, RequestState
 from router.rounds import RoundContext, SchedulerConfig
 from router.routing import DomainClassifier, DrafterProfile, DrafterRouter, ExpertiseStore
-from router.speculation import CostModel, SpeculationController
+from router.cost_model import CostModel
+from router.speculation import SpeculationController
 from router.transport import GrpcDrafter
 from specfleet.config import RoutingConfig, SpeculationConfig
 from specfleet.sampling import SamplingParams

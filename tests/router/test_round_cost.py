@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from router import messages
 from router.drafter_choice import DraftFill, modelled_round_ms
-from router.speculation import CostModel, SpeculationController
+from router.cost_model import CostModel
+from router.speculation import SpeculationController
 from router.verifying import fed_tokens
 from specfleet.config import SpeculationConfig
 

@@ -9,7 +9,8 @@ import pytest
 
 from router.routing import FEATURES, MAX_EXTRA_DOMAINS, DomainClassifier, _trigram_vector, DrafterProfile, DrafterRouter, ExpertiseStore
 from specfleet.config import RoutingConfig
-from router.speculation import CostModel, SpeculationController
+from router.cost_model import CostModel
+from router.speculation import SpeculationController
 
 EXEMPLARS = {
     "code": ["def main(argv):\n    return 0\n", "import os\nfor x in range(10):\n    print(x)\n", "class Foo:\n    def bar(self): pass"],

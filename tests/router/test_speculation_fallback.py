@@ -12,7 +12,8 @@ import random
 import pytest
 
 from router.rounds import LaneKinds, RequestPlan, RoundMeasures, RoundPlan
-from router.speculation import MAX_REMEASURE_BACKOFF, CostModel, SpeculationController
+from router.cost_model import CostModel
+from router.speculation import MAX_REMEASURE_BACKOFF, SpeculationController
 from specfleet.config import SpeculationConfig
 
 EVERY = SpeculationConfig().remeasure_every

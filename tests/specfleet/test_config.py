@@ -219,7 +219,8 @@ def test_flat_and_nested_router_keys_are_one_config_and_the_file_stays_flat():
 
 def test_one_default_per_knob():
     """The router's components start from their section's defaults, not copies of them."""
-    from router.speculation import CostModel, SpeculationController
+    from router.cost_model import CostModel
+    from router.speculation import SpeculationController
 
     assert CostModel() == CostModel.configured(config_mod.SpeculationConfig())
     controller = SpeculationController(CostModel())
