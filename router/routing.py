@@ -187,6 +187,13 @@ class ExpertiseStore:
             e.accepted = e.accepted * self.decay + accepted
             e.rejected = e.rejected * self.decay + rejected
 
+    def counts(self, domain: str, drafters) -> list[tuple[float, float]]:
+        """(accepted, rejected) of each of these drafters in the domain, read under one lock (a round's plan reads
+        every drafter's for every request)."""
+        with self._lock:
+            found = [self._local.get((domain, drafter)) for drafter in drafters]
+        return [(e.accepted, e.rejected) if e else (0.0, 0.0) for e in found]
+
     def snapshot(self) -> dict[tuple[str, str], Evidence]:
         with self._lock:
             return {k: Evidence(v.accepted, v.rejected) for k, v in self._local.items()}
@@ -500,16 +507,17 @@ class DrafterRouter:
         return self.tuning.prior_specialist if specialist else self.tuning.prior_other
 
     def posterior(self, routing: RequestRouting, drafter: str) -> tuple[float, float]:
-        prior_a, prior_r = self._prior(drafter, routing.domain)
         shared = self.store.get(routing.domain, drafter)
-        scale = min(1.0, self.tuning.shared_evidence_cap / max(1e-9, shared.accepted + shared.rejected))
+        return self._posterior(routing, drafter, shared.accepted, shared.rejected)
+
+    def _posterior(self, routing: RequestRouting, drafter: str, shared_a: float, shared_r: float) -> tuple[float, float]:
+        """The prior, the domain's shared evidence (capped) and the request's own (weighted), summed."""
+        prior_a, prior_r = self._prior(drafter, routing.domain)
+        scale = min(1.0, self.tuning.shared_evidence_cap / max(1e-9, shared_a + shared_r))
         mine = routing.evidence.get(drafter)
         mine_a, mine_r = (mine.accepted, mine.rejected) if mine is not None else (0.0, 0.0)
         w = self.tuning.request_weight
-        return (
-            prior_a + scale * shared.accepted + w * mine_a,
-            prior_r + scale * shared.rejected + w * mine_r,
-        )
+        return prior_a + scale * shared_a + w * mine_a, prior_r + scale * shared_r + w * mine_r
 
     def mean(self, routing: RequestRouting, drafter: str) -> float:
         """The drafter's expected per-token acceptance for this request."""
@@ -517,9 +525,10 @@ class DrafterRouter:
         return a / (a + r)
 
     def posteriors(self, routing: RequestRouting) -> dict[str, tuple[float, float]]:
-        """Every drafter's posterior for this request: what `choose` samples from, for a caller that also needs
-        every drafter's mean (a round planned by goodput) to compute them once."""
-        return {d: self.posterior(routing, d) for d in self.drafters}
+        """Every drafter's posterior for this request, the store read once: what `choose` samples from, for a caller
+        that also needs every drafter's mean (a round planned by goodput) to compute them once."""
+        shared = self.store.counts(routing.domain, self.drafters)
+        return {d: self._posterior(routing, d, a, r) for d, (a, r) in zip(self.drafters, shared)}
 
     def choose(self, routing: RequestRouting, candidates: bool = False, posteriors: dict | None = None) -> list[str]:
         """The drafters for this round, best first. Expertise routing adds cooperating drafters (up to fusion_width
