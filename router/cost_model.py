@@ -116,6 +116,10 @@ class CostModel:
         """One verification call over `sessions` sessions that feeds `tokens` tokens in all."""
         return self.verify_call + self.verify_scale * self._verify_compute_ms(sessions, tokens)
 
+    def per_verified_token_ms(self) -> float:
+        """What each token fed adds to a verification call (`verify_ms` is linear in its tokens)."""
+        return self.verify_scale * self.verify_per_token
+
     def plain_steps_ms(self, steps: list[int]) -> float:
         """What the passes beyond the first add to a verify call whose plain sessions decode `steps` tokens each: the
         sessions that still decode take the next pass together, in the same call."""

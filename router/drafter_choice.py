@@ -41,6 +41,19 @@ def fill_rate(fill) -> Callable[[str], float]:
     return fill.rate if fill is not None else (lambda drafter: 1.0)
 
 
+# A drafter's hope is its posterior mean acceptance plus this many standard deviations (`upper_acceptance`).
+HOPE_SD = 2.0
+
+
+def upper_acceptance(accepted: float, rejected: float) -> float:
+    """The best per-token acceptance a drafter's Beta(accepted, rejected) posterior leaves plausible: its mean plus
+    HOPE_SD standard deviations, below 1. Wide where the evidence is thin (a new request, a drafter seldom tried),
+    near the mean where it is thick, so probing stops where no outcome it could plausibly find would make drafting pay."""
+    n = accepted + rejected
+    mean = accepted / n
+    return min(AcceptanceScale.MOST, mean + HOPE_SD * math.sqrt(mean * (1 - mean) / (n + 1)))
+
+
 def expected_tokens(acceptance: float, k: int) -> float:
     """Tokens a round commits for a request drafting k tokens, each accepted with probability `acceptance`."""
     return sum(acceptance**i for i in range(k + 1))

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from router import messages
 from router.breaker import Breaker
-from router.drafter_choice import consolidate, cooperate, modelled_round_ms, most_models
+from router.drafter_choice import consolidate, cooperate, modelled_round_ms, most_models, upper_acceptance
 from router.request import RequestState, SessionMirror
 from router.rounds import PREFILL_TOKENS_PER_S, RequestPlan, RoundContext, RoundPlan, concurrently
 from router.transport import DrafterTransport, TransportError
@@ -153,7 +153,7 @@ class Drafting:
         config, scale = router.config, controller.acceptance_scale
         by_goodput = controller.adaptive and config.routing_policy == "expertise"
         free = router.model_free
-        ranked, bounds, means = [], [], []
+        bounds, posteriors, leads = [], [], []
         # Specialists score new prompts only where speculating is measured to pay at this load; elsewhere (a cold
         # start, a round that speculates only to remeasure it) the exemplars place them.
         scoring = controller.scoring_pays(running or len(batch))
@@ -162,16 +162,25 @@ class Drafting:
                 state.routing.scorable = state.routing.scorable and scoring
                 router.place(state.routing)
             bound = max(0, min(state.spec.max_draft_tokens, state.remaining() - 1))
-            # A prompt still being scored has no domain to route by: it decodes plainly this round.
-            drafts = bound > 0 and not state.routing.needs_scores
-            # Every drafter's expected acceptance for the request: consolidating and cooperating weigh them all.
-            posteriors = router.posteriors(state.routing) if drafts and by_goodput else {}
-            drafters = router.choose(state.routing, candidates=by_goodput, posteriors=posteriors) if drafts else []
-            ranked.append(drafters)
-            bounds.append(bound if drafters else 0)
-            means.append({d: scale.scaled(d, a / (a + r)) for d, (a, r) in posteriors.items()} if drafters else {})
-        if not any(ranked):  # nobody drafts this round (speculation off, prompts being scored, last tokens)
+            # With adaptive speculation, a request's first round (its prompt's prefill, and its first token) decodes
+            # plainly: the plan does not weigh the drafters' prefill of the prompt, which drafting there would make the
+            # first token wait for (the draft call runs before the verify call). A prompt still being scored has no
+            # domain to route by: it decodes plainly too.
+            first = state.rounds == 0 and controller.adaptive
+            drafts = bound > 0 and not first and not state.routing.needs_scores
+            # Routed by goodput, every drafter's posterior for the request: the hope, consolidating and cooperating
+            # weigh them all; otherwise routing's choice alone.
+            posteriors.append(router.posteriors(state.routing) if drafts and by_goodput else {})
+            leads.append(router.choose(state.routing) if drafts and not by_goodput else [])
+            bounds.append(bound if posteriors[-1] or leads[-1] else 0)  # no drafter at all: nothing to draft with
+        steps = [plain_steps_of(state, self.context.config.settings.plain_steps) for state in batch]
+        hopeful = self._hopeful(batch, posteriors, leads, bounds, overlap, steps) if controller.adaptive else [True] * len(batch)
+        if not any(hope and bound for hope, bound in zip(hopeful, bounds)):
+            # Nobody drafts this round, even at the best acceptance their drafters may have (or speculation off for
+            # each, prompts being scored, last tokens): plain decoding, without ranking drafters or planning k.
             return self._planned([RequestPlan(state) for state in batch], overlap)
+        ranked = [router.choose(state.routing, candidates=True, posteriors=p) if p else lead for state, p, lead in zip(batch, posteriors, leads)]
+        means = [{d: scale.scaled(d, a / (a + r)) for d, (a, r) in p.items()} for p in posteriors]
         chosen = [d[:1] for d in ranked] if by_goodput else ranked
         if by_goodput and config.fewer_models:
             chosen = consolidate(chosen, means, bounds, services, controller.cost, self.usable(), free, controller.fill)
@@ -179,8 +188,7 @@ class Drafting:
         predicted = [router.mean(s.routing, drafters[0]) if drafters else 0.0 for s, drafters in zip(batch, chosen)]
         acceptance = [scale.scaled(drafters[0], a) if drafters else 0.0 for drafters, a in zip(chosen, predicted)]
         fill = [controller.fill.rate(drafters[0]) if drafters else 1.0 for drafters in chosen]
-        steps = [plain_steps_of(state, self.context.config.settings.plain_steps) for state in batch]
-        ks = controller.plan(acceptance, bounds, overlap, running, most_models(chosen, services, free), fill, steps)
+        ks = controller.plan(acceptance, bounds, overlap, running, most_models(chosen, services, free), fill, steps, hopeful)
         gains = [0.0] * len(batch)
         if by_goodput and config.fusion_width > 1:
             leads_first = [lead + [d for d in drafters if d not in lead][: config.fusion_width - 1] for lead, drafters in zip(chosen, ranked)]
@@ -222,6 +230,25 @@ class Drafting:
         )
         modelled += controller.cost.plain_steps_ms([r.plain_steps for r in requests])
         return RoundPlan(requests, modelled, routed=routed)
+
+    def _hopeful(self, batch, posteriors, leads, bounds, overlap: bool, steps: list[int]) -> list[bool]:
+        """Per request, whether the plan could draft for it at its hope (`upper_acceptance`): routed by goodput, its
+        most hopeful drafter's (scaled as the plan scales it); otherwise its lead's. The round is priced at its
+        cheapest: one model a service (none where every hope is the n-gram drafter's), each drafter's own fill."""
+        router, controller = self.context.router, self.context.controller
+        scale, free = controller.acceptance_scale, router.model_free
+        hopes, fills, drafters = [], [], []
+        for state, options, lead in zip(batch, posteriors, leads):
+            options = options or ({lead[0]: router.posterior(state.routing, lead[0])} if lead else {})
+            best, hope = "", 0.0
+            for drafter, (a, r) in options.items():
+                if (mine := scale.scaled(drafter, upper_acceptance(a, r))) > hope:
+                    best, hope = drafter, mine
+            hopes.append(hope)
+            fills.append(controller.fill.rate(best) if best else 1.0)
+            drafters.append(best)
+        models = 0 if all(d in free for d in drafters if d) else 1
+        return controller.could_draft(hopes, bounds, overlap, models, fills, steps)
 
     def usable(self) -> list[str]:
         """The drafters a round may move requests to: those whose service has a replica the breaker lets rounds call

@@ -14,6 +14,11 @@ every `probe_every`-th round the controller plans (a round of plain steps counti
 so its acceptance estimate can recover;
 every such request of that round probes in it, so the round's draft call, its plan's
 routing and its wider pass are paid once for all of them, not once per request.
+A probe is worth its price only where what it may find could make the plan draft: a
+request probes only if the plan would draft for it at its hope, the best acceptance
+its evidence leaves plausible (`could_draft`), and a round in which that plan drafts
+for nobody is not routed at all (router/drafting.py): at four clients on one core,
+plain steps make a round of four requests commit 16 tokens, a probe round 6-7.
 
 The model's prediction is then checked against what rounds deliver
 (`MeasuredGoodput`, router/measured_goodput.py). The model leaves costs out (the router's own work per
@@ -171,6 +176,7 @@ class SpeculationController:
         models: int = 1,
         fill: list[float] | None = None,
         plain_steps: list[int] | None = None,
+        hopeful: list[bool] | None = None,
     ) -> list[int]:
         """Draft lengths (num_draft_tokens) for one round's requests, from each one's acceptance a_i and
         max_draft_tokens.
@@ -183,26 +189,65 @@ class SpeculationController:
         default 1: a draft model proposes every position).
         plain_steps: per request, the tokens it decodes in the round if nobody drafts (router/drafting.py
         `plain_steps`; default 1): drafting must beat that round's goodput, not one token a request's.
+        hopeful: per request, whether the plan could draft for it at the best acceptance its evidence leaves
+        plausible (`could_draft`); a request left at k = 0 probes only if so (default: every request may probe).
         """
         if not self.adaptive:
             return list(max_draft_tokens)
         n = len(max_draft_tokens)
         if n and not self.speculates(running or n):
             return [0] * n  # plain decoding for everyone: drafting measured slower (module docstring)
+        ks = self._best_ks(acceptance, max_draft_tokens, overlap, models, fill, plain_steps)
+        self.since_probe += 1
+        if self.since_probe >= self.probe_every:  # a probe round (module docstring)
+            self.since_probe = 0
+            hopeful = hopeful or [True] * n
+            ks = [1 if k == 0 and bound > 0 and hope else k for k, bound, hope in zip(ks, max_draft_tokens, hopeful)]
+        return ks
+
+    def could_draft(
+        self,
+        hopes: list[float],
+        max_draft_tokens: list[int],
+        overlap: bool = False,
+        models: int = 1,
+        fill: list[float] | None = None,
+        plain_steps: list[int] | None = None,
+    ) -> list[bool]:
+        """Per request, whether the plan would draft for it were each request's acceptance its hope (the best its
+        evidence leaves plausible: router/routing.py `upper_acceptance`), at the cheapest drafting the round could
+        have (`models`, `fill`). The plan weighs the same requests with acceptances no higher, so where this drafts
+        for nobody it drafts for nobody and no probe can change that; pure (no probe clock moves)."""
+        return [k > 0 for k in self._best_ks(hopes, max_draft_tokens, overlap, models, fill, plain_steps)]
+
+    def _best_ks(
+        self,
+        acceptance: list[float],
+        max_draft_tokens: list[int],
+        overlap: bool,
+        models: int,
+        fill: list[float] | None,
+        plain_steps: list[int] | None,
+    ) -> list[int]:
+        """The draft lengths that maximise the round's expected goodput (`plan`'s arguments), k = 0 for all where
+        nothing beats the plain round."""
+        n = len(max_draft_tokens)
         plain_ms = self.cost.round_ms([0] * n)  # one pass: what a round that drafts never beats (`drafting_round_ms`)
         steps = plain_steps or [1] * n
         best_goodput, ks = sum(steps) / (plain_ms + self.cost.plain_steps_ms(steps)) if n else 0.0, [0] * n
         eligible = [i for i in range(n) if acceptance[i] >= self.min_acceptance]
+        # A verification's time is linear in the rows drafted: its plain pass, then per row.
+        per_row, cost = self.cost.per_verified_token_ms(), self.cost
         # The drafting term depends on the deepest draft only, so fix the depth D first;
         # for a given D, adding a draft token with gain g pays iff it raises sum E / T.
         for depth in range(1, max(max_draft_tokens, default=0) + 1):
             trial, expected, drafted = [0] * n, float(n), 0.0
-            drafting = self.cost.draft_ms(depth, models)
+            drafting = cost.draft_ms(depth, models)
             caps = [min(max_draft_tokens[i], depth) for i in range(n)]
 
             def round_ms(drafted: float) -> float:
                 # Pipelined, one group drafts while another is verified: the slower side sets the pace.
-                return self.cost.drafting_round_ms(self.cost.verify_ms(n, n + drafted), drafting, plain_ms, overlap)
+                return cost.drafting_round_ms(plain_ms + per_row * drafted, drafting, plain_ms, overlap)
 
             # Each request's next position, most likely accepted first (ties: the earlier request).
             queue = [(-acceptance[i], i) for i in eligible if caps[i] > 0]
@@ -226,8 +271,4 @@ class SpeculationController:
             goodput = expected / now_ms
             if goodput > best_goodput:
                 best_goodput, ks = goodput, trial
-        self.since_probe += 1
-        if self.since_probe >= self.probe_every:  # a probe round (module docstring)
-            self.since_probe = 0
-            ks = [1 if k == 0 and bound > 0 else k for k, bound in zip(ks, max_draft_tokens)]
         return ks

@@ -53,7 +53,8 @@ def request(i: int) -> RequestState:
         max_draft_tokens=4,
         domain="",
     )
-    return RequestState(spec=spec, tokenizer=None, eos_token_id=0, max_context=512, deadline=None, tokens=[1, 2, 3])
+    # Past its first round (which decodes plainly): it may draft, and a round without drafts decodes plain steps.
+    return RequestState(spec=spec, tokenizer=None, eos_token_id=0, max_context=512, deadline=None, tokens=[1, 2, 3], rounds=1)
 
 
 def main() -> int:
@@ -61,6 +62,13 @@ def main() -> int:
     parser.add_argument("root", nargs="?", default=ROOT, help="the checkout whose router is timed (default: this one)")
     parser.add_argument("--sizes", default="1,4,16", help="requests a round, comma separated")
     parser.add_argument("--plans", type=int, default=0, help="run this many plans a size untimed (for callgrind), after 50 warm-up plans")
+    parser.add_argument(
+        "--acceptance",
+        type=float,
+        default=None,
+        help="give every drafter 256 draft tokens of evidence at this acceptance in every domain, so that rounds are planned "
+        "as in steady traffic (default: no evidence, the priors alone)",
+    )
     args = parser.parse_args()
     profiles = [DrafterProfile(d, [d]) for d in DOMAINS] + [DrafterProfile("general")]
     service = DrafterService("drafters", [SimpleNamespace(name="drafters-0")])
@@ -73,6 +81,10 @@ def main() -> int:
     controller = SpeculationController(CostModel(), settings=SpeculationConfig(remeasure_every=0))
     drafting = Drafting(RoundContext(SchedulerConfig(), {p.name: service for p in profiles}, router, controller), in_background=lambda c: None)
     router.rng.seed(0)
+    if args.acceptance is not None:
+        for domain in DOMAINS:
+            for profile in profiles:
+                router.store.add(domain, profile.name, 256 * args.acceptance, 256 * (1 - args.acceptance))
     for n in (int(size) for size in args.sizes.split(",")):
         batch = [request(i) for i in range(n)]
         for i, state in enumerate(batch):

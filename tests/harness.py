@@ -136,6 +136,12 @@ class Cluster:
             self._log.close()
 
 
+# A cost model pinned to steps and tree rows that cost next to nothing: with adaptive speculation, every draft token
+# and every helper a request may have pays (router/speculation.py, router/drafter_choice.py `cooperate`), whatever the
+# machine running the tests measures; without it, whether a cluster drafts at all is that machine's to say.
+DRAFTING_PAYS = {"pin_cost_model": True, "verify_per_token_ms": 0.001, "draft_per_token_ms": 0.001}
+
+
 def cluster_config(family, drafter: str = "drafter-noisy", **overrides) -> dict:
     # The HTTP API and metrics endpoints are off unless a test asks for them (with a free port): their
     # defaults (8000, 9460-) are a user's, and test clusters running side by side would race for them.
@@ -151,10 +157,18 @@ def cluster_config(family, drafter: str = "drafter-noisy", **overrides) -> dict:
         ],
         # Two lanes, as on a fleet of several machines: the router would choose one on this machine's two
         # cores (router.pipeline_depth 0), and the tests cover the pipelined path.
-        # remeasure_every 0: drafting as the cost model plans, never falling back to plain decoding; whether drafting pays
-        # on the machine running the tests would otherwise decide what they see (tests/router/test_speculation_fallback.py
-        # tests the fallback).
-        "router": {"port": free_port(), "default_drafter": drafter, "http_port": 0, "metrics_port": 0, "pipeline_depth": 2, "remeasure_every": 0},
+        # remeasure_every 0 and the cost model pinned where drafting pays (`DRAFTING_PAYS`): drafting as k asks, never
+        # falling back to plain decoding; whether drafting pays on the machine running the tests would otherwise decide
+        # what they see (tests/router tests the plan and the fallback; the demo clusters profile their cost model).
+        "router": {
+            "port": free_port(),
+            "default_drafter": drafter,
+            "http_port": 0,
+            "metrics_port": 0,
+            "pipeline_depth": 2,
+            "remeasure_every": 0,
+            **DRAFTING_PAYS,
+        },
     }
     for section, values in overrides.items():
         if section == "drafter_service":
@@ -166,9 +180,6 @@ def cluster_config(family, drafter: str = "drafter-noisy", **overrides) -> dict:
 
 # The model-free n-gram drafter's name, where a test adds it to a drafter service beside draft models.
 NGRAM = "ngram"
-# A cost model pinned to steps and tree rows that cost next to nothing: with adaptive speculation, every helper a
-# request may have pays (router/drafter_choice.py `cooperate`), whatever the machine running the tests measures.
-HELPERS_PAY = {"pin_cost_model": True, "verify_per_token_ms": 0.001, "draft_per_token_ms": 0.001}
 
 
 def with_ngram(config: dict, family, service: int = 0) -> dict:

@@ -21,7 +21,7 @@ import pytest
 from router.openai_api import ApiError, render_chat
 from specfleet.tokenizer import load_tokenizer
 from specfleet.v1 import generation_pb2_grpc
-from tests.harness import HELPERS_PAY, Cluster, cluster_config, free_port
+from tests.harness import Cluster, cluster_config, free_port
 from tests.helpers import greedy_request, target_greedy, target_logprobs
 from tests.operations import host_pid, metrics, service_pid, without_model_name
 
@@ -48,17 +48,16 @@ def api(random_family, target_with_template, tmp_path_factory):
     # The drafter service a process of its own: its environment is checked for the API key (test_only_the_router_...).
     config = cluster_config(
         random_family,
-        # A cost model under which drafting pays: requests draft in every round, so that tests see drafted tokens accepted
-        # (test_completions_logprobs_...), whatever the machine measures; a round's plain steps would otherwise decode
-        # a short request before the first probe drafts. A token a plain round: a request of 900 plain tokens on the
-        # small random model then outlasts the hang-up's detection (test_a_unary_client_that_hangs_up_...), which
-        # with 4 steps a round it may not; the gRPC tests cover plain steps.
+        # The cost model under which drafting pays (cluster_config's): requests draft in every round, so that tests see
+        # drafted tokens accepted (test_completions_logprobs_...), whatever the machine measures. A token a plain
+        # round: a request of 900 plain tokens on the small random model then outlasts the hang-up's detection
+        # (test_a_unary_client_that_hangs_up_...), which with 4 steps a round it may not; the gRPC tests cover plain
+        # steps.
         router={
             "http_port": free_port(),
             "metrics_port": free_port(),
             "served_model_name": "random-target",
             "plain_steps": 1,
-            **HELPERS_PAY,
         },
         drafter_service={"colocate": False},
     )

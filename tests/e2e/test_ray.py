@@ -37,7 +37,7 @@ import yaml
 
 from router import breaker
 from specfleet import config as config_mod
-from tests.harness import REPO, free_port
+from tests.harness import DRAFTING_PAYS, REPO, free_port
 from tests.helpers import PROMPTS, greedy_request, target_greedy
 
 pytestmark = pytest.mark.timeout(420)
@@ -315,7 +315,15 @@ def serve_config(random_family, verifier_ray: dict, drafter_ray: dict, **verifie
         "verifier": {"model": str(random_family["target"]), "ray": verifier_ray, **verifier},
         "drafters": [{"name": "small", "models": [{"name": "drafter-noisy", "path": str(random_family["drafter-noisy"])}], "ray": drafter_ray}],
         # verifier_wait_s: how long requests wait once no verifier is left (the last test here kills the only one).
-        "router": {"port": free_port(), "default_drafter": "drafter-noisy", "startup_timeout_s": 240, "verifier_wait_s": 15, "remeasure_every": 0},
+        # Drafting as k asks on any machine, as cluster_config's clusters (tests/harness.py `DRAFTING_PAYS`).
+        "router": {
+            "port": free_port(),
+            "default_drafter": "drafter-noisy",
+            "startup_timeout_s": 240,
+            "verifier_wait_s": 15,
+            "remeasure_every": 0,
+            **DRAFTING_PAYS,
+        },
     }
 
 

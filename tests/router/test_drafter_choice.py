@@ -202,7 +202,7 @@ def _request(session_id: str, max_draft_tokens: int = 4) -> RequestState:
         max_draft_tokens=max_draft_tokens,
         domain="code",
     )
-    return RequestState(spec=spec, tokenizer=None, eos_token_id=0, max_context=512, deadline=None, tokens=[1, 2, 3])
+    return RequestState(spec=spec, tokenizer=None, eos_token_id=0, max_context=512, deadline=None, tokens=[1, 2, 3], rounds=1)
 
 
 def test_a_round_plans_helpers_by_goodput_with_adaptive_speculation_and_by_fusion_below_without():

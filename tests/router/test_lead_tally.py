@@ -75,7 +75,7 @@ def test_a_prompt_is_placed_by_the_exemplars_once_every_domain_has_the_same_lead
 
 def request(session: str, domain_router: DrafterRouter, prompt: str) -> RequestState:
     spec = RequestSpec(session, session, list(range(1, 33)), 64, SamplingParams(), [], False, 4, "")
-    state = RequestState(spec, None, 0, 4096, None, tokens=list(range(1, 33)))
+    state = RequestState(spec, None, 0, 4096, None, tokens=list(range(1, 33)), rounds=1)
     state.routing = domain_router.start(prompt, domain_hint="code")
     return state
 

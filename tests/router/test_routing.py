@@ -171,6 +171,20 @@ def test_a_round_s_requests_at_k_zero_probe_together():
     assert all(ks[3] == 8 for ks in rounds)
 
 
+def test_a_request_probes_only_where_its_hope_could_make_the_plan_draft():
+    """A probe round probes the requests at k = 0 whose hope (`could_draft`) could make the plan draft for them, not
+    the others; `could_draft` is the plan at the hoped acceptances, and asking it moves no probe clock."""
+    controller = pinned_controller()
+    rounds = [controller.plan([0.01, 0.01], [8, 8], hopeful=[True, False]) for _ in range(16)]
+    assert [ks for ks in rounds if ks != [0, 0]] == [[1, 0]] * 2
+    since = controller.since_probe
+    assert controller.could_draft([0.999, 0.01], [8, 8]) == [True, False]
+    assert controller.since_probe == since
+    for a in (0.05, 0.2, 0.4, 0.6, 0.8):
+        plan = SpeculationController(cost=pinned_controller().cost, probe_every=10**6).plan([a], [8], plain_steps=[4])
+        assert controller.could_draft([a], [8], plain_steps=[4]) == [plan[0] > 0]
+
+
 def test_drafting_must_beat_the_plain_round_s_steps():
     """The plan weighs drafting against the round it would otherwise be: plain steps, several tokens for one round's
     overhead. A drafter good enough to beat one plain token a round is not always good enough to beat four; k never

@@ -1,0 +1,100 @@
+"""Planning a round (router/drafting.py `Drafting.plan`): where nobody could draft, nothing is ranked or probed; a
+request's first round decodes plainly.
+
+Each request's hope is the best acceptance its drafters' posteriors leave plausible (router/drafter_choice.py
+`upper_acceptance`). A round in which the plan would draft for nobody even at those hopes decodes plainly without
+ranking drafters; a request whose evidence is thin still probes. The cost model is given, not measured here."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from router.cost_model import CostModel
+from router.drafter_choice import upper_acceptance
+from router.drafters import DrafterService
+from router.drafting import Drafting
+from router.request import RequestSpec, RequestState
+from router.rounds import RoundContext, SchedulerConfig
+from router.routing import DomainClassifier, DrafterProfile, DrafterRouter, ExpertiseStore
+from router.speculation import SpeculationController
+from specfleet.config import RoutingConfig, SpeculationConfig
+from specfleet.sampling import SamplingParams
+
+
+def _controller() -> SpeculationController:
+    """Two requests decoding 4 plain steps a round: drafting pays from an acceptance of 0.7 (checked below)."""
+    cost = CostModel(verify_base=2.0, verify_per_token=0.1, draft_per_token=0.5, draft_base=1.0, verify_call=0.0, draft_call=0.0, pinned=True)
+    return SpeculationController(cost, settings=SpeculationConfig(remeasure_every=0))
+
+
+def _request(session_id: str) -> RequestState:
+    spec = RequestSpec(
+        request_id=session_id,
+        session_id=session_id,
+        prompt_ids=[1, 2, 3],
+        max_tokens=64,
+        sampling=SamplingParams(),
+        stop=[],
+        stop_at_eos=True,
+        max_draft_tokens=4,
+        domain="code",
+    )
+    state = RequestState(spec=spec, tokenizer=None, eos_token_id=0, max_context=512, deadline=None, tokens=[1, 2, 3])
+    state.rounds = 1  # past its first round: a plain round decodes its plain steps
+    return state
+
+
+def _plans(code_accepted: float, code_rejected: float, rounds: int, first_rounds: int = 0) -> tuple[list, int]:
+    """`rounds` plans of two code requests, the general drafter (ranked first) accepting a tenth of 256 tokens and
+    the code specialist what it is given, the first `first_rounds` requests in their first round: (the plans, how many
+    times a drafter was ranked for a request)."""
+    service = DrafterService("left", [SimpleNamespace(name="left-0")])
+    config = RoutingConfig(routing_policy="expertise", default_drafter="general", fusion_width=1)
+    profiles = [DrafterProfile("general"), DrafterProfile("code", specialities=["code"])]
+    router = DrafterRouter(config, profiles, DomainClassifier({}), ExpertiseStore(1.0))
+    router.rng.seed(0)  # Thompson sampling ranks the drafters the same way every run
+    router.store.add("code", "general", 25.6, 230.4)
+    router.store.add("code", "code", code_accepted, code_rejected)
+    ranked = []
+    choose = router.choose
+    router.choose = lambda *args, **kwargs: ranked.append(args) or choose(*args, **kwargs)
+    drafting = Drafting(RoundContext(SchedulerConfig(), {"general": service, "code": service}, router, _controller()), in_background=lambda c: None)
+    batch = [_request(f"s{i}") for i in range(2)]
+    for state in batch[:first_rounds]:
+        state.rounds = 0
+    for state in batch:
+        state.routing = router.start("def f(x):", domain_hint="code")
+    return [drafting.plan(batch, overlap=False) for _ in range(rounds)], len(ranked)
+
+
+def test_the_cost_model_here_drafts_from_an_acceptance_of_0_7():
+    controller = _controller()
+    drafts = [a for a in (0.3, 0.5, 0.6, 0.7, 0.8, 0.95) if controller.could_draft([a, a], [4, 4], plain_steps=[4, 4])[0]]
+    assert drafts == [0.7, 0.8, 0.95]
+
+
+def test_a_round_nobody_could_draft_in_at_their_hopes_ranks_no_drafter_and_probes_nobody():
+    """The specialist measured at 0.3 over 256 tokens (hope 0.38), the general drafter at 0.1: no plan could draft, so
+    no round ranks a drafter or probes, and each is speculating's round (routed), decoded as plainly as speculation
+    off's. With the specialist's evidence thin (one token of five accepted: mean 0.5 with its prior, hope 0.8) the
+    plan still drafts nothing at the mean, but its requests probe, and only in probe rounds."""
+    assert upper_acceptance(4 + 76.8, 1 + 179.2) < 0.6 < 0.7 < upper_acceptance(4 + 1, 1 + 4)
+    plans, ranked = _plans(76.8, 179.2, rounds=32)
+    assert ranked == 0
+    assert all(plan.routed and all(r.k == 0 and not r.drafters for r in plan.requests) for plan in plans)
+    assert all(r.plain_steps == 4 for plan in plans for r in plan.requests)
+
+    plans, ranked = _plans(1.0, 4.0, rounds=32)
+    probing = [plan for plan in plans if any(r.k > 0 for r in plan.requests)]
+    assert ranked > 0 and 0 < len(probing) < len(plans)
+    assert all(r.k == 1 and r.drafters == ["code"] for plan in probing for r in plan.requests)
+
+
+def test_a_request_s_first_round_decodes_plainly():
+    """With adaptive speculation, a request's first round prefills its prompt and streams its first token: it drafts
+    from its second round on (drafting in the first would wait for its drafters to prefill the prompt too), beside
+    requests that draft. (With k as asked, the first round drafts: tests/e2e/test_demo_serving.py.)"""
+    plans, _ = _plans(200.0, 20.0, rounds=1)  # the specialist at 0.9: both requests draft
+    assert all(r.k > 0 for r in plans[0].requests)
+    plans, _ = _plans(200.0, 20.0, rounds=1, first_rounds=1)
+    assert [r.k > 0 for r in plans[0].requests] == [False, True]
