@@ -215,7 +215,7 @@ class SpeculationController:
         plain_steps: list[int] | None = None,
     ) -> list[bool]:
         """Per request, whether the plan would draft for it were each request's acceptance its hope (the best its
-        evidence leaves plausible: router/routing.py `upper_acceptance`), at the cheapest drafting the round could
+        evidence leaves plausible: router/drafter_choice.py `upper_acceptance`), at the cheapest drafting the round could
         have (`models`, `fill`). The plan weighs the same requests with acceptances no higher, so where this drafts
         for nobody it drafts for nobody and no probe can change that; pure (no probe clock moves)."""
         return [k > 0 for k in self._best_ks(hopes, max_draft_tokens, overlap, models, fill, plain_steps)]
