@@ -10,7 +10,7 @@ proposes a token, the most confident proposal (`specfleet.fusion.lead`)
 continues the main branch and is fed back to all of them, the others become
 side branches. Cooperating drafters on other services (other cores, nodes or
 GPUs) each draft a chain of their own, concurrently, and the router merges the
-chains into the tree. Either way the result is a token tree whose every node
+chains into the tree (router/trees.py `request_tree`). Either way the result is a token tree whose every node
 carries the distribution it was drawn from. All sessions of one drafter service go in
 one call (split to the service's per-call limits); all services are called
 concurrently. A drafter that fails, or lost a session, costs only that round's
@@ -32,7 +32,7 @@ from router.drafter_choice import consolidate, cooperate, modelled_round_ms, mos
 from router.request import RequestState, SessionMirror
 from router.rounds import PREFILL_TOKENS_PER_S, RequestPlan, RoundContext, RoundPlan, concurrently
 from router.transport import DrafterTransport, TransportError
-from router.trees import DraftTree
+from router.trees import DraftTree, lockstep, request_tree
 from specfleet import limits
 
 log = logging.getLogger(__name__)
@@ -70,32 +70,6 @@ class DraftResult:
 
     call: DraftCall
     drafted: messages.DraftedSession
-
-
-def request_tree(request: RequestPlan, replies: dict[str, messages.DraftedSession]) -> DraftTree:
-    """A request's tree from its drafters' replies: the lockstep positions fused, then every other drafter's
-    chain merged in, in routing order (the order the verifier tries siblings in, fixed before drafting)."""
-    tree = DraftTree()
-    state = request.state
-    if request.lockstep:
-        for position in range(request.k):
-            tree.fuse_position(request.lockstep, replies, position)
-        # Each lockstep session continued from the lead tokens, the main branch, for as many positions as it drafted.
-        for drafter in request.lockstep:
-            if drafter in replies:
-                tree.proposed.setdefault(drafter, [])  # a member that proposed nothing is scored too (a miss)
-                drafted = [tree.tokens[i] for i in tree.main[: len(replies[drafter].token_ids)]]
-                state.drafter_mirrors[drafter].held = state.tokens + drafted
-    for drafter in request.drafters:
-        if drafter in replies and drafter not in request.lockstep:
-            tree.add_chain(drafter, replies[drafter])
-    return tree
-
-
-def _lockstep(drafters: list[str], services: dict) -> list[str]:
-    """The drafters that draft in lockstep with the lead, in its service's call: those its service hosts, if two or more."""
-    together = [d for d in drafters if services[d] is services[drafters[0]]] if drafters else []
-    return together if len(together) > 1 else []
 
 
 def _depths(members: int, k: int, fusion_depth: int) -> list[int]:
@@ -205,7 +179,7 @@ class Drafting:
                 controller.fill,
             )
         requests = [
-            RequestPlan(state, drafters, _depths(len(drafters), k, config.fusion_depth), _lockstep(drafters, services), gain, a)
+            RequestPlan(state, drafters, _depths(len(drafters), k, config.fusion_depth), lockstep(drafters, services), gain, a)
             if k > 0
             else RequestPlan(state)
             for state, drafters, k, gain, a in zip(batch, chosen, ks, gains, predicted)

@@ -16,9 +16,13 @@ drafters' draws). Every node carries the distribution its token was drawn from.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from router.messages import DraftedSession, TokenTree
 from specfleet.fusion import lead
+
+if TYPE_CHECKING:
+    from router.rounds import RequestPlan
 
 
 @dataclass
@@ -114,3 +118,29 @@ class DraftTree:
 
 def _point_mass(proposal) -> bool:
     return len(proposal.token_ids) == 1
+
+
+def request_tree(request: RequestPlan, replies: dict[str, DraftedSession]) -> DraftTree:
+    """A request's tree from its drafters' replies: the lockstep positions fused, then every other drafter's
+    chain merged in, in routing order (the order the verifier tries siblings in, fixed before drafting)."""
+    tree = DraftTree()
+    state = request.state
+    if request.lockstep:
+        for position in range(request.k):
+            tree.fuse_position(request.lockstep, replies, position)
+        # Each lockstep session continued from the lead tokens, the main branch, for as many positions as it drafted.
+        for drafter in request.lockstep:
+            if drafter in replies:
+                tree.proposed.setdefault(drafter, [])  # a member that proposed nothing is scored too (a miss)
+                drafted = [tree.tokens[i] for i in tree.main[: len(replies[drafter].token_ids)]]
+                state.drafter_mirrors[drafter].held = state.tokens + drafted
+    for drafter in request.drafters:
+        if drafter in replies and drafter not in request.lockstep:
+            tree.add_chain(drafter, replies[drafter])
+    return tree
+
+
+def lockstep(drafters: list[str], services: dict) -> list[str]:
+    """The drafters that draft in lockstep with the lead, in its service's call: those its service hosts, if two or more."""
+    together = [d for d in drafters if services[d] is services[drafters[0]]] if drafters else []
+    return together if len(together) > 1 else []

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import types
 
-from router.drafting import _lockstep, request_tree
 from router.messages import DraftedSession
 from router.request import SessionMirror
 from router.rounds import RequestPlan
-from router.trees import DraftTree
+from router.trees import DraftTree, lockstep, request_tree
 from specfleet.v1 import common_pb2
 
 
@@ -92,9 +91,9 @@ def test_a_drafter_that_proposed_nothing_missed():
 def test_drafters_on_the_lead_s_service_draft_in_lockstep_and_the_others_apart():
     one, two = object(), object()
     services = {"a": one, "b": two, "c": one, "d": two}
-    assert _lockstep(["a", "b", "c", "d"], services) == ["a", "c"]
-    assert _lockstep(["b", "a"], services) == []  # alone on its service: every drafter drafts a chain
-    assert _lockstep([], services) == []
+    assert lockstep(["a", "b", "c", "d"], services) == ["a", "c"]
+    assert lockstep(["b", "a"], services) == []  # alone on its service: every drafter drafts a chain
+    assert lockstep([], services) == []
 
 
 def test_a_request_s_tree_puts_siblings_in_routing_order_whatever_their_drawn_tokens():
