@@ -107,9 +107,10 @@ class Drafting:
     def plan(self, batch: list[RequestState], overlap: bool, running: int | None = None) -> RoundPlan:
         """Who drafts for each request this round, and how many positions.
 
-        Routing ranks each request's drafters; with adaptive speculation and expertise routing the cost model then
-        moves requests to fewer distinct models (`consolidate`), plans each lead's k, and gives requests the helpers
-        (up to fusion_width - 1) that raise the round's expected goodput (`cooperate`, router/drafter_choice.py).
+        Routing ranks each request's drafters where the plan might draft or probe at all (at each request's hope,
+        and, routed by goodput, at its best drafter's mean); with adaptive speculation and expertise routing the cost
+        model then moves requests to fewer distinct models (`consolidate`), plans each lead's k, and gives requests the
+        helpers (up to fusion_width - 1) that raise the round's expected goodput (`cooperate`, router/drafter_choice.py).
         Without it, a request fuses as routing's `fusion_below` rule says.
 
         overlap: another lane's verification runs while this one drafts. running: requests in all lanes."""
@@ -152,7 +153,17 @@ class Drafting:
         if not any(hope and bound for hope, bound in zip(hopeful, bounds)):
             # Nobody drafts this round, even at the best acceptance their drafters may have (or speculation off for
             # each, prompts being scored, last tokens): plain decoding, without ranking drafters or planning k.
+            if controller.adaptive:
+                controller.planned_plainly(steps)
             return self._planned([RequestPlan(state) for state in batch], overlap)
+        if by_goodput:
+            means, fills, models = self._best_drafters(batch, posteriors, leads, lambda a, r: a / (a + r))
+            if not controller.might_draft(means, bounds, overlap, models, fills, steps, hopeful):
+                # Hopeful, but the plan would draft for nobody even were each request drafted by its best drafter, and
+                # no probe is due: plain decoding, without ranking drafters (Thompson sampling ranks who drafts, once
+                # the round drafts at all).
+                controller.planned_plainly(steps)
+                return self._planned([RequestPlan(state) for state in batch], overlap)
         ranked = [router.choose(state.routing, candidates=True, posteriors=p) if p else lead for state, p, lead in zip(batch, posteriors, leads)]
         means = [{d: scale.scaled(d, a / (a + r)) for d, (a, r) in p.items()} for p in posteriors]
         chosen = [d[:1] for d in ranked] if by_goodput else ranked
@@ -187,42 +198,46 @@ class Drafting:
         for request in requests:
             if request.k > 0:
                 router.leads.observe(request.state.routing.domain, request.drafters[0])
-        return self._planned(requests, overlap)
+        return self._planned(requests, overlap, ranked=True)
 
-    def _planned(self, requests: list[RequestPlan], overlap: bool, routed: bool = True) -> RoundPlan:
+    def _planned(self, requests: list[RequestPlan], overlap: bool, routed: bool = True, ranked: bool = False) -> RoundPlan:
         """The round's plan, with what the cost model expects it to take where speculation adapts (checked against
         its wall time: `CostModel.observe_round`)."""
         controller = self.context.controller
         plain_steps(requests, self.context.config.settings.plain_steps)
-        if routed and controller.adaptive:
-            controller.decoded_plainly(max((r.plain_steps for r in requests), default=1))
         if not controller.adaptive:
-            return RoundPlan(requests, routed=routed)
+            return RoundPlan(requests, routed=routed, ranked=ranked)
         drafters, depths = [r.drafters for r in requests], [r.depths for r in requests]
         modelled = modelled_round_ms(
             drafters, depths, self.context.drafters, controller.cost, overlap, self.context.router.model_free, controller.fill
         )
         modelled += controller.cost.plain_steps_ms([r.plain_steps for r in requests])
-        return RoundPlan(requests, modelled, routed=routed)
+        return RoundPlan(requests, modelled, routed=routed, ranked=ranked)
 
     def _hopeful(self, batch, posteriors, leads, bounds, overlap: bool, steps: list[int]) -> list[bool]:
-        """Per request, whether the plan could draft for it at its hope (`upper_acceptance`): routed by goodput, its
-        most hopeful drafter's (scaled as the plan scales it); otherwise its lead's. The round is priced at its
-        cheapest: one model a service (none where every hope is the n-gram drafter's), each drafter's own fill."""
+        """Per request, whether the plan could draft for it at its hope (`upper_acceptance`), at its most hopeful
+        drafter's (`_best_drafters`)."""
+        hopes, fills, models = self._best_drafters(batch, posteriors, leads, upper_acceptance)
+        return self.context.controller.could_draft(hopes, bounds, overlap, models, fills, steps)
+
+    def _best_drafters(self, batch, posteriors, leads, acceptance: Callable[[float, float], float]) -> tuple[list[float], list[float], int]:
+        """Per request, its best drafter's `acceptance` of its posterior (accepted, rejected), scaled as the plan scales
+        it (routed by goodput, the best of all its drafters; otherwise its lead), and that drafter's fill; and the
+        distinct models a service runs were each request drafted by its best: none where every best is model-free
+        (the n-gram drafter), else one, the cheapest drafting the round could have."""
         router, controller = self.context.router, self.context.controller
         scale, free = controller.acceptance_scale, router.model_free
-        hopes, fills, drafters = [], [], []
+        values, fills, drafters = [], [], []
         for state, options, lead in zip(batch, posteriors, leads):
             options = options or ({lead[0]: router.posterior(state.routing, lead[0])} if lead else {})
-            best, hope = "", 0.0
+            best, value = "", 0.0
             for drafter, (a, r) in options.items():
-                if (mine := scale.scaled(drafter, upper_acceptance(a, r))) > hope:
-                    best, hope = drafter, mine
-            hopes.append(hope)
+                if (mine := scale.scaled(drafter, acceptance(a, r))) > value:
+                    best, value = drafter, mine
+            values.append(value)
             fills.append(controller.fill.rate(best) if best else 1.0)
             drafters.append(best)
-        models = 0 if all(d in free for d in drafters if d) else 1
-        return controller.could_draft(hopes, bounds, overlap, models, fills, steps)
+        return values, fills, 0 if all(d in free for d in drafters if d) else 1
 
     def usable(self) -> list[str]:
         """The drafters a round may move requests to: those whose service has a replica the breaker lets rounds call

@@ -9,16 +9,21 @@ request whose next token is most likely accepted (gain a_i^(k_i + 1)), as
 long as that raises goodput. So k grows with acceptance and falls with load, and is 0 when drafting costs
 more than it returns. The drafting term depends only on the deepest draft, so
 the plan tries each depth D and, for that D, adds draft tokens in order of
-gain while they raise goodput. A request planned at k = 0 still drafts one token in
-every `probe_every`-th round the controller plans (a round of plain steps counting each step),
-so its acceptance estimate can recover;
-every such request of that round probes in it, so the round's draft call, its plan's
-routing and its wider pass are paid once for all of them, not once per request.
+gain while they raise goodput. A request planned at k = 0 still drafts one token now
+and then (a probe), so its acceptance estimate can recover; every such request of a
+round probes in it, so the round's draft call, its plan's routing and its wider pass
+are paid once for all of them, not once per request. Probes are exploration, paid
+for by the rounds around them: a probe round comes once the rounds planned since the
+last one were modelled to take 1 / `probe_share` times what it is modelled to lose
+(its time beyond what its tokens take at the planned round's goodput), so probing
+costs at most that share of the time, whether the round it replaces is one plain
+token a request or plain steps that commit 16 tokens for four requests on one core,
+where a probe round commits 6-7. A probe that rides in a round that drafts anyway
+costs only its rows, and comes almost every round.
 A probe is worth its price only where what it may find could make the plan draft: a
 request probes only if the plan would draft for it at its hope, the best acceptance
 its evidence leaves plausible (`could_draft`), and a round in which that plan drafts
-for nobody is not routed at all (router/drafting.py): at four clients on one core,
-plain steps make a round of four requests commit 16 tokens, a probe round 6-7.
+for nobody is not routed at all (router/drafting.py).
 
 The model's prediction is then checked against what rounds deliver
 (`MeasuredGoodput`, router/measured_goodput.py). The model leaves costs out (the router's own work per
@@ -58,11 +63,10 @@ accepted, falls below `stop_below`.
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, field
 
 from router.cost_model import CostModel
-from router.drafter_choice import AcceptanceScale, DraftFill, FusionGain
+from router.drafter_choice import AcceptanceScale, DraftFill, FusionGain, expected_tokens
 from router.measured_goodput import MeasuredGoodput
 from specfleet.config import SpeculationConfig
 
@@ -80,10 +84,10 @@ class SpeculationController:
     # Below this predicted acceptance a request does not draft (but probes): costs the model
     # leaves out (network, the router's own work) outweigh so small a gain.
     min_acceptance: float = 0.1
-    probe_every: int = 8
-    # Rounds planned with adaptive speculation since the last probe round, a round of plain steps counting one per step
-    # (`decoded_plainly`): every probe_every-th is a probe round.
-    since_probe: int = 0
+    # The share of the modelled round time that probes may lose against the rounds they replace (module docstring).
+    probe_share: float = 0.05
+    # The modelled time of the rounds routed since the last probe round (`plan`, `planned_plainly`).
+    since_probe_ms: float = 0.0
     # What rounds deliver with drafting and without; kept across reloads (dataclasses.replace).
     measured: MeasuredGoodput = field(default_factory=MeasuredGoodput)
     # What helpers add against what was expected of them, and how much of what it is asked for each drafter
@@ -131,11 +135,11 @@ class SpeculationController:
         if clean and modelled_ms is not None and tokens > 0:
             self.cost.observe_round(modelled_ms, wall_ms, drafted)
 
-    def decoded_plainly(self, steps: int) -> None:
-        """A round it planned at k = 0 for all decodes `steps` tokens a request (router/drafting.py `plain_steps`): it
-        counts as that many rounds towards the next probe, so that a request probes as often per token as it would
-        decoding a token a round, and its acceptance estimate recovers as soon."""
-        self.since_probe += max(0, steps - 1)
+    def planned_plainly(self, plain_steps: list[int]) -> None:
+        """A routed round nobody could draft in (router/drafting.py: no request hopeful), not planned here: its
+        modelled time, its requests decoding `plain_steps` tokens each, counts towards the next probe like a round the
+        plan keeps at k = 0."""
+        self.since_probe_ms += self._round([0] * len(plain_steps), [0.0] * len(plain_steps), False, 1, None, plain_steps)[1]
 
     def scoring_pays(self, running: int) -> bool:
         """Whether the specialists spend a prefill each on a new prompt at this load (the likelihood prior,
@@ -197,13 +201,41 @@ class SpeculationController:
         n = len(max_draft_tokens)
         if n and not self.speculates(running or n):
             return [0] * n  # plain decoding for everyone: drafting measured slower (module docstring)
+        args = (acceptance, overlap, models, fill, plain_steps)
         ks = self._best_ks(acceptance, max_draft_tokens, overlap, models, fill, plain_steps)
-        self.since_probe += 1
-        if self.since_probe >= self.probe_every:  # a probe round (module docstring)
-            self.since_probe = 0
-            hopeful = hopeful or [True] * n
-            ks = [1 if k == 0 and bound > 0 and hope else k for k, bound, hope in zip(ks, max_draft_tokens, hopeful)]
+        planned_ms = self._round(ks, *args)[1]
+        if (probe := self._probe(ks, max_draft_tokens, hopeful, args)) is not None:
+            (ks, planned_ms), self.since_probe_ms = probe, 0.0
+        self.since_probe_ms += planned_ms
         return ks
+
+    def might_draft(
+        self,
+        acceptance: list[float],
+        max_draft_tokens: list[int],
+        overlap: bool = False,
+        models: int = 1,
+        fill: list[float] | None = None,
+        plain_steps: list[int] | None = None,
+        hopeful: list[bool] | None = None,
+    ) -> bool:
+        """Whether `plan`, asked now with these arguments, would draft or probe for any request; pure (no probe clock
+        moves). Routing by goodput asks it at each request's best drafter before it ranks drafters (router/drafting.py)."""
+        ks = self._best_ks(acceptance, max_draft_tokens, overlap, models, fill, plain_steps)
+        return any(ks) or self._probe(ks, max_draft_tokens, hopeful, (acceptance, overlap, models, fill, plain_steps)) is not None
+
+    def _probe(self, ks: list[int], max_draft_tokens: list[int], hopeful: list[bool] | None, args: tuple) -> tuple[list[int], float] | None:
+        """The planned `ks` with every hopeful request at k = 0 probing one token, and the round's modelled time, if the
+        rounds since the last probe have paid for what it loses (module docstring); None if no probe is due."""
+        hopeful = hopeful or [True] * len(ks)
+        probing = [1 if k == 0 and bound > 0 and hope else k for k, bound, hope in zip(ks, max_draft_tokens, hopeful)]
+        if probing == ks:
+            return None
+        tokens, planned_ms = self._round(ks, *args)
+        probe_tokens, probe_ms = self._round(probing, *args)
+        if probe_ms - probe_tokens * planned_ms / tokens > self.probe_share * self.since_probe_ms:
+            return None
+        return probing, probe_ms
 
     def could_draft(
         self,
@@ -233,42 +265,53 @@ class SpeculationController:
         nothing beats the plain round."""
         n = len(max_draft_tokens)
         plain_ms = self.cost.round_ms([0] * n)  # one pass: what a round that drafts never beats (`drafting_round_ms`)
-        steps = plain_steps or [1] * n
-        best_goodput, ks = sum(steps) / (plain_ms + self.cost.plain_steps_ms(steps)) if n else 0.0, [0] * n
+        tokens, ms = self._round([0] * n, acceptance, overlap, models, fill, plain_steps)
+        best_goodput, ks = tokens / ms if n else 0.0, [0] * n
         eligible = [i for i in range(n) if acceptance[i] >= self.min_acceptance]
         # A verification's time is linear in the rows drafted: its plain pass, then per row.
         per_row, cost = self.cost.per_verified_token_ms(), self.cost
+        # Every position a request may draft, most likely accepted first (ties: the earlier request): a request's
+        # positions come in order (its gain a^j falls with j), so each depth's greedy below walks this one list.
+        positions = sorted((-(acceptance[i] ** j), i, j) for i in eligible for j in range(1, max_draft_tokens[i] + 1))
         # The drafting term depends on the deepest draft only, so fix the depth D first;
         # for a given D, adding a draft token with gain g pays iff it raises sum E / T.
         for depth in range(1, max(max_draft_tokens, default=0) + 1):
             trial, expected, drafted = [0] * n, float(n), 0.0
             drafting = cost.draft_ms(depth, models)
-            caps = [min(max_draft_tokens[i], depth) for i in range(n)]
 
             def round_ms(drafted: float) -> float:
                 # Pipelined, one group drafts while another is verified: the slower side sets the pace.
                 return cost.drafting_round_ms(plain_ms + per_row * drafted, drafting, plain_ms, overlap)
 
-            # Each request's next position, most likely accepted first (ties: the earlier request).
-            queue = [(-acceptance[i], i) for i in eligible if caps[i] > 0]
-            heapq.heapify(queue)
             now_ms = round_ms(drafted)
-            while queue:
-                gain, i = -queue[0][0], queue[0][1]
+            for gain, i, j in positions:
+                if j > depth:
+                    continue  # deeper than this depth's draft call
                 rows = fill[i] if fill else 1.0  # the tree rows this position is expected to add
                 next_ms = round_ms(drafted + rows)
-                if (expected + gain) / next_ms <= expected / now_ms:
+                if (expected - gain) / next_ms <= expected / now_ms:
                     break
-                heapq.heappop(queue)
-                trial[i] += 1
-                expected += gain
+                trial[i] = j
+                expected -= gain
                 drafted += rows
                 now_ms = next_ms
-                if trial[i] < caps[i]:
-                    heapq.heappush(queue, (-(acceptance[i] ** (trial[i] + 1)), i))
             if max(trial, default=0) < depth:
                 continue  # this depth is not used; a shallower one covers the plan
             goodput = expected / now_ms
             if goodput > best_goodput:
                 best_goodput, ks = goodput, trial
         return ks
+
+    def _round(
+        self, ks: list[int], acceptance: list[float], overlap: bool, models: int, fill: list[float] | None, plain_steps: list[int] | None
+    ) -> tuple[float, float]:
+        """The tokens a round drafting `ks` is expected to commit, and its modelled time (`plan`'s arguments): with no
+        draft at all, its requests' plain steps."""
+        n, cost = len(ks), self.cost
+        plain_ms = cost.round_ms([0] * n)
+        if max(ks, default=0) == 0:
+            steps = plain_steps or [1] * n
+            return float(sum(steps)), plain_ms + cost.plain_steps_ms(steps)
+        rows = sum(k * (fill[i] if fill else 1.0) for i, k in enumerate(ks))
+        ms = cost.drafting_round_ms(plain_ms + cost.per_verified_token_ms() * rows, cost.draft_ms(max(ks), models), plain_ms, overlap)
+        return sum(expected_tokens(a, k) for a, k in zip(acceptance, ks)), ms

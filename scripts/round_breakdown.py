@@ -2,7 +2,8 @@
 
 `specfleet serve` with SPECFLEET_LOG_LEVEL=DEBUG logs one line a round (router/scheduler.py `_round`). This
 groups a run's rounds of one batch size by what they did: plain and unrouted (the measured check decoded them
-plainly), plain (routed, nobody drafted), plain while new prompts were prefilled, plain while specialists scored
+plainly), plain (routed, nobody drafted; ranked where some request's hope made the plan rank drafters and plan
+k), plain while new prompts were prefilled, plain while specialists scored
 new prompts, drafting rounds that only probed (at most one draft token a request), and drafting rounds; for each,
 how many, the median plan, draft-call, verify-call and wall times, the tokens committed a round, and its share of
 the wall time. It is how docs/benchmarks/plan-cost.md found what the
@@ -27,6 +28,7 @@ LINE = re.compile(r"round: (.*)$")
 KINDS = (
     "plain, unrouted (the measured check)",
     "plain",
+    "plain, ranked (hopeful, not drafting)",
     "plain, prefilling prompts",
     "plain, scoring prompts",
     "probing (k <= 1 a request)",
@@ -51,7 +53,9 @@ def kind(r: dict[str, float]) -> str:
     if r["k"] == 0:
         if not r.get("routed", 1):
             return "plain, unrouted (the measured check)"
-        return "plain, scoring prompts" if r["scored"] else "plain, prefilling prompts" if r["prefills"] else "plain"
+        if r["scored"] or r["prefills"]:
+            return "plain, scoring prompts" if r["scored"] else "plain, prefilling prompts"
+        return "plain, ranked (hopeful, not drafting)" if r.get("ranked", 0) else "plain"
     return "probing (k <= 1 a request)" if r["k"] <= r["requests"] else "drafting"
 
 

@@ -44,10 +44,10 @@ def _request(session_id: str) -> RequestState:
     return state
 
 
-def _plans(code_accepted: float, code_rejected: float, rounds: int, first_rounds: int = 0) -> tuple[list, int]:
+def _plans(code_accepted: float, code_rejected: float, rounds: int, first_rounds: int = 0) -> tuple[list, int, int]:
     """`rounds` plans of two code requests, the general drafter (ranked first) accepting a tenth of 256 tokens and
     the code specialist what it is given, the first `first_rounds` requests in their first round: (the plans, how many
-    times a drafter was ranked for a request)."""
+    times a drafter was ranked for a request, how many times the plan was asked whether it might draft at the means)."""
     service = DrafterService("left", [SimpleNamespace(name="left-0")])
     config = RoutingConfig(routing_policy="expertise", default_drafter="general", fusion_width=1)
     profiles = [DrafterProfile("general"), DrafterProfile("code", specialities=["code"])]
@@ -58,13 +58,16 @@ def _plans(code_accepted: float, code_rejected: float, rounds: int, first_rounds
     ranked = []
     choose = router.choose
     router.choose = lambda *args, **kwargs: ranked.append(args) or choose(*args, **kwargs)
-    drafting = Drafting(RoundContext(SchedulerConfig(), {"general": service, "code": service}, router, _controller()), in_background=lambda c: None)
+    controller, asked = _controller(), []
+    might_draft = controller.might_draft
+    controller.might_draft = lambda *args, **kwargs: asked.append(args) or might_draft(*args, **kwargs)
+    drafting = Drafting(RoundContext(SchedulerConfig(), {"general": service, "code": service}, router, controller), in_background=lambda c: None)
     batch = [_request(f"s{i}") for i in range(2)]
     for state in batch[:first_rounds]:
         state.rounds = 0
     for state in batch:
         state.routing = router.start("def f(x):", domain_hint="code")
-    return [drafting.plan(batch, overlap=False) for _ in range(rounds)], len(ranked)
+    return [drafting.plan(batch, overlap=False) for _ in range(rounds)], len(ranked), len(asked)
 
 
 def test_the_cost_model_here_drafts_from_an_acceptance_of_0_7():
@@ -79,22 +82,32 @@ def test_a_round_nobody_could_draft_in_at_their_hopes_ranks_no_drafter_and_probe
     off's. With the specialist's evidence thin (one token of five accepted: mean 0.5 with its prior, hope 0.8) the
     plan still drafts nothing at the mean, but its requests probe, and only in probe rounds."""
     assert upper_acceptance(4 + 76.8, 1 + 179.2) < 0.6 < 0.7 < upper_acceptance(4 + 1, 1 + 4)
-    plans, ranked = _plans(76.8, 179.2, rounds=32)
-    assert ranked == 0
+    plans, ranked, asked = _plans(76.8, 179.2, rounds=32)
+    assert ranked == asked == 0  # nor is the plan asked at the means: nobody's hope could make it draft
     assert all(plan.routed and all(r.k == 0 and not r.drafters for r in plan.requests) for plan in plans)
     assert all(r.plain_steps == 4 for plan in plans for r in plan.requests)
 
-    plans, ranked = _plans(1.0, 4.0, rounds=32)
+    plans, ranked, _ = _plans(1.0, 4.0, rounds=32)
     probing = [plan for plan in plans if any(r.k > 0 for r in plan.requests)]
     assert ranked > 0 and 0 < len(probing) < len(plans)
     assert all(r.k == 1 and r.drafters == ["code"] for plan in probing for r in plan.requests)
+
+
+def test_a_hopeful_round_ranks_drafters_only_where_the_plan_would_draft_or_probe():
+    """The specialist's evidence thin (hope 0.8, mean 0.5 with its prior): its requests are hopeful every round, but
+    at their best drafter's mean the plan drafts for nobody, so only the rounds a probe is due in rank drafters (both
+    requests, together); the others decode their plain steps unranked, as cheaply as a round nobody hopes in."""
+    plans, ranked, _ = _plans(1.0, 4.0, rounds=32)
+    probing = [plan for plan in plans if any(r.k > 0 for r in plan.requests)]
+    assert 0 < len(probing) < len(plans) and ranked == 2 * len(probing)
+    assert all(r.plain_steps == 4 for plan in plans if plan not in probing for r in plan.requests)
 
 
 def test_a_request_s_first_round_decodes_plainly():
     """With adaptive speculation, a request's first round prefills its prompt and streams its first token: it drafts
     from its second round on (drafting in the first would wait for its drafters to prefill the prompt too), beside
     requests that draft. (With k as asked, the first round drafts: tests/e2e/test_demo_serving.py.)"""
-    plans, _ = _plans(200.0, 20.0, rounds=1)  # the specialist at 0.9: both requests draft
+    plans, _, _ = _plans(200.0, 20.0, rounds=1)  # the specialist at 0.9: both requests draft
     assert all(r.k > 0 for r in plans[0].requests)
-    plans, _ = _plans(200.0, 20.0, rounds=1, first_rounds=1)
+    plans, _, _ = _plans(200.0, 20.0, rounds=1, first_rounds=1)
     assert [r.k > 0 for r in plans[0].requests] == [False, True]

@@ -72,7 +72,7 @@ def test_a_cheap_drafter_under_a_negative_extra_drafts_where_the_extra_pays_for_
     for _ in range(300):
         plain_among_drafting(cost, drafted=(10.0, 8.5), plain=(6.0, 6.0))
     assert -1.5 <= cost.drafting_extra < -1.45
-    controller = SpeculationController(cost, settings=SpeculationConfig(remeasure_every=0), probe_every=1000)
+    controller = SpeculationController(cost, settings=SpeculationConfig(remeasure_every=0), probe_share=0.0)
     assert controller.plan([0.15], [4]) in ([1], [2])
     assert controller.plan([0.15, 0.15], [4, 4]) != [0, 0]
 

@@ -59,7 +59,7 @@ class Lane:
 
 def test_drafting_that_does_not_pay_under_the_measured_costs_falls_back_to_k_zero_for_every_request():
     controller = optimistic_controller()
-    acceptance = [0.8] * 7 + [0.01]  # the last request alone would still probe one token every probe_every rounds
+    acceptance = [0.8] * 7 + [0.01]  # the last request alone would still probe one token now and then
     assert all(k > 0 for k in controller.plan(acceptance[:7], [4] * 7))  # the model alone drafts
     lane = Lane(controller, acceptance, LOSING_MS)
     lane.run(3 * EVERY)
