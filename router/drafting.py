@@ -10,9 +10,9 @@ proposes a token, the most confident proposal (`specfleet.fusion.lead`)
 continues the main branch and is fed back to all of them, the others become
 side branches. Cooperating drafters on other services (other cores, nodes or
 GPUs) each draft a chain of their own, concurrently, and the router merges the
-chains into the tree (router/trees.py `request_tree`). Either way the result is a token tree whose every node
-carries the distribution it was drawn from. All sessions of one drafter service go in
-one call (split to the service's per-call limits); all services are called
+chains into the tree (router/trees.py `request_tree`). Either way the result is a
+token tree whose every node carries the distribution it was drawn from. All
+sessions of one drafter service go in one call (split to the service's per-call limits); all services are called
 concurrently. A drafter that fails, or lost a session, costs only that round's
 drafts: the request decodes plainly, and the service's breaker skips it until
 a probe answers.

@@ -117,8 +117,8 @@ class RoundPlan:
     # scoring no prompt either (a prompt is scored in the first round that routes it), because the measured check
     # sent it there or because none of its requests drafts at all.
     routed: bool = True
-    # Whether the plan ranked drafters and planned k: not where no request's hope could make it draft
-    # (router/drafting.py), nor where the round is not routed.
+    # Whether the plan ranked drafters and planned k: not where no request's hope could make it draft, nor where the
+    # plan would neither draft nor probe at each request's best drafter (router/drafting.py), nor where it is not routed.
     ranked: bool = False
 
     def drafting(self) -> list[RequestPlan]:

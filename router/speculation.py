@@ -136,9 +136,9 @@ class SpeculationController:
             self.cost.observe_round(modelled_ms, wall_ms, drafted)
 
     def planned_plainly(self, plain_steps: list[int]) -> None:
-        """A routed round nobody could draft in (router/drafting.py: no request hopeful), not planned here: its
-        modelled time, its requests decoding `plain_steps` tokens each, counts towards the next probe like a round the
-        plan keeps at k = 0."""
+        """A routed round the plan was not asked for (router/drafting.py: no request hopeful, or none that might draft
+        or probe at its best drafter): its modelled time, its requests decoding `plain_steps` tokens each, counts
+        towards the next probe like a round the plan keeps at k = 0."""
         self.since_probe_ms += self._round([0] * len(plain_steps), [0.0] * len(plain_steps), False, 1, None, plain_steps)[1]
 
     def scoring_pays(self, running: int) -> bool:
@@ -272,7 +272,8 @@ class SpeculationController:
         per_row, cost = self.cost.per_verified_token_ms(), self.cost
         # Every position a request may draft, most likely accepted first (ties: the earlier request): a request's
         # positions come in order (its gain a^j falls with j), so each depth's greedy below walks this one list.
-        positions = sorted((-(acceptance[i] ** j), i, j) for i in eligible for j in range(1, max_draft_tokens[i] + 1))
+        positions = [(acceptance[i] ** j, i, j) for i in eligible for j in range(1, max_draft_tokens[i] + 1)]
+        positions.sort(key=lambda position: (-position[0], position[1]))
         # The drafting term depends on the deepest draft only, so fix the depth D first;
         # for a given D, adding a draft token with gain g pays iff it raises sum E / T.
         for depth in range(1, max(max_draft_tokens, default=0) + 1):
@@ -289,10 +290,10 @@ class SpeculationController:
                     continue  # deeper than this depth's draft call
                 rows = fill[i] if fill else 1.0  # the tree rows this position is expected to add
                 next_ms = round_ms(drafted + rows)
-                if (expected - gain) / next_ms <= expected / now_ms:
+                if (expected + gain) / next_ms <= expected / now_ms:
                     break
                 trial[i] = j
-                expected -= gain
+                expected += gain
                 drafted += rows
                 now_ms = next_ms
             if max(trial, default=0) < depth:
