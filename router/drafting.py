@@ -12,8 +12,8 @@ side branches. Cooperating drafters on other services (other cores, nodes or
 GPUs) each draft a chain of their own, concurrently, and the router merges the
 chains into the tree (router/trees.py `request_tree`). Either way the result is a
 token tree whose every node carries the distribution it was drawn from. All
-sessions of one drafter service go in one call (split to the service's per-call limits); all services are called
-concurrently. A drafter that fails, or lost a session, costs only that round's
+sessions of one drafter service go in one call (split to the service's per-call
+limits); all services are called concurrently. A drafter that fails, or lost a session, costs only that round's
 drafts: the request decodes plainly, and the service's breaker skips it until
 a probe answers.
 """
@@ -150,20 +150,12 @@ class Drafting:
             bounds.append(bound if posteriors[-1] or leads[-1] else 0)  # no drafter at all: nothing to draft with
         steps = [plain_steps_of(state, self.context.config.settings.plain_steps) for state in batch]
         hopeful = self._hopeful(batch, posteriors, leads, bounds, overlap, steps) if controller.adaptive else [True] * len(batch)
-        if not any(hope and bound for hope, bound in zip(hopeful, bounds)):
-            # Nobody drafts this round, even at the best acceptance their drafters may have (or speculation off for
-            # each, prompts being scored, last tokens): plain decoding, without ranking drafters or planning k.
+        if not self._might_draft(batch, posteriors, leads, bounds, overlap, steps, hopeful, by_goodput):
+            # Nobody drafts or probes this round (or speculation off for each, prompts being scored, last tokens):
+            # plain decoding, without ranking drafters or planning k.
             if controller.adaptive:
                 controller.planned_plainly(steps)
             return self._planned([RequestPlan(state) for state in batch], overlap)
-        if by_goodput:
-            means, fills, models = self._best_drafters(batch, posteriors, leads, lambda a, r: a / (a + r))
-            if not controller.might_draft(means, bounds, overlap, models, fills, steps, hopeful):
-                # Hopeful, but the plan would draft for nobody even were each request drafted by its best drafter, and
-                # no probe is due: plain decoding, without ranking drafters (Thompson sampling ranks who drafts, once
-                # the round drafts at all).
-                controller.planned_plainly(steps)
-                return self._planned([RequestPlan(state) for state in batch], overlap)
         ranked = [router.choose(state.routing, candidates=True, posteriors=p) if p else lead for state, p, lead in zip(batch, posteriors, leads)]
         means = [{d: scale.scaled(d, a / (a + r)) for d, (a, r) in p.items()} for p in posteriors]
         chosen = [d[:1] for d in ranked] if by_goodput else ranked
@@ -213,6 +205,17 @@ class Drafting:
         )
         modelled += controller.cost.plain_steps_ms([r.plain_steps for r in requests])
         return RoundPlan(requests, modelled, routed=routed, ranked=ranked)
+
+    def _might_draft(self, batch, posteriors, leads, bounds, overlap: bool, steps: list[int], hopeful: list[bool], by_goodput: bool) -> bool:
+        """Whether the plan might draft or probe for any request: some request may draft and is hopeful, and, routed by
+        goodput, the plan would draft or probe were each request drafted by its best drafter (its mean; Thompson
+        sampling ranks who drafts once a round drafts at all)."""
+        if not any(hope and bound for hope, bound in zip(hopeful, bounds)):
+            return False
+        if not by_goodput:
+            return True
+        means, fills, models = self._best_drafters(batch, posteriors, leads, lambda a, r: a / (a + r))
+        return self.context.controller.might_draft(means, bounds, overlap, models, fills, steps, hopeful)
 
     def _hopeful(self, batch, posteriors, leads, bounds, overlap: bool, steps: list[int]) -> list[bool]:
         """Per request, whether the plan could draft for it at its hope (`upper_acceptance`), at its most hopeful

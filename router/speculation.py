@@ -203,10 +203,10 @@ class SpeculationController:
             return [0] * n  # plain decoding for everyone: drafting measured slower (module docstring)
         args = (acceptance, overlap, models, fill, plain_steps)
         ks = self._best_ks(acceptance, max_draft_tokens, overlap, models, fill, plain_steps)
-        planned_ms = self._round(ks, *args)[1]
-        if (probe := self._probe(ks, max_draft_tokens, hopeful, args)) is not None:
-            (ks, planned_ms), self.since_probe_ms = probe, 0.0
-        self.since_probe_ms += planned_ms
+        planned = self._round(ks, *args)
+        if (probe := self._probe(ks, planned, max_draft_tokens, hopeful, args)) is not None:
+            (ks, planned), self.since_probe_ms = probe, 0.0
+        self.since_probe_ms += planned[1]
         return ks
 
     def might_draft(
@@ -221,21 +221,25 @@ class SpeculationController:
     ) -> bool:
         """Whether `plan`, asked now with these arguments, would draft or probe for any request; pure (no probe clock
         moves). Routing by goodput asks it at each request's best drafter before it ranks drafters (router/drafting.py)."""
+        args = (acceptance, overlap, models, fill, plain_steps)
         ks = self._best_ks(acceptance, max_draft_tokens, overlap, models, fill, plain_steps)
-        return any(ks) or self._probe(ks, max_draft_tokens, hopeful, (acceptance, overlap, models, fill, plain_steps)) is not None
+        return any(ks) or self._probe(ks, self._round(ks, *args), max_draft_tokens, hopeful, args) is not None
 
-    def _probe(self, ks: list[int], max_draft_tokens: list[int], hopeful: list[bool] | None, args: tuple) -> tuple[list[int], float] | None:
-        """The planned `ks` with every hopeful request at k = 0 probing one token, and the round's modelled time, if the
-        rounds since the last probe have paid for what it loses (module docstring); None if no probe is due."""
+    def _probe(
+        self, ks: list[int], planned: tuple[float, float], max_draft_tokens: list[int], hopeful: list[bool] | None, args: tuple
+    ) -> tuple[list[int], tuple[float, float]] | None:
+        """The planned `ks` (expected to commit and take `planned`: `_round`) with every hopeful request at k = 0
+        probing one token, and what that round is expected to commit and take, if the rounds since the last probe have
+        paid for what it loses (module docstring); None if no probe is due."""
         hopeful = hopeful or [True] * len(ks)
         probing = [1 if k == 0 and bound > 0 and hope else k for k, bound, hope in zip(ks, max_draft_tokens, hopeful)]
         if probing == ks:
             return None
-        tokens, planned_ms = self._round(ks, *args)
-        probe_tokens, probe_ms = self._round(probing, *args)
+        (tokens, planned_ms), probe = planned, self._round(probing, *args)
+        probe_tokens, probe_ms = probe
         if probe_ms - probe_tokens * planned_ms / tokens > self.probe_share * self.since_probe_ms:
             return None
-        return probing, probe_ms
+        return probing, probe
 
     def could_draft(
         self,

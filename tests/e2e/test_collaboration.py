@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from specfleet.v1 import generation_pb2_grpc
-from tests.harness import DRAFTING_PAYS, NGRAM, Cluster, cluster_config, split_drafters, with_ngram
+from tests.harness import NGRAM, Cluster, cluster_config, split_drafters, with_ngram
 from tests.helpers import PROMPTS, greedy_request, target_greedy
 
 MAX_TOKENS = 48
@@ -62,11 +62,11 @@ def test_fused_greedy_output_equals_target(fused_cluster, random_family):
 
 def test_helpers_chosen_by_goodput_with_the_n_gram_drafter_keep_greedy_output_the_targets(random_family, tmp_path):
     """Adaptive speculation: the round gives requests helpers where its cost model says they pay (here pinned so
-    that they do), the model-free n-gram drafter among them, in lockstep and across the services. The n-gram drafter
-    proposes only where the context repeats, which this random target's output does in about one request of eight
-    (none in some runs), so what is checked of it here is that rounds chose it; tests/e2e/test_lossless.py checks its
-    proposals."""
-    config = with_ngram(multi_drafter_config(random_family, fusion_width=4, routing_policy="expertise", **DRAFTING_PAYS), random_family)
+    that they do: cluster_config's `DRAFTING_PAYS`), the model-free n-gram drafter among them, in lockstep and across
+    the services. The n-gram drafter proposes only where the context repeats, which this random target's output does
+    in about one request of eight (none in some runs), so what is checked of it here is that rounds chose it;
+    tests/e2e/test_lossless.py checks its proposals."""
+    config = with_ngram(multi_drafter_config(random_family, fusion_width=4, routing_policy="expertise"), random_family)
     cluster = Cluster(config, tmp_path, "helpers").start()
     try:
         replies = greedy_replies(cluster, random_family, PROMPTS[:8])
