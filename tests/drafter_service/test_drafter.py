@@ -191,7 +191,8 @@ def test_a_stack_of_bfloat16_drafters_on_the_kernel_drafts_what_each_drafts_alon
 def test_a_service_prepares_its_stacks_for_the_kernel():
     """`load_core` prepares each stack: the demo drafters' stack takes the bfloat16 kernel where it is built."""
     names = ("general", "code", "en")
-    svc = build(DrafterServiceConfig, {"name": "d", "models": [{"name": n, "path": str(DEMO_MODELS / "drafters" / n)} for n in names]}, "drafters[0]")
+    models = [{"name": n, "path": str(DEMO_MODELS / "drafters" / n)} for n in names]
+    svc = build(DrafterServiceConfig, {"name": "d", "device": DEVICE, "models": models}, "drafters[0]")
     core = load_core(svc)
     try:
         kernel = DEVICE == "cpu" and cpu_kernels.library() is not None

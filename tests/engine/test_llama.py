@@ -175,7 +175,7 @@ def _forward_matches_transformers(tmp_path, name, attention, layout, linear, bf1
     torch.testing.assert_close(next_logits[0, 0], ref_logits(prompt_b + [21, 23, 31]), **TOLERANCE)
 
 
-@pytest.mark.parametrize("attention", ATTENTION_MODES)
+@pytest.mark.parametrize("attention", [a for a in ATTENTION_MODES if a != "kernel" or (DEVICE == "cpu" and cpu_kernels.library())])
 def test_prefill_passes_group_similar_lengths_and_match_transformers(tmp_path, monkeypatch, attention):
     """Sessions of similar lengths share one prefill pass; each one's cache and scores are what its
     own full-context forward gives, and a very different length gets a pass of its own."""
@@ -450,7 +450,7 @@ def test_auto_attention_is_the_kernel_on_a_cpu_and_batched_on_a_gpu(tmp_path, mo
     sessions = [Session(token_ids=[1, 2, 3]) for _ in range(3)]
     prefill(loaded, sessions, keep_last=1)
     forward_batch(loaded, [ForwardItem(s, [3], [2]) for s in sessions])
-    assert plans == ([1, 3] if DEVICE != "cpu" else []), "prefill's one pass of three sessions, then the step"
+    assert plans == ([3, 3] if DEVICE != "cpu" else []), "prefill's one pass of three sessions, then the step"
 
 
 def test_a_session_that_cannot_grow_in_place_moves_and_keeps_its_cache(tmp_path):
