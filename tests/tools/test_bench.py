@@ -276,3 +276,26 @@ def test_bench_modules_import_in_either_order(first):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert {"vllm-target", "vllm-draft", "vllm-ngram", "specfleet"} <= set(out.stdout.split())
+
+
+def test_a_run_cut_short_keeps_the_load_points_it_measured(random_family, tmp_path, monkeypatch):
+    """results.json is rewritten after every measured load point: a run ended early (the GPU check's deadline, Ctrl-C)
+    still reports what it measured, marked partial."""
+    from tools.bench import runner
+
+    calls, run_load = [], runner.run_load
+
+    async def ended_at_the_second_point(system, requests, point, *args):
+        calls.append(point.value)
+        if len(calls) == 3:  # the warm-up, c1, then c2
+            raise RuntimeError("the deadline passed")
+        return await run_load(system, requests, point, *args)
+
+    monkeypatch.setattr(runner, "run_load", ended_at_the_second_point)
+    out = tmp_path / "out"
+    argv = ["run", "--models", str(random_family["target"].parent), "--systems", "hf-target", "--requests", "2", "--prompt-tokens", "8"]
+    with pytest.raises(RuntimeError, match="deadline"):
+        bench_main([*argv, "--max-tokens", "4", "--warmup", "1", "--concurrency", "1,2", "--out", str(out), "--no-progress"])
+    results = json.loads((out / "results.json").read_text())
+    assert results["partial"] and [(r["label"], r["load"], r["status"]) for r in results["runs"]] == [("hf-target", "c1", "ok")]
+    assert "Partial" in (out / "results.md").read_text()

@@ -622,6 +622,7 @@ async def run_benchmark(args, command: str) -> dict:
                 )
             if m["errors"]:
                 results["errors"].append(f"{system.label} at {label}: {m['errors']} failed requests, e.g. {m['error_examples'][0]}")
+            report.write_partial(results, out_dir)  # a run cut short (a deadline, Ctrl-C) keeps what it measured
 
         async def stop(system) -> None:
             if progress is not None:

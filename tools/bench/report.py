@@ -358,6 +358,14 @@ def update_docs(block: str, body: str, plots: dict[str, pathlib.Path] | None = N
     return docs
 
 
+def write_partial(results: dict, out_dir: pathlib.Path) -> None:
+    """results.json and results.md of the runs measured so far, without plots; `write_results` replaces them at the end."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    partial = {**results, "partial": True, "notes": [*results["notes"], "Partial: the runs measured before the benchmark ended early."]}
+    (out_dir / "results.json").write_text(json.dumps(partial, indent=1, default=str))
+    (out_dir / "results.md").write_text(markdown(partial, {}))
+
+
 def write_results(results: dict, out_dir: pathlib.Path) -> dict[str, pathlib.Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": out_dir / "results.json", "markdown": out_dir / "results.md"}
