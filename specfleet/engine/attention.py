@@ -104,14 +104,20 @@ def _positions(place: int | torch.Tensor, kv_len: int, n: int) -> slice | torch.
 
 
 def _writes(model, places, kv_lens, new_lens) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(b, j, index) of every new token of the pass: token j of session b goes to `index` on the pool's token axis."""
+    """(b, j, index) of every new token of the pass: token j of session b goes to `index` on the pool's token axis.
+    Built on the host and copied once where every session's blocks are consecutive: on a GPU each tensor op per
+    session is a kernel launch, and a pass of 64 sessions would spend more on them than on its layers."""
     device = model.device
     rows = [(b, j) for b, n in enumerate(new_lens) for j in range(n)]
+    if all(isinstance(p, int) for p in places):
+        index = [places[b] + kv_lens[b] + j for b, j in rows]
+        b_j_index = torch.tensor([[b for b, _ in rows], [j for _, j in rows], index], dtype=torch.long).to(device)
+        return b_j_index[0], b_j_index[1], b_j_index[2]
     index = torch.cat(
         [torch.arange(p + k, p + k + n, device=device) if isinstance(p, int) else p[k : k + n] for p, k, n in zip(places, kv_lens, new_lens)]
     )
-    to_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
-    return to_tensor([b for b, _ in rows]), to_tensor([j for _, j in rows]), index
+    b_j = torch.tensor([[b for b, _ in rows], [j for _, j in rows]], dtype=torch.long).to(device)
+    return b_j[0], b_j[1], index
 
 
 def _session_masks(model, kv_lens, new_lens, attends) -> list[torch.Tensor | None]:
@@ -155,35 +161,52 @@ def batch_plan(model, places, kv_lens, new_lens, attends, width) -> BatchPlan:
 
 def read_index(places: list, lengths: list[int], total: int, rows: int, device: torch.device) -> torch.Tensor:
     """[rows, total] long: row b's positions [0, lengths[b]) on the pool's token axis (`places`), the rest
-    (and rows past the places) 0, the first position of the pool's scratch block, which the mask hides."""
-    read = torch.zeros(rows, total, dtype=torch.long, device=device)
+    (and rows past the places) 0, the first position of the pool's scratch block, which the mask hides.
+    Ranges from their starts and lengths, copied once (no tensor op per session); scattered blocks by their indices."""
+    pad = [0] * (rows - len(places))
+    starts = [p if isinstance(p, int) else 0 for p in places] + pad
+    bounds = torch.tensor([starts, list(lengths) + pad], dtype=torch.long).to(device)
+    t = torch.arange(total, device=device)
+    read = torch.where(t < bounds[1, :, None], bounds[0, :, None] + t, 0)
     for b, (place, length) in enumerate(zip(places, lengths)):
-        read[b, :length] = torch.arange(place, place + length, device=device) if isinstance(place, int) else place[:length]
+        if not isinstance(place, int):
+            read[b, :length] = place[:length]
     return read
 
 
 def ragged_bias(model, kv_lens, new_lens, attends, width: int, total: int) -> torch.Tensor:
     """[B, N, T] additive: row i of session b sees its cached prefix and its own pattern among the new
-    tokens, nothing past its end; a padding row (i >= n_b) sees position 0, so that no row is all -inf."""
+    tokens, nothing past its end; a padding row (i >= n_b) sees position 0, so that no row is all -inf.
+    The patterns (`attends`, on the host) are laid out on the host and copied once with the lengths."""
     device, batch = model.device, len(kv_lens)
-    to_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
-    pattern = torch.zeros(batch, width, width, dtype=torch.bool, device=device)
+    pattern = torch.zeros(batch, width, width, dtype=torch.bool)
     for b, (n, attend) in enumerate(zip(new_lens, attends)):
         if attend is None:
             pattern[b, :n, :n] = True
         else:
-            pattern[b, :n, :n] = attend.to(device)
+            pattern[b, :n, :n] = attend
+    pattern = pattern.to(device)
+    lens = torch.tensor([list(kv_lens), list(new_lens)], dtype=torch.long).to(device)
     t = torch.arange(total, device=device)
-    kv_len = to_tensor(kv_lens)[:, None, None]  # [B, 1, 1]
-    offset = t - kv_len  # [B, 1, T]: position relative to the first new token
+    offset = t - lens[0][:, None, None]  # [B, 1, T]: position relative to the first new token
     new = pattern.gather(2, offset.clamp(0, width - 1).expand(batch, width, total)) & (offset >= 0) & (offset < width)
     visible = (offset < 0) | new  # [B, N, T]
-    padding = torch.arange(width, device=device) >= to_tensor(new_lens)[:, None]  # [B, N]
+    padding = torch.arange(width, device=device) >= lens[1][:, None]  # [B, N]
     visible[:, :, 0] |= padding
     return torch.zeros(batch, width, total, dtype=model.dtype, device=device).masked_fill_(~visible, float("-inf"))
 
 
-def attend_batched(q: torch.Tensor, pool_layer: torch.Tensor, plan: BatchPlan, gqa: bool) -> torch.Tensor:
-    """[B, H, N, D]: one SDPA call for every session of the pass over its positions, gathered from the pool."""
+def attend_batched(q: torch.Tensor, pool_layer: torch.Tensor, plan: BatchPlan) -> torch.Tensor:
+    """[B, H, N, D]: one SDPA call for every session of the pass over its positions, gathered from the pool.
+
+    With grouped queries (H = G x KV heads) the G query heads of each key/value head attend as G x N rows of one
+    head: SDPA then sees as many query heads as key heads, which its fused kernels take with a mask, where
+    `enable_gqa` with a mask leaves the math kernel, which repeats every key and value G times."""
     keys, values = pool_layer[:, :, plan.read_index].transpose(1, 2).unbind(0)  # [B, KV, T, D] each
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=plan.bias, enable_gqa=gqa)
+    batch, heads, width, dim = q.shape
+    groups = heads // keys.shape[1]
+    if groups == 1:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=plan.bias)
+    rows = q.reshape(batch, keys.shape[1], groups * width, dim)  # row g * N + i: query head kv * G + g, token i
+    out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=plan.bias.repeat(1, 1, groups, 1))
+    return out.reshape(batch, heads, width, dim)

@@ -162,9 +162,11 @@ class _Graph:
         # Each session's positions [0, T') on the pool's token axis; padding (past its length, or past B) at 0.
         total = plan.read_index.shape[1]
         read = attention.read_index(places, [k + n for k, n in zip(kv_lens, new_lens)], total, S, device)
-        write = torch.zeros(S, N, dtype=torch.long, device=device)
-        for b in range(batch):
-            write[b, : new_lens[b]] = read[b, kv_lens[b] : kv_lens[b] + new_lens[b]]
+        # Token j of row b writes where its position lies, read[b, kv_len + j]; padding tokens into the scratch block.
+        lens = torch.tensor([list(kv_lens) + [0] * pad_b, list(new_lens) + [0] * pad_b], dtype=torch.long).to(device)
+        j = torch.arange(N, device=device)
+        columns = (lens[0][:, None] + j).clamp(max=total - 1)
+        write = torch.where(j < lens[1][:, None], read.gather(1, columns), 0)
         plan.read_index.copy_(read)
         plan.write_index.copy_(write.view(-1))
         bias = attention.ragged_bias(self.model, list(kv_lens) + [0] * pad_b, list(new_lens) + [0] * pad_b, list(attends) + [None] * pad_b, N, total)

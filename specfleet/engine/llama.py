@@ -341,7 +341,7 @@ def _attend(model: LlamaModel, layer: Layer, pool_layer, qkv, cos, sin, layout: 
     if layout.kind == "batched":
         plan = layout.plan  # one indexed write for every session: [2, KV, C, D] at the new tokens' indices
         pool_layer[:, :, plan.write_index] = new_kv[plan.write_b, :, :, plan.write_j].permute(1, 2, 0, 3)
-        return attention.attend_batched(q, pool_layer, plan, KV != H).transpose(1, 2)
+        return attention.attend_batched(q, pool_layer, plan).transpose(1, 2)
     attention.write_new(pool_layer, new_kv, layout.places, layout.kv_lens, layout.new_lens, layout.writes)
     if layout.kind == "kernel":
         return cpu_kernels.attend(q, pool_layer, layout.where)

@@ -57,7 +57,7 @@ def forward_batch(
         if n == 1:
             attends.append(None)
         else:
-            attends.append(it.attend if it.attend is not None else torch.ones(n, n, dtype=torch.bool, device=model.device).tril())
+            attends.append(it.attend if it.attend is not None else torch.ones(n, n, dtype=torch.bool).tril())
     places, kv_lens = [it.session.place() for it in items], [it.session.kv_len for it in items]
     call = (ids_rows, pos_rows, places, kv_lens, new_lens, attends, logits, runs)
     if model.parallel is None:
@@ -109,7 +109,9 @@ def on_device(call: tuple, device: torch.device) -> tuple:
 def _moved(call: tuple, device: torch.device) -> tuple:
     ids_rows, pos_rows, places, kv_lens, new_lens, attends, logits, runs = call
     move = lambda t: t if t is None or isinstance(t, int) else t.to(device)  # noqa: E731
-    return ids_rows, pos_rows, [move(p) for p in places], kv_lens, new_lens, [move(a) for a in attends], logits, runs
+    # Patterns stay on the host, where every attention mode lays out its masks.
+    host = [None if a is None else a.cpu() for a in attends]
+    return ids_rows, pos_rows, [move(p) for p in places], kv_lens, new_lens, host, logits, runs
 
 
 def prefill_shares(needs: list[int], budget: int) -> list[int]:
@@ -232,7 +234,7 @@ def tree_pass(loaded: LoadedModel, trees: list[tuple[Session, list[int], list[in
             row[i + 1] = True
             rows.append(row)
         depths.append(depth)
-        attend = torch.tensor(rows, device=loaded.model.device) if n else None
+        attend = torch.tensor(rows) if n else None  # on the host, where the pass lays out its masks
         items.append(ForwardItem(session, [session.token_ids[-1], *tokens], [root_pos] + [root_pos + d for d in depth], attend))
     return TreePass(forward_batch(loaded, items, host=False), depths)
 
