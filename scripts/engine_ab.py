@@ -2,7 +2,8 @@
 
     PYTHONPATH=. .venv/bin/python scripts/engine_ab.py --old OLD_CHECKOUT [--new .] [--attention auto] [--rounds 15] [--cpu 1]
 
-B sessions x n new tokens after 128 cached positions, `linear: auto`, one torch thread. Each checkout
+Passes of B sessions after 128 cached positions each, `linear: auto`, one torch thread: each session feeding n new
+tokens ("16x5"), or ragged, as a verify pass with a few drafted sessions among plain ones ("1x5+15x1"). Each checkout
 runs in a worker process of its own (pinned to --cpu) that keeps its sessions; the driver asks the
 two in turn, round after round (5 passes each, their median), so that a shared machine's drift falls
 on both alike, and reports per shape the median of each and the median of the per-round ratios.
@@ -22,11 +23,29 @@ import time
 
 MODEL = pathlib.Path(__file__).resolve().parent.parent / "models" / "demo" / "target"
 CONTEXT = 128
-SHAPES = [(1, 1), (1, 5), (4, 1), (4, 5), (16, 1), (16, 5), (32, 1), (32, 5)]
+# Each shape: (sessions, new tokens) groups of one pass.
+SHAPES = [
+    ((1, 1),),
+    ((1, 5),),
+    ((4, 1),),
+    ((4, 5),),
+    ((1, 5), (3, 1)),
+    ((16, 1),),
+    ((16, 5),),
+    ((1, 5), (15, 1)),
+    ((4, 5), (12, 1)),
+    ((32, 1),),
+    ((32, 5),),
+]
+
+
+def label(shape) -> str:
+    return "+".join(f"{b}x{n}" for b, n in shape)
 
 
 def worker(attention: str) -> None:
-    """Answer "B n reps" lines with the median CPU ms of `reps` passes, on whatever code PYTHONPATH holds."""
+    """Answer "SHAPE reps" lines (`label`'s form) with the median CPU ms of `reps` passes, on whatever code PYTHONPATH
+    holds."""
     import torch
 
     from specfleet.engine import ForwardItem, Session, forward_batch, load_model
@@ -38,17 +57,18 @@ def worker(attention: str) -> None:
     items = {}
     print("ready", flush=True)
     for line in sys.stdin:
-        b, n, reps = map(int, line.split())
-        if (b, n) not in items:
-            sessions = [Session(token_ids=[1] * CONTEXT) for _ in range(b)]
-            for s in sessions:
+        shape, reps = line.split()
+        if shape not in items:
+            widths = [int(n) for group in shape.split("+") for b, n in [group.split("x")] for _ in range(int(b))]
+            sessions = [Session(token_ids=[1] * CONTEXT) for _ in widths]
+            for s, n in zip(sessions, widths):
                 s.reserve(loaded.pool, CONTEXT + n, *([loaded.max_context] if paged else []))
                 s.kv_len = CONTEXT
-            items[(b, n)] = [ForwardItem(s, [2] * n, list(range(CONTEXT, CONTEXT + n))) for s in sessions]
+            items[shape] = [ForwardItem(s, [2] * n, list(range(CONTEXT, CONTEXT + n))) for s, n in zip(sessions, widths)]
         times = []
-        for _ in range(reps):
+        for _ in range(int(reps)):
             started = time.thread_time()
-            forward_batch(loaded, items[(b, n)], host=False)
+            forward_batch(loaded, items[shape], host=False)
             times.append(1e3 * (time.thread_time() - started))
         print(json.dumps(statistics.median(times)), flush=True)
 
@@ -85,22 +105,22 @@ def main() -> None:
         assert proc.stdout.readline().strip() == "ready", f"the worker in {root} did not start"
         return proc
 
-    def ask(proc: subprocess.Popen, b: int, n: int) -> float:
-        proc.stdin.write(f"{b} {n} 5\n")
+    def ask(proc: subprocess.Popen, shape: str) -> float:
+        proc.stdin.write(f"{shape} 5\n")
         proc.stdin.flush()
         return float(proc.stdout.readline())
 
     old, new = start(args.old), start(args.new)
     out = {}
-    for b, n in SHAPES:
-        ask(old, b, n), ask(new, b, n)  # warm-up
-        rounds = [(ask(old, b, n), ask(new, b, n)) for _ in range(args.rounds)]
-        out[f"{b} x {n}"] = {
+    for shape in map(label, SHAPES):
+        ask(old, shape), ask(new, shape)  # warm-up
+        rounds = [(ask(old, shape), ask(new, shape)) for _ in range(args.rounds)]
+        out[shape] = {
             "old_ms": round(statistics.median(o for o, _ in rounds), 2),
             "new_ms": round(statistics.median(w for _, w in rounds), 2),
             "new_over_old": round(statistics.median(w / o for o, w in rounds), 3),
         }
-        print(f"{b} x {n}: {out[f'{b} x {n}']}", file=sys.stderr, flush=True)
+        print(f"{shape}: {out[shape]}", file=sys.stderr, flush=True)
     print(json.dumps(out))
 
 

@@ -293,7 +293,11 @@ def forward(
     batch, width = input_ids.shape
     H, D = model.heads, model.head_dim
     input_ids, positions = input_ids.to(model.device), positions.to(model.device)
-    x = model.embed[input_ids] if runs is None else model.embed[runs.members[:, None], input_ids]  # [B, N, E]
+    rows = _real_rows(model, new_lens, width, plan, runs)
+    if rows is not None:  # the projections and norms run on the real rows alone, [R, E]
+        x = model.embed[input_ids.view(-1)[rows]]
+    else:
+        x = model.embed[input_ids] if runs is None else model.embed[runs.members[:, None], input_ids]  # [B, N, E]
     # The norms and the gate on the CPU kernels: a float32 model on a CPU, one model's rows (a stack's rows scale by
     # each member's own norm weights, on torch's operations).
     kernels = runs is None and attention.kernels_serve(model)
@@ -309,19 +313,36 @@ def forward(
     x, h = _add_norm(model, x, None, model.layers[0].input_norm, runs, kernels)
     for i, layer in enumerate(model.layers):
         qkv = _linear(h, layer.qkv, layer.qkv_bias, runs)  # [B, N, (H + 2 KV) D]
+        if rows is not None:
+            qkv = _padded(qkv, rows, batch, width)
         if fused:  # rotated, written and attended in two calls
             q = cpu_kernels.rope_write(qkv.contiguous(), positions, model.cos, model.sin, kv[i], layout.where)
             attn = cpu_kernels.attend(q.transpose(1, 2), kv[i], layout.where)  # [B, N, H, D]
         else:
             attn = _attend(model, layer, kv[i], qkv, cos, sin, layout, i, runs)
-        x, h = _add_norm(
-            model, x, _row_parallel(model, attn.reshape(batch, width, H * D), layer.out, layer.out_bias, runs), layer.mlp_norm, runs, kernels
-        )
+        attn = attn.reshape(batch, width, H * D) if rows is None else attn.reshape(batch * width, H * D).index_select(0, rows)
+        x, h = _add_norm(model, x, _row_parallel(model, attn, layer.out, layer.out_bias, runs), layer.mlp_norm, runs, kernels)
         x, h = _mlp(model, layer, x, h, i, logits, runs, kernels)
     if not logits:
         return None
     scores = _linear(h, model.lm_head, None, runs)
-    return scores if model.parallel is None else model.parallel.gather_vocab(scores, model.vocab)
+    scores = scores if model.parallel is None else model.parallel.gather_vocab(scores, model.vocab)
+    return scores if rows is None else _padded(scores, rows, batch, width)
+
+
+def _real_rows(model: LlamaModel, new_lens: list[int] | None, width: int, plan, runs: Runs | None) -> torch.Tensor | None:
+    """Where a ragged pass's real rows lie among its B x N padded ones (row b * N + j for j < n_b), or None where no
+    row pads (or a CUDA graph's static pass, or a stack's, whose rows go by session). A verify pass with one session's
+    draft of k tokens beside sessions decoding one each would otherwise run every projection on B x (k + 1) rows."""
+    if plan is not None or runs is not None or new_lens is None or sum(new_lens) == len(new_lens) * width:
+        return None
+    return torch.tensor([b * width + j for b, n in enumerate(new_lens) for j in range(n)], dtype=torch.long, device=model.device)
+
+
+def _padded(packed: torch.Tensor, rows: torch.Tensor, batch: int, width: int) -> torch.Tensor:
+    """[B, N, F] from a pass's real rows [R, F] (`_real_rows`), its padding rows zero."""
+    out = packed.new_zeros(batch * width, packed.shape[-1])
+    return out.index_copy_(0, rows, packed).view(batch, width, -1)
 
 
 def _attend(model: LlamaModel, layer: Layer, pool_layer, qkv, cos, sin, layout: attention.Layout, i: int, runs: Runs | None) -> torch.Tensor:
