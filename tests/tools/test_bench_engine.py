@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 from tests.harness import REPO
+from tools.bench.engine import markdown as engine_markdown
 
 DEVICE = os.environ.get("SPECFLEET_TEST_DEVICE", "cpu")
 
@@ -55,8 +56,14 @@ def _bench(tmp_path, *extra) -> tuple[dict, str]:
 
 
 def test_engine_bench_times_both_passes_which_agree(tmp_path):
-    results, table = _bench(tmp_path, "--attention", "per-session,batched")
+    results, table = _bench(tmp_path, "--attention", "per-session,batched", "--profile", "3,4")
     assert [(r["sessions"], r["tokens"]) for r in results["rows"]] == [(1, 1), (1, 4), (3, 1), (3, 4)]
+    # --profile: the row it names, in each mode, its dearest operations (the matrix products among them) per pass.
+    assert [("profile" in r) for r in results["rows"]] == [False, False, False, True]
+    for prof in results["rows"][-1]["profile"].values():
+        assert prof["total_ms"] > 0 and any(op["op"] in ("aten::mm", "aten::addmm") for op in prof["ops"])
+        assert sum(op["ms"] for op in prof["ops"]) <= prof["total_ms"] + 1e-3
+    assert "Where a pass of 3 x 4 (batched)" in engine_markdown(results)
     assert results["dtype"] == "float32" and results["device"].startswith(DEVICE)
     for row in results["rows"]:
         assert row["context"] == 24

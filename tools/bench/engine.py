@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import pathlib
 import statistics
 import sys
 import time
+
+from tools.bench.floor import hardware, sync
+from tools.bench.pass_profile import profile_row, profile_pass
 
 # Shapes by name: Hugging Face LlamaConfig arguments.
 SHAPES = {
@@ -58,19 +60,6 @@ SHAPES = {
         },
     ),
 }
-
-# Memory bandwidth (bytes/s) and dense bf16/fp16 peak (FLOP/s) from the vendors' data sheets; the
-# first name contained in torch.cuda.get_device_name() wins, so the more specific names come first.
-KNOWN_DEVICES = [
-    ("H100 PCIe", 2.0e12, 756e12),
-    ("H100", 3.35e12, 989e12),
-    ("H200", 4.8e12, 989e12),
-    ("A100-PCIE-40GB", 1.555e12, 312e12),
-    ("A100", 2.0e12, 312e12),
-    ("L40S", 0.864e12, 362e12),
-    ("L4", 0.3e12, 121e12),
-    ("A10", 0.6e12, 125e12),
-]
 
 
 def _csv_ints(text: str) -> list[int]:
@@ -99,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers column")
     p.add_argument("--bandwidth-gbs", type=float, help="memory bandwidth in GB/s for the floor (default: known device, else measured)")
     p.add_argument("--peak-tflops", type=float, help="peak TFLOP/s in the dtype for the floor (default: known device, else measured)")
+    p.add_argument(
+        "--profile",
+        metavar="B,N",
+        help="also profile the row of B sessions x N new tokens in each eager mode (torch.profiler over three passes): the "
+        "operations that take the most device time a pass (CPU time on a CPU), in the table and the JSON",
+    )
     p.add_argument("--json", dest="json_path", help="write the results here as JSON")
     p.add_argument("--seed", type=int, default=0)
     return p
@@ -140,6 +135,7 @@ def run(args) -> dict:
         raise ValueError(f"--attention graph: CUDA graphs need a CUDA device, not {device}")
     if not sessions or not tokens or min(sessions + tokens) < 1 or args.context < 1 or args.repeats < 1:
         raise ValueError("--sessions, --tokens, --context and --repeats must be positive")
+    args.profile_row = profile_row(args.profile)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     hf, source = _hf_model(args, device, dtype, args.context + max(tokens))
@@ -211,22 +207,15 @@ def _loaded(hf, source: str, positions: int):
     )
 
 
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _median_ms(fn, before, args, device) -> float:
     """Median wall time of fn() in ms; before() runs untimed ahead of each call."""
     times = []
     for i in range(args.warmup + args.repeats):
         before()
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
     return 1e3 * statistics.median(times)
@@ -267,6 +256,10 @@ def _time_row(loaded, hf, b: int, n: int, args, device, dtype) -> dict:
             model.attention = mode
         try:
             row["attention"][mode] = _median_ms(ours, lambda: None, args, device)
+            # A graph replays the batched pass's kernels: profiled eagerly, they say the same, and a profiler over a
+            # replay is the one place this bench could crash.
+            if args.profile_row == (b, n) and mode != "graph":
+                row.setdefault("profile", {})[mode] = profile_pass(ours, device)
         finally:
             if loaded.graphs is not None:
                 loaded.graphs.release()
@@ -300,68 +293,6 @@ def _time_row(loaded, hf, b: int, n: int, args, device, dtype) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
-
-
-def hardware(device, dtype, bandwidth_gbs: float | None, peak_tflops: float | None) -> tuple[float, float, str]:
-    """(bytes/s, FLOP/s, where they came from) for the floor."""
-    import torch
-
-    known = None
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        known = next(((bw, pk) for key, bw, pk in KNOWN_DEVICES if key in name), None)
-        if known and dtype == torch.float32:
-            known = (known[0], known[1] / 2)  # TF32 tensor-core rate, about half the bf16 one (fp32 matmul only with TF32 on)
-    sources = []
-    if bandwidth_gbs:
-        bandwidth = bandwidth_gbs * 1e9
-        sources.append("bandwidth: given")
-    elif known:
-        bandwidth = known[0]
-        sources.append("bandwidth: data sheet")
-    else:
-        bandwidth = _measure_bandwidth(device)
-        sources.append("bandwidth: measured (copy)")
-    if peak_tflops:
-        peak = peak_tflops * 1e12
-        sources.append("peak: given")
-    elif known:
-        peak = known[1]
-        sources.append("peak: data sheet")
-    else:
-        peak = _measure_peak(device, dtype)
-        sources.append("peak: measured (matmul)")
-    return bandwidth, peak, ", ".join(sources)
-
-
-def _measure_bandwidth(device) -> float:
-    import torch
-
-    x = torch.empty(64 * 2**20 // 4, dtype=torch.float32, device=device).fill_(1.0)  # 64 MiB, past the caches
-    y = torch.empty_like(x)
-    best = math.inf
-    for _ in range(5):
-        _sync(device)
-        t0 = time.perf_counter()
-        y.copy_(x)
-        _sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * x.numel() * 4 / best  # read and write
-
-
-def _measure_peak(device, dtype) -> float:
-    import torch
-
-    size = 1024 if device.type == "cpu" else 8192
-    a = torch.randn(size, size, dtype=dtype, device=device)
-    best = math.inf
-    for _ in range(3):
-        _sync(device)
-        t0 = time.perf_counter()
-        a @ a
-        _sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * size**3 / best
 
 
 def _row_line(row: dict) -> str:
@@ -424,4 +355,14 @@ def markdown(results: dict) -> str:
         lines.append(
             f"| {r['sessions']} x {r['tokens']} | {r['context']} | {ours} | {hf} | {r['floor_ms']:.3f} | {r['specfleet_over_floor']:.1f}x | {diff} |"
         )
+    for r in results["rows"]:
+        for mode, prof in r.get("profile", {}).items():
+            lines += [
+                "",
+                f"Where a pass of {r['sessions']} x {r['tokens']} ({mode}) spends its {prof['clock']} time: {prof['total_ms']:.2f} ms a pass",
+                "",
+                "| operation | ms a pass | calls a pass |",
+                "|---|---|---|",
+                *(f"| `{op['op']}` | {op['ms']:.3f} | {op['calls']} |" for op in prof["ops"]),
+            ]
     return "\n".join(lines) + "\n"
