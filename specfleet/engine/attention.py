@@ -200,8 +200,9 @@ def attend_batched(q: torch.Tensor, pool_layer: torch.Tensor, plan: BatchPlan) -
     """[B, H, N, D]: one SDPA call for every session of the pass over its positions, gathered from the pool.
 
     With grouped queries (H = G x KV heads) the G query heads of each key/value head attend as G x N rows of one
-    head: SDPA then sees as many query heads as key heads, which its fused kernels take with a mask, where
-    `enable_gqa` with a mask leaves the math kernel, which repeats every key and value G times."""
+    head: SDPA then sees as many query heads as key heads, which every fused kernel that takes a mask serves, where
+    `enable_gqa` with a mask may leave them (torch versions differ) for the math kernel, which repeats every key and
+    value G times."""
     keys, values = pool_layer[:, :, plan.read_index].transpose(1, 2).unbind(0)  # [B, KV, T, D] each
     batch, heads, width, dim = q.shape
     groups = heads // keys.shape[1]

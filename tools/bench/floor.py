@@ -30,26 +30,20 @@ def hardware(device, dtype, bandwidth_gbs: float | None, peak_tflops: float | No
         known = next(((bw, pk) for key, bw, pk in KNOWN_DEVICES if key in name), None)
         if known and dtype == torch.float32:
             known = (known[0], known[1] / 2)  # TF32 tensor-core rate, about half the bf16 one (fp32 matmul only with TF32 on)
-    sources = []
-    if bandwidth_gbs:
-        bandwidth = bandwidth_gbs * 1e9
-        sources.append("bandwidth: given")
-    elif known:
-        bandwidth = known[0]
-        sources.append("bandwidth: data sheet")
-    else:
-        bandwidth = _measure_bandwidth(device)
-        sources.append("bandwidth: measured (copy)")
-    if peak_tflops:
-        peak = peak_tflops * 1e12
-        sources.append("peak: given")
-    elif known:
-        peak = known[1]
-        sources.append("peak: data sheet")
-    else:
-        peak = _measure_peak(device, dtype)
-        sources.append("peak: measured (matmul)")
-    return bandwidth, peak, ", ".join(sources)
+    bandwidth, bandwidth_source = _number(
+        "bandwidth", bandwidth_gbs and bandwidth_gbs * 1e9, known and known[0], lambda: _measure_bandwidth(device), "copy"
+    )
+    peak, peak_source = _number("peak", peak_tflops and peak_tflops * 1e12, known and known[1], lambda: _measure_peak(device, dtype), "matmul")
+    return bandwidth, peak, f"{bandwidth_source}, {peak_source}"
+
+
+def _number(what: str, given: float | None, known: float | None, measure, how: str) -> tuple[float, str]:
+    """One of the floor's numbers and where it came from: as given, else the data sheet's, else measured."""
+    if given:
+        return given, f"{what}: given"
+    if known:
+        return known, f"{what}: data sheet"
+    return measure(), f"{what}: measured ({how})"
 
 
 def _measure_bandwidth(device) -> float:
