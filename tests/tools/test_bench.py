@@ -281,8 +281,6 @@ def test_bench_modules_import_in_either_order(first):
 def test_a_run_cut_short_keeps_the_load_points_it_measured(random_family, tmp_path, monkeypatch):
     """results.json is rewritten after every measured load point: a run ended early (the GPU check's deadline, Ctrl-C)
     still reports what it measured, marked partial."""
-    from tools.bench import runner
-
     calls, run_load = [], runner.run_load
 
     async def ended_at_the_second_point(system, requests, point, *args):
