@@ -111,6 +111,11 @@ def library() -> ctypes.CDLL | None:
     lib.specfleet_rope_write.restype = None
     lib.specfleet_silu_mul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     lib.specfleet_silu_mul.restype = None
+    # cpu_pass.run_layers: the model's layers, the pass, batch, width, rows, row index, positions, pool, its layer's
+    # floats, x, h, logits.
+    lib.specfleet_layers.argtypes = [ctypes.c_void_p, ctypes.POINTER(Pass), *[ctypes.c_int64] * 3, *[ctypes.c_void_p] * 3, ctypes.c_int64]
+    lib.specfleet_layers.argtypes += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32]
+    lib.specfleet_layers.restype = None
     return lib
 
 

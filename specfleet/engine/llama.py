@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specfleet.engine import attention, cpu_kernels
+from specfleet.engine import attention, cpu_kernels, cpu_pass
 from specfleet.engine.cpu_linear import Bf16Weight, CpuWeight, StackedWeights
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -89,6 +89,8 @@ class LlamaModel:
     # width and vocabulary slice, the others' partial sums added by all-reduces, their scores gathered.
     parallel: object | None = None
     vocab: int = 0  # rows of the whole output layer, when lm_head is this rank's slice of it
+    # Every layer in one call on a CPU (`cpu_pass.prepare`, once its weights are laid out), or None.
+    cpu_pass: object | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -311,18 +313,22 @@ def forward(
     elif positions.numel() and int(positions.max()) >= model.cos.shape[0]:  # the kernel reads the table unchecked
         raise IndexError(f"position {int(positions.max())} is past the model's {model.cos.shape[0]}")
     x, h = _add_norm(model, x, None, model.layers[0].input_norm, runs, kernels)
-    for i, layer in enumerate(model.layers):
-        qkv = _linear(h, layer.qkv, layer.qkv_bias, runs)  # [B, N, (H + 2 KV) D]
-        if rows is not None:
-            qkv = _padded(qkv, rows, batch, width)
-        if fused:  # rotated, written and attended in two calls
-            q = cpu_kernels.rope_write(qkv.contiguous(), positions, model.cos, model.sin, kv[i], layout.where)
-            attn = cpu_kernels.attend(q.transpose(1, 2), kv[i], layout.where)  # [B, N, H, D]
-        else:
-            attn = _attend(model, layer, kv[i], qkv, cos, sin, layout, i, runs)
-        attn = attn.reshape(batch, width, H * D) if rows is None else attn.reshape(batch * width, H * D).index_select(0, rows)
-        x, h = _add_norm(model, x, _row_parallel(model, attn, layer.out, layer.out_bias, runs), layer.mlp_norm, runs, kernels)
-        x, h = _mlp(model, layer, x, h, i, logits, runs, kernels)
+    if fused and kernels and cpu_pass.serves(model.cpu_pass, x.numel() // x.shape[-1]):
+        # Every layer in one call: the same kernels on the same rows as the calls below (cpu_pass.py).
+        cpu_pass.run_layers(model.cpu_pass, x, h, positions, kv, layout.where, rows, logits)
+    else:
+        for i, layer in enumerate(model.layers):
+            qkv = _linear(h, layer.qkv, layer.qkv_bias, runs)  # [B, N, (H + 2 KV) D]
+            if rows is not None:
+                qkv = _padded(qkv, rows, batch, width)
+            if fused:  # rotated, written and attended in two calls
+                q = cpu_kernels.rope_write(qkv.contiguous(), positions, model.cos, model.sin, kv[i], layout.where)
+                attn = cpu_kernels.attend(q.transpose(1, 2), kv[i], layout.where)  # [B, N, H, D]
+            else:
+                attn = _attend(model, layer, kv[i], qkv, cos, sin, layout, i, runs)
+            attn = attn.reshape(batch, width, H * D) if rows is None else attn.reshape(batch * width, H * D).index_select(0, rows)
+            x, h = _add_norm(model, x, _row_parallel(model, attn, layer.out, layer.out_bias, runs), layer.mlp_norm, runs, kernels)
+            x, h = _mlp(model, layer, x, h, i, logits, runs, kernels)
     if not logits:
         return None
     scores = _linear(h, model.lm_head, None, runs)

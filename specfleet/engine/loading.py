@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from specfleet.engine import checkpoint, cpu_kernels, cpu_linear, kv, llama, parallel
+from specfleet.engine import checkpoint, cpu_kernels, cpu_linear, cpu_pass, kv, llama, parallel
 from specfleet.engine.attention import ATTENTION_MODES, kernel_attends
 from specfleet.engine.kv import KVPool
 from specfleet.engine.llama import LlamaModel, check_supported, from_weights
@@ -105,6 +105,7 @@ class LoadedModel:
             self.model.parallel.send(("prepare", max_cache_bytes, max_sessions))
         if self.linear != "plain" and self.model.device.type == "cpu" and cpu_linear.available(self.model.dtype):
             added, rows = cpu_linear.lay_out(self.model, self.linear)
+            self.model.cpu_pass = cpu_pass.prepare(self.model)
             log.info(
                 "model %s: linear layers laid out for the CPU's kernels (%.1f MB more memory); per weight shape, rows the "
                 "bfloat16 copy serves, then W^T, oneDNN's layout more: %s",

@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from specfleet.engine import cpu_linear, runner
+from specfleet.engine import cpu_linear, cpu_pass, runner
 from specfleet.engine.kv import KVPool, Session
 from specfleet.engine.llama import Layer, LlamaModel, Runs
 from specfleet.engine.loading import LoadedModel
@@ -79,6 +79,8 @@ class Stack:
         if first.linear != "auto" or self.model.device.type != "cpu" or self.model.dtype != torch.float32:
             return
         rows = cpu_linear.lay_out_stack(self)
+        for member in self.members:  # a member's own passes (one model's rows) take its copies
+            member.model.cpu_pass = cpu_pass.prepare(member.model)
         if rows:
             log.info(
                 "stack of %s: bfloat16 copies for the kernel, serving up to %s rows per weight shape",
