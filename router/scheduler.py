@@ -6,7 +6,12 @@ draft the next: drafters and verifier run on different machines and neither
 should wait. New requests join the least loaded lane between its rounds,
 clients taking turns (a client is a connection), each client's earliest deadline first,
 up to `max_running`; past `max_queued` waiting ones
-a new request is refused (Overloaded).
+a new request is refused (Overloaded). A request that arrives while every lane is
+in a round does not wait for one to end: its first round (its prompt's prefill and
+first token) starts at once beside them (`_admission`), and the verifier ends the
+plain steps of a call already under way after its current pass, so that a round of
+many plain steps costs a new request one pass of waiting, not the round; it joins the
+least loaded lane after that round.
 
 A round of one group (`_round`; the stages share one `rounds.RoundContext`):
 1. Plan (router/drafting.py): who drafts for each request and how many
@@ -77,7 +82,10 @@ class Scheduler:
         self._waiting: list[RequestState] = []
         self._turns: collections.Counter[str] = collections.Counter()  # requests admitted per client that still has some waiting
         self._lanes: list[list[RequestState]] = [[] for _ in range(max(1, config.pipeline_depth))]
-        self._measures = RoundMeasures(len(self._lanes))
+        # New requests' first round while every lane is in one (`_admission`), measured as a lane of its own.
+        self._admitting: list[RequestState] = []
+        self._admission: asyncio.Task | None = None
+        self._measures = RoundMeasures(len(self._lanes) + 1)
         self._load = RecentLoad()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -92,6 +100,8 @@ class Scheduler:
         state.routing = self.context.router.start(prompt_text, domain_hint, drafts=state.spec.max_draft_tokens > 0)
         self._waiting.append(state)
         self._wake.set()
+        if self._tasks and all(self._lanes) and self._admission is None and self.running < self.context.config.settings.max_running:
+            self._admission = asyncio.create_task(self._admit_at_once(), name="admission")
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._lane(i), name=f"lane-{i}") for i in range(len(self._lanes))]
@@ -100,9 +110,10 @@ class Scheduler:
 
     async def stop(self) -> None:
         self._stopping.set()
-        for task in self._tasks:
+        tasks = [*self._tasks, *([self._admission] if self._admission else [])]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         # Work still under way beside the lanes (releasing finished requests' sessions, probing a skipped
         # drafter) completes, each call within its own deadline: a stopped router leaves no session behind.
         await asyncio.gather(*self._background, return_exceptions=True)
@@ -115,7 +126,7 @@ class Scheduler:
 
     @property
     def running(self) -> int:
-        return sum(len(lane) for lane in self._lanes)
+        return sum(len(lane) for lane in self._lanes) + len(self._admitting)
 
     @property
     def waiting(self) -> int:
@@ -158,20 +169,45 @@ class Scheduler:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            try:
-                await self._round(list(lane), index)
-            except Exception:  # a bug must not stop the router: fail this round's requests, keep serving
-                self._measures.idle(index)
-                log.exception("round failed")
-                for state in lane:
-                    state.error = (grpc.StatusCode.INTERNAL, "internal error in the router's scheduler; see its log")
-            for state in lane:
-                self._publish(state)
-            finished = [s for s in lane if s.finished]
+            await self._serve(lane, index)
             lane[:] = [s for s in lane if not s.finished]
-            if finished:
-                self._wake.set()  # room for waiting requests in any lane
-                self._in_background(self._release(finished))
+
+    async def _serve(self, batch: list[RequestState], index: int) -> None:
+        """One round of these requests in slot `index`, every request's news published, the finished ones' sessions
+        released in the background."""
+        try:
+            await self._round(list(batch), index)
+        except Exception:  # a bug must not stop the router: fail this round's requests, keep serving
+            self._measures.idle(index)
+            log.exception("round failed")
+            for state in batch:
+                state.error = (grpc.StatusCode.INTERNAL, "internal error in the router's scheduler; see its log")
+        for state in batch:
+            self._publish(state)
+        finished = [s for s in batch if s.finished]
+        if finished:
+            self._wake.set()  # room for waiting requests in any lane
+            self._in_background(self._release(finished))
+
+    async def _admit_at_once(self) -> None:
+        """New requests' first round beside the lanes' rounds, while every lane is in one and requests wait (`submit`);
+        each then joins the least loaded lane."""
+        index = len(self._lanes)  # its own slot in the round measures
+        try:
+            while self._waiting and all(self._lanes):
+                self._admit(self._admitting)
+                if not self._admitting:
+                    return
+                batch = self._admitting
+                await self._serve(batch, index)
+                self._measures.idle(index)
+                self._admitting = []
+                for state in batch:
+                    if not state.finished:
+                        min(self._lanes, key=len).append(state)
+                self._wake.set()  # a lane that emptied meanwhile waits for work
+        finally:
+            self._admission = None
 
     async def _sync_routing_state(self) -> None:
         while True:

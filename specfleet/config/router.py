@@ -42,10 +42,11 @@ class SchedulingConfig:
         check=Check(lambda v: v >= 0, "0 (the router chooses) or at least 1, got {value}"),
     )
     plain_steps: int = knob(
-        4,
+        8,
         "tokens a request decodes plainly in one verify call, one forward pass each, in a round where no request drafts "
-        "(1: one a round); the verifier stops early at end of sequence or once another call waits for it, and a request's "
-        "first round decodes one, so its first token streams at once (docs/benchmarks/plain-steps.md)",
+        "(1: one a round); the verifier stops early at end of sequence or once another call waits for it (a new request's "
+        "first round starts at once beside the lanes' rounds), and a request's first round decodes one, so its first token "
+        "streams at once (docs/benchmarks/plain-steps.md)",
         check=Check(lambda v: 1 <= v <= 64, "between 1 and 64, got {value}"),
     )
 

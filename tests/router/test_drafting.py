@@ -17,8 +17,10 @@ from router.request import RequestSpec, RequestState
 from router.rounds import RoundContext, SchedulerConfig
 from router.routing import DomainClassifier, DrafterProfile, DrafterRouter, ExpertiseStore
 from router.speculation import SpeculationController
-from specfleet.config import RoutingConfig, SpeculationConfig
+from specfleet.config import RoutingConfig, SchedulingConfig, SpeculationConfig
 from specfleet.sampling import SamplingParams
+
+PLAIN_STEPS = SchedulingConfig().plain_steps  # what a round nobody drafts in decodes a request
 
 
 def _controller() -> SpeculationController:
@@ -85,7 +87,7 @@ def test_a_round_nobody_could_draft_in_at_their_hopes_ranks_no_drafter_and_probe
     plans, ranked, asked = _plans(76.8, 179.2, rounds=32)
     assert ranked == asked == 0  # nor is the plan asked at the means: nobody's hope could make it draft
     assert all(plan.routed and all(r.k == 0 and not r.drafters for r in plan.requests) for plan in plans)
-    assert all(r.plain_steps == 4 for plan in plans for r in plan.requests)
+    assert all(r.plain_steps == PLAIN_STEPS for plan in plans for r in plan.requests)
 
     plans, ranked, _ = _plans(1.0, 4.0, rounds=32)
     probing = [plan for plan in plans if any(r.k > 0 for r in plan.requests)]
@@ -100,7 +102,7 @@ def test_a_hopeful_round_ranks_drafters_only_where_the_plan_would_draft_or_probe
     plans, ranked, _ = _plans(1.0, 4.0, rounds=32)
     probing = [plan for plan in plans if any(r.k > 0 for r in plan.requests)]
     assert 0 < len(probing) < len(plans) and ranked == 2 * len(probing)
-    assert all(r.plain_steps == 4 for plan in plans if plan not in probing for r in plan.requests)
+    assert all(r.plain_steps == PLAIN_STEPS for plan in plans if plan not in probing for r in plan.requests)
 
 
 def test_a_request_s_first_round_decodes_plainly():
