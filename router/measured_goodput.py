@@ -109,10 +109,24 @@ class MeasuredGoodput:
 
     def speculating_loses(self, running: int) -> bool:
         """Whether plain decoding is measured ahead of speculating at this load, beyond the measurements' noise."""
-        speculating, plain = self._rounds.get((self.load(running), True)), self._rounds.get((self.load(running), False))
-        if speculating is None or plain is None:
+        return self._ahead(running, speculated=False)
+
+    def speculating_wins(self, running: int) -> bool:
+        """Whether speculating is measured ahead of plain decoding at this load, beyond the measurements' noise."""
+        return self._ahead(running, speculated=True)
+
+    def _ahead(self, running: int, speculated: bool) -> bool:
+        """Whether this way (speculating or not) is measured ahead of the other at this load by LOSES_BY_SE standard
+        errors of the difference; False until both are measured."""
+        mine, other = self._rounds.get((self.load(running), speculated)), self._rounds.get((self.load(running), not speculated))
+        if mine is None or other is None:
             return False
-        return plain.goodput - speculating.goodput > LOSES_BY_SE * math.sqrt(speculating.variance() + plain.variance())
+        return mine.goodput - other.goodput > LOSES_BY_SE * math.sqrt(mine.variance() + other.variance())
+
+    def rounds_measured(self, running: int, speculated: bool) -> int:
+        """Rounds at this load that speculated (or not) and were measured."""
+        rounds = self._rounds.get((self.load(running), speculated))
+        return rounds.rounds if rounds else 0
 
     def rounds_since(self, running: int, speculated: bool) -> int:
         """Rounds at this load since one that speculated (or not) was measured."""

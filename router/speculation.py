@@ -51,7 +51,8 @@ served 0.82-0.87x what drafting in all of them served. Whichever way it decodes,
 once every `remeasure_every` rounds at a load it decodes the other way, so both
 measurements stay current and it returns to speculating when that pays again
 (`remeasure_every: 0` turns the check off); while speculating keeps losing, the
-remeasures grow apart (`MAX_REMEASURE_BACKOFF`), until one finds it ahead.
+remeasures grow apart (`MAX_REMEASURE_BACKOFF`), until one finds it ahead; a
+load's first rounds measure plain decoding more often (`WARM_ROUNDS`).
 Only rounds run among rounds of their own way are measured (the scheduler
 says which: router/rounds.py `LaneKinds`). Times are passed in
 (`observe_round`): the decision reads no clock.
@@ -71,9 +72,16 @@ from router.measured_goodput import MeasuredGoodput
 from specfleet.config import SpeculationConfig
 
 # While speculating keeps losing at a load, the rounds between its remeasures double with each remeasure that finds it
-# slower still, up to this many times `remeasure_every`: at four clients on one core the rounds that remeasure cost the
-# router's event loop several times an unrouted round (docs/benchmarks/measured-ways.md).
-MAX_REMEASURE_BACKOFF = 4
+# slower still, up to this many times `remeasure_every`: a remeasure costs several plain rounds (its drafters catch up
+# on the whole context, and at four clients on one core the router's event loop takes several times an unrouted
+# round's time), so at one client on one core 4 times cost the default several percent against speculation off
+# (docs/benchmarks/measured-ways.md, docs/benchmarks/default-against-plain.md).
+MAX_REMEASURE_BACKOFF = 16
+# Until plain decoding has WARM_ROUNDS measured rounds at a load, it is measured WARM_SPLIT times as often as
+# `remeasure_every` says: a bench pass, or a burst at a load not seen before, lasts tens of rounds, and measured once
+# per `remeasure_every` rounds the check needed hundreds to find that speculating lost (docs/benchmarks/default-against-plain.md).
+# Where speculating pays, the first rounds at a load lose what their plain ones are slower, once.
+WARM_ROUNDS, WARM_SPLIT = 8, 8
 
 
 @dataclass
@@ -143,15 +151,15 @@ class SpeculationController:
 
     def scoring_pays(self, running: int) -> bool:
         """Whether the specialists spend a prefill each on a new prompt at this load (the likelihood prior,
-        router/routing.py): only where speculating is measured to deliver at least what plain decoding does. Scoring
-        buys better drafting, which pays only where drafting does; until both ways are measured (a cold start), and
-        while speculating is behind (a round that speculates to remeasure it among them), the exemplars place the
-        prompt. With the measured check off (`remeasure_every: 0`) or speculation not adaptive, every prompt is scored."""
+        router/routing.py): only where speculating is measured ahead of plain decoding beyond the measurements' noise.
+        Scoring buys better drafting, which pays only where drafting does; until both ways are measured (a cold start),
+        where they are level (rounds the plan routes but drafts in for nobody deliver what plain ones do, and a prefill
+        by every specialist costs a new prompt's round several plain rounds), and while speculating is behind, the
+        exemplars place the prompt. With the measured check off (`remeasure_every: 0`) or speculation not adaptive,
+        every prompt is scored."""
         if not self.adaptive or self.settings.remeasure_every == 0:
             return True
-        speculating = self.measured.goodput(running, speculated=True)
-        plain = self.measured.goodput(running, speculated=False)
-        return speculating is not None and plain is not None and speculating >= plain
+        return self.measured.speculating_wins(running)
 
     def speculates(self, running: int) -> bool:
         """Whether a round, with this many requests running, speculates (True: routed, drafting as planned) or decodes
@@ -168,7 +176,10 @@ class SpeculationController:
             if due:
                 self.remeasures.add(load)
             return due
-        # Speculating pays, or is not measured yet: draft as planned, decoding plainly now and then to keep measuring that.
+        # Speculating pays, or is not measured yet: draft as planned, decoding plainly now and then to keep measuring that,
+        # more often while plain decoding has few measured rounds at this load.
+        if self.measured.rounds_measured(running, speculated=False) < WARM_ROUNDS:
+            every = max(1, every // WARM_SPLIT)
         return self.measured.rounds_since(running, speculated=False) < every
 
     def plan(

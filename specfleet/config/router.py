@@ -124,7 +124,7 @@ class SpeculationConfig:
     remeasure_every: int = knob(
         32,
         "adaptive speculation decodes plainly while rounds that speculate (every round it routes) are measured slower than rounds "
-        "decoded plainly, unrouted; once per this many rounds at a load it measures the other way (up to 4x as many while "
+        "decoded plainly, unrouted; once per this many rounds at a load it measures the other way (up to 16x as many while "
         "speculating keeps losing); 0: never falls back (drafting as the cost model plans)",
         check=at_least(0),
     )

@@ -8,6 +8,8 @@ machine."""
 
 from __future__ import annotations
 
+import random
+
 from types import SimpleNamespace
 
 from router.drafters import DrafterService
@@ -411,3 +413,20 @@ def test_prompts_are_scored_only_where_speculating_is_measured_to_pay():
     warm = _request("warm")
     warm.routing = router.start("def f(x): return x", domain_hint="")
     assert drafting.plan([warm], overlap=False, running=2).to_score() == [warm]
+
+
+def test_prompts_are_not_scored_where_speculating_and_plain_decoding_are_level():
+    """Rounds the plan routes but drafts in for nobody deliver what plain rounds do, within their spread: a prefill
+    by every specialist would buy drafting that does not happen. Speculating's point estimate is ahead here, by
+    chance; only ahead beyond the noise does scoring pay."""
+    router, controller, drafting = scoring_setup()
+    rng = random.Random(0)
+    for _ in range(40):
+        controller.observe_round(2, 16, 14.0 * rng.uniform(0.9, 1.1), speculated=False, running=2)
+        controller.observe_round(2, 16, 14.0 * rng.uniform(0.9, 1.1), speculated=True, running=2)
+    measured = controller.measured
+    assert measured.goodput(2, speculated=True) > measured.goodput(2, speculated=False)
+    assert not measured.speculating_wins(2) and not measured.speculating_loses(2)
+    level = _request("level")
+    level.routing = router.start("def f(x): return x", domain_hint="")
+    assert drafting.plan([level], overlap=False, running=2).to_score() == []

@@ -13,7 +13,7 @@ import pytest
 
 from router.rounds import LaneKinds, RequestPlan, RoundMeasures, RoundPlan
 from router.cost_model import CostModel
-from router.speculation import MAX_REMEASURE_BACKOFF, SpeculationController
+from router.speculation import MAX_REMEASURE_BACKOFF, WARM_ROUNDS, SpeculationController
 from specfleet.config import SpeculationConfig
 
 EVERY = SpeculationConfig().remeasure_every
@@ -99,6 +99,36 @@ def test_the_controller_follows_the_measured_costs_both_ways():
     lane.run(3 * EVERY)
     back = lane.run(2 * EVERY)
     assert sum(1 for ks in back if any(ks)) >= 2 * EVERY - 2 and all(min(ks) > 0 for ks in back if any(ks))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_load_s_first_rounds_find_that_speculating_loses_within_remeasure_every_rounds(seed):
+    """Until plain decoding has WARM_ROUNDS measured rounds at a load it is measured WARM_SPLIT times as often: one
+    client on one core (docs/benchmarks/plain-steps.md), plain rounds of 8 steps commit 7 tokens in about 12 ms and
+    rounds that draft 1 to 5 in about 8, spread as served rounds are; within remeasure_every rounds the lane decodes
+    plainly. Measured once per remeasure_every rounds, plain decoding would have one round by then, no spread to judge."""
+    rng, controller = random.Random(seed), optimistic_controller()
+    found = None
+    for round_ in range(EVERY):
+        if found is None and controller.measured.speculating_loses(1):
+            found = round_
+        speculated = controller.speculates(1)
+        if speculated:
+            tokens, wall = rng.choice([1, 2, 3, 4, 5, 5]), 8.0 * rng.uniform(0.8, 1.2)
+        else:
+            tokens, wall = 7, 12.0 * rng.uniform(0.9, 1.1)
+        controller.observe_round(1, tokens, wall, speculated)
+    assert found is not None and found < EVERY
+
+
+def test_a_load_s_first_rounds_cost_little_where_speculating_pays():
+    """The warm-up's plain rounds, once per load: over the first 3 * remeasure_every rounds of a lane whose drafting
+    pays, at least 0.95 of drafting's goodput."""
+    controller = optimistic_controller()
+    lane = Lane(controller, [0.8] * 8, PAYING_MS)
+    lane.run(3 * EVERY)
+    assert controller.measured.rounds_measured(8, speculated=False) >= WARM_ROUNDS
+    assert lane.goodput() >= 0.95 * (TOKENS / PAYING_MS)
 
 
 def test_remeasures_grow_apart_while_speculating_keeps_losing_and_come_back_once_one_finds_it_ahead():
