@@ -280,10 +280,12 @@ def test_logprobs_are_cut_with_the_tokens_a_stop_string_or_eos_cuts(random_famil
 def test_a_request_arriving_mid_round_starts_at_once_and_cuts_the_round_s_plain_steps_short(random_family, tmp_path):
     """One lane, rounds of 64 plain steps: a request that arrives while the lane's round runs takes its first round at
     once beside it (router/scheduler.py `_admit_at_once`), and the verifier ends the running call's plain steps after
-    the pass under way, so the long request streams a chunk shorter than its rounds; both outputs stay the target's.
+    the pass under way, so the long request streams a chunk shorter than its rounds; every output stays the target's.
     Waiting for the round to end instead, the new request would join the lane and every chunk but the last would hold
-    64 tokens. Three short requests, one after another: one arriving in the running call's last pass cuts nothing."""
-    steps, long_tokens = 64, 1 + 64 * 12
+    64 tokens. A short request follows each of the long stream's first chunks, each arriving in a round just begun;
+    one that reaches the verifier after the running call's last pass (a loaded machine delays it) cuts nothing, so
+    several try."""
+    steps, long_tokens, tries = 64, 1 + 64 * 12, 6
     config = cluster_config(random_family, router={"pipeline_depth": 1, "plain_steps": steps})
     cluster = Cluster(config, tmp_path, "admission").start()
     try:
@@ -293,16 +295,15 @@ def test_a_request_arriving_mid_round_starts_at_once_and_cuts_the_round_s_plain_
             long_request = generation_pb2.GenerateRequest(
                 prompt=PROMPTS[0], max_tokens=long_tokens, temperature=0.0, speculation=plain, stop_at_eos=False
             )
-            stream = stub.GenerateStream(long_request, timeout=300)
-            chunks = [list(next(stream).token_ids)]
-            short = []
-            for prompt in PROMPTS[1:4]:
-                request = greedy_request(prompt, 8)
-                request.speculation.disabled = True
-                short.append(list(stub.Generate(request, timeout=120).token_ids))
-            chunks += [list(c.token_ids) for c in stream]
+            chunks, short, prompts = [], [], [PROMPTS[1 + i % 3] for i in range(tries)]
+            for chunk in stub.GenerateStream(long_request, timeout=300):
+                chunks.append(list(chunk.token_ids))
+                if len(short) < tries:
+                    request = greedy_request(prompts[len(short)], 8)
+                    request.speculation.disabled = True
+                    short.append(list(stub.Generate(request, timeout=120).token_ids))
         path = str(random_family["target"])
-        assert short == [target_greedy(path, p, 8) for p in PROMPTS[1:4]]
+        assert short == [target_greedy(path, p, 8) for p in prompts]
         assert sum(len(c) for c in chunks) == long_tokens and chunks[0] and len(chunks[0]) == 1
         assert any(len(c) < steps for c in chunks[1:-1]), [len(c) for c in chunks]
     finally:
