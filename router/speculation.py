@@ -74,13 +74,14 @@ from specfleet.config import SpeculationConfig
 # While speculating keeps losing at a load, the rounds between its remeasures double with each remeasure that finds it
 # slower still, up to this many times `remeasure_every`: a remeasure costs several plain rounds (its drafters catch up
 # on the whole context, and at four clients on one core the router's event loop takes several times an unrouted
-# round's time), so at one client on one core 4 times cost the default several percent against speculation off
-# (docs/benchmarks/measured-ways.md, docs/benchmarks/default-against-plain.md).
+# round's time), so where speculating keeps losing they come seldom (docs/benchmarks/measured-ways.md,
+# docs/benchmarks/default-against-plain.md).
 MAX_REMEASURE_BACKOFF = 16
 # Until plain decoding has WARM_ROUNDS measured rounds at a load, it is measured WARM_SPLIT times as often as
 # `remeasure_every` says: a bench pass, or a burst at a load not seen before, lasts tens of rounds, and measured once
-# per `remeasure_every` rounds the check needed hundreds to find that speculating lost (docs/benchmarks/default-against-plain.md).
-# Where speculating pays, the first rounds at a load lose what their plain ones are slower, once.
+# per `remeasure_every` rounds plain decoding would take hundreds to give the check a spread to judge by
+# (docs/benchmarks/default-against-plain.md). Where speculating pays, a load's first rounds lose what their plain
+# ones are slower, once.
 WARM_ROUNDS, WARM_SPLIT = 8, 8
 
 
