@@ -9,7 +9,6 @@ machine."""
 from __future__ import annotations
 
 import random
-
 from types import SimpleNamespace
 
 from router.drafters import DrafterService

@@ -20,11 +20,11 @@ from router.speculation import SpeculationController
 from specfleet.config import RoutingConfig, SchedulingConfig, SpeculationConfig
 from specfleet.sampling import SamplingParams
 
-PLAIN_STEPS = SchedulingConfig().plain_steps  # what a round nobody drafts in decodes a request
+PLAIN_STEPS = 4  # what a round nobody drafts in decodes a request here (the cost model below is calibrated at it)
 
 
 def _controller() -> SpeculationController:
-    """Two requests decoding 4 plain steps a round: drafting pays from an acceptance of 0.7 (checked below)."""
+    """Two requests decoding PLAIN_STEPS plain steps a round: drafting pays from an acceptance of 0.7 (checked below)."""
     cost = CostModel(verify_base=2.0, verify_per_token=0.1, draft_per_token=0.5, draft_base=1.0, verify_call=0.0, draft_call=0.0, pinned=True)
     return SpeculationController(cost, settings=SpeculationConfig(remeasure_every=0))
 
@@ -63,7 +63,10 @@ def _plans(code_accepted: float, code_rejected: float, rounds: int, first_rounds
     controller, asked = _controller(), []
     might_draft = controller.might_draft
     controller.might_draft = lambda *args, **kwargs: asked.append(args) or might_draft(*args, **kwargs)
-    drafting = Drafting(RoundContext(SchedulerConfig(), {"general": service, "code": service}, router, controller), in_background=lambda c: None)
+    drafting = Drafting(
+        RoundContext(SchedulerConfig(SchedulingConfig(plain_steps=PLAIN_STEPS)), {"general": service, "code": service}, router, controller),
+        in_background=lambda c: None,
+    )
     batch = [_request(f"s{i}") for i in range(2)]
     for state in batch[:first_rounds]:
         state.rounds = 0
@@ -74,7 +77,7 @@ def _plans(code_accepted: float, code_rejected: float, rounds: int, first_rounds
 
 def test_the_cost_model_here_drafts_from_an_acceptance_of_0_7():
     controller = _controller()
-    drafts = [a for a in (0.3, 0.5, 0.6, 0.7, 0.8, 0.95) if controller.could_draft([a, a], [4, 4], plain_steps=[4, 4])[0]]
+    drafts = [a for a in (0.3, 0.5, 0.6, 0.7, 0.8, 0.95) if controller.could_draft([a, a], [4, 4], plain_steps=[PLAIN_STEPS] * 2)[0]]
     assert drafts == [0.7, 0.8, 0.95]
 
 
