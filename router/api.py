@@ -81,7 +81,8 @@ class SpeculationStats:
     drafters: list[DrafterStats] = field(default_factory=list)
     domain: str = ""  # the domain the router assigned the request
     # Draft and verify calls summed over rounds: wall as the router saw them, compute in the servers' passes,
-    # queue in the servers' batch queues before those passes; wall - compute - queue is transport.
+    # queue the waits for the servers' model threads (in their batch queues before those passes, and for the share of a
+    # pass that served calls which joined); wall - compute - queue is transport.
     draft_wall_ms: float = 0.0
     draft_compute_ms: float = 0.0
     verify_wall_ms: float = 0.0

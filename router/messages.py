@@ -94,5 +94,5 @@ class VerifyResponse:
     sessions: list[VerifiedSession]  # in the order of the call's sessions
     compute_ms: float
     batch_size: int  # sessions in the verifier's pass, this call's and others' merged with it
-    queue_ms: float = 0.0  # the call's wait in the verifier's batch queue before its pass
+    queue_ms: float = 0.0  # the call's wait for the verifier's model thread: its batch queue, others' share of a joint pass
     passes: int = 1  # forward passes the batch ran (more than one where sessions decoded plain steps)

@@ -21,13 +21,26 @@ class _Pending:
 
 
 @dataclass
+class Joined:
+    """A waiting call taken into the pass a running batch is about to run (`BatchQueue.join_running`): its items, answered
+    by `BatchQueue.answer` from the model thread once that pass is done."""
+
+    items: list
+    pending: _Pending
+    started: float  # when its pass began: its wait in the queue ends here
+
+
+@dataclass
 class BatchStats:
     """What the batch function reports back to each caller, with its results."""
 
+    # The model thread's time for this caller's batch: a joined call's, its pass; a batch that others joined, its
+    # passes less their share of the pass they joined.
     compute_ms: float
     batch_size: int
-    # How long this caller's items waited in the queue before its batch's pass started (the wait for the
-    # model thread to finish the pass before, plus max_wait_s of collecting): the caller's own, not the batch's.
+    # How long this caller's items waited for the model thread: in the queue before its batch's pass started (the
+    # pass before, plus max_wait_s of collecting), and, in a batch that others joined, their share of that pass.
+    # The caller's own, not the batch's.
     queue_ms: float = 0.0
     # Forward passes the batch ran (the batch function's `passes` of its results).
     passes: int = 1
@@ -45,8 +58,11 @@ class BatchQueue:
     model: it takes the first waiting call, then keeps collecting calls for up
     to max_wait_s or until max_batch_items items, runs `process(all_items)`
     once, and hands each caller its slice of the results. A call larger than
-    max_batch_items is processed alone, never split. If `process` raises, every
-    caller in that batch gets the exception; the worker keeps serving.
+    max_batch_items is processed alone, never split. Between its passes, `process`
+    may take waiting calls into the pass about to run (`join_running`) and answer
+    each after it (`answer`): continuous batching at a pass's grain. If `process`
+    raises, every caller in that batch, joined ones too, gets the exception; the
+    worker keeps serving.
     """
 
     def __init__(
@@ -70,6 +86,8 @@ class BatchQueue:
         self._next_housekeeping = time.monotonic() + housekeeping_every_s
         self.passes = passes  # how many forward passes a batch's results took (None: one)
         self._queue: list[_Pending] = []
+        self._joined: list[Joined] = []  # calls taken into the running batch's pass, not answered yet
+        self._lent_ms = 0.0  # the answered joined calls' share of the running batch's passes
         self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"{name}-batcher", daemon=True)
@@ -89,6 +107,35 @@ class BatchQueue:
         """Whether a call waits for the model thread: a batch function that runs several passes (plain steps) asks
         between them, and ends early so that the waiting call joins the next batch."""
         return bool(self._queue)
+
+    def join_running(self, accept: Callable[[list], bool], room: int) -> list[Joined]:
+        """On the model thread, between a batch's passes: the waiting calls, oldest first, whose items `accept` takes
+        and that fit in `room` items, taken into the pass about to run, so that they need no pass of their own and the
+        running batch ends after it instead of before it (`waiting`). The first call it cannot take stops it (calls are
+        served in order). Each is answered with `answer`; one left unanswered when the batch ends fails."""
+        taken, now = [], time.perf_counter()
+        with self._cond:
+            while self._queue and len(self._queue[0].items) <= room and accept(self._queue[0].items):
+                pending = self._queue.pop(0)
+                room -= len(pending.items)
+                taken.append(Joined(pending.items, pending, now))
+        self._joined.extend(taken)
+        return taken
+
+    def answer(self, joined: Joined, results: list, batch_size: int) -> None:
+        """A joined call's results, after the pass it joined (`join_running`) over batch_size items in all."""
+        self._joined.remove(joined)
+        pass_ms = (time.perf_counter() - joined.started) * 1e3
+        # Its share of the pass is not the running batch's compute: each caller's compute, weighed by its share of
+        # its batch as callers weigh it, sums to the model thread's busy time.
+        self._lent_ms += pass_ms * len(joined.items) / max(batch_size, len(joined.items))
+        stats = BatchStats(
+            compute_ms=pass_ms,
+            batch_size=batch_size,
+            queue_ms=(joined.started - joined.pending.enqueued) * 1e3,
+            passes=self.passes(results) if self.passes is not None else 1,
+        )
+        joined.pending.loop.call_soon_threadsafe(_resolve, joined.pending.future, (results, stats), None)
 
     def close(self) -> None:
         with self._cond:
@@ -145,13 +192,19 @@ class BatchQueue:
                 log.exception("%s: batch of %d items failed", self.name, len(items))
                 results, error = None, exc
             elapsed = time.perf_counter() - started
+            for joined in self._joined:  # the batch failed after taking them in, or did not answer them
+                why = error or RuntimeError(f"{self.name}: a call joined a batch that ended without answering it")
+                joined.pending.loop.call_soon_threadsafe(_resolve, joined.pending.future, None, why)
+            self._joined.clear()
             passes = self.passes(results) if error is None and self.passes is not None else 1
-            stats = BatchStats(compute_ms=elapsed * 1e3, batch_size=len(items), passes=passes)
+            # The share of its passes that served joined calls is time its callers waited for the model thread.
+            lent_ms, self._lent_ms = self._lent_ms, 0.0
+            stats = BatchStats(compute_ms=elapsed * 1e3 - lent_ms, batch_size=len(items), passes=passes)
             offset = 0
             for pending in batch:
                 n = len(pending.items)
                 if error is None:
-                    value = (results[offset : offset + n], replace(stats, queue_ms=(started - pending.enqueued) * 1e3))
+                    value = (results[offset : offset + n], replace(stats, queue_ms=(started - pending.enqueued) * 1e3 + lent_ms))
                     pending.loop.call_soon_threadsafe(_resolve, pending.future, value, None)
                 else:
                     pending.loop.call_soon_threadsafe(_resolve, pending.future, None, error)

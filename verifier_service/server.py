@@ -162,7 +162,8 @@ def load_core(vcfg: config_mod.VerifierConfig, model: str | None = None, threads
         housekeeping_every_s=housekeeping_every(vcfg.session_idle_s),
         passes=passes,
     )
-    verifier.waiting = batcher.waiting
+    verifier.waiting, verifier.join_running, verifier.answer = batcher.waiting, batcher.join_running, batcher.answer
+    verifier.max_batch_items = vcfg.max_batch_size
     return VerifierCore(
         verifier,
         batcher,

@@ -119,6 +119,11 @@ class Verifier:
         self.sessions_verified = 0
         # Whether another call waits for the model (the batch queue's): plain steps stop at the next pass.
         self.waiting: Callable[[], bool] = lambda: False
+        # The batch queue's `join_running` and `answer` (specfleet/batching.py): waiting calls of one pass join a batch's last
+        # step, up to max_batch_items sessions in that pass. Without a queue, none joins.
+        self.join_running: Callable[[Callable[[list], bool], int], list] = lambda accept, room: []
+        self.answer: Callable[[object, list, int], None] = lambda joined, results, batch_size: None
+        self.max_batch_items = 0
 
     def verify_batch(self, items: list[VerifyItem]) -> list[VerifyResult]:
         with self.store.lock:
@@ -126,7 +131,19 @@ class Verifier:
 
     def _verify_batch(self, items: list[VerifyItem]) -> list[VerifyResult]:
         results: list[VerifyResult | None] = [None] * len(items)
-        live: list[tuple[int, VerifyItem, object]] = []
+        live = self._synced(items, results)
+        protect = {item.session_id for _, item, _ in live}
+        if live:
+            for (idx, _, _), result in zip(live, self._verify(live)):
+                results[idx] = result
+            protect |= self._plain_steps(live, results)
+        self.store.enforce_budget(protect=protect)
+        return results
+
+    def _synced(self, items: list[VerifyItem], results: list) -> list[tuple[int, VerifyItem, object]]:
+        """The items' sessions synced to the tokens they sent, within the chunked-prefill budget: (index, item,
+        session) for each to verify in this pass; the others' results (unknown, prefilling) set in `results`."""
+        live = []
         for idx, item in enumerate(items):
             try:
                 session = self.store.sync(item.session_id, item.prefix_length, item.new_token_ids)
@@ -135,35 +152,66 @@ class Verifier:
                 continue
             live.append((idx, item, session))
         live = self._chunk(live, results)
-        if live:
-            for (idx, _, _), result in zip(live, self._verify(live)):
-                results[idx] = result
-            self._plain_steps(live, results)
-        self.store.enforce_budget(protect={item.session_id for _, item, _ in live})
         self.sessions_verified += len(live)
-        return results
+        return live
 
-    def _plain_steps(self, live: list, results: list[VerifyResult]) -> None:
+    def _plain_steps(self, live: list, results: list[VerifyResult]) -> set[str]:
         """Further one-token passes for the sessions that asked for them, all together, after the first pass verified
         their trees: a session's step is the pass a round of its own would run on the same tokens, an empty tree (the
         same shaping and seeded noise at the same positions), so its tokens are the target's whatever the number of
         steps and whatever its tree accepted. A session stops at the model's end of sequence (the client decides
-        whether it ends there), the batch once another call waits for the model."""
+        whether it ends there), the batch once another call waits for the model: calls of one pass (a first round, a
+        drafting round's tree) join the step about to run (`_join_last`), which is then the batch's last, others
+        wait for the pass under way only. Returns the sessions of the calls that joined."""
         eos = self.loaded.eos_token_id
         live = [(idx, _plain(item), session) for idx, item, session in live if item.plain_steps > 1]  # the rest took their pass
         step = 1
         while True:
             more = [(idx, item, session) for idx, item, session in live if item.plain_steps > step and results[idx].token_ids[-1] != eos]
-            if not more or self.waiting():
-                return
-            for (idx, _, _), result in zip(more, self._verify(more)):
-                done = results[idx]
-                done.token_ids.extend(result.token_ids)
-                done.logprobs.extend(result.logprobs)
-                done.top_token_ids.extend(result.top_token_ids)
-                done.top_logprobs.extend(result.top_logprobs)
-                done.steps += 1
+            if not more:
+                return set()
+            if self.waiting():
+                return self._join_last(more, results)
+            self._step(more, results, self._verify(more))
             live, step = more, step + 1
+
+    @staticmethod
+    def _step(more: list, results: list[VerifyResult], stepped: list[VerifyResult]) -> None:
+        """One plain step's results appended to each session's results of the call."""
+        for (idx, _, _), result in zip(more, stepped):
+            done = results[idx]
+            done.token_ids.extend(result.token_ids)
+            done.logprobs.extend(result.logprobs)
+            done.top_token_ids.extend(result.top_token_ids)
+            done.top_logprobs.extend(result.top_logprobs)
+            done.steps += 1
+
+    def _join_last(self, more: list, results: list[VerifyResult]) -> set[str]:
+        """The batch's last step, with the waiting calls that need one pass (`join_running`: the batch queue's) in it: their
+        sessions verified in the same pass as the steps, each exactly as in a batch of its own, so that they do not
+        wait for a pass of their own after the step and the running call's next call does not wait behind that pass.
+        Without such calls, no step: the running call ends after the pass under way. Returns the joined sessions."""
+        stepping = {item.session_id for _, item, _ in more}
+
+        def one_pass(items: list[VerifyItem]) -> bool:
+            return all(item.plain_steps == 1 and item.session_id not in stepping for item in items)
+
+        joined = self.join_running(one_pass, self.max_batch_items - len(more))
+        if not joined:
+            return set()
+        calls = []
+        for call in joined:
+            answers: list[VerifyResult | None] = [None] * len(call.items)
+            calls.append((call, answers, self._synced(call.items, answers)))
+        mine = [(("step", idx), item, session) for idx, item, session in more]
+        theirs = [((n, idx), item, session) for n, (_, _, live) in enumerate(calls) for idx, item, session in live]
+        verified = self._verify(mine + theirs)
+        self._step(more, results, verified[: len(mine)])
+        for ((n, idx), _, _), result in zip(theirs, verified[len(mine) :]):
+            calls[n][1][idx] = result
+        for call, answers, _ in calls:
+            self.answer(call, answers, len(mine) + len(theirs))
+        return {item.session_id for call in joined for item in call.items}
 
     def _chunk(self, live: list, results: list) -> list:
         """Chunked prefill: the sessions to verify in this batch, within `max_prefill_tokens` of prefill.

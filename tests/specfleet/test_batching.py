@@ -81,3 +81,59 @@ def test_housekeeping_runs_on_the_model_thread_while_idle_and_between_batches_an
         assert set(threads) == set(calls) == {"hk-batcher"}
     finally:
         queue.close()
+
+
+JOINT_PASS_S = 0.2
+
+
+def test_waiting_calls_join_a_running_batch_in_order_and_one_it_leaves_unanswered_fails():
+    """`BatchQueue.join_running`, between a batch's passes on the model thread: the waiting calls its predicate accepts, oldest
+    first, up to the room given, stopping at the first it refuses; each is answered with `answer` (its own results,
+    its wait until it joined, the pass's time and size) without a batch of its own, and its share of that pass is not
+    the running batch's compute. A call that joins a batch which then
+    ends without answering it fails with a message, and the queue serves on."""
+    started, go, joined = threading.Event(), threading.Event(), []
+    batches, first_ms = [], []
+
+    def process(items: list) -> list:
+        batches.append(list(items))
+        if items == ["first"]:
+            began = time.perf_counter()
+            started.set()
+            go.wait(10)
+            taken = queue.join_running(lambda call: call[0].startswith("join"), 3)
+            joined.extend(call.items for call in taken)
+            time.sleep(JOINT_PASS_S)  # the pass they joined
+            for call in taken:
+                if call.items != ["join-unanswered"]:
+                    queue.answer(call, [item.upper() for item in call.items], batch_size=1 + len(call.items))
+            first_ms.append((time.perf_counter() - began) * 1e3)
+        return [item.upper() for item in items]
+
+    queue = BatchQueue("test", process, max_batch_items=8, max_wait_s=0.0)
+
+    async def scenario():
+        first = asyncio.create_task(queue.submit(["first"]))
+        await asyncio.to_thread(started.wait, 10)
+        calls = [asyncio.create_task(queue.submit(items)) for items in (["join-a", "join-b"], ["join-unanswered"], ["other"], ["join-late"])]
+        await asyncio.sleep(0.01)
+        go.set()
+        results = await asyncio.wait_for(asyncio.gather(first, *calls, return_exceptions=True), 30)  # none is left waiting
+        after = await queue.submit(["after"])
+        return results, after
+
+    try:
+        (first, pair, unanswered, other, late), after = asyncio.run(scenario())
+    finally:
+        queue.close()
+    assert first[0] == ["FIRST"] and pair[0] == ["JOIN-A", "JOIN-B"] and pair[1].batch_size == 3
+    # The pass's time is shared: the joined pair's two thirds of it are not the first batch's compute.
+    assert pair[1].compute_ms >= JOINT_PASS_S * 1e3
+    assert first[1].compute_ms < first_ms[0] - JOINT_PASS_S * 1e3 / 3
+    assert first[1].queue_ms >= pair[1].compute_ms * 2 / 3, "the first call waited for the pair's share of the pass"
+    assert pair[1].queue_ms >= 10 and pair[1].passes == 1
+    assert isinstance(unanswered, RuntimeError) and "joined a batch that ended without answering it" in str(unanswered)
+    # "other" is refused, so the call behind it waits too; both run in batches of their own, in order.
+    assert joined == [["join-a", "join-b"], ["join-unanswered"]]
+    assert other[0] == ["OTHER"] and late[0] == ["JOIN-LATE"] and after[0] == ["AFTER"]
+    assert batches[0] == ["first"] and ["join-a", "join-b"] not in batches

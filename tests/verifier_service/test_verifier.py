@@ -4,9 +4,11 @@ A long prompt is prefilled a budget's worth a batch and answered `prefilling` un
 session already decoding is verified in every batch, before or after it in the batch; each session's
 tokens are the target's, as without chunks. A plain session's steps in one call are the tokens (and
 log-probabilities) as many calls of one step give, greedy, raced and sampled, after a tree's pass too; they stop
-at end of sequence and once another call waits."""
+at end of sequence and once another call waits, whose sessions join the last step where that call needs one pass."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -124,6 +126,49 @@ def test_plain_steps_stop_at_end_of_sequence_and_when_another_call_waits(random_
     assert results[0].token_ids == expected[0][0][: eos_at + 1]
     # Session 1 goes on alone until the fourth question between passes finds a call waiting: four passes.
     assert results[1].token_ids == expected[1][0][:4] and results[1].steps == 4
+
+
+def test_a_waiting_call_of_one_pass_joins_the_running_call_s_last_step(random_family):
+    """A call that needs one pass (a new prompt, a tree) waiting while plain steps run joins the step about to run
+    (`Verifier._join_last`, the batch queue's `join_running`), which is the running call's last: the joined sessions' results
+    are a call of their own's (a new prompt greedy, a tree sampled and raced), and the running sessions' steps are
+    as many calls' of one step. A waiting call of several passes, or one holding a stepping session, does not join:
+    the running call just ends after the pass under way."""
+    path = str(random_family["target"])
+    prompts = _prompts(4)
+    stepping = _one_step_calls(path, prompts[:2], PLAIN[:2], 3)
+    first = _one_step_calls(path, prompts[2:3], PLAIN[2:3], 1)
+    tree = dict(tree_tokens=[first[0][0][0]], tree_parents=[-1], proposals=[([first[0][0][0], 7], [0.6, 0.4])])
+    waiting = [
+        [VerifyItem("new", 0, prompts[3], SamplingParams(), logprobs=True)],
+        [VerifyItem("treed", 0, prompts[2], PLAIN[2], logprobs=True, **tree)],
+    ]
+    apart = Verifier(load_model("target", path), SessionStore(1 << 30, 100))
+    apart.loaded.eos_token_id = -1
+    expected = [apart.verify_batch(call) for call in waiting]
+
+    together = Verifier(load_model("target", path), SessionStore(1 << 30, 100))
+    together.loaded.eos_token_id = -1
+    asked, answered = iter([False, True]), []
+    together.waiting = lambda: next(asked)  # a call waits from the third pass on
+    together.max_batch_items = 8
+    refused = [[VerifyItem("s0", 9, [], SamplingParams())], [VerifyItem("long", 0, prompts[0], SamplingParams(), plain_steps=4)]]
+
+    def join(accept, room):
+        assert room == 6, "the running call's two sessions take two of the pass's eight"
+        assert not any(accept(call) for call in refused), "a stepping session's call, or one of several passes, does not join"
+        return [SimpleNamespace(items=call) for call in waiting if accept(call)]
+
+    together.join_running = join
+    together.answer = lambda joined, results, batch_size: answered.append((joined.items, results, batch_size))
+    running = [VerifyItem(f"s{i}", 0, prompt, p, logprobs=True, plain_steps=6) for i, (prompt, p) in enumerate(zip(prompts, PLAIN[:2]))]
+    results = together.verify_batch(running)
+    assert [r.token_ids for r in results] == [tokens for tokens, _ in stepping] and [r.steps for r in results] == [3, 3]
+    assert [items for items, _, _ in answered] == waiting and {size for _, _, size in answered} == {4}
+    for (_, got, _), want in zip(answered, expected):
+        assert [(r.accepted_nodes, r.token_ids) for r in got] == [(r.accepted_nodes, r.token_ids) for r in want]
+        assert got[0].logprobs == pytest.approx(want[0].logprobs, abs=1e-4)
+    assert len(together.store.get("new").token_ids) == len(prompts[3]) + 1, "the joined session holds what it emitted"
 
 
 def test_a_tree_then_plain_steps_in_one_call_are_the_tokens_of_a_tree_call_then_one_step_calls(random_family):
