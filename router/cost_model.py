@@ -37,6 +37,12 @@ STALE_PULL = 0.1
 
 # The configured starting point's one default (specfleet/config/router.py), not a copy of it.
 _CONFIGURED = SpeculationConfig()
+# Until a draft call that caught sessions up is measured, a token of catch-up is taken to cost this share of a draft
+# step: the tokens go through the model together, as a prefill, not one step each.
+CATCH_UP_SHARE = 0.125
+# A draft call whose sessions lacked this many tokens in all (beyond each one's last committed token) measures the
+# catch-up's cost, not the steps': fewer ride in the call's base (`observe_draft`).
+CATCH_UP_TOKENS = 16
 
 
 class LinearFit:
@@ -73,10 +79,14 @@ class CostModel:
     Drafting: a call's time is fitted online as base + per_token * depth * models by least
     squares over recent calls (`LinearFit`), where models is the number of distinct draft
     models in the call: a stacked step runs each one's layers in turn, so each costs its own
-    step at every position. Its base (catching the sessions up on the tokens committed since
-    their last call, the call's own overhead) must not be charged per token: divided by a
-    small depth it would make drafting look dear, the plan would draft less, and the next
-    estimate would look dearer still.
+    step at every position. Its base (catching the sessions up on the few tokens committed
+    since their last call, the call's own overhead) must not be charged per token: divided by
+    a small depth it would make drafting look dear, the plan would draft less, and the next
+    estimate would look dearer still. A session that decoded plainly for a while, or drafts for
+    the first time, lacks its whole context: the call first feeds it that, at
+    `draft_catch_up_per_token` a token (learned from the calls that do), which a probe pays
+    for (`draft_catch_up_ms`, router/speculation.py): one that first catches four drafter
+    sessions up on 100 tokens each costs a round several plain steps' time.
     """
 
     verify_base: float = _CONFIGURED.verify_base_ms
@@ -90,6 +100,9 @@ class CostModel:
     # What a round that drafts takes beyond the model's prediction, against what a plain round takes beyond its own
     # (`observe_round`): the router's planning, scoring and merging, the drafter's replies waited for, contention.
     drafting_extra: float = 0.0
+    # A draft call's time per token a session lacked (beyond its last committed token): None takes CATCH_UP_SHARE of
+    # draft_per_token until such a call is measured (`observe_draft`).
+    draft_catch_up_per_token: float | None = None
     forget: float = 0.97
     pinned: bool = _CONFIGURED.pin_cost_model  # keep the configured numbers
 
@@ -107,6 +120,9 @@ class CostModel:
 
     def __post_init__(self) -> None:
         self._draft = LinearFit(self.draft_base, self.draft_per_token, self.forget)
+        if self.draft_catch_up_per_token is None:
+            self.draft_catch_up_per_token = CATCH_UP_SHARE * self.draft_per_token
+        self._caught = [0.0, 0.0]  # decayed sums over catch-up calls: tokens caught up, their ms beyond the steps
         self._residual: dict[bool, float] = {}  # drafted -> moving average of wall minus modelled round time
 
     def _verify_compute_ms(self, sessions: int, tokens: int) -> float:
@@ -213,9 +229,22 @@ class CostModel:
             return
         self.verify_scale += (1 - self.forget) * (compute_ms / modelled - self.verify_scale)
 
-    def observe_draft(self, depth: int, compute_ms: float, models: int = 1) -> None:
-        """One draft call `depth` tokens deep with `models` distinct draft models took compute_ms."""
+    def draft_catch_up_ms(self, tokens: int) -> float:
+        """What a draft call spends feeding a session `tokens` tokens it lacked beyond its last committed one."""
+        return self.draft_catch_up_per_token * tokens if tokens > 0 else 0.0
+
+    def observe_draft(self, depth: int, compute_ms: float, models: int = 1, caught_up: int = 0) -> None:
+        """One draft call `depth` tokens deep with `models` distinct draft models took compute_ms, its sessions first
+        fed `caught_up` tokens in all that they lacked beyond their last committed ones. A call that caught up
+        CATCH_UP_TOKENS or more measures the catch-up's cost per token (its time beyond the steps'); the others, the
+        steps' (a few tokens ride in the call's base)."""
         if self.pinned or depth == 0:
+            return
+        if caught_up >= CATCH_UP_TOKENS:
+            beyond = max(0.0, compute_ms - self.draft_steps_ms(depth * models) + self.draft_call)
+            tokens, ms = (v * self.forget for v in self._caught)
+            self._caught = [tokens + caught_up, ms + beyond]
+            self.draft_catch_up_per_token = self._caught[1] / self._caught[0]
             return
         self._draft.observe(depth * models, compute_ms)
         self.draft_base, self.draft_per_token = self._draft.base, self._draft.slope

@@ -30,7 +30,7 @@ from router import messages
 from router.breaker import Breaker
 from router.drafter_choice import consolidate, cooperate, modelled_round_ms, most_models, upper_acceptance
 from router.request import RequestState, SessionMirror
-from router.rounds import PREFILL_TOKENS_PER_S, RequestPlan, RoundContext, RoundPlan, concurrently
+from router.rounds import PREFILL_TOKENS_PER_S, RequestPlan, RoundContext, RoundPlan, concurrently, plain_steps, plain_steps_of
 from router.transport import DrafterTransport, TransportError
 from router.trees import DraftTree, lockstep, request_tree
 from specfleet import limits
@@ -81,21 +81,6 @@ def _drafting_models(sessions: list[messages.DraftSession], free: frozenset[str]
     """The distinct draft models a call drafts with (a session that only scores its prompt runs no draft step, and
     `free` drafters, such as the n-gram drafter, run no model)."""
     return len({s.model for s in sessions if s.num_draft_tokens > 0 and s.model not in free})
-
-
-def plain_steps_of(state: RequestState, most: int) -> int:
-    """The tokens a request decodes in a round where no request drafts: up to `most`, as many as it may still produce;
-    one in its first round, so that its first token streams as soon as its prompt is prefilled."""
-    return max(1, min(most, state.remaining())) if state.rounds > 0 else 1
-
-
-def plain_steps(requests: list[RequestPlan], most: int) -> None:
-    """In a round where no request drafts, each request decodes its plain steps (`plain_steps_of`) in the round's
-    verify call: the round's overhead (its plan, its calls, its commit) then comes once for them all."""
-    if most <= 1 or any(r.k > 0 for r in requests):
-        return
-    for request in requests:
-        request.plain_steps = plain_steps_of(request.state, most)
 
 
 class Drafting:
@@ -165,7 +150,8 @@ class Drafting:
         predicted = [router.mean(s.routing, drafters[0]) if drafters else 0.0 for s, drafters in zip(batch, chosen)]
         acceptance = [scale.scaled(drafters[0], a) if drafters else 0.0 for drafters, a in zip(chosen, predicted)]
         fill = [controller.fill.rate(drafters[0]) if drafters else 1.0 for drafters in chosen]
-        ks = controller.plan(acceptance, bounds, overlap, running, most_models(chosen, services, free), fill, steps, hopeful)
+        catch_up = [self._catch_up_ms(state, drafters[0]) if drafters else 0.0 for state, drafters in zip(batch, chosen)]
+        ks = controller.plan(acceptance, bounds, overlap, running, most_models(chosen, services, free), fill, steps, hopeful, catch_up)
         gains = [0.0] * len(batch)
         if by_goodput and config.fusion_width > 1:
             leads_first = [lead + [d for d in drafters if d not in lead][: config.fusion_width - 1] for lead, drafters in zip(chosen, ranked)]
@@ -204,7 +190,14 @@ class Drafting:
             drafters, depths, self.context.drafters, controller.cost, overlap, self.context.router.model_free, controller.fill
         )
         modelled += controller.cost.plain_steps_ms([r.plain_steps for r in requests])
+        modelled += sum(self._catch_up_ms(r.state, d) for r in requests if r.k > 0 for d in r.drafters)
         return RoundPlan(requests, modelled, routed=routed, ranked=ranked)
+
+    def _catch_up_ms(self, state: RequestState, drafter: str) -> float:
+        """What drafting with `drafter` costs the draft call in feeding it what it lacks of the request (`lacking`);
+        nothing for a drafter that runs no model."""
+        free = drafter in self.context.router.model_free
+        return 0.0 if free else self.context.controller.cost.draft_catch_up_ms(state.lacking(drafter))
 
     def _might_draft(self, batch, posteriors, leads, bounds, overlap: bool, steps: list[int], hopeful: list[bool], by_goodput: bool) -> bool:
         """Whether the plan might draft or probe for any request: some request may draft and is hopeful, and, routed by
@@ -214,20 +207,23 @@ class Drafting:
             return False
         if not by_goodput:
             return True
-        means, fills, models = self._best_drafters(batch, posteriors, leads, lambda a, r: a / (a + r))
-        return self.context.controller.might_draft(means, bounds, overlap, models, fills, steps, hopeful)
+        means, fills, models, catch_up = self._best_drafters(batch, posteriors, leads, lambda a, r: a / (a + r))
+        return self.context.controller.might_draft(means, bounds, overlap, models, fills, steps, hopeful, catch_up)
 
     def _hopeful(self, batch, posteriors, leads, bounds, overlap: bool, steps: list[int]) -> list[bool]:
         """Per request, whether the plan could draft for it at its hope (`upper_acceptance`), at its most hopeful
         drafter's (`_best_drafters`)."""
-        hopes, fills, models = self._best_drafters(batch, posteriors, leads, upper_acceptance)
+        hopes, fills, models, _ = self._best_drafters(batch, posteriors, leads, upper_acceptance)
         return self.context.controller.could_draft(hopes, bounds, overlap, models, fills, steps)
 
-    def _best_drafters(self, batch, posteriors, leads, acceptance: Callable[[float, float], float]) -> tuple[list[float], list[float], int]:
+    def _best_drafters(
+        self, batch, posteriors, leads, acceptance: Callable[[float, float], float]
+    ) -> tuple[list[float], list[float], int, list[float]]:
         """Per request, its best drafter's `acceptance` of its posterior (accepted, rejected), scaled as the plan scales
-        it (routed by goodput, the best of all its drafters; otherwise its lead), and that drafter's fill; and the
+        it (routed by goodput, the best of all its drafters; otherwise its lead), and that drafter's fill; the
         distinct models a service runs were each request drafted by its best: none where every best is model-free
-        (the n-gram drafter), else one, the cheapest drafting the round could have."""
+        (the n-gram drafter), else one, the cheapest drafting the round could have; and, per request, its best
+        drafter's catch-up (`_catch_up_ms`)."""
         router, controller = self.context.router, self.context.controller
         scale, free = controller.acceptance_scale, router.model_free
         values, fills, drafters = [], [], []
@@ -240,7 +236,8 @@ class Drafting:
             values.append(value)
             fills.append(controller.fill.rate(best) if best else 1.0)
             drafters.append(best)
-        return values, fills, 0 if all(d in free for d in drafters if d) else 1
+        catch_up = [self._catch_up_ms(state, best) if best else 0.0 for state, best in zip(batch, drafters)]
+        return values, fills, 0 if all(d in free for d in drafters if d) else 1, catch_up
 
     def usable(self) -> list[str]:
         """The drafters a round may move requests to: those whose service has a replica the breaker lets rounds call
@@ -353,7 +350,8 @@ class Drafting:
         if depth > 0:
             # A call that only scores prompts (depth 0) runs beside a round's verification and costs what prefill
             # costs: the cost model plans drafting, so it learns from draft calls alone.
-            cost.observe_draft(depth, reply.compute_ms, _drafting_models(sessions, self.context.router.model_free))
+            caught_up = sum(max(0, len(s.sync.new_token_ids) - 1) for s in sessions if s.num_draft_tokens > 0)
+            cost.observe_draft(depth, reply.compute_ms, _drafting_models(sessions, self.context.router.model_free), caught_up)
             cost.observe_calls(draft_overhead_ms=wall - reply.compute_ms)
         out = []
         # The call's time counts once for each request it served, however many of its sessions (specialists

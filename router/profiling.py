@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from router import messages
-from router.cost_model import CostModel
+from router.cost_model import CATCH_UP_TOKENS, CostModel
 from router.transport import point_mass
 from specfleet import limits
 from specfleet.sampling import SamplingParams
@@ -21,7 +21,9 @@ async def profile_costs(
 
     Verification: sessions with a context, each verifying a chain of 0 or 4 tokens, at
     1, 4 and 16 sessions a pass (fewer where the verifier's per-call limits say so), the
-    fastest of two tries each (`CostModel.fit_verify`).
+    fastest of two tries each (`CostModel.fit_verify`). Drafting, per drafter service: a
+    session drafting 1 and 4 tokens from one token, then one drafting a token after catching
+    up on a whole context (`CostModel.observe_draft`).
     """
     sampling = SamplingParams(temperature=0.0, top_p=1.0)
     context = max(1, min(64, max_context // 4))
@@ -62,11 +64,21 @@ async def profile_costs(
             reply = await transport.draft([session], 60)
             cost.observe_draft(depth, reply.compute_ms)
             await transport.release(["profile"])
+        if context - 1 < CATCH_UP_TOKENS:
+            continue  # too short a context to tell a catch-up from a call's base
+        # A session that lacks a context: what catching a drafter up costs a token (after the steps' fit above).
+        session = messages.DraftSession(
+            sync=messages.SessionSync(session_id="profile", new_token_ids=[token] * context), model=name, num_draft_tokens=1, sampling=sampling
+        )
+        reply = await transport.draft([session], 60)
+        cost.observe_draft(1, reply.compute_ms, caught_up=context - 1)
+        await transport.release(["profile"])
     log.info(
-        "cost model: verify %.2f ms + %.3f ms/session + %.3f ms/token, draft %.2f ms + %.2f ms/token",
+        "cost model: verify %.2f ms + %.3f ms/session + %.3f ms/token, draft %.2f ms + %.2f ms/token, catching up %.3f ms/token",
         cost.verify_base,
         cost.verify_per_session,
         cost.verify_per_token,
         cost.draft_base,
         cost.draft_per_token,
+        cost.draft_catch_up_per_token,
     )

@@ -148,6 +148,12 @@ class RequestState:
         """Tokens this request may still produce: max_tokens, and the model's context, bound it."""
         return min(self.spec.max_tokens - len(self.output_ids), self.max_context - len(self.tokens))
 
+    def lacking(self, drafter: str) -> int:
+        """Tokens the drafter's session lacks beyond the last committed one, which a draft call feeds it before it
+        drafts: the whole context where it never drafted for this request, every token committed since it last did."""
+        mirror = self.drafter_mirrors.get(drafter)
+        return max(0, len(mirror.diff(self.tokens)[1] if mirror is not None else self.tokens) - 1)
+
     def commit(self, new_tokens: list[int], logprobs: list | None = None) -> None:
         """Append verified tokens (with their TokenLogprobs, when asked), stopping at max_tokens, end of sequence or a stop string."""
         new_tokens = new_tokens[: self.remaining()]

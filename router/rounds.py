@@ -103,6 +103,21 @@ class RequestPlan:
         return self.depths[0] if self.depths else 0
 
 
+def plain_steps_of(state: RequestState, most: int) -> int:
+    """The tokens a request decodes in a round where no request drafts: up to `most`, as many as it may still produce;
+    one in its first round, so that its first token streams as soon as its prompt is prefilled."""
+    return max(1, min(most, state.remaining())) if state.rounds > 0 else 1
+
+
+def plain_steps(requests: list[RequestPlan], most: int) -> None:
+    """In a round where no request drafts, each request decodes its plain steps (`plain_steps_of`) in the round's
+    verify call: the round's overhead (its plan, its calls, its commit) then comes once for them all."""
+    if most <= 1 or any(r.k > 0 for r in requests):
+        return
+    for request in requests:
+        request.plain_steps = plain_steps_of(request.state, most)
+
+
 @dataclass
 class RoundPlan:
     requests: list[RequestPlan]  # every request of the round, drafting or not, in the lane's order

@@ -193,6 +193,7 @@ class SpeculationController:
         fill: list[float] | None = None,
         plain_steps: list[int] | None = None,
         hopeful: list[bool] | None = None,
+        catch_up: list[float] | None = None,
     ) -> list[int]:
         """Draft lengths (num_draft_tokens) for one round's requests, from each one's acceptance a_i and
         max_draft_tokens.
@@ -203,17 +204,21 @@ class SpeculationController:
         models: the most distinct draft models any one drafter service runs this round.
         fill: per request, the tree rows its drafter fills per position asked (router/drafter_choice.py `DraftFill`;
         default 1: a draft model proposes every position).
-        plain_steps: per request, the tokens it decodes in the round if nobody drafts (router/drafting.py
+        plain_steps: per request, the tokens it decodes in the round if nobody drafts (router/rounds.py
         `plain_steps`; default 1): drafting must beat that round's goodput, not one token a request's.
         hopeful: per request, whether the plan could draft for it at the best acceptance its evidence leaves
         plausible (`could_draft`); a request left at k = 0 probes only if so (default: every request may probe).
+        catch_up: per request, what the draft call spends feeding its drafter the tokens it lacks, should it draft
+        (`CostModel.draft_catch_up_ms`; default none). A probe pays for it: a request that decoded plainly for a
+        while lacks its whole context, and a probe is one round's exploration. Drafting where it pays does not (it
+        buys the drafts of the rounds after), though the round's modelled time counts it.
         """
         if not self.adaptive:
             return list(max_draft_tokens)
         n = len(max_draft_tokens)
         if n and not self.speculates(running or n):
             return [0] * n  # plain decoding for everyone: drafting measured slower (module docstring)
-        args = (acceptance, overlap, models, fill, plain_steps)
+        args = (acceptance, overlap, models, fill, plain_steps, catch_up)
         ks = self._best_ks(acceptance, max_draft_tokens, overlap, models, fill, plain_steps)
         planned = self._round(ks, *args)
         if (probe := self._probe(ks, planned, max_draft_tokens, hopeful, args)) is not None:
@@ -230,10 +235,11 @@ class SpeculationController:
         fill: list[float] | None = None,
         plain_steps: list[int] | None = None,
         hopeful: list[bool] | None = None,
+        catch_up: list[float] | None = None,
     ) -> bool:
         """Whether `plan`, asked now with these arguments, would draft or probe for any request; pure (no probe clock
         moves). Routing by goodput asks it at each request's best drafter before it ranks drafters (router/drafting.py)."""
-        args = (acceptance, overlap, models, fill, plain_steps)
+        args = (acceptance, overlap, models, fill, plain_steps, catch_up)
         ks = self._best_ks(acceptance, max_draft_tokens, overlap, models, fill, plain_steps)
         return any(ks) or self._probe(ks, self._round(ks, *args), max_draft_tokens, hopeful, args) is not None
 
@@ -278,7 +284,7 @@ class SpeculationController:
         plain_steps: list[int] | None,
     ) -> list[int]:
         """The draft lengths that maximise the round's expected goodput (`plan`'s arguments), k = 0 for all where
-        nothing beats the plain round."""
+        nothing beats the plain round. A drafter's catch-up is not weighed here: it buys every later round's drafts."""
         n = len(max_draft_tokens)
         plain_ms = self.cost.round_ms([0] * n)  # one pass: what a round that drafts never beats (`drafting_round_ms`)
         tokens, ms = self._round([0] * n, acceptance, overlap, models, fill, plain_steps)
@@ -320,7 +326,14 @@ class SpeculationController:
         return ks
 
     def _round(
-        self, ks: list[int], acceptance: list[float], overlap: bool, models: int, fill: list[float] | None, plain_steps: list[int] | None
+        self,
+        ks: list[int],
+        acceptance: list[float],
+        overlap: bool,
+        models: int,
+        fill: list[float] | None,
+        plain_steps: list[int] | None,
+        catch_up: list[float] | None = None,
     ) -> tuple[float, float]:
         """The tokens a round drafting `ks` is expected to commit, and its modelled time (`plan`'s arguments): with no
         draft at all, its requests' plain steps."""
@@ -330,5 +343,6 @@ class SpeculationController:
             steps = plain_steps or [1] * n
             return float(sum(steps)), plain_ms + cost.plain_steps_ms(steps)
         rows = sum(k * (fill[i] if fill else 1.0) for i, k in enumerate(ks))
-        ms = cost.drafting_round_ms(plain_ms + cost.per_verified_token_ms() * rows, cost.draft_ms(max(ks), models), plain_ms, overlap)
+        drafting = cost.draft_ms(max(ks), models) + sum(c for c, k in zip(catch_up or [], ks) if k > 0)
+        ms = cost.drafting_round_ms(plain_ms + cost.per_verified_token_ms() * rows, drafting, plain_ms, overlap)
         return sum(expected_tokens(a, k) for a, k in zip(acceptance, ks)), ms

@@ -51,7 +51,7 @@ def test_speculation_disabled_is_plain_decoding(stub, reference):
     reply = stub.Generate(request, timeout=120)
     assert list(reply.token_ids) == reference[prompt]
     assert reply.speculation.draft_tokens == 0
-    # The first round decodes the first token, each later one up to plain_steps (router/drafting.py `plain_steps`).
+    # The first round decodes the first token, each later one up to plain_steps (router/rounds.py `plain_steps`).
     steps = SchedulingConfig().plain_steps
     assert steps > 1 and reply.speculation.rounds == 1 + math.ceil((len(reply.token_ids) - 1) / steps)
 

@@ -91,7 +91,8 @@ def test_a_round_s_plan_tallies_the_lead_of_every_request_it_drafts_for():
 
 async def _plan(router: DrafterRouter):
     services = {name: DrafterService("drafters", [GrpcDrafter("drafters", "127.0.0.1:9")]) for name in router.drafters}
-    controller = SpeculationController(CostModel(pinned=True), settings=SpeculationConfig(remeasure_every=0))
+    # Catching a drafter up costs nothing here: the plan drafts by acceptance alone (tests/router/test_catch_up.py).
+    controller = SpeculationController(CostModel(pinned=True, draft_catch_up_per_token=0.0), settings=SpeculationConfig(remeasure_every=0))
     drafting = Drafting(RoundContext(SchedulerConfig(), services, router, controller), in_background=lambda coroutine: coroutine.close())
     batch = [request("a", router, "def f(): pass"), request("b", router, "def g(): pass")]
     batch[1].spec.max_draft_tokens = 0
