@@ -1,21 +1,16 @@
 """Planning and drafting, steps 1 and 2 of a round (router/scheduler.py has the whole round).
 
-Plan: the drafter router picks each request's drafters (one, or several that
-cooperate) and the speculation controller its draft length k (0 means plain
-decoding this round); `plan` returns both as a `RoundPlan` (router/rounds.py),
-which drafting and verification take as an argument. Draft: a request with one
-drafter gets a chain from one call. Cooperating drafters hosted by the lead's
-service draft in lockstep inside it, in the same call: at each position each
-proposes a token, the most confident proposal (`specfleet.fusion.lead`)
-continues the main branch and is fed back to all of them, the others become
-side branches. Cooperating drafters on other services (other cores, nodes or
-GPUs) each draft a chain of their own, concurrently, and the router merges the
-chains into the tree (router/trees.py `request_tree`). Either way the result is a
-token tree whose every node carries the distribution it was drawn from. All
-sessions of one drafter service go in one call (split to the service's per-call
-limits); all services are called concurrently. A drafter that fails, or lost a session, costs only that round's
-drafts: the request decodes plainly, and the service's breaker skips it until
-a probe answers.
+Plan: the drafter router picks each request's drafters (one, or several that cooperate) and the speculation controller
+its draft length k (0 means plain decoding this round); `plan` returns both as a `RoundPlan` (router/rounds.py), which
+drafting and verification take as an argument. Draft: a request with one drafter gets a chain from one call.
+Cooperating drafters hosted by the lead's service draft in lockstep inside it, in the same call: at each position each
+proposes a token, the most confident proposal (`specfleet.fusion.lead`) continues the main branch and is fed back to
+all of them, the others become side branches. Cooperating drafters on other services (other cores, nodes or GPUs) each
+draft a chain of their own, concurrently, and the router merges the chains into the tree (router/trees.py
+`request_tree`). Either way the result is a token tree whose every node carries the distribution it was drawn from.
+All sessions of one drafter service go in one call (split to the service's per-call limits); all services are called
+concurrently. A drafter that fails, or lost a session, costs only that round's drafts: the request decodes plainly,
+and the service's breaker skips it until a probe answers.
 """
 
 from __future__ import annotations
@@ -42,6 +37,11 @@ log = logging.getLogger(__name__)
 # without it.
 DRAFT_DEADLINE_FACTOR = 10.0
 DRAFT_DEADLINE_FLOOR_S = 1.0
+# A request the plan found hopeless (it would not draft for it even at its hope) is taken to stay so for this many
+# rounds before its drafters' posteriors and its hope are weighed again: what could change that (its domain's
+# evidence from other requests' drafts, the cost model, the load) moves over tens of rounds, and weighing it costs a
+# routed round of plain steps three times an unrouted one's plan (docs/benchmarks/plan-cost.md).
+HOPE_RECHECK_ROUNDS = 4
 
 
 @dataclass
@@ -128,6 +128,7 @@ class Drafting:
             # domain to route by: it decodes plainly too.
             first = state.rounds == 0 and controller.adaptive
             drafts = bound > 0 and not first and not state.routing.needs_scores
+            drafts = drafts and state.rounds >= state.hopeless_until  # found hopeless lately: not weighed again yet
             # Routed by goodput, every drafter's posterior for the request: the hope, consolidating and cooperating
             # weigh them all; otherwise routing's choice alone.
             posteriors.append(router.posteriors(state.routing) if drafts and by_goodput else {})
@@ -135,6 +136,9 @@ class Drafting:
             bounds.append(bound if posteriors[-1] or leads[-1] else 0)  # no drafter at all: nothing to draft with
         steps = [plain_steps_of(state, self.context.config.settings.plain_steps) for state in batch]
         hopeful = self._hopeful(batch, posteriors, leads, bounds, overlap, steps) if controller.adaptive else [True] * len(batch)
+        for state, bound, hope in zip(batch, bounds, hopeful):
+            if bound and not hope:
+                state.hopeless_until = state.rounds + HOPE_RECHECK_ROUNDS
         if not self._might_draft(batch, posteriors, leads, bounds, overlap, steps, hopeful, by_goodput):
             # Nobody drafts or probes this round (or speculation off for each, prompts being scored, last tokens):
             # plain decoding, without ranking drafters or planning k.
@@ -213,6 +217,8 @@ class Drafting:
     def _hopeful(self, batch, posteriors, leads, bounds, overlap: bool, steps: list[int]) -> list[bool]:
         """Per request, whether the plan could draft for it at its hope (`upper_acceptance`), at its most hopeful
         drafter's (`_best_drafters`)."""
+        if not any(bounds):
+            return [False] * len(batch)
         hopes, fills, models, _ = self._best_drafters(batch, posteriors, leads, upper_acceptance)
         return self.context.controller.could_draft(hopes, bounds, overlap, models, fills, steps)
 

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 MIN_ROUNDS = 2
 # Speculating loses when plain decoding's goodput exceeds its by this many standard errors of the difference.
 LOSES_BY_SE = 2.0
+# Speculating's rounds at a load drafted lately while a drafting round weighs at least this much among them (older ones
+# weigh `forget` times less per newer speculating round): about one in the last 23 at 0.97.
+DRAFTED_LATELY = 0.5
 
 
 @dataclass
@@ -86,15 +89,19 @@ class MeasuredGoodput:
         self.forget = forget
         self._rounds: dict[tuple[int, bool], _Rounds] = {}  # (load, speculated) -> the rounds measured
         self._since: dict[tuple[int, bool], int] = {}  # (load, speculated) -> rounds at that load since one of that way was measured
+        self._drafting: dict[int, float] = {}  # load -> decayed count of speculating rounds in which some request drafted
 
     @staticmethod
     def load(running: int) -> int:
         return running.bit_length()
 
-    def observe(self, running: int, sessions: int, tokens: int, wall_ms: float, speculated: bool, clean: bool = True) -> None:
+    def observe(self, running: int, sessions: int, tokens: int, wall_ms: float, speculated: bool, clean: bool = True, drafted: bool = False) -> None:
+        """A round at `running` requests (drafted: some request of it drafted or probed)."""
         if sessions <= 0 or tokens <= 0 or wall_ms <= 0:
             return  # nothing committed (a failed call, no live verifier): a fault, not what a way of decoding costs
         load = self.load(running)
+        if speculated:
+            self._drafting[load] = self._drafting.get(load, 0.0) * self.forget + drafted
         for kind in (False, True):
             self._since[load, kind] = self._since.get((load, kind), 0) + 1
         if not clean:
@@ -122,6 +129,11 @@ class MeasuredGoodput:
         if mine is None or other is None:
             return False
         return mine.goodput - other.goodput > LOSES_BY_SE * math.sqrt(mine.variance() + other.variance())
+
+    def drafted_lately(self, running: int) -> bool:
+        """Whether speculating's recent rounds at this load drafted (or probed) at all (`DRAFTED_LATELY`): where none
+        did, they were plain rounds that the plan routed, and their lead over plain decoding is noise."""
+        return self._drafting.get(self.load(running), 0.0) >= DRAFTED_LATELY
 
     def rounds_measured(self, running: int, speculated: bool) -> int:
         """Rounds at this load that speculated (or not) and were measured."""

@@ -241,7 +241,7 @@ class RoundMeasures:
         # a decoding round's length, are the check's largest noise: the check leaves them out, but for those where
         # specialists score the prompt beside it, which is speculating's cost.
         in_way = started[1] and self._ways.beside_own_kind(lane, speculated) and (scored or not prefilled)
-        controller.observe_round(len(plan.requests), committed, wall_ms, speculated, in_way, running)
+        controller.observe_round(len(plan.requests), committed, wall_ms, speculated, in_way, running, drafted)
         # Prompt scoring is no draft call's: the cost model leaves rounds with it out.
         clean = started[0] and self._kinds.beside_own_kind(lane, drafted) and not scored
         controller.observe_modelled(plan.modelled_ms, wall_ms, drafted, clean, committed)

@@ -119,13 +119,22 @@ class SpeculationController:
         """Drafters stop once their confidence falls below it (0: never)."""
         return self.settings.stop_below_confidence
 
-    def observe_round(self, sessions: int, tokens: int, wall_ms: float, speculated: bool, clean: bool = True, running: int | None = None) -> None:
+    def observe_round(
+        self,
+        sessions: int,
+        tokens: int,
+        wall_ms: float,
+        speculated: bool,
+        clean: bool = True,
+        running: int | None = None,
+        drafted: bool = False,
+    ) -> None:
         """A round of `sessions` requests committed `tokens` tokens in all and took wall_ms (measured by the
         caller), with `running` requests in the router (default: its own), for the measured check. speculated: the
         plan routed it (`RoundPlan.routed`: drafting, probing or every request at k = 0), not one the check sent to
         plain decoding. clean: it ran among rounds of its own way (router/rounds.py `LaneKinds`); only clean rounds
-        count."""
-        self.measured.observe(running or sessions, sessions, tokens, wall_ms, speculated, clean)
+        count. drafted: some request drafted or probed in it."""
+        self.measured.observe(running or sessions, sessions, tokens, wall_ms, speculated, clean, drafted)
         load = self.measured.load(running or sessions)
         if speculated and clean and tokens > 0 and wall_ms > 0 and load in self.remeasures:
             # A remeasure that finds speculating ahead of plain decoding in its own round brings the next ones back to
@@ -156,11 +165,12 @@ class SpeculationController:
         Scoring buys better drafting, which pays only where drafting does; until both ways are measured (a cold start),
         where they are level (rounds the plan routes but drafts in for nobody deliver what plain ones do, and a prefill
         by every specialist costs a new prompt's round several plain rounds), and while speculating is behind, the
-        exemplars place the prompt. With the measured check off (`remeasure_every: 0`) or speculation not adaptive,
-        every prompt is scored."""
+        exemplars place the prompt; so they do where speculating's recent rounds drafted for nobody (`drafted_lately`):
+        those were plain rounds the plan routed, ahead of plain decoding's by chance. With the measured check off
+        (`remeasure_every: 0`) or speculation not adaptive, every prompt is scored."""
         if not self.adaptive or self.settings.remeasure_every == 0:
             return True
-        return self.measured.speculating_wins(running)
+        return self.measured.speculating_wins(running) and self.measured.drafted_lately(running)
 
     def speculates(self, running: int) -> bool:
         """Whether a round, with this many requests running, speculates (True: routed, drafting as planned) or decodes

@@ -406,23 +406,47 @@ def test_prompts_are_scored_only_where_speculating_is_measured_to_pay():
     plan = drafting.plan([cold], overlap=False, running=2)
     assert plan.routed and plan.to_score() == [], "a cold start scores no prompt"
     assert not cold.routing.needs_scores and cold.routing.domain == "code"  # the exemplars' best guess
+    for _ in range(3):  # speculating's rounds draft; plain decoding is not measured yet
+        controller.observe_round(2, 4, 9.0, speculated=True, running=2, drafted=True)
+    unmeasured = _request("unmeasured")
+    unmeasured.routing = router.start("def f(x): return x", domain_hint="")
+    plan = drafting.plan([unmeasured], overlap=False, running=2)
+    assert plan.routed and plan.to_score() == [], "speculating not yet measured against plain decoding"
     for _ in range(40):  # speculating measured ahead: two tokens a request in 9 ms against one in 8
         controller.observe_round(2, 2, 8.0, speculated=False, running=2)
-        controller.observe_round(2, 4, 9.0, speculated=True, running=2)
+        controller.observe_round(2, 4, 9.0, speculated=True, running=2, drafted=True)
     warm = _request("warm")
     warm.routing = router.start("def f(x): return x", domain_hint="")
     assert drafting.plan([warm], overlap=False, running=2).to_score() == [warm]
 
 
+def test_prompts_are_not_scored_where_speculating_s_rounds_drafted_for_nobody_lately():
+    """Speculating measured ahead beyond the noise, but by rounds the plan routed and drafted in for nobody (plain
+    rounds, whichever way the check counts them): the lead is chance, and scoring would buy drafting that does not
+    happen. One drafting round among the last few is enough to score again."""
+    router, controller, drafting = scoring_setup()
+    for _ in range(40):
+        controller.observe_round(2, 2, 8.0, speculated=False, running=2)
+        controller.observe_round(2, 4, 9.0, speculated=True, running=2)
+    assert controller.measured.speculating_wins(2) and not controller.measured.drafted_lately(2)
+    plain = _request("plain")
+    plain.routing = router.start("def f(x): return x", domain_hint="")
+    assert drafting.plan([plain], overlap=False, running=2).to_score() == []
+    controller.observe_round(2, 4, 9.0, speculated=True, running=2, drafted=True)
+    again = _request("again")
+    again.routing = router.start("def f(x): return x", domain_hint="")
+    assert drafting.plan([again], overlap=False, running=2).to_score() == [again]
+
+
 def test_prompts_are_not_scored_where_speculating_and_plain_decoding_are_level():
-    """Rounds the plan routes but drafts in for nobody deliver what plain rounds do, within their spread: a prefill
-    by every specialist would buy drafting that does not happen. Speculating's point estimate is ahead here, by
-    chance; only ahead beyond the noise does scoring pay."""
+    """Rounds that speculate deliver what plain rounds do, within their spread: a prefill by every specialist would
+    buy drafting that does not pay. Speculating's point estimate is ahead here, by chance; only ahead beyond the noise
+    does scoring pay."""
     router, controller, drafting = scoring_setup()
     rng = random.Random(0)
     for _ in range(40):
         controller.observe_round(2, 16, 14.0 * rng.uniform(0.9, 1.1), speculated=False, running=2)
-        controller.observe_round(2, 16, 14.0 * rng.uniform(0.9, 1.1), speculated=True, running=2)
+        controller.observe_round(2, 16, 14.0 * rng.uniform(0.9, 1.1), speculated=True, running=2, drafted=True)
     measured = controller.measured
     assert measured.goodput(2, speculated=True) > measured.goodput(2, speculated=False)
     assert not measured.speculating_wins(2) and not measured.speculating_loses(2)

@@ -116,3 +116,32 @@ def test_a_request_s_first_round_decodes_plainly():
     assert all(r.k > 0 for r in plans[0].requests)
     plans, _, _ = _plans(200.0, 20.0, rounds=1, first_rounds=1)
     assert [r.k > 0 for r in plans[0].requests] == [False, True]
+
+
+def test_a_request_found_hopeless_is_weighed_again_every_few_rounds_not_every_round():
+    """A request the plan found hopeless (nobody could draft for it at its hope: the specialist at 0.3 over 256 tokens)
+    has its drafters' posteriors and its hope weighed again HOPE_RECHECK_ROUNDS rounds later, not in every round
+    between (which decode their plain steps, routed, for a third of the plan). Once its specialist's evidence turns
+    good, it drafts at the next weighing."""
+    service = DrafterService("left", [SimpleNamespace(name="left-0")])
+    config = RoutingConfig(routing_policy="expertise", default_drafter="general", fusion_width=1)
+    profiles = [DrafterProfile("general"), DrafterProfile("code", specialities=["code"])]
+    router = DrafterRouter(config, profiles, DomainClassifier({}), ExpertiseStore(1.0))
+    router.rng.seed(0)
+    router.store.add("code", "general", 25.6, 230.4)
+    router.store.add("code", "code", 76.8, 179.2)
+    weighed = []
+    posteriors = router.posteriors
+    router.posteriors = lambda routing: weighed.append(state.rounds) or posteriors(routing)
+    settings = SchedulerConfig(SchedulingConfig(plain_steps=PLAIN_STEPS))
+    drafting = Drafting(RoundContext(settings, {"general": service, "code": service}, router, _controller()), in_background=lambda c: None)
+    state = _request("s0")
+    state.routing = router.start("def f(x):", domain_hint="code")
+    ks = []
+    for rounds in range(1, 15):
+        state.rounds = rounds
+        if rounds == 6:
+            router.store.add("code", "code", 2000.0, 0.0)  # the specialist's drafts now accepted
+        ks.append(drafting.plan([state], overlap=False).requests[0].k)
+    assert weighed[:3] == [1, 5, 9], weighed
+    assert ks[:8] == [0] * 8 and ks[8] > 0, ks  # drafts from round 9 on
