@@ -211,7 +211,8 @@ class Drafting:
             return False
         if not by_goodput:
             return True
-        means, fills, models, catch_up = self._best_drafters(batch, posteriors, leads, lambda a, r: a / (a + r))
+        means, fills, models, best = self._best_drafters(batch, posteriors, leads, lambda a, r: a / (a + r))
+        catch_up = [self._catch_up_ms(state, drafter) if drafter else 0.0 for state, drafter in zip(batch, best)]
         return self.context.controller.might_draft(means, bounds, overlap, models, fills, steps, hopeful, catch_up)
 
     def _hopeful(self, batch, posteriors, leads, bounds, overlap: bool, steps: list[int]) -> list[bool]:
@@ -224,12 +225,12 @@ class Drafting:
 
     def _best_drafters(
         self, batch, posteriors, leads, acceptance: Callable[[float, float], float]
-    ) -> tuple[list[float], list[float], int, list[float]]:
+    ) -> tuple[list[float], list[float], int, list[str]]:
         """Per request, its best drafter's `acceptance` of its posterior (accepted, rejected), scaled as the plan scales
         it (routed by goodput, the best of all its drafters; otherwise its lead), and that drafter's fill; the
         distinct models a service runs were each request drafted by its best: none where every best is model-free
-        (the n-gram drafter), else one, the cheapest drafting the round could have; and, per request, its best
-        drafter's catch-up (`_catch_up_ms`)."""
+        (the n-gram drafter), else one, the cheapest drafting the round could have; and each request's best drafter
+        ("" where it has none)."""
         router, controller = self.context.router, self.context.controller
         scale, free = controller.acceptance_scale, router.model_free
         values, fills, drafters = [], [], []
@@ -242,8 +243,7 @@ class Drafting:
             values.append(value)
             fills.append(controller.fill.rate(best) if best else 1.0)
             drafters.append(best)
-        catch_up = [self._catch_up_ms(state, best) if best else 0.0 for state, best in zip(batch, drafters)]
-        return values, fills, 0 if all(d in free for d in drafters if d) else 1, catch_up
+        return values, fills, 0 if all(d in free for d in drafters if d) else 1, drafters
 
     def usable(self) -> list[str]:
         """The drafters a round may move requests to: those whose service has a replica the breaker lets rounds call
