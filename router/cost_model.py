@@ -241,7 +241,7 @@ class CostModel:
         if self.pinned or depth == 0:
             return
         if caught_up >= CATCH_UP_TOKENS:
-            beyond = max(0.0, compute_ms - self.draft_steps_ms(depth * models) + self.draft_call)
+            beyond = max(0.0, compute_ms - self.draft_base - self.draft_per_token * depth * models)
             tokens, ms = (v * self.forget for v in self._caught)
             self._caught = [tokens + caught_up, ms + beyond]
             self.draft_catch_up_per_token = self._caught[1] / self._caught[0]

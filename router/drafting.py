@@ -154,7 +154,7 @@ class Drafting:
         predicted = [router.mean(s.routing, drafters[0]) if drafters else 0.0 for s, drafters in zip(batch, chosen)]
         acceptance = [scale.scaled(drafters[0], a) if drafters else 0.0 for drafters, a in zip(chosen, predicted)]
         fill = [controller.fill.rate(drafters[0]) if drafters else 1.0 for drafters in chosen]
-        catch_up = [self._catch_up_ms(state, drafters[0]) if drafters else 0.0 for state, drafters in zip(batch, chosen)]
+        catch_up = [self._catch_up_ms(state, drafters[0] if drafters else "") for state, drafters in zip(batch, chosen)]
         ks = controller.plan(acceptance, bounds, overlap, running, most_models(chosen, services, free), fill, steps, hopeful, catch_up)
         gains = [0.0] * len(batch)
         if by_goodput and config.fusion_width > 1:
@@ -199,8 +199,8 @@ class Drafting:
 
     def _catch_up_ms(self, state: RequestState, drafter: str) -> float:
         """What drafting with `drafter` costs the draft call in feeding it what it lacks of the request (`lacking`);
-        nothing for a drafter that runs no model."""
-        free = drafter in self.context.router.model_free
+        nothing for a drafter that runs no model, or for no drafter ("")."""
+        free = not drafter or drafter in self.context.router.model_free
         return 0.0 if free else self.context.controller.cost.draft_catch_up_ms(state.lacking(drafter))
 
     def _might_draft(self, batch, posteriors, leads, bounds, overlap: bool, steps: list[int], hopeful: list[bool], by_goodput: bool) -> bool:
@@ -212,7 +212,7 @@ class Drafting:
         if not by_goodput:
             return True
         means, fills, models, best = self._best_drafters(batch, posteriors, leads, lambda a, r: a / (a + r))
-        catch_up = [self._catch_up_ms(state, drafter) if drafter else 0.0 for state, drafter in zip(batch, best)]
+        catch_up = [self._catch_up_ms(state, drafter) for state, drafter in zip(batch, best)]
         return self.context.controller.might_draft(means, bounds, overlap, models, fills, steps, hopeful, catch_up)
 
     def _hopeful(self, batch, posteriors, leads, bounds, overlap: bool, steps: list[int]) -> list[bool]:
