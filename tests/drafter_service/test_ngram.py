@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from drafter_service.drafter import DraftItem, DraftModel, draft_batch
-from drafter_service.ngram import NgramModel, choose, load_source, next_token_counts
+from drafter_service.ngram import NgramModel, load_source
+from specfleet.engine.ngram import choose, next_token_counts
 from drafter_service.server import load_core
 from specfleet import config as config_mod
 from specfleet.engine import SessionStore, load_model
