@@ -75,7 +75,8 @@ class VerifySession:
     sampling: SamplingParams
     logprobs: bool = False
     top_logprobs: int = 0
-    plain_steps: int = 1  # with an empty tree: tokens to decode plainly in this call, one pass each
+    plain_steps: int = 1  # with an empty tree: tokens to decode plainly in this call, one pass each at most
+    lookup_tokens: int = 0  # tokens each plain pass may draft by n-gram lookup at the verifier (0: none)
 
 
 @dataclass
@@ -87,6 +88,8 @@ class VerifiedSession:
     logprobs: list[float] = field(default_factory=list)
     top_token_ids: list[int] = field(default_factory=list)  # top_logprobs a token, flat
     top_logprobs: list[float] = field(default_factory=list)
+    lookup_proposed: int = 0  # tokens the verifier's lookup drafted in the call's plain passes
+    lookup_accepted: int = 0  # of which the target accepted
 
 
 @dataclass

@@ -127,6 +127,7 @@ def verify_request(sessions: list[messages.VerifySession]) -> verifier_pb2.Verif
                 logprobs=s.logprobs,
                 top_logprobs=s.top_logprobs,
                 plain_steps=s.plain_steps,
+                lookup_tokens=s.lookup_tokens,
             )
             for s in sessions
         ]
@@ -144,6 +145,8 @@ def verify_response(reply: verifier_pb2.VerifyResponse) -> messages.VerifyRespon
                 logprobs=list(s.logprobs),
                 top_token_ids=list(s.top_token_ids),
                 top_logprobs=list(s.top_logprobs),
+                lookup_proposed=s.lookup_proposed,
+                lookup_accepted=s.lookup_accepted,
             )
             for s in reply.sessions
         ],

@@ -65,6 +65,8 @@ class RecordVerifier(_RecordCore):
                 logprobs=r.logprobs,
                 top_token_ids=r.top_token_ids,
                 top_logprobs=r.top_logprobs,
+                lookup_proposed=r.lookup_proposed,
+                lookup_accepted=r.lookup_accepted,
             )
             for r in results
         ]

@@ -38,6 +38,7 @@ def session_item(s, sampling: SamplingParams) -> VerifyItem:
         logprobs=s.logprobs,
         top_logprobs=s.top_logprobs,
         plain_steps=s.plain_steps or 1,
+        lookup_tokens=s.lookup_tokens,
     )
 
 
@@ -99,6 +100,8 @@ class VerifierCore:
                     logprobs=r.logprobs,
                     top_token_ids=r.top_token_ids,
                     top_logprobs=r.top_logprobs,
+                    lookup_proposed=r.lookup_proposed,
+                    lookup_accepted=r.lookup_accepted,
                 )
                 for r in results
             ],

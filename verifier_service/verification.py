@@ -42,6 +42,11 @@ Proof obligations, each checked by tests/verifier_service/test_verification.py:
     so the node's q is each one's); siblings come in routing order, fixed
     before drafting. Siblings ordered by their drawn tokens would break it
     (tests/mutants/lossless.yaml: cross-service-chains-in-confidence-order).
+    The verifier's own lookup chains in plain passes (verifier.py
+    `_looked_up`) meet it as a drafter's do: each token is drawn from the
+    n-gram q it carries (`specfleet.engine.ngram.choose`), on a random
+    stream of its own, given the chain before it; a chain claiming another
+    q would not (lookup-sends-a-flatter-q).
  2. Greedy equality: when p is a point mass on the target's argmax, a token is
     accepted iff it is the argmax, and the emitted token is the argmax.
  3. Point-mass proposals: q = delta_x accepts x with probability p(x) and

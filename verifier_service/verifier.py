@@ -13,7 +13,11 @@ tree, if it has one, is verified in the first, and each further pass decodes one
 plainly, all such sessions of the batch together, each pass exactly the one a round of
 its own would run on the tokens emitted so far, until each has its passes, ends its
 sequence, or another call waits for the model (`waiting`), so that no caller waits
-behind them for more than one pass.
+behind them for more than one pass. A session may also ask the verifier to draft in its
+plain passes (`lookup_tokens`): each such pass first looks the session's own context up for
+a continuation (n-gram lookup, `specfleet.engine.ngram`, as vLLM's prompt lookup does) and
+verifies that chain in the same pass, so repeating text advances several tokens a pass with
+no drafter and no round trip; a pass with no chain is a plain pass.
 """
 
 from __future__ import annotations
@@ -21,11 +25,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specfleet.engine import LoadedModel, SessionStore, UnknownSession, prefill, prefill_shares, shaping, tree_pass
-from specfleet.sampling import SamplingParams
+from specfleet.engine.ngram import lookup_chain
+from specfleet.sampling import STREAM_DRAFT, SamplingParams
 from verifier_service.verification import TreeBatch, verify_trees, verify_trees_greedy
 
 log = logging.getLogger(__name__)
@@ -45,8 +51,14 @@ class VerifyItem:
     logprobs: bool = False
     top_logprobs: int = 0
     # Forward passes for this session in this call: the first verifies its tree (an empty tree: decodes a token), each
-    # further one decodes a token plainly (1: the tree's pass alone).
+    # further one decodes a token plainly (1: the tree's pass alone). Its passes emit at most this many tokens
+    # beyond its tree's accepted ones.
     plain_steps: int = 1
+    # Tokens each plain pass (an empty tree, with room for more than one token) may draft by n-gram lookup in the
+    # session's own context and verify in the same pass; 0: none (`Verifier._looked_up`).
+    lookup_tokens: int = 0
+    # Set by the verifier on a pass whose tree is its own lookup, not the client's.
+    looked_up: bool = False
 
 
 @dataclass
@@ -61,6 +73,9 @@ class VerifyResult:
     top_token_ids: list[int] = field(default_factory=list)  # top_logprobs per token, flattened
     top_logprobs: list[float] = field(default_factory=list)
     steps: int = 0  # forward passes that emitted this session's tokens
+    # Tokens the verifier's lookup drafted in this call's plain passes, and how many of them the target accepted.
+    lookup_proposed: int = 0
+    lookup_accepted: int = 0
 
 
 def passes(results: list[VerifyResult]) -> int:
@@ -72,6 +87,12 @@ def passes(results: list[VerifyResult]) -> int:
 MAX_TOP_LOGPROBS = 20
 # Plain steps a session may ask for in one call at most.
 MAX_PLAIN_STEPS = 64
+# The verifier's lookup: suffixes of 4 down to 3 tokens, the next tokens of their 16 most recent earlier
+# occurrences. A suffix of 1 or 2 tokens matches more often and is right less often: on the demo workloads the
+# longer suffixes give the most tokens per unit of pass time, batched or not (docs/benchmarks/lookup.md).
+LOOKUP_NGRAM_MAX, LOOKUP_NGRAM_MIN, LOOKUP_MATCHES = 4, 3, 16
+# Its draws' random stream, apart from the verification's and the drafters' (obligation 1's proviso).
+LOOKUP_STREAM = STREAM_DRAFT + zlib.crc32(b"verifier lookup")
 
 
 def validate_item(item: VerifyItem, vocab_size: int, max_context: int) -> None:
@@ -93,6 +114,8 @@ def validate_item(item: VerifyItem, vocab_size: int, max_context: int) -> None:
         raise ValueError(f"session {item.session_id}: sync.prefix_length must be >= 0")
     if not 1 <= item.plain_steps <= MAX_PLAIN_STEPS:
         raise ValueError(f"session {item.session_id}: plain_steps must be between 1 and {MAX_PLAIN_STEPS}, got {item.plain_steps}")
+    if not 0 <= item.lookup_tokens < MAX_PLAIN_STEPS:
+        raise ValueError(f"session {item.session_id}: lookup_tokens must be between 0 and {MAX_PLAIN_STEPS - 1}, got {item.lookup_tokens}")
     if item.prefix_length + len(item.new_token_ids) + n + item.plain_steps > max_context:
         what = "tree" if item.plain_steps == 1 else f"{item.plain_steps} passes" + (" and tree" if n else "")
         raise ValueError(f"session {item.session_id}: context plus {what} exceeds the model's {max_context} positions")
@@ -107,7 +130,13 @@ def validate_item(item: VerifyItem, vocab_size: int, max_context: int) -> None:
 
 def _plain(item: VerifyItem) -> VerifyItem:
     """The item a pass after its tree's runs: the same session and sampling, an empty tree."""
-    return dataclasses.replace(item, tree_tokens=[], tree_parents=[], proposals=[]) if item.tree_tokens else item
+    return dataclasses.replace(item, tree_tokens=[], tree_parents=[], proposals=[], looked_up=False) if item.tree_tokens else item
+
+
+def _room(item: VerifyItem, done: VerifyResult | None) -> int:
+    """Tokens the session's plain passes may still emit in this call: its plain steps less what its passes emitted
+    beyond its tree's accepted tokens (`done`: the call's results so far, None before its first pass)."""
+    return item.plain_steps - (len(done.token_ids) - len(done.accepted_nodes) if done else 0)
 
 
 class Verifier:
@@ -134,7 +163,7 @@ class Verifier:
         live = self._synced(items, results)
         protect = {item.session_id for _, item, _ in live}
         if live:
-            for (idx, _, _), result in zip(live, self._verify(live)):
+            for (idx, _, _), result in zip(live, self._verify(self._looked_up(live, results))):
                 results[idx] = result
             protect |= self._plain_steps(live, results)
         self.store.enforce_budget(protect=protect)
@@ -159,21 +188,42 @@ class Verifier:
         """Further one-token passes for the sessions that asked for them, all together, after the first pass verified
         their trees: a session's step is the pass a round of its own would run on the same tokens, an empty tree (the
         same shaping and seeded noise at the same positions), so its tokens are the target's whatever the number of
-        steps and whatever its tree accepted. A session stops at the model's end of sequence (the client decides
-        whether it ends there), the batch once another call waits for the model: calls of one pass (a first round, a
-        drafting round's tree) join the step about to run (`_join_last`), which is then the batch's last, others
-        wait for the pass under way only. Returns the sessions of the calls that joined."""
+        steps and whatever its tree accepted (a step may verify the session's lookup, `_looked_up`: the tokens are the
+        same, more of them a pass). A session stops once its passes emitted its plain steps' tokens, or at the model's
+        end of sequence (the client decides whether it ends there), the batch once another call waits for the model:
+        calls of one pass (a first round, a drafting round's tree) join the step about to run (`_join_last`), which
+        is then the batch's last, others wait for the pass under way only. Returns the sessions of the calls that
+        joined."""
         eos = self.loaded.eos_token_id
         live = [(idx, _plain(item), session) for idx, item, session in live if item.plain_steps > 1]  # the rest took their pass
-        step = 1
         while True:
-            more = [(idx, item, session) for idx, item, session in live if item.plain_steps > step and results[idx].token_ids[-1] != eos]
+            more = [(idx, item, session) for idx, item, session in live if _room(item, results[idx]) > 0 and eos not in results[idx].token_ids]
             if not more:
                 return set()
+            stepping = self._looked_up(more, results)
             if self.waiting():
-                return self._join_last(more, results)
-            self._step(more, results, self._verify(more))
-            live, step = more, step + 1
+                return self._join_last(stepping, results)
+            self._step(stepping, results, self._verify(stepping))
+            live = more
+
+    @staticmethod
+    def _looked_up(live: list, results: list) -> list:
+        """The pass's sessions, each that asked for `lookup_tokens` with an empty tree and room for more than one token
+        given a chain looked up in its own context (`specfleet.engine.ngram.lookup_chain`, drawn from exactly the
+        distribution it sends, on a stream of its own), up to its room less the token the pass emits after it. A
+        session without a match keeps its empty tree: a plain pass."""
+        out = []
+        for idx, item, session in live:
+            most = min(item.lookup_tokens, _room(item, results[idx]) - 1)
+            if not item.tree_tokens and most > 0:
+                chain, proposals = lookup_chain(
+                    session.token_ids, most, item.sampling, LOOKUP_STREAM, LOOKUP_NGRAM_MAX, LOOKUP_NGRAM_MIN, LOOKUP_MATCHES
+                )
+                if chain:
+                    parents = list(range(-1, len(chain) - 1))
+                    item = dataclasses.replace(item, tree_tokens=chain, tree_parents=parents, proposals=proposals, looked_up=True)
+            out.append((idx, item, session))
+        return out
 
     @staticmethod
     def _step(more: list, results: list[VerifyResult], stepped: list[VerifyResult]) -> None:
@@ -184,6 +234,8 @@ class Verifier:
             done.logprobs.extend(result.logprobs)
             done.top_token_ids.extend(result.top_token_ids)
             done.top_logprobs.extend(result.top_logprobs)
+            done.lookup_proposed += result.lookup_proposed
+            done.lookup_accepted += result.lookup_accepted
             done.steps += 1
 
     def _join_last(self, more: list, results: list[VerifyResult]) -> set[str]:
@@ -289,6 +341,9 @@ class Verifier:
             tokens = [item.tree_tokens[node] for node in path] + [next_token[b]]
             session.token_ids.extend(tokens)
             result = VerifyResult(item.session_id, known=True, accepted_nodes=path, token_ids=tokens, steps=1)
+            if item.looked_up:
+                # The tree was the verifier's own lookup: its nodes are no client's to learn from.
+                result.accepted_nodes, result.lookup_proposed, result.lookup_accepted = [], len(item.tree_tokens), len(path)
             if item.logprobs:
                 result.logprobs, result.top_token_ids, result.top_logprobs = shaping.token_logprobs(logits[b, rows], tokens, item.top_logprobs)
             results.append(result)

@@ -1,0 +1,124 @@
+"""verifier_service/verifier.py's lookup in plain passes (`lookup_tokens`): a plain pass drafts a chain from the
+session's own context (specfleet/engine/ngram.py) and verifies it in the same pass.
+
+Greedy and raced sessions decode exactly the tokens plain passes give, in fewer passes where the text repeats; a
+sampled session's tokens are distributed as the target's (the proposal carries the distribution its token was drawn
+from), with a control that claims another distribution and is caught; a call's passes emit at most its plain steps'
+tokens; the chains are the verifier's, never reported as the client's tree; a session that does not ask for lookup,
+or has no room for a chain, gets none."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+
+import pytest
+import torch
+
+from specfleet.engine import SessionStore, load_model
+from specfleet.sampling import SamplingParams
+from specfleet.tokenizer import load_tokenizer
+from verifier_service import verifier as verifier_mod
+from verifier_service.verifier import Verifier, VerifyItem, validate_item
+
+DEMO = pathlib.Path(__file__).resolve().parents[2] / "models" / "demo" / "target"
+# Texts the demo target continues by repeating them, some of their 3-token suffixes with it.
+REPEATING = ["-A-A-A-A-A-A-A-A", ".It C-\n.It C-\n.It C-\n.It C-", "0.0.0.0.0.0.0.0.", "no, no, no, no, no, no, no"]
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return load_model("target", str(DEMO), prefix_caching=True)
+
+
+def _tokens(text: str) -> list[int]:
+    return load_tokenizer(DEMO).encode(text, add_special_tokens=False)
+
+
+def _verifier(loaded) -> Verifier:
+    loaded.eos_token_id = -1  # no session stops at end of sequence here
+    return Verifier(loaded, SessionStore(1 << 30, 1000))
+
+
+def _decode(loaded, prompts: list[list[int]], params: list[SamplingParams], steps: int, lookup: int, tag: str):
+    """Each prompt's first token in a call of its own, then `steps` tokens in one call of plain steps, all together."""
+    verifier = _verifier(loaded)
+    first = verifier.verify_batch([VerifyItem(f"{tag}{i}", 0, p, s, lookup_tokens=lookup) for i, (p, s) in enumerate(zip(prompts, params))])
+    assert all(r.lookup_proposed == 0 for r in first), "a call of one step has no room for a chain"
+    items = [
+        VerifyItem(f"{tag}{i}", len(p) + 1, [], s, logprobs=True, plain_steps=steps, lookup_tokens=lookup)
+        for i, (p, s) in enumerate(zip(prompts, params))
+    ]
+    return [f.token_ids for f in first], verifier.verify_batch(items)
+
+
+def test_greedy_and_raced_sessions_decode_the_tokens_of_plain_passes_in_fewer_passes(demo):
+    prompts = [_tokens(text) for text in REPEATING]
+    params = [
+        SamplingParams(),
+        SamplingParams(0.8, seed=5, drafter_invariant=True),
+        SamplingParams(),
+        SamplingParams(1.0, seed=9, drafter_invariant=True),
+    ]
+    first_plain, plain = _decode(demo, prompts, params, 24, 0, "p")
+    first_looked, looked = _decode(demo, prompts, params, 24, 4, "l")
+    assert first_looked == first_plain
+    assert [r.token_ids for r in looked] == [r.token_ids for r in plain]
+    for a, b in zip(looked, plain):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    assert all(len(r.token_ids) == 24 for r in looked), "the passes emit the plain steps' tokens, no more"
+    assert all(r.lookup_proposed == 0 and r.steps == 24 for r in plain), "no lookup where the session does not ask"
+    assert all(r.accepted_nodes == [] for r in looked), "the chains are the verifier's, not a tree of the client's"
+    assert sum(r.lookup_accepted for r in looked) >= 24 and all(r.lookup_accepted <= r.lookup_proposed for r in looked)
+    # Every accepted lookup token saves a pass: the tokens are the passes plus what the chains added.
+    assert [r.steps + r.lookup_accepted for r in looked] == [24] * len(looked)
+
+
+def test_a_chain_leaves_room_for_the_pass_s_own_token_and_stops_at_the_plain_steps(demo):
+    prompt = _tokens(REPEATING[1])
+    for steps, lookup in ((2, 8), (3, 8), (9, 2)):
+        _, (result,) = _decode(demo, [prompt], [SamplingParams()], steps, lookup, f"r{steps}-{lookup}-")
+        assert len(result.token_ids) == steps, (steps, lookup)
+        assert result.lookup_proposed <= (steps - 1) * lookup
+
+
+def test_a_sampled_session_s_tokens_are_distributed_as_the_target_s(demo, monkeypatch):
+    """The first token a lookup pass emits, over many seeds, against the target's distribution at that position; the
+    control proposes the same token but claims it was drawn from a flatter distribution, which verification then
+    accepts too often: the same check catches it."""
+    context = _tokens(REPEATING[1])
+    verifier = _verifier(demo)
+    (probe,) = verifier.verify_batch([VerifyItem("probe", 0, context, SamplingParams(1.0, seed=1), logprobs=True, top_logprobs=5)])
+    target = dict(zip(probe.top_token_ids, (math.exp(lp) for lp in probe.top_logprobs)))
+    n = 600
+
+    def first_tokens(tag: str) -> tuple[dict[int, float], int]:
+        items = [VerifyItem(f"{tag}{seed}", 0, context, SamplingParams(1.0, seed=seed), plain_steps=2, lookup_tokens=1) for seed in range(n)]
+        results = [r for start in range(0, n, 150) for r in verifier.verify_batch(items[start : start + 150])]
+        assert all(r.lookup_proposed == 1 for r in results), "the context's suffix occurred before: every session looks up"
+        counts = torch.bincount(torch.tensor([r.token_ids[0] for r in results]), minlength=max(target) + 1)
+        return {t: float(counts[t]) / n for t in target}, sum(r.lookup_accepted for r in results)
+
+    def far(freq: dict[int, float]) -> float:
+        """The largest gap between a token's frequency and its probability, in binomial standard deviations."""
+        return max(abs(freq[t] - p) / math.sqrt(p * (1 - p) / n) for t, p in target.items())
+
+    freq, accepted = first_tokens("s")
+    assert accepted > n // 4, "the chains are accepted often here, so the check tests them"
+    assert far(freq) < 5, (freq, target)
+
+    real = verifier_mod.lookup_chain
+
+    def flatter(tokens, most, sampling, *args):
+        chain, proposals = real(tokens, most, sampling, *args)
+        return chain, [([t, (t + 1) % 300], [0.5, 0.5]) for t in chain]
+
+    monkeypatch.setattr(verifier_mod, "lookup_chain", flatter)
+    control, _ = first_tokens("c")
+    assert far(control) > 8, (control, target)
+
+
+@pytest.mark.parametrize("value", [-1, 64])
+def test_lookup_tokens_out_of_bounds_are_refused_naming_the_field(value):
+    with pytest.raises(ValueError, match="lookup_tokens must be between 0 and 63"):
+        validate_item(VerifyItem("s", 0, [1, 2, 3], SamplingParams(), lookup_tokens=value), vocab_size=300, max_context=64)
