@@ -140,6 +140,12 @@ class RouterTelemetry:
             self.routing.labels(drafter=drafters[0], domain=domain).inc()
             self.fusion_width.observe(len(drafters))
 
+    def looked_up(self, proposed: int, accepted: int) -> None:
+        """The verifier's lookup drafted `proposed` tokens in one request's plain steps, `accepted` of them kept
+        (router/verifying.py): counted among the draft tokens, as vLLM counts its n-gram proposer's."""
+        self.draft_tokens.inc(proposed)
+        self.accepted.inc(accepted)
+
 
 class _RoundState:
     """What the router's scheduler counts and learns, read at scrape time: drafts and acceptance per drafter

@@ -41,6 +41,9 @@ def fed_tokens(session: messages.VerifySession) -> int:
     return max(1, len(session.sync.new_token_ids)) + len(session.tree.token_ids)
 
 
+# The name the verifier's lookup in plain steps (router.lookup_tokens) is counted under among a request's drafters.
+LOOKUP = "lookup"
+
 # A verify call may take this many times the modelled pass, and at least the floor, before its
 # replica counts as hung: the call also waits behind other callers' passes, merged at the verifier.
 VERIFY_DEADLINE_FACTOR = 20.0
@@ -119,6 +122,7 @@ class Verifying:
                 logprobs=state.spec.logprobs,
                 top_logprobs=state.spec.top_logprobs,
                 plain_steps=request.plain_steps,
+                lookup_tokens=min(self.context.config.settings.lookup_tokens, state.spec.max_draft_tokens) if request.plain_steps > 1 else 0,
             )
             units.append([VerifyCall(request, tree, session)])
         parts = limits.split(units, lambda call: limits.verify_tokens(call.session), self.context.config.verify_limits)
@@ -152,7 +156,8 @@ class Verifying:
         # A merged batch reports its whole compute time to every caller: count this call's share
         # as busy time, and scale this call's sessions and tokens up to the pass for the cost model.
         metrics.verify_busy_ms += reply.compute_ms * len(sessions) / max(reply.batch_size, len(sessions))
-        fed = sum(fed_tokens(s) for s in sessions)
+        # The verifier's lookup adds its chains' rows to the passes (router.lookup_tokens).
+        fed = sum(fed_tokens(s) for s in sessions) + sum(v.lookup_proposed for v in reply.sessions)
         share = reply.batch_size / max(1, len(sessions))
         cost.observe_verify(round(len(sessions) * share), round(fed * share), reply.compute_ms, reply.passes)
         cost.observe_calls(verify_overhead_ms=wall - reply.compute_ms)
@@ -174,8 +179,22 @@ class Verifying:
             state.rounds += 1
             if call.tree is not None:
                 self._learn(call.request, call.tree, verified.accepted_nodes, verified.token_ids)
+            if verified.lookup_proposed:
+                self._looked_up(state, verified.lookup_proposed, verified.lookup_accepted)
             state.commit(verified.token_ids, token_logprobs(verified) if state.spec.logprobs else None)
             state.verifier_mirror.held = list(state.tokens)
+
+    def _looked_up(self, state, proposed: int, accepted: int) -> None:
+        """Count what the verifier's lookup drafted in the request's plain steps, as drafter `LOOKUP` (`--stats`,
+        the usage's speculation and the draft-token metrics)."""
+        state.draft_tokens += proposed
+        state.accepted_tokens += accepted
+        counts = state.per_drafter.setdefault(LOOKUP, DrafterCounts())
+        counts.rounds += 1
+        counts.draft_tokens += proposed
+        counts.accepted_tokens += accepted
+        if self.context.telemetry is not None:
+            self.context.telemetry.looked_up(proposed, accepted)
 
     def _learn(self, request: RequestPlan, tree: DraftTree, accepted_nodes: list[int], emitted: list[int]) -> None:
         """Count drafted and accepted tokens, and score each drafter's proposals against what was emitted (an empty

@@ -49,6 +49,14 @@ class SchedulingConfig:
         "streams at once (docs/benchmarks/plain-steps.md)",
         check=Check(lambda v: 1 <= v <= 64, "between 1 and 64, got {value}"),
     )
+    lookup_tokens: int = knob(
+        4,
+        "tokens each plain step may draft by n-gram lookup in the request's own context, verified in the same forward "
+        "pass at the verifier (prompt lookup: repeating text advances several tokens a pass, with no drafter and no round "
+        "trip; the output is the target's either way); capped by the request's max_draft_tokens, none where speculation "
+        "is off; 0: plain steps decode one token a pass (docs/benchmarks/lookup.md)",
+        check=Check(lambda v: 0 <= v <= 63, "between 0 and 63, got {value}"),
+    )
 
 
 @dataclass

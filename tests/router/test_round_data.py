@@ -48,11 +48,13 @@ def test_draft_and_verify_records_carry_every_field_of_the_contract():
 
     proposal = transport.point_mass(7)
     tree = messages.TokenTree(token_ids=[7, 8], parents=[-1, 0], proposals=[proposal, proposal])
-    verify = messages.VerifySession(sync=messages.SessionSync("s", 1, [9]), tree=tree, sampling=SAMPLING, logprobs=True, top_logprobs=2)
+    verify = messages.VerifySession(
+        sync=messages.SessionSync("s", 1, [9]), tree=tree, sampling=SAMPLING, logprobs=True, top_logprobs=2, plain_steps=5, lookup_tokens=3
+    )
     (sent,) = transport.verify_request([verify]).sessions
     assert not _every_field_set(sent), _every_field_set(sent)
     assert (list(sent.tree.token_ids), list(sent.tree.parents), list(sent.tree.proposals)) == ([7, 8], [-1, 0], [proposal, proposal])
-    assert (sent.logprobs, sent.top_logprobs) == (True, 2)
+    assert (sent.logprobs, sent.top_logprobs, sent.plain_steps, sent.lookup_tokens) == (True, 2, 5, 3)
 
 
 def test_replies_become_records():
@@ -80,12 +82,15 @@ def test_replies_become_records():
         logprobs=[-0.5, -1.0],
         top_token_ids=[4, 6],
         top_logprobs=[-0.5, -1.0],
+        lookup_proposed=4,
+        lookup_accepted=1,
     )
     reply = transport.verify_response(verifier_pb2.VerifyResponse(sessions=[verified], compute_ms=3.0, batch_size=5, passes=3))
     (got,) = reply.sessions
     assert (reply.compute_ms, reply.batch_size, reply.passes, got.known, got.accepted_nodes, got.token_ids) == (3.0, 5, 3, True, [0], [4, 6])
     assert transport.verify_response(verifier_pb2.VerifyResponse(compute_ms=1.0)).passes == 1, "a server that does not say ran one pass"
     assert (got.logprobs, got.top_token_ids, got.top_logprobs) == ([-0.5, -1.0], [4, 6], [-0.5, -1.0])
+    assert (got.lookup_proposed, got.lookup_accepted) == (4, 1)
 
 
 def test_a_requests_sampling_message_is_built_once_and_goes_with_it():
