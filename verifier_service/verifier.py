@@ -25,13 +25,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specfleet.engine import LoadedModel, SessionStore, UnknownSession, prefill, prefill_shares, shaping, tree_pass
-from specfleet.engine.ngram import lookup_chain
+from specfleet.engine.ngram import lookup_chain, next_token_counts
 from specfleet.sampling import STREAM_DRAFT, SamplingParams
+from verifier_service.lookup import LookupPolicy
 from verifier_service.verification import TreeBatch, verify_trees, verify_trees_greedy
 
 log = logging.getLogger(__name__)
@@ -51,14 +53,13 @@ class VerifyItem:
     logprobs: bool = False
     top_logprobs: int = 0
     # Forward passes for this session in this call: the first verifies its tree (an empty tree: decodes a token), each
-    # further one decodes a token plainly (1: the tree's pass alone). Its passes emit at most this many tokens
-    # beyond its tree's accepted ones.
+    # further one decodes a token plainly (1: the tree's pass alone).
     plain_steps: int = 1
-    # Tokens each plain pass (an empty tree, with room for more than one token) may draft by n-gram lookup in the
+    # Tokens each plain pass of a call of several (an empty tree, plain_steps > 1) may draft by n-gram lookup in the
     # session's own context and verify in the same pass; 0: none (`Verifier._looked_up`).
     lookup_tokens: int = 0
-    # Set by the verifier on a pass whose tree is its own lookup, not the client's.
-    looked_up: bool = False
+    # Set by the verifier on a pass whose tree is its own lookup, not the client's: each token's confidence.
+    lookup_confidences: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -130,13 +131,7 @@ def validate_item(item: VerifyItem, vocab_size: int, max_context: int) -> None:
 
 def _plain(item: VerifyItem) -> VerifyItem:
     """The item a pass after its tree's runs: the same session and sampling, an empty tree."""
-    return dataclasses.replace(item, tree_tokens=[], tree_parents=[], proposals=[], looked_up=False) if item.tree_tokens else item
-
-
-def _room(item: VerifyItem, done: VerifyResult | None) -> int:
-    """Tokens the session's plain passes may still emit in this call: its plain steps less what its passes emitted
-    beyond its tree's accepted tokens (`done`: the call's results so far, None before its first pass)."""
-    return item.plain_steps - (len(done.token_ids) - len(done.accepted_nodes) if done else 0)
+    return dataclasses.replace(item, tree_tokens=[], tree_parents=[], proposals=[], lookup_confidences=[]) if item.tree_tokens else item
 
 
 class Verifier:
@@ -153,6 +148,8 @@ class Verifier:
         self.join_running: Callable[[Callable[[list], bool], int], list] = lambda accept, room: []
         self.answer: Callable[[object, list, int], None] = lambda joined, results, batch_size: None
         self.max_batch_items = 0
+        # How far lookup chains go: as far as they pay for their rows in this verifier's passes (lookup.py).
+        self.lookup = LookupPolicy()
 
     def verify_batch(self, items: list[VerifyItem]) -> list[VerifyResult]:
         with self.store.lock:
@@ -163,7 +160,7 @@ class Verifier:
         live = self._synced(items, results)
         protect = {item.session_id for _, item, _ in live}
         if live:
-            for (idx, _, _), result in zip(live, self._verify(self._looked_up(live, results))):
+            for (idx, _, _), result in zip(live, self._verify(self._looked_up(live))):
                 results[idx] = result
             protect |= self._plain_steps(live, results)
         self.store.enforce_budget(protect=protect)
@@ -189,40 +186,56 @@ class Verifier:
         their trees: a session's step is the pass a round of its own would run on the same tokens, an empty tree (the
         same shaping and seeded noise at the same positions), so its tokens are the target's whatever the number of
         steps and whatever its tree accepted (a step may verify the session's lookup, `_looked_up`: the tokens are the
-        same, more of them a pass). A session stops once its passes emitted its plain steps' tokens, or at the model's
-        end of sequence (the client decides whether it ends there), the batch once another call waits for the model:
-        calls of one pass (a first round, a drafting round's tree) join the step about to run (`_join_last`), which
-        is then the batch's last, others wait for the pass under way only. Returns the sessions of the calls that
-        joined."""
-        eos = self.loaded.eos_token_id
+        same, more of them a pass). A session stops after its plain steps' passes, at the model's end of sequence (the
+        client decides whether it ends there) or at the end of the model's context, the batch once another call
+        waits for the model: calls of one pass (a first round, a drafting round's tree) join the step about to run
+        (`_join_last`), which is then the batch's last, others wait for the pass under way only. Returns the sessions
+        of the calls that joined."""
+        eos, context = self.loaded.eos_token_id, self.loaded.max_context
         live = [(idx, _plain(item), session) for idx, item, session in live if item.plain_steps > 1]  # the rest took their pass
         while True:
-            more = [(idx, item, session) for idx, item, session in live if _room(item, results[idx]) > 0 and eos not in results[idx].token_ids]
+            more = [
+                (idx, item, session)
+                for idx, item, session in live
+                if results[idx].steps < item.plain_steps and eos not in results[idx].token_ids and len(session.token_ids) < context
+            ]
             if not more:
                 return set()
-            stepping = self._looked_up(more, results)
+            stepping = self._looked_up(more)
             if self.waiting():
                 return self._join_last(stepping, results)
             self._step(stepping, results, self._verify(stepping))
             live = more
 
-    @staticmethod
-    def _looked_up(live: list, results: list) -> list:
-        """The pass's sessions, each that asked for `lookup_tokens` with an empty tree and room for more than one token
+    def _looked_up(self, live: list) -> list:
+        """The pass's sessions, each that asked for `lookup_tokens` in a call of several passes with an empty tree
         given a chain looked up in its own context (`specfleet.engine.ngram.lookup_chain`, drawn from exactly the
-        distribution it sends, on a stream of its own), up to its room less the token the pass emits after it. A
-        session without a match keeps its empty tree: a plain pass."""
-        out = []
-        for idx, item, session in live:
-            most = min(item.lookup_tokens, _room(item, results[idx]) - 1)
-            if not item.tree_tokens and most > 0:
-                chain, proposals = lookup_chain(
-                    session.token_ids, most, item.sampling, LOOKUP_STREAM, LOOKUP_NGRAM_MAX, LOOKUP_NGRAM_MIN, LOOKUP_MATCHES
-                )
-                if chain:
-                    parents = list(range(-1, len(chain) - 1))
-                    item = dataclasses.replace(item, tree_tokens=chain, tree_parents=parents, proposals=proposals, looked_up=True)
-            out.append((idx, item, session))
+        distribution it sends, on a stream of its own), within the model's context with the token the pass emits
+        after it, and as far as its tokens are likely enough to be accepted to pay for their rows (`LookupPolicy`). A
+        session without a chain keeps its empty tree: a plain pass. The chains' tokens come on top of a pass's own: a
+        request's last round may emit more than it keeps, which the client cuts."""
+        chains = self.lookup.for_pass(len(live))
+        if chains is None:
+            return live
+        eligible = []  # (position in live, the most tokens its chain may take, its first position's confidence)
+        for at, (_, item, session) in enumerate(live):
+            most = min(item.lookup_tokens, self.loaded.max_context - len(session.token_ids) - 1)
+            if not item.tree_tokens and item.plain_steps > 1 and most > 0:
+                _, counts = next_token_counts(session.token_ids, LOOKUP_NGRAM_MAX, LOOKUP_NGRAM_MIN, LOOKUP_MATCHES)
+                if counts:
+                    eligible.append((at, most, max(counts) / (sum(counts) + 1)))
+        if not chains.pays([confidence for _, _, confidence in eligible]):
+            return live
+        out = list(live)
+        for at, most, _ in eligible:
+            idx, item, session = live[at]
+            chain, proposals, confidences = lookup_chain(
+                session.token_ids, most, item.sampling, LOOKUP_STREAM, LOOKUP_NGRAM_MAX, LOOKUP_NGRAM_MIN, LOOKUP_MATCHES, chains.worth
+            )
+            if chain:
+                parents = list(range(-1, len(chain) - 1))
+                item = dataclasses.replace(item, tree_tokens=chain, tree_parents=parents, proposals=proposals, lookup_confidences=confidences)
+                out[at] = (idx, item, session)
         return out
 
     @staticmethod
@@ -296,6 +309,7 @@ class Verifier:
     def _verify(self, live) -> list[VerifyResult]:
         sessions = [session for _, _, session in live]
         prefill(self.loaded, sessions, keep_last=1)
+        started = time.perf_counter()
         scored = tree_pass(self.loaded, [(session, item.tree_tokens, item.tree_parents) for _, item, session in live])
         logits = scored.logits  # [B, 1 + N, V] on the model's device
 
@@ -341,10 +355,12 @@ class Verifier:
             tokens = [item.tree_tokens[node] for node in path] + [next_token[b]]
             session.token_ids.extend(tokens)
             result = VerifyResult(item.session_id, known=True, accepted_nodes=path, token_ids=tokens, steps=1)
-            if item.looked_up:
-                # The tree was the verifier's own lookup: its nodes are no client's to learn from.
+            if item.lookup_confidences:
+                # The tree was the verifier's own lookup: its nodes are no client's to learn from, but the lookup's.
                 result.accepted_nodes, result.lookup_proposed, result.lookup_accepted = [], len(item.tree_tokens), len(path)
+                self.lookup.acceptance.observe(item.lookup_confidences, len(path))
             if item.logprobs:
                 result.logprobs, result.top_token_ids, result.top_logprobs = shaping.token_logprobs(logits[b, rows], tokens, item.top_logprobs)
             results.append(result)
+        self.lookup.observe_pass(len(live), sum(1 + len(item.tree_tokens) for _, item, _ in live), (time.perf_counter() - started) * 1e3)
         return results

@@ -16,6 +16,7 @@ from, not a q near the target's (verifier_service/verification.py, obligations 1
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 
 import torch
 
@@ -71,19 +72,36 @@ def choose(ids: list[int], counts: list[int], sampling: SamplingParams, position
 
 
 def lookup_chain(
-    tokens: list[int], most: int, sampling: SamplingParams, stream: int, ngram_max: int, ngram_min: int, matches: int
-) -> tuple[list[int], list[tuple[list[int], list[float]]]]:
+    tokens: list[int],
+    most: int,
+    sampling: SamplingParams,
+    stream: int,
+    ngram_max: int,
+    ngram_min: int,
+    matches: int,
+    worth: Callable[[float, bool], bool] = lambda confidence, first: True,
+) -> tuple[list[int], list[tuple[list[int], list[float]]], list[float]]:
     """A chain of up to `most` tokens continuing `tokens`, each looked up in the context extended by the chain so
-    far and drawn by `choose` for the position it would fill; (tokens, the distribution each was drawn from). It
-    ends where no suffix of at least `ngram_min` tokens occurred before."""
+    far and drawn by `choose` for the position it would fill: (tokens, the distribution each was drawn from, each
+    position's confidence: its most frequent continuation's count / (total + 1), the rule of succession's estimate
+    that the context continues as it did, which a greedy draw's token has). It ends where no suffix of at least
+    `ngram_min` tokens occurred before, or where `worth(confidence, whether it is the chain's first position)` turns
+    a position down. That is asked before the draw, of what the chain so far fixes: were it asked of the drawn
+    token, the chain would keep some tokens of q more often than q draws them, and its proposals would not carry the
+    distribution their tokens came from (verification.py, obligation 1). Any prefix of a chain is one this function
+    draws with a smaller `most`."""
     context = list(tokens)
-    chain, proposals = [], []
+    chain, proposals, confidences = [], [], []
     for _ in range(most):
         ids, counts = next_token_counts(context, ngram_max, ngram_min, matches)
         if not ids:
             break
+        confidence = max(counts) / (sum(counts) + 1)
+        if not worth(confidence, not chain):
+            break
         token, proposal = choose(ids, counts, sampling, len(context), stream)
         chain.append(token)
         proposals.append(proposal)
+        confidences.append(confidence)
         context.append(token)
-    return chain, proposals
+    return chain, proposals, confidences

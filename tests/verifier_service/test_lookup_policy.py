@@ -1,0 +1,85 @@
+"""verifier_service/lookup.py: a chain's token is proposed while the chance that it and every token before it are
+accepted pays for the row it adds, at the cost of rows and tokens this verifier's passes show."""
+
+from __future__ import annotations
+
+import pytest
+
+from verifier_service.lookup import EXPLORE_EVERY, MOST_NEEDED, Acceptance, LookupPolicy, PassChains, PassCost
+
+
+def test_the_pass_cost_is_a_line_through_recent_passes_and_free_rows_until_rows_differ():
+    cost = PassCost()
+    assert cost.line() == (0.0, 0.0)
+    for _ in range(5):
+        cost.observe(4, 3.0)
+    assert cost.line() == (pytest.approx(3.0), 0.0), "passes of one size cannot tell a row's cost"
+    for rows in (1, 5, 1, 5, 1, 5):
+        cost.observe(rows, 1.5 + 0.5 * rows)
+    base, per_row = cost.line()
+    assert per_row == pytest.approx(0.4, abs=0.15) and base > 0
+    later = PassCost()
+    for rows in (1, 2, 3, 4) * 50:
+        later.observe(rows, 2.0 + 0.5 * rows)
+    assert later.line() == (pytest.approx(2.0), pytest.approx(0.5))
+
+
+def test_the_chance_needed_is_a_row_against_a_plain_token_and_grows_with_the_batch():
+    policy = LookupPolicy()
+    assert policy.needed(1) == 0.0, "nothing measured: rows are free"
+    for rows in (1, 2, 3, 4, 5) * 10:
+        policy.observe_pass(1, rows, 2.0 + 0.5 * rows)
+    for rows in (4, 8, 12, 16, 20) * 10:
+        policy.observe_pass(4, rows, 1.0 + 0.4 * rows)
+    assert policy.needed(1) == pytest.approx(0.5 / 2.5)
+    assert policy.needed(4) == pytest.approx(1.6 / 2.6) and policy.needed(5) == pytest.approx(2.0 / 2.6), "4 to 7 sessions share lines"
+    assert policy.needed(2) == 0.0, "2 or 3 sessions: not measured yet"
+    for rows in (32, 64, 96) * 10:
+        policy.observe_pass(32, rows, 0.5 * rows)
+    assert policy.needed(32) == MOST_NEEDED
+
+
+def test_a_chain_stops_where_its_chance_of_being_accepted_so_far_falls_below_what_is_needed():
+    policy = LookupPolicy()
+    # Priors: the confidence band's lower edge, one occurrence's 1/2 at least.
+    assert [policy.acceptance.chance(c) for c in (0.5, 0.6, 0.75, 0.9)] == pytest.approx([0.5, 0.55, 0.7, 0.8])
+
+    def length(confidences: list[float], needed: float) -> int:
+        chains = PassChains(policy, 1, needed)
+        return next((j for j, c in enumerate(confidences) if not chains.worth(c, j == 0)), len(confidences))
+
+    assert length([0.9, 0.9, 0.9], 0.6) == 2  # 0.8, 0.64, 0.512
+    assert length([0.9, 0.9, 0.9], 0.6) == 2, "each chain starts afresh"
+    assert length([0.5, 0.9], 0.2) == 2 and length([0.5, 0.9], 0.45) == 1 and length([0.5], 0.6) == 0
+    for rows in (1, 2, 3, 4, 5) * 10:
+        policy.observe_pass(1, rows, 0.05 + 1.0 * rows)
+    assert policy.needed(1) == MOST_NEEDED and policy.for_pass(1) is None, "no band's chance is enough: nothing is looked up"
+
+
+def test_chains_are_proposed_in_a_pass_only_where_their_first_tokens_pay_for_a_pass_with_chains():
+    """A pass with chains costs its rows and a fixed part of its own (its tree's bookkeeping): the sessions' first
+    positions' chances must pay for both, or the pass runs plain."""
+    policy = LookupPolicy()
+    assert policy.for_pass(4).pays([0.5]), "nothing measured: chains are proposed, and teach what they cost"
+    for rows in (4, 5, 6, 8, 12) * 10:
+        policy.observe_pass(4, rows, 1.4 + 0.4 * rows + (0.5 if rows > 4 else 0.0))
+    chains = policy.for_pass(4)
+    assert chains.needed == pytest.approx(1.6 / 3.0)
+    # A token at 4 sessions is worth a plain pass's 3.0 ms over 4; a pass with chains costs 0.5 ms more, and 0.4 a row.
+    assert not chains.pays([0.75]) and not chains.pays([0.5, 0.5]), "0.7 tokens for 0.9 ms, or chances below what is needed"
+    assert not chains.pays([0.9, 0.9]) and chains.pays([0.9, 0.9, 0.9]), "1.6 tokens (1.2 ms) for 1.3 ms; 2.4 (1.8) for 1.7"
+    policy.declined.clear()
+    assert not chains.pays([]), "no session looks anything up"
+    # Turned down, chains still run every EXPLORE_EVERY passes, so that what they cost stays measured.
+    assert sum(chains.pays([0.75]) for _ in range(EXPLORE_EVERY * 3)) == 3
+
+
+def test_verdicts_teach_each_band_its_chance_up_to_the_first_rejection():
+    acceptance = Acceptance()
+    for _ in range(200):
+        acceptance.observe([0.5, 0.5, 0.9, 0.9], accepted=1)  # the first accepted, the second rejected, the rest untried
+    assert acceptance.chance(0.5) == pytest.approx(0.5, abs=0.02)
+    assert acceptance.chance(0.9) == pytest.approx(0.8), "tokens after a rejection were never tried"
+    for _ in range(300):
+        acceptance.observe([0.9], accepted=1)
+    assert acceptance.chance(0.9) > 0.97

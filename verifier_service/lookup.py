@@ -1,0 +1,157 @@
+"""How far the verifier's lookup chains go (verifier.py `Verifier._looked_up`): as far as they pay for their rows.
+
+A chain's token adds a row to the pass whatever becomes of it, and saves a session a token's share of a plain pass
+where it is accepted along with every token before it. So the j-th token is worth its row where
+
+    P(tokens 1..j accepted) * T(B) / B  >=  c,
+
+T(B) the time of a plain pass of the pass's B sessions and c what one more row adds to it. Both come from this
+verifier's own passes of about B sessions: a line through (rows, milliseconds) of its recent ones (`PassCost`, one per
+power of two of sessions: a row's cost is not one number from one session to many). On a GPU a row costs next to
+nothing and chains go as far as the lookup finds them; on a CPU a row of a small model costs a fifth of a one-token
+pass, and a batch of many sessions is computing, not reading weights, so only chains likely to be accepted go on.
+
+P is a product of each token's chance, learned from what verification did with earlier tokens of the same
+confidence (the n-gram's count of the position's most frequent continuation / (total + 1), known before the token is
+drawn: `specfleet.engine.ngram.lookup_chain`): `Acceptance` keeps, per confidence band, how often a token whose
+predecessors were all accepted was accepted too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Confidence bands' lower edges: one earlier occurrence gives 1/2, two agreeing 2/3, three 3/4, more above.
+BANDS = (0.0, 0.55, 0.7, 0.8)
+# Weight of a band's prior (its own confidence) in tokens: a few verdicts move it.
+PRIOR_TOKENS = 2.0
+# Each new verdict or pass weighs this much against the ones before, so both follow the load and the text.
+FORGET = 0.99
+# Passes with chains a bucket of sessions needs before their cost is weighed (its first ones carry one-time costs
+# of the tree's shapes), and every how many passes whose chains were turned down they are proposed all the same, so
+# that what they cost stays measured as the load and the machine change.
+TRUSTED_PASSES = 8
+EXPLORE_EVERY = 32
+# The chance a chain needs, at most: high-confidence tokens go on being proposed however dear rows look, so that the
+# estimates keep seeing verdicts (a threshold of 1 would stop every chain and every measurement with it).
+MOST_NEEDED = 0.9
+
+
+def _band(confidence: float) -> int:
+    return max(i for i, edge in enumerate(BANDS) if confidence >= edge)
+
+
+@dataclass
+class Acceptance:
+    """Per confidence band: (accepted, tried) tokens whose predecessors in their chain were all accepted."""
+
+    counts: list[list[float]] = field(default_factory=lambda: [[max(edge, 0.5) * PRIOR_TOKENS, PRIOR_TOKENS] for edge in BANDS])
+
+    def chance(self, confidence: float) -> float:
+        accepted, tried = self.counts[_band(confidence)]
+        return accepted / tried
+
+    def observe(self, confidences: list[float], accepted: int) -> None:
+        """A chain of these confidences of which the first `accepted` tokens were accepted: each of those a hit, the
+        one after them (if any) a miss; the rest were never tried."""
+        for j, confidence in enumerate(confidences[: accepted + 1]):
+            band = self.counts[_band(confidence)]
+            band[0] = band[0] * FORGET + (1.0 if j < accepted else 0.0)
+            band[1] = band[1] * FORGET + 1.0
+
+
+@dataclass
+class PassCost:
+    """A line through (rows, ms) of recent passes, exponentially weighted: sums of 1, x, y, xx, xy."""
+
+    sums: list[float] = field(default_factory=lambda: [0.0] * 5)
+
+    def observe(self, rows: int, ms: float) -> None:
+        self.sums = [s * FORGET + v for s, v in zip(self.sums, (1.0, rows, ms, rows * rows, rows * ms))]
+
+    def line(self) -> tuple[float, float]:
+        """(ms at zero rows, ms a row); a row costs nothing until the passes have had different numbers of rows."""
+        n, x, y, xx, xy = self.sums
+        spread = n * xx - x * x
+        if n < 2 or spread < 1e-6 * max(n * xx, 1e-12):
+            return (y / n if n else 0.0), 0.0
+        per_row = max(0.0, (n * xy - x * y) / spread)
+        return max(0.0, (y - per_row * x) / n), per_row
+
+
+@dataclass
+class PassChains:
+    """One pass's lookup: the chance a token needs (`LookupPolicy.needed`), and whether chains pay in it at all."""
+
+    policy: LookupPolicy
+    sessions: int
+    needed: float
+    _chance: float = 1.0
+
+    def pays(self, first_confidences: list[float]) -> bool:
+        """Whether chains pay for what they add to the pass (their rows, and a pass with a tree's own cost beyond a
+        plain one's), judged by each session's first position alone: its confidence is known before anything is
+        drawn, so the judgement cannot favour some drawn tokens over others (specfleet/engine/ngram.py `lookup_chain`)."""
+        chances = [c for c in map(self.policy.acceptance.chance, first_confidences) if c >= self.needed]
+        return self.policy.pays(self.sessions, len(chances), sum(chances))
+
+    def worth(self, confidence: float, first: bool) -> bool:
+        """`specfleet.engine.ngram.lookup_chain`'s test of a chain's next position, of this confidence: whether the
+        chance that it and the chain's tokens before it are accepted is enough."""
+        self._chance = (1.0 if first else self._chance) * self.policy.acceptance.chance(confidence)
+        return self._chance >= self.needed
+
+
+@dataclass
+class LookupPolicy:
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    # Per power of two of sessions in a pass (`int.bit_length`): its plain passes' cost and its passes' with chains.
+    plain: dict[int, PassCost] = field(default_factory=dict)
+    chained: dict[int, PassCost] = field(default_factory=dict)
+    declined: dict[int, int] = field(default_factory=dict)  # per bucket: passes whose chains were turned down since one ran
+
+    def observe_pass(self, sessions: int, rows: int, ms: float) -> None:
+        costs = self.chained if rows > sessions else self.plain
+        costs.setdefault(sessions.bit_length(), PassCost()).observe(rows, ms)
+
+    def _lines(self, sessions: int) -> tuple[tuple[float, float] | None, tuple[float, float] | None]:
+        key = sessions.bit_length()
+        plain, chained = self.plain.get(key), self.chained.get(key)
+        return (
+            plain.line() if plain and plain.sums[0] >= 2 else None,
+            chained.line() if chained and chained.sums[0] >= TRUSTED_PASSES else None,
+        )
+
+    def _plain_ms(self, sessions: int) -> float:
+        plain, chained = self._lines(sessions)
+        line = plain or chained or (0.0, 0.0)
+        return line[0] + line[1] * sessions
+
+    def needed(self, sessions: int) -> float:
+        """The chance of acceptance a chain's token needs in a pass of this many sessions: what a row adds to a pass
+        with chains, against a plain pass's time a token (see the module's docstring)."""
+        _, chained = self._lines(sessions)
+        per_row, plain = (chained[1] if chained else 0.0), self._plain_ms(sessions)
+        if per_row <= 0 or plain <= 0:
+            return 0.0
+        return min(MOST_NEEDED, per_row * sessions / plain)
+
+    def pays(self, sessions: int, rows: int, expected: float) -> bool:
+        """Whether `rows` chain rows with `expected` tokens accepted pay for a pass with chains over a plain one."""
+        plain, chained = self._lines(sessions)
+        if rows == 0 or plain is None or chained is None:
+            return rows > 0  # nothing to weigh yet: chains are proposed, and teach what they cost
+        plain_ms = plain[0] + plain[1] * sessions
+        if expected * plain_ms / sessions >= chained[0] + chained[1] * (sessions + rows) - plain_ms:
+            return True
+        key = sessions.bit_length()
+        self.declined[key] = (self.declined.get(key, 0) + 1) % EXPLORE_EVERY
+        return self.declined[key] == 0
+
+    def for_pass(self, sessions: int) -> PassChains | None:
+        """The pass's lookup, or None where no token could be worth its row (no confidence band's chance is enough),
+        so that no session looks anything up."""
+        needed = self.needed(sessions)
+        if all(self.acceptance.chance(edge) < needed for edge in BANDS):
+            return None
+        return PassChains(self, sessions, needed)
