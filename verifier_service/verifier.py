@@ -357,7 +357,9 @@ class Verifier:
             result = VerifyResult(item.session_id, known=True, accepted_nodes=path, token_ids=tokens, steps=1)
             if item.lookup_confidences:
                 # The tree was the verifier's own lookup: its nodes are no client's to learn from, but the lookup's.
-                result.accepted_nodes, result.lookup_proposed, result.lookup_accepted = [], len(item.tree_tokens), len(path)
+                result.accepted_nodes = []
+                result.lookup_proposed = len(item.tree_tokens)
+                result.lookup_accepted = len(path)
                 self.lookup.acceptance.observe(item.lookup_confidences, len(path))
             if item.logprobs:
                 result.logprobs, result.top_token_ids, result.top_logprobs = shaping.token_logprobs(logits[b, rows], tokens, item.top_logprobs)
