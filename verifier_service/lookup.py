@@ -28,8 +28,9 @@ PRIOR_TOKENS = 2.0
 # Each new verdict or pass weighs this much against the ones before, so both follow the load and the text.
 FORGET = 0.99
 # Passes with chains a bucket of sessions needs before their cost is weighed (its first ones carry one-time costs
-# of the tree's shapes), and every how many passes whose chains were turned down they are proposed all the same, so
-# that what they cost stays measured as the load and the machine change.
+# of the tree's shapes). A pass whose chains were turned down rests the bucket's lookup for this many passes (not
+# even looking up: the scan costs too), after which chains are proposed once all the same, so that what they cost
+# stays measured as the load and the machine change.
 TRUSTED_PASSES = 8
 EXPLORE_EVERY = 32
 # The chance a chain needs, at most: high-confidence tokens go on being proposed however dear rows look, so that the
@@ -108,7 +109,7 @@ class LookupPolicy:
     # Per power of two of sessions in a pass (`int.bit_length`): its plain passes' cost and its passes' with chains.
     plain: dict[int, PassCost] = field(default_factory=dict)
     chained: dict[int, PassCost] = field(default_factory=dict)
-    declined: dict[int, int] = field(default_factory=dict)  # per bucket: passes whose chains were turned down since one ran
+    resting: dict[int, int] = field(default_factory=dict)  # per bucket: passes its lookup still rests (`pays`)
 
     def observe_pass(self, sessions: int, rows: int, ms: float) -> None:
         costs = self.chained if rows > sessions else self.plain
@@ -142,15 +143,20 @@ class LookupPolicy:
         if rows == 0 or plain is None or chained is None:
             return rows > 0  # nothing to weigh yet: chains are proposed, and teach what they cost
         plain_ms = plain[0] + plain[1] * sessions
-        if expected * plain_ms / sessions >= chained[0] + chained[1] * (sessions + rows) - plain_ms:
-            return True
         key = sessions.bit_length()
-        self.declined[key] = (self.declined.get(key, 0) + 1) % EXPLORE_EVERY
-        return self.declined[key] == 0
+        if expected * plain_ms / sessions >= chained[0] + chained[1] * (sessions + rows) - plain_ms or self.resting.get(key) == 1:
+            self.resting.pop(key, None)  # paying, or rested: explored
+            return True
+        self.resting[key] = EXPLORE_EVERY
+        return False
 
     def for_pass(self, sessions: int) -> PassChains | None:
-        """The pass's lookup, or None where no token could be worth its row (no confidence band's chance is enough),
-        so that no session looks anything up."""
+        """The pass's lookup, or None where no token could be worth its row (no confidence band's chance is enough)
+        or the bucket's lookup rests, so that no session looks anything up."""
+        key = sessions.bit_length()
+        if self.resting.get(key, 0) > 1:
+            self.resting[key] -= 1
+            return None
         needed = self.needed(sessions)
         if all(self.acceptance.chance(edge) < needed for edge in BANDS):
             return None

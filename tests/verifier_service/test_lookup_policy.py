@@ -68,10 +68,12 @@ def test_chains_are_proposed_in_a_pass_only_where_their_first_tokens_pay_for_a_p
     # A token at 4 sessions is worth a plain pass's 3.0 ms over 4; a pass with chains costs 0.5 ms more, and 0.4 a row.
     assert not chains.pays([0.75]) and not chains.pays([0.5, 0.5]), "0.7 tokens for 0.9 ms, or chances below what is needed"
     assert not chains.pays([0.9, 0.9]) and chains.pays([0.9, 0.9, 0.9]), "1.6 tokens (1.2 ms) for 1.3 ms; 2.4 (1.8) for 1.7"
-    policy.declined.clear()
     assert not chains.pays([]), "no session looks anything up"
-    # Turned down, chains still run every EXPLORE_EVERY passes, so that what they cost stays measured.
-    assert sum(chains.pays([0.75]) for _ in range(EXPLORE_EVERY * 3)) == 3
+    # Turned down, the lookup rests EXPLORE_EVERY passes, then runs chains once, so that what they cost stays measured.
+    assert not chains.pays([0.75])
+    looked = [policy.for_pass(4) for _ in range(EXPLORE_EVERY)]
+    assert looked[:-1] == [None] * (EXPLORE_EVERY - 1) and looked[-1] is not None and looked[-1].pays([0.75])
+    assert policy.for_pass(4) is not None and not policy.for_pass(4).pays([0.75]), "then weighs again"
 
 
 def test_verdicts_teach_each_band_its_chance_up_to_the_first_rejection():
