@@ -77,6 +77,7 @@ class VerifySession:
     top_logprobs: int = 0
     plain_steps: int = 1  # with an empty tree: tokens to decode plainly in this call, one pass each at most
     lookup_tokens: int = 0  # tokens each plain pass may draft by n-gram lookup at the verifier (0: none)
+    max_tokens: int = 0  # tokens the call may emit beyond the tree's accepted ones (0: its passes bound them)
 
 
 @dataclass

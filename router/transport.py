@@ -128,6 +128,7 @@ def verify_request(sessions: list[messages.VerifySession]) -> verifier_pb2.Verif
                 top_logprobs=s.top_logprobs,
                 plain_steps=s.plain_steps,
                 lookup_tokens=s.lookup_tokens,
+                max_tokens=s.max_tokens,
             )
             for s in sessions
         ]

@@ -115,6 +115,7 @@ class Verifying:
             state = request.state
             prefix, new = state.verifier_mirror.diff(state.tokens)
             tree = trees.get(state.spec.session_id)
+            lookup = min(self.context.config.settings.lookup_tokens, state.spec.max_draft_tokens) if request.plain_steps > 1 else 0
             session = messages.VerifySession(
                 sync=messages.SessionSync(state.spec.session_id, prefix, new),
                 tree=tree.token_tree() if tree else messages.TokenTree(),
@@ -122,7 +123,9 @@ class Verifying:
                 logprobs=state.spec.logprobs,
                 top_logprobs=state.spec.top_logprobs,
                 plain_steps=request.plain_steps,
-                lookup_tokens=min(self.context.config.settings.lookup_tokens, state.spec.max_draft_tokens) if request.plain_steps > 1 else 0,
+                lookup_tokens=lookup,
+                # Chains' tokens past what the request keeps would be cut: the call stops there.
+                max_tokens=state.remaining() if lookup else 0,
             )
             units.append([VerifyCall(request, tree, session)])
         parts = limits.split(units, lambda call: limits.verify_tokens(call.session), self.context.config.verify_limits)

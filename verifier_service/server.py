@@ -39,6 +39,7 @@ def session_item(s, sampling: SamplingParams) -> VerifyItem:
         top_logprobs=s.top_logprobs,
         plain_steps=s.plain_steps or 1,
         lookup_tokens=s.lookup_tokens,
+        max_tokens=s.max_tokens,
     )
 
 

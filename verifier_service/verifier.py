@@ -58,6 +58,8 @@ class VerifyItem:
     # Tokens each plain pass of a call of several (an empty tree, plain_steps > 1) may draft by n-gram lookup in the
     # session's own context and verify in the same pass; 0: none (`Verifier._looked_up`).
     lookup_tokens: int = 0
+    # Tokens the call may emit for the session at most beyond its tree's accepted ones (0: its passes bound them).
+    max_tokens: int = 0
     # Set by the verifier on a pass whose tree is its own lookup, not the client's: each token's confidence.
     lookup_confidences: list[float] = field(default_factory=list)
 
@@ -92,6 +94,8 @@ MAX_PLAIN_STEPS = 64
 # occurrences. A suffix of 1 or 2 tokens matches more often and is right less often: on the demo workloads the
 # longer suffixes give the most tokens per unit of pass time, batched or not (docs/benchmarks/lookup.md).
 LOOKUP_NGRAM_MAX, LOOKUP_NGRAM_MIN, LOOKUP_MATCHES = 4, 3, 16
+# `_left` without a cap.
+NO_CAP = 2**31
 # Its draws' random stream, apart from the verification's and the drafters' (obligation 1's proviso).
 LOOKUP_STREAM = STREAM_DRAFT + zlib.crc32(b"verifier lookup")
 
@@ -117,6 +121,8 @@ def validate_item(item: VerifyItem, vocab_size: int, max_context: int) -> None:
         raise ValueError(f"session {item.session_id}: plain_steps must be between 1 and {MAX_PLAIN_STEPS}, got {item.plain_steps}")
     if not 0 <= item.lookup_tokens < MAX_PLAIN_STEPS:
         raise ValueError(f"session {item.session_id}: lookup_tokens must be between 0 and {MAX_PLAIN_STEPS - 1}, got {item.lookup_tokens}")
+    if item.max_tokens < 0:
+        raise ValueError(f"session {item.session_id}: max_tokens must be >= 0, got {item.max_tokens}")
     if item.prefix_length + len(item.new_token_ids) + n + item.plain_steps > max_context:
         what = "tree" if item.plain_steps == 1 else f"{item.plain_steps} passes" + (" and tree" if n else "")
         raise ValueError(f"session {item.session_id}: context plus {what} exceeds the model's {max_context} positions")
@@ -127,6 +133,14 @@ def validate_item(item: VerifyItem, vocab_size: int, max_context: int) -> None:
     problem = item.sampling.problem()
     if problem:
         raise ValueError(f"session {item.session_id}: {problem}")
+
+
+def _left(item: VerifyItem, done: VerifyResult | None) -> int:
+    """Tokens the session's passes may still emit in this call (`max_tokens` less what they emitted beyond its tree's
+    accepted tokens; `done`: the call's results so far, None before its first pass), or NO_CAP without a cap."""
+    if not item.max_tokens:
+        return NO_CAP
+    return item.max_tokens - (len(done.token_ids) - len(done.accepted_nodes) if done else 0)
 
 
 def _plain(item: VerifyItem) -> VerifyItem:
@@ -160,7 +174,7 @@ class Verifier:
         live = self._synced(items, results)
         protect = {item.session_id for _, item, _ in live}
         if live:
-            for (idx, _, _), result in zip(live, self._verify(self._looked_up(live))):
+            for (idx, _, _), result in zip(live, self._verify(self._looked_up(live, results))):
                 results[idx] = result
             protect |= self._plain_steps(live, results)
         self.store.enforce_budget(protect=protect)
@@ -197,29 +211,34 @@ class Verifier:
             more = [
                 (idx, item, session)
                 for idx, item, session in live
-                if results[idx].steps < item.plain_steps and eos not in results[idx].token_ids and len(session.token_ids) < context
+                if results[idx].steps < item.plain_steps
+                and eos not in results[idx].token_ids
+                and len(session.token_ids) < context
+                and _left(item, results[idx]) > 0
             ]
             if not more:
                 return set()
-            stepping = self._looked_up(more)
+            stepping = self._looked_up(more, results)
             if self.waiting():
                 return self._join_last(stepping, results)
             self._step(stepping, results, self._verify(stepping))
             live = more
 
-    def _looked_up(self, live: list) -> list:
+    def _looked_up(self, live: list, results: list) -> list:
         """The pass's sessions, each that asked for `lookup_tokens` in a call of several passes with an empty tree
         given a chain looked up in its own context (`specfleet.engine.ngram.lookup_chain`, drawn from exactly the
-        distribution it sends, on a stream of its own), within the model's context with the token the pass emits
-        after it, and as far as its tokens are likely enough to be accepted to pay for their rows (`LookupPolicy`). A
+        distribution it sends, on a stream of its own), within the model's context and the call's `max_tokens` with
+        the token the pass emits after it, and as far as its tokens are likely enough to be accepted to pay for their rows (`LookupPolicy`). A
         session without a chain keeps its empty tree: a plain pass. The chains' tokens come on top of a pass's own: a
         request's last round may emit more than it keeps, which the client cuts."""
         chains = self.lookup.for_pass(len(live))
         if chains is None:
             return live
         eligible = []  # (position in live, the most tokens its chain may take, its first position's confidence)
-        for at, (_, item, session) in enumerate(live):
-            most = min(item.lookup_tokens, self.loaded.max_context - len(session.token_ids) - 1)
+        for at, (idx, item, session) in enumerate(live):
+            context_room = self.loaded.max_context - len(session.token_ids)
+            room = min(context_room, _left(item, results[idx])) - 1  # the pass's own token after the chain
+            most = min(item.lookup_tokens, room)
             if not item.tree_tokens and item.plain_steps > 1 and most > 0:
                 _, counts = next_token_counts(session.token_ids, LOOKUP_NGRAM_MAX, LOOKUP_NGRAM_MIN, LOOKUP_MATCHES)
                 if counts:

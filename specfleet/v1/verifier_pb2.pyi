@@ -18,7 +18,7 @@ class TokenTree(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., proposals: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ...) -> None: ...
 
 class VerifySession(_message.Message):
-    __slots__ = ("sync", "tree", "sampling", "logprobs", "top_logprobs", "plain_steps", "lookup_tokens")
+    __slots__ = ("sync", "tree", "sampling", "logprobs", "top_logprobs", "plain_steps", "lookup_tokens", "max_tokens")
     SYNC_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class VerifySession(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PLAIN_STEPS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     sync: _common_pb2.SessionSync
     tree: TokenTree
     sampling: _common_pb2.SamplingParams
@@ -33,7 +34,8 @@ class VerifySession(_message.Message):
     top_logprobs: int
     plain_steps: int
     lookup_tokens: int
-    def __init__(self, sync: _Optional[_Union[_common_pb2.SessionSync, _Mapping]] = ..., tree: _Optional[_Union[TokenTree, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., plain_steps: _Optional[int] = ..., lookup_tokens: _Optional[int] = ...) -> None: ...
+    max_tokens: int
+    def __init__(self, sync: _Optional[_Union[_common_pb2.SessionSync, _Mapping]] = ..., tree: _Optional[_Union[TokenTree, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., plain_steps: _Optional[int] = ..., lookup_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("sessions",)

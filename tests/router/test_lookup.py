@@ -53,6 +53,7 @@ def test_plain_steps_ask_for_lookup_within_each_request_s_drafts_and_count_what_
     plan = RoundPlan([RequestPlan(wide, plain_steps=8), RequestPlan(narrow, plain_steps=8), RequestPlan(off, plain_steps=8), RequestPlan(first)])
     asyncio.run(verifying.verify(plan, {}))
     assert [s.lookup_tokens for s in replica.sent] == [4, 2, 0, 0], "speculation off, or a round of one token, looks nothing up"
+    assert [s.max_tokens for s in replica.sent] == [32, 32, 0, 0], "a call with chains stops at what the request keeps"
     for state in (wide, narrow):
         assert (state.draft_tokens, state.accepted_tokens) == (3, 1)
         assert {name: (c.rounds, c.draft_tokens, c.accepted_tokens) for name, c in state.per_drafter.items()} == {LOOKUP: (1, 3, 1)}

@@ -49,12 +49,19 @@ def test_draft_and_verify_records_carry_every_field_of_the_contract():
     proposal = transport.point_mass(7)
     tree = messages.TokenTree(token_ids=[7, 8], parents=[-1, 0], proposals=[proposal, proposal])
     verify = messages.VerifySession(
-        sync=messages.SessionSync("s", 1, [9]), tree=tree, sampling=SAMPLING, logprobs=True, top_logprobs=2, plain_steps=5, lookup_tokens=3
+        sync=messages.SessionSync("s", 1, [9]),
+        tree=tree,
+        sampling=SAMPLING,
+        logprobs=True,
+        top_logprobs=2,
+        plain_steps=5,
+        lookup_tokens=3,
+        max_tokens=9,
     )
     (sent,) = transport.verify_request([verify]).sessions
     assert not _every_field_set(sent), _every_field_set(sent)
     assert (list(sent.tree.token_ids), list(sent.tree.parents), list(sent.tree.proposals)) == ([7, 8], [-1, 0], [proposal, proposal])
-    assert (sent.logprobs, sent.top_logprobs, sent.plain_steps, sent.lookup_tokens) == (True, 2, 5, 3)
+    assert (sent.logprobs, sent.top_logprobs, sent.plain_steps, sent.lookup_tokens, sent.max_tokens) == (True, 2, 5, 3, 9)
 
 
 def test_replies_become_records():

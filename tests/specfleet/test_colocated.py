@@ -102,6 +102,7 @@ def test_the_record_path_carries_every_field_both_ways():
         top_logprobs=1,
         plain_steps=2,  # with a tree the verifier refuses it (`validated`); this core only records what reaches it
         lookup_tokens=3,
+        max_tokens=7,
     )
     core = Core()
     reply = asyncio.run(RecordVerifier(core).call([session]))
@@ -109,7 +110,7 @@ def test_the_record_path_carries_every_field_both_ways():
     assert core.size == (1, 3 + 2 + 1)
     own = {"lookup_confidences"}  # set by the verifier on its own lookup's passes, never by a caller
     assert all(getattr(item, f.name) != VerifyItem.__dataclass_fields__[f.name].default for f in dataclasses.fields(VerifyItem) if f.name not in own)
-    assert item == VerifyItem("s", 3, [1, 2], sampling, [7], [-1], [([7, 9], [0.75, 0.25])], True, 1, 2, 3)
+    assert item == VerifyItem("s", 3, [1, 2], sampling, [7], [-1], [([7, 9], [0.75, 0.25])], True, 1, 2, 3, 7)
     (verified,) = reply.sessions
     assert verified == messages.VerifiedSession(True, False, [0], [7, 8], [-0.5, -0.25], [7, 3], [-0.5, -1.5], lookup_proposed=3, lookup_accepted=2)
     assert (reply.compute_ms, reply.batch_size, reply.queue_ms, reply.passes) == (3.0, 4, 0.5, 2)

@@ -93,6 +93,21 @@ def test_a_chain_stays_within_the_model_s_context(demo):
     assert len(prompt) + 1 + len(looked.token_ids) <= context
 
 
+def test_a_call_emits_no_more_tokens_than_the_client_keeps(demo):
+    """`max_tokens`: a request's last round, its chains and passes stop at what it still keeps (its tokens the plain
+    passes' as ever); without it, passes bound the call alone."""
+    prompt = _tokens(REPEATING[1])
+    first, (plain,) = _decode(demo, [prompt], [SamplingParams()], 40, 0, "p")
+    for keeps in (2, 3, 10):
+        verifier = _verifier(demo)
+        verifier.verify_batch([VerifyItem("k", 0, prompt, SamplingParams())])
+        item = VerifyItem("k", len(prompt) + 1, [], SamplingParams(), plain_steps=8, lookup_tokens=4, max_tokens=keeps)
+        (kept,) = verifier.verify_batch([item])
+        assert kept.token_ids == plain.token_ids[:keeps] and kept.lookup_accepted > 0 and kept.steps < keeps, keeps
+    _, (uncapped,) = _decode(demo, [prompt], [SamplingParams()], 8, 4, "u")
+    assert len(uncapped.token_ids) > 10 and uncapped.steps == 8
+
+
 def test_a_sampled_session_s_tokens_are_distributed_as_the_target_s(demo, monkeypatch):
     """The first token a lookup pass emits, over many seeds, against the target's distribution at that position; the
     control proposes the same token but claims it was drawn from a flatter distribution, which verification then
