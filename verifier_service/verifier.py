@@ -201,7 +201,8 @@ class Verifier:
         same shaping and seeded noise at the same positions), so its tokens are the target's whatever the number of
         steps and whatever its tree accepted (a step may verify the session's lookup, `_looked_up`: the tokens are the
         same, more of them a pass). A session stops after its plain steps' passes, at the model's end of sequence (the
-        client decides whether it ends there) or at the end of the model's context, the batch once another call
+        client decides whether it ends there), at the end of the model's context or at what the client keeps
+        (`max_tokens`), the batch once another call
         waits for the model: calls of one pass (a first round, a drafting round's tree) join the step about to run
         (`_join_last`), which is then the batch's last, others wait for the pass under way only. Returns the sessions
         of the calls that joined."""
