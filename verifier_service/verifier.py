@@ -229,28 +229,29 @@ class Verifier:
         """The pass's sessions, each that asked for `lookup_tokens` in a call of several passes with an empty tree
         given a chain looked up in its own context (`specfleet.engine.ngram.lookup_chain`, drawn from exactly the
         distribution it sends, on a stream of its own), within the model's context and the call's `max_tokens` with
-        the token the pass emits after it, and as far as its tokens are likely enough to be accepted to pay for their rows (`LookupPolicy`). A
-        session without a chain keeps its empty tree: a plain pass. The chains' tokens come on top of a pass's own: a
-        request's last round may emit more than it keeps, which the client cuts."""
-        chains = self.lookup.for_pass(len(live))
+        the token the pass emits after it, and as far as its tokens are likely enough to be accepted to pay for
+        their rows (`LookupPolicy`). A session without a chain keeps its empty tree: a plain pass."""
+        asking = [at for at, (_, item, _) in enumerate(live) if item.lookup_tokens and item.plain_steps > 1 and not item.tree_tokens]
+        chains = self.lookup.for_pass(len(live)) if asking else None
         if chains is None:
             return live
-        eligible = []  # (position in live, the most tokens its chain may take, its first position's confidence)
-        for at, (idx, item, session) in enumerate(live):
+        eligible = []  # (position in live, the most tokens its chain may take, its first position's lookup)
+        for at in asking:
+            idx, item, session = live[at]
             context_room = self.loaded.max_context - len(session.token_ids)
             room = min(context_room, _left(item, results[idx])) - 1  # the pass's own token after the chain
             most = min(item.lookup_tokens, room)
-            if not item.tree_tokens and item.plain_steps > 1 and most > 0:
-                _, counts = next_token_counts(session.token_ids, LOOKUP_NGRAM_MAX, LOOKUP_NGRAM_MIN, LOOKUP_MATCHES)
-                if counts:
-                    eligible.append((at, most, max(counts) / (sum(counts) + 1)))
-        if not chains.pays([confidence for _, _, confidence in eligible]):
+            if most > 0:
+                first = next_token_counts(session.token_ids, LOOKUP_NGRAM_MAX, LOOKUP_NGRAM_MIN, LOOKUP_MATCHES)
+                if first[0]:
+                    eligible.append((at, most, first))
+        if not chains.pays([max(counts) / (sum(counts) + 1) for _, _, (_, counts) in eligible]):
             return live
         out = list(live)
-        for at, most, _ in eligible:
+        for at, most, first in eligible:
             idx, item, session = live[at]
             chain, proposals, confidences = lookup_chain(
-                session.token_ids, most, item.sampling, LOOKUP_STREAM, LOOKUP_NGRAM_MAX, LOOKUP_NGRAM_MIN, LOOKUP_MATCHES, chains.worth
+                session.token_ids, most, item.sampling, LOOKUP_STREAM, LOOKUP_NGRAM_MAX, LOOKUP_NGRAM_MIN, LOOKUP_MATCHES, chains.worth, first
             )
             if chain:
                 parents = list(range(-1, len(chain) - 1))

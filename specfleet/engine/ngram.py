@@ -80,6 +80,7 @@ def lookup_chain(
     ngram_min: int,
     matches: int,
     worth: Callable[[float, bool], bool] = lambda confidence, first: True,
+    first: tuple[list[int], list[int]] | None = None,
 ) -> tuple[list[int], list[tuple[list[int], list[float]]], list[float]]:
     """A chain of up to `most` tokens continuing `tokens`, each looked up in the context extended by the chain so
     far and drawn by `choose` for the position it would fill: (tokens, the distribution each was drawn from, each
@@ -89,11 +90,11 @@ def lookup_chain(
     a position down. That is asked before the draw, of what the chain so far fixes: were it asked of the drawn
     token, the chain would keep some tokens of q more often than q draws them, and its proposals would not carry the
     distribution their tokens came from (verification.py, obligation 1). Any prefix of a chain is one this function
-    draws with a smaller `most`."""
+    draws with a smaller `most`. `first`: `next_token_counts` of `tokens` where the caller has it already."""
     context = list(tokens)
     chain, proposals, confidences = [], [], []
     for _ in range(most):
-        ids, counts = next_token_counts(context, ngram_max, ngram_min, matches)
+        ids, counts = first if first is not None and not chain else next_token_counts(context, ngram_max, ngram_min, matches)
         if not ids:
             break
         confidence = max(counts) / (sum(counts) + 1)
