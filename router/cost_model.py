@@ -97,6 +97,11 @@ class CostModel:
     verify_call: float = 1.0  # per call, beyond compute
     draft_call: float = 1.0
     verify_scale: float = 1.0  # measured over modelled verification compute, followed online
+    # The same for the passes beyond the first of a call that decodes plain steps, followed apart: each such pass also
+    # samples, commits and looks its sessions' contexts up, so one scale for both misjudges either by a fifth on one
+    # core, and a plain round of eight passes then looks 2-3 ms slower than modelled where a drafting round looks
+    # 1 ms slower, which made drafting look cheap beside it (`drafting_extra` below zero).
+    steps_scale: float = 1.0
     # What a round that drafts takes beyond the model's prediction, against what a plain round takes beyond its own
     # (`observe_round`): the router's planning, scoring and merging, the drafter's replies waited for, contention.
     drafting_extra: float = 0.0
@@ -123,6 +128,9 @@ class CostModel:
         if self.draft_catch_up_per_token is None:
             self.draft_catch_up_per_token = CATCH_UP_SHARE * self.draft_per_token
         self._caught = [0.0, 0.0]  # decayed sums over catch-up calls: tokens caught up, their ms beyond the steps
+        # Per power of two of sessions a call: decayed sums over plain passes that asked for the verifier's lookup
+        # (passes of a session, tokens the lookup proposed, tokens the target accepted of them): `observe_lookup`.
+        self._looked_up: dict[int, list[float]] = {}
         self._residual: dict[bool, float] = {}  # drafted -> moving average of wall minus modelled round time
 
     def _verify_compute_ms(self, sessions: int, tokens: int) -> float:
@@ -140,7 +148,36 @@ class CostModel:
         """What the passes beyond the first add to a verify call whose plain sessions decode `steps` tokens each: the
         sessions that still decode take the next pass together, in the same call."""
         extra = [sum(1 for s in steps if s > j) for j in range(1, max(steps, default=1))]
-        return sum(self.verify_scale * self._verify_compute_ms(m, m) for m in extra)
+        return sum(self.steps_scale * self._verify_compute_ms(m, m) for m in extra)
+
+    def lookup_row_ms(self) -> float:
+        """What a token the verifier's lookup proposes adds to a plain step's pass."""
+        return self.steps_scale * self.verify_per_token
+
+    def observe_lookup(self, sessions: int, passes: int, proposed: int, accepted: int) -> None:
+        """A verify call of `sessions` sessions whose plain steps asked for the verifier's lookup (router.lookup_tokens)
+        took `passes` session-passes in all, in which the lookup proposed `proposed` tokens and the target accepted
+        `accepted` of them. Learned pinned or not: what the lookup finds is the traffic's, as acceptance is, not a
+        cost."""
+        if passes <= 0:
+            return
+        sums = self._looked_up.setdefault(sessions.bit_length(), [0.0, 0.0, 0.0])
+        sums[:] = [v * self.forget + x for v, x in zip(sums, (passes, proposed, accepted))]
+
+    def lookup_per_pass(self, sessions: int) -> tuple[float, float]:
+        """What the verifier's lookup adds to a session's plain pass in a call of `sessions` sessions, as measured at
+        about that many (`observe_lookup`): (tokens accepted, rows verified); none until measured."""
+        passes, proposed, accepted = self._looked_up.get(sessions.bit_length(), (0.0, 0.0, 0.0))
+        return (accepted / passes, proposed / passes) if passes > 0 else (0.0, 0.0)
+
+    def plain_round(self, steps: list[int]) -> tuple[float, float]:
+        """What a round whose requests decode `steps` tokens each plainly is expected to commit, and to take beyond its
+        first pass: each step a token, and the lookup's tokens and rows in the steps of requests that decode several
+        (router/verifying.py asks for lookup only there). Counted one token a pass, a plain round on text that repeats
+        looks slower than it is, and the plan drafts where plain steps are faster."""
+        gained, rows = self.lookup_per_pass(len(steps))
+        looking = sum(s for s in steps if s > 1)
+        return sum(steps) + gained * looking, self.plain_steps_ms(steps) + self.lookup_row_ms() * rows * looking
 
     def fit_verify(self, passes: list[tuple[int, int, float]]) -> None:
         """Base, per-session and per-token cost from timed passes (sessions, tokens, ms) by least
@@ -220,14 +257,22 @@ class CostModel:
         if len(self._residual) == 2:
             self.drafting_extra = self._residual[True] - self._residual[False]
 
-    def observe_verify(self, sessions: int, tokens: int, compute_ms: float, passes: int = 1) -> None:
+    def observe_verify(self, sessions: int, tokens: int, compute_ms: float, passes: int = 1, rows: int = 0) -> None:
         """A verification call over `sessions` sessions whose first pass fed `tokens` tokens (prompts prefilled
         included: router/verifying.py `fed_tokens`) took compute_ms in `passes` forward passes (more than one where
-        its sessions decoded plain steps: each further pass one token a session)."""
-        modelled = self._verify_compute_ms(sessions, tokens) + (max(1, passes) - 1) * self._verify_compute_ms(sessions, sessions)
-        if self.pinned or sessions <= 0 or modelled <= 0:
+        its sessions decoded plain steps: each further pass one token a session, and the `rows` the verifier's lookup
+        proposed in them all). A call of one pass moves `verify_scale`; the passes beyond the first of the others, what
+        the first is modelled to take taken off, move `steps_scale`."""
+        first = self._verify_compute_ms(sessions, tokens)
+        if self.pinned or sessions <= 0 or first <= 0:
             return
-        self.verify_scale += (1 - self.forget) * (compute_ms / modelled - self.verify_scale)
+        rate = 1 - self.forget
+        if passes <= 1:
+            self.verify_scale += rate * (compute_ms / first - self.verify_scale)
+            return
+        rest = (passes - 1) * self._verify_compute_ms(sessions, sessions) + self.verify_per_token * rows
+        beyond = max(0.0, compute_ms - self.verify_scale * first)
+        self.steps_scale += rate * (beyond / rest - self.steps_scale)
 
     def draft_catch_up_ms(self, tokens: int) -> float:
         """What a draft call spends feeding a session `tokens` tokens it lacked beyond its last committed one."""

@@ -111,8 +111,7 @@ class Drafting:
                     state.routing.scorable = False
             return self._planned([RequestPlan(state) for state in batch], overlap, routed=False)
         config, scale = router.config, controller.acceptance_scale
-        by_goodput = controller.adaptive and config.routing_policy == "expertise"
-        free = router.model_free
+        by_goodput, free = controller.adaptive and config.routing_policy == "expertise", router.model_free
         bounds, posteriors, leads = [], [], []
         # Specialists score new prompts only where speculating is measured to pay at this load; elsewhere (a cold
         # start, a round that speculates only to remeasure it) the exemplars place them.
@@ -155,7 +154,8 @@ class Drafting:
         acceptance = [scale.scaled(drafters[0], a) if drafters else 0.0 for drafters, a in zip(chosen, predicted)]
         fill = [controller.fill.rate(drafters[0]) if drafters else 1.0 for drafters in chosen]
         catch_up = [self._catch_up_ms(state, drafters[0] if drafters else "") for state, drafters in zip(batch, chosen)]
-        ks = controller.plan(acceptance, bounds, overlap, running, most_models(chosen, services, free), fill, steps, hopeful, catch_up)
+        models, left = most_models(chosen, services, free), [state.remaining() for state in batch]
+        ks = controller.plan(acceptance, bounds, overlap, running, models, fill, steps, hopeful, catch_up, left)
         gains = [0.0] * len(batch)
         if by_goodput and config.fusion_width > 1:
             leads_first = [lead + [d for d in drafters if d not in lead][: config.fusion_width - 1] for lead, drafters in zip(chosen, ranked)]
@@ -213,7 +213,7 @@ class Drafting:
             return True
         means, fills, models, best = self._best_drafters(batch, posteriors, leads, lambda a, r: a / (a + r))
         catch_up = [self._catch_up_ms(state, drafter) for state, drafter in zip(batch, best)]
-        return self.context.controller.might_draft(means, bounds, overlap, models, fills, steps, hopeful, catch_up)
+        return self.context.controller.might_draft(means, bounds, overlap, models, fills, steps, hopeful, catch_up, [s.remaining() for s in batch])
 
     def _hopeful(self, batch, posteriors, leads, bounds, overlap: bool, steps: list[int]) -> list[bool]:
         """Per request, whether the plan could draft for it at its hope (`upper_acceptance`), at its most hopeful

@@ -122,8 +122,12 @@ def plain_steps(requests: list[RequestPlan], most: int) -> None:
 class RoundPlan:
     requests: list[RequestPlan]  # every request of the round, drafting or not, in the lane's order
     # What the cost model expects the round to take (ms), before what drafting rounds were measured to cost beyond
-    # it (router/cost_model.py `CostModel.observe_round` compares the two); None where no model weighed the plan.
+    # it and before the rows the verifier's lookup adds to its plain steps (router/cost_model.py
+    # `CostModel.observe_round` compares it, with `lookup_rows`, with the wall time); None where no model weighed it.
     modelled_ms: float | None = None
+    # The tokens the verifier's lookup proposed in the round's plain steps: rows its passes verified beyond a token
+    # a session, which the plan left to the verifier (router/verifying.py).
+    lookup_rows: int = 0
     # The round's longest draft call and longest verify call (ms, as the router saw them, failed ones
     # included): a stage's calls run concurrently, so the longest is what the round waited for.
     draft_calls_ms: float = 0.0
@@ -150,6 +154,12 @@ class RoundPlan:
             self.draft_calls_ms = max(self.draft_calls_ms, wall_ms)
         else:
             self.verify_calls_ms = max(self.verify_calls_ms, wall_ms)
+
+    def modelled_with_lookup(self, per_row_ms: float) -> float | None:
+        """The modelled time with the lookup's rows at `per_row_ms` each: what the round's wall time is compared with.
+        Left out, a plain round whose chains were verified looks slower than modelled by their rows, and the rounds
+        that draft look cheap beside it (`drafting_extra` below zero at four clients on one core)."""
+        return None if self.modelled_ms is None else self.modelled_ms + per_row_ms * self.lookup_rows
 
     def router_ms(self, wall_ms: float) -> float:
         """The router's own time in a round of wall_ms: planning, building the calls, committing the results,
@@ -244,7 +254,7 @@ class RoundMeasures:
         controller.observe_round(len(plan.requests), committed, wall_ms, speculated, in_way, running, drafted)
         # Prompt scoring is no draft call's: the cost model leaves rounds with it out.
         clean = started[0] and self._kinds.beside_own_kind(lane, drafted) and not scored
-        controller.observe_modelled(plan.modelled_ms, wall_ms, drafted, clean, committed)
+        controller.observe_modelled(plan.modelled_with_lookup(controller.cost.lookup_row_ms()), wall_ms, drafted, clean, committed)
         return clean, in_way
 
     def idle(self, lane: int) -> None:

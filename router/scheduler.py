@@ -258,7 +258,7 @@ class Scheduler:
         if log.isEnabledFor(logging.DEBUG):  # one line a round, for scripts/round_breakdown.py
             log.debug(
                 "round: requests=%d k=%d committed=%d plan_ms=%.3f draft_ms=%.3f verify_ms=%.3f wall_ms=%.3f scored=%d prefills=%d"
-                " clean=%d routed=%d ranked=%d in_way=%d modelled_ms=%.3f expected=%.2f extra_ms=%.3f",
+                " clean=%d routed=%d ranked=%d in_way=%d modelled_ms=%.3f expected=%.2f extra_ms=%.3f lookup_rows=%d",
                 len(batch),
                 sum(r.k for r in plan.requests),
                 committed,
@@ -275,6 +275,7 @@ class Scheduler:
                 plan.modelled_ms or 0.0,
                 self._expected_tokens(plan),
                 controller.cost.drafting_extra,
+                plan.lookup_rows,
             )
 
     def _expected_tokens(self, plan: RoundPlan) -> float:

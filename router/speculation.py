@@ -204,6 +204,7 @@ class SpeculationController:
         plain_steps: list[int] | None = None,
         hopeful: list[bool] | None = None,
         catch_up: list[float] | None = None,
+        remaining: list[int] | None = None,
     ) -> list[int]:
         """Draft lengths (num_draft_tokens) for one round's requests, from each one's acceptance a_i and
         max_draft_tokens.
@@ -220,8 +221,11 @@ class SpeculationController:
         plausible (`could_draft`); a request left at k = 0 probes only if so (default: every request may probe).
         catch_up: per request, what the draft call spends feeding its drafter the tokens it lacks, should it draft
         (`CostModel.draft_catch_up_ms`; default none). A probe pays for it: a request that decoded plainly for a
-        while lacks its whole context, and a probe is one round's exploration. Drafting where it pays does not (it
-        buys the drafts of the rounds after), though the round's modelled time counts it.
+        while lacks its whole context, and a probe is one round's exploration. Drafting pays for the share of it that
+        the round's tokens are of the tokens the request may still produce (`remaining`, per request; default: none
+        of it): a catch-up buys the drafts of the rounds after, and there are few of those near a request's end,
+        where drafting a token or two of a plain round's last steps took a whole context's catch-up on one core.
+        The round's modelled time counts all of it.
         """
         if not self.adaptive:
             return list(max_draft_tokens)
@@ -229,7 +233,8 @@ class SpeculationController:
         if n and not self.speculates(running or n):
             return [0] * n  # plain decoding for everyone: drafting measured slower (module docstring)
         args = (acceptance, overlap, models, fill, plain_steps, catch_up)
-        ks = self._best_ks(acceptance, max_draft_tokens, overlap, models, fill, plain_steps)
+        shares = _catch_up_shares(catch_up, max_draft_tokens, remaining)
+        ks = self._best_ks(acceptance, max_draft_tokens, overlap, models, fill, plain_steps, shares)
         planned = self._round(ks, *args)
         if (probe := self._probe(ks, planned, max_draft_tokens, hopeful, args)) is not None:
             (ks, planned), self.since_probe_ms = probe, 0.0
@@ -246,11 +251,13 @@ class SpeculationController:
         plain_steps: list[int] | None = None,
         hopeful: list[bool] | None = None,
         catch_up: list[float] | None = None,
+        remaining: list[int] | None = None,
     ) -> bool:
         """Whether `plan`, asked now with these arguments, would draft or probe for any request; pure (no probe clock
         moves). Routing by goodput asks it at each request's best drafter before it ranks drafters (router/drafting.py)."""
         args = (acceptance, overlap, models, fill, plain_steps, catch_up)
-        ks = self._best_ks(acceptance, max_draft_tokens, overlap, models, fill, plain_steps)
+        shares = _catch_up_shares(catch_up, max_draft_tokens, remaining)
+        ks = self._best_ks(acceptance, max_draft_tokens, overlap, models, fill, plain_steps, shares)
         return any(ks) or self._probe(ks, self._round(ks, *args), max_draft_tokens, hopeful, args) is not None
 
     def _probe(
@@ -292,9 +299,11 @@ class SpeculationController:
         models: int,
         fill: list[float] | None,
         plain_steps: list[int] | None,
+        catch_up: list[float] | None = None,
     ) -> list[int]:
         """The draft lengths that maximise the round's expected goodput (`plan`'s arguments), k = 0 for all where
-        nothing beats the plain round. A drafter's catch-up is not weighed here: it buys every later round's drafts."""
+        nothing beats the plain round; catch_up: per request, the share of its drafter's catch-up the round pays for
+        should it draft for it (`_catch_up_shares`)."""
         n = len(max_draft_tokens)
         plain_ms = self.cost.round_ms([0] * n)  # one pass: what a round that drafts never beats (`drafting_round_ms`)
         tokens, ms = self._round([0] * n, acceptance, overlap, models, fill, plain_steps)
@@ -309,24 +318,26 @@ class SpeculationController:
         # The drafting term depends on the deepest draft only, so fix the depth D first;
         # for a given D, adding a draft token with gain g pays iff it raises sum E / T.
         for depth in range(1, max(max_draft_tokens, default=0) + 1):
-            trial, expected, drafted = [0] * n, float(n), 0.0
+            trial, expected, drafted, caught = [0] * n, float(n), 0.0, 0.0
             drafting = cost.draft_ms(depth, models)
 
-            def round_ms(drafted: float) -> float:
+            def round_ms(drafted: float, caught: float) -> float:
                 # Pipelined, one group drafts while another is verified: the slower side sets the pace.
-                return cost.drafting_round_ms(plain_ms + per_row * drafted, drafting, plain_ms, overlap)
+                return cost.drafting_round_ms(plain_ms + per_row * drafted, drafting + caught, plain_ms, overlap)
 
-            now_ms = round_ms(drafted)
+            now_ms = round_ms(drafted, caught)
             for gain, i, j in positions:
                 if j > depth:
                     continue  # deeper than this depth's draft call
                 rows = fill[i] if fill else 1.0  # the tree rows this position is expected to add
-                next_ms = round_ms(drafted + rows)
+                catching = caught + (catch_up[i] if catch_up and trial[i] == 0 else 0.0)
+                next_ms = round_ms(drafted + rows, catching)
                 if (expected + gain) / next_ms <= expected / now_ms:
                     break
                 trial[i] = j
                 expected += gain
                 drafted += rows
+                caught = catching
                 now_ms = next_ms
             if max(trial, default=0) < depth:
                 continue  # this depth is not used; a shallower one covers the plan
@@ -350,9 +361,17 @@ class SpeculationController:
         n, cost = len(ks), self.cost
         plain_ms = cost.round_ms([0] * n)
         if max(ks, default=0) == 0:
-            steps = plain_steps or [1] * n
-            return float(sum(steps)), plain_ms + cost.plain_steps_ms(steps)
+            tokens, beyond_ms = cost.plain_round(plain_steps or [1] * n)
+            return tokens, plain_ms + beyond_ms
         rows = sum(k * (fill[i] if fill else 1.0) for i, k in enumerate(ks))
         drafting = cost.draft_ms(max(ks), models) + sum(c for c, k in zip(catch_up or [], ks) if k > 0)
         ms = cost.drafting_round_ms(plain_ms + cost.per_verified_token_ms() * rows, drafting, plain_ms, overlap)
         return sum(expected_tokens(a, k) for a, k in zip(acceptance, ks)), ms
+
+
+def _catch_up_shares(catch_up: list[float] | None, max_draft_tokens: list[int], remaining: list[int] | None) -> list[float] | None:
+    """Per request, the share of its drafter's catch-up a round that drafts for it pays for: what the round may commit
+    of it (its draft and the target's token) over the tokens it may still produce (`SpeculationController.plan`)."""
+    if not catch_up or not remaining:
+        return None
+    return [c * min(1.0, (k + 1) / max(1, r)) for c, k, r in zip(catch_up, max_draft_tokens, remaining)]

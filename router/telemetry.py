@@ -198,6 +198,7 @@ class _RoundState:
             ("verify_base", cost.verify_scale * cost.verify_base),
             ("verify_per_session", cost.verify_scale * cost.verify_per_session),
             ("verify_per_token", cost.verify_scale * cost.verify_per_token),
+            ("lookup_row", cost.lookup_row_ms()),
             ("draft_base", cost.draft_base),
             ("draft_per_token", cost.draft_per_token),
             ("drafting_extra", cost.drafting_extra),

@@ -159,11 +159,13 @@ class Verifying:
         # A merged batch reports its whole compute time to every caller: count this call's share
         # as busy time, and scale this call's sessions and tokens up to the pass for the cost model.
         metrics.verify_busy_ms += reply.compute_ms * len(sessions) / max(reply.batch_size, len(sessions))
+        fed = sum(fed_tokens(s) for s in sessions)
         # The verifier's lookup adds its chains' rows to the passes (router.lookup_tokens).
-        fed = sum(fed_tokens(s) for s in sessions) + sum(v.lookup_proposed for v in reply.sessions)
+        rows = sum(v.lookup_proposed for v in reply.sessions)
         share = reply.batch_size / max(1, len(sessions))
-        cost.observe_verify(round(len(sessions) * share), round(fed * share), reply.compute_ms, reply.passes)
+        cost.observe_verify(round(len(sessions) * share), round(fed * share), reply.compute_ms, reply.passes, round(rows * share))
         cost.observe_calls(verify_overhead_ms=wall - reply.compute_ms)
+        self._learn_lookup(part, reply.sessions, plan)
         for call, verified in zip(part, reply.sessions):
             state = call.request.state
             state.timing_ms["verify_wall"] += wall
@@ -186,6 +188,18 @@ class Verifying:
                 self._looked_up(state, verified.lookup_proposed, verified.lookup_accepted)
             state.commit(verified.token_ids, token_logprobs(verified) if state.spec.logprobs else None)
             state.verifier_mirror.held = list(state.tokens)
+
+    def _learn_lookup(self, part: list[VerifyCall], verified: list[messages.VerifiedSession], plan: RoundPlan) -> None:
+        """What the verifier's lookup added to the call's plain steps, for the cost model: its tokens a pass weigh
+        plain rounds against drafting ones, and its rows are part of what the round is compared with (`RoundPlan`)."""
+        passes = proposed = accepted = 0
+        for call, result in zip(part, verified):
+            if call.session.lookup_tokens and result.known and not result.prefilling:
+                passes += len(result.token_ids) - result.lookup_accepted  # each pass commits one token beyond the chain's
+                proposed += result.lookup_proposed
+                accepted += result.lookup_accepted
+        plan.lookup_rows += proposed
+        self.context.controller.cost.observe_lookup(len(part), passes, proposed, accepted)
 
     def _looked_up(self, state, proposed: int, accepted: int) -> None:
         """Count what the verifier's lookup drafted in the request's plain steps, as drafter `LOOKUP` (`--stats`,

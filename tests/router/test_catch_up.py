@@ -2,9 +2,9 @@
 `_catch_up_ms`): a request whose drafter lacks its context pays for feeding it on its first draft.
 
 A request that decoded plainly for a while, or never drafted, has a drafter session that lacks its context; the draft
-call feeds it that before it drafts, a prefill a probe pays for (drafting where it pays does not: it buys the rounds
-after). The cost model learns what a token of it costs from the draft calls that caught up many, and keeps it out of
-the steps' fit. The costs here are given, not measured."""
+call feeds it that before it drafts, a prefill a probe pays for; drafting pays for the round's share of it (it buys
+the rounds after, few near a request's end). The cost model learns what a token of it costs from the draft calls
+that caught up many, and keeps it out of the steps' fit. The costs here are given, not measured."""
 
 from __future__ import annotations
 
@@ -74,6 +74,17 @@ def test_drafting_does_not_pay_for_its_drafter_s_catch_up_and_a_probe_does():
     far_behind = [controller.cost.draft_catch_up_ms(1_000)]
     assert controller.plan([0.2], [4], plain_steps=[PLAIN_STEPS], hopeful=[True], catch_up=far_behind) == [0]
     assert not controller.might_draft([0.2], [4], plain_steps=[PLAIN_STEPS], hopeful=[True], catch_up=far_behind)
+
+
+def test_drafting_near_a_request_s_end_pays_for_the_catch_up_it_cannot_spread():
+    """A drafter that lacks 200 tokens of a request (20 ms to feed it) buys every later round's drafts: with 100 tokens
+    still to produce, drafting four at 0.9 pays for its round's share (5 of 100) and drafts. With 5 left, the round is
+    the catch-up's only one: 20 ms for four tokens more than a plain round's, and the request decodes plainly."""
+    controller = _controller()
+    behind = [controller.cost.draft_catch_up_ms(200)]
+    assert controller.plan([0.9], [4], plain_steps=[PLAIN_STEPS], catch_up=behind, remaining=[100])[0] > 0
+    assert controller.plan([0.9], [4], plain_steps=[PLAIN_STEPS], catch_up=behind, remaining=[5]) == [0]
+    assert controller.plan([0.9], [4], plain_steps=[PLAIN_STEPS], catch_up=[0.0], remaining=[5])[0] > 0
 
 
 def _request(session_id: str, context: int) -> RequestState:

@@ -48,7 +48,8 @@ class Replica:
 def test_plain_steps_ask_for_lookup_within_each_request_s_drafts_and_count_what_it_drafted():
     replica = Replica()
     config = SchedulerConfig(dataclasses.replace(SchedulingConfig(), lookup_tokens=4))
-    verifying = Verifying(RoundContext(config, {}, None, SpeculationController(cost(1.0))), VerifierPool([replica], wait_s=60))
+    controller = SpeculationController(cost(1.0))
+    verifying = Verifying(RoundContext(config, {}, None, controller), VerifierPool([replica], wait_s=60))
     wide, narrow, off, first = _state("wide", 16), _state("narrow", 2), _state("off", 0), _state("first", 16)
     plan = RoundPlan([RequestPlan(wide, plain_steps=8), RequestPlan(narrow, plain_steps=8), RequestPlan(off, plain_steps=8), RequestPlan(first)])
     asyncio.run(verifying.verify(plan, {}))
@@ -59,3 +60,9 @@ def test_plain_steps_ask_for_lookup_within_each_request_s_drafts_and_count_what_
         assert {name: (c.rounds, c.draft_tokens, c.accepted_tokens) for name, c in state.per_drafter.items()} == {LOOKUP: (1, 3, 1)}
     assert (off.draft_tokens, off.per_drafter) == (0, {})
     assert [s.tokens[-2:] for s in (wide, narrow, off, first)] == [[5, 6]] * 4
+    # The cost model learns what the lookup adds to a plain pass at four sessions a call (each session's one pass
+    # committed its chain's accepted token and one of its own), and the round's rows are compared with its wall time.
+    assert controller.cost.lookup_per_pass(4) == (1.0, 3.0) and controller.cost.lookup_per_pass(1) == (0.0, 0.0)
+    assert plan.lookup_rows == 6
+    plan.modelled_ms = 20.0
+    assert plan.modelled_with_lookup(0.5) == 23.0

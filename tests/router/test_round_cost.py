@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from router import messages
 from router.drafter_choice import DraftFill, modelled_round_ms
 from router.cost_model import CostModel
@@ -140,7 +142,41 @@ def test_plain_steps_add_a_pass_of_the_sessions_still_decoding_and_teach_one_pas
     assert cost.plain_steps_ms([1, 1]) == 0.0 and cost.plain_steps_ms([]) == 0.0
     for _ in range(200):  # four passes of one session, each as the model expects a pass to take
         cost.observe_verify(1, 1, 4 * (5.0 + 0.2), passes=4)
-    assert abs(cost.verify_scale - 1.0) < 1e-6
+    assert abs(cost.verify_scale - 1.0) < 1e-6 and abs(cost.steps_scale - 1.0) < 1e-6
+
+
+def test_the_passes_after_a_plain_call_s_first_follow_a_scale_of_their_own():
+    """One-pass calls (a drafted tree) run as modelled; the passes after the first of calls that decode eight plain
+    steps take a quarter longer (each also samples, commits and looks its sessions up). One scale for both would
+    misjudge either; the lookup's rows in those passes count as rows of them."""
+    cost = model()
+    for _ in range(400):
+        cost.observe_verify(1, 5, 5.0 + 0.2 * 5)
+        cost.observe_verify(1, 1, 5.2 + 7 * 5.2 * 1.25, passes=8)
+    assert abs(cost.verify_scale - 1.0) < 1e-6 and abs(cost.steps_scale - 1.25) < 1e-3
+    assert abs(cost.plain_steps_ms([8]) - 7 * 5.2 * 1.25) < 0.05
+    rows = model()
+    for _ in range(400):
+        rows.observe_verify(1, 1, 5.2 + 7 * 5.2 + 0.2 * 10, passes=8, rows=10)
+    assert abs(rows.steps_scale - 1.0) < 1e-6 and abs(rows.lookup_row_ms() - 0.2) < 1e-6
+
+
+def test_plain_steps_count_what_the_verifier_s_lookup_adds_so_drafting_must_beat_that():
+    """One request decoding eight plain steps: 8 tokens in 41.6 ms, and drafting four at an acceptance of 0.8 (3.36
+    tokens in 8.5 ms) beats that. Once its plain passes are measured to commit 1.5 looked-up tokens each beyond their
+    own for two rows each, a plain round commits 20 tokens in 44.8 ms, and drafting no longer pays. What the lookup
+    adds at one session says nothing of four; a request's first round (one step) looks nothing up."""
+    controller = SpeculationController(model(), settings=SpeculationConfig(remeasure_every=0), probe_share=0.0)
+    assert controller.plan([0.8], [4], plain_steps=[8]) != [0]
+    for _ in range(200):
+        controller.cost.observe_lookup(1, passes=8, proposed=16, accepted=12)
+    cost = controller.cost
+    assert cost.lookup_per_pass(1) == pytest.approx((1.5, 2.0)) and cost.lookup_per_pass(4) == (0.0, 0.0)
+    tokens, beyond_ms = cost.plain_round([8])
+    assert tokens == pytest.approx(20.0) and abs(beyond_ms - (cost.plain_steps_ms([8]) + 0.2 * 2 * 8)) < 1e-9
+    assert cost.plain_round([1]) == (1.0, 0.0)
+    assert controller.plan([0.8], [4], plain_steps=[8]) == [0]
+    assert controller.plan([0.8] * 4, [4] * 4, plain_steps=[8] * 4) != [0] * 4
 
 
 def test_a_prompt_s_prefill_counts_its_tokens_so_the_model_keeps_a_pass_s_measured_cost():
