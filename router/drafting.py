@@ -135,10 +135,11 @@ class Drafting:
             bounds.append(bound if posteriors[-1] or leads[-1] else 0)  # no drafter at all: nothing to draft with
         steps = [plain_steps_of(state, self.context.config.settings.plain_steps) for state in batch]
         hopeful = self._hopeful(batch, posteriors, leads, bounds, overlap, steps) if controller.adaptive else [True] * len(batch)
+        might = self._might_draft(batch, posteriors, leads, bounds, overlap, steps, hopeful, by_goodput)
         for state, bound, hope in zip(batch, bounds, hopeful):
-            if bound and not hope:
+            if bound and not (hope and might):  # hopeless, or no draft nor probe due even at its best drafter
                 state.hopeless_until = state.rounds + HOPE_RECHECK_ROUNDS
-        if not self._might_draft(batch, posteriors, leads, bounds, overlap, steps, hopeful, by_goodput):
+        if not might:
             # Nobody drafts or probes this round (or speculation off for each, prompts being scored, last tokens):
             # plain decoding, without ranking drafters or planning k.
             if controller.adaptive:
@@ -159,18 +160,8 @@ class Drafting:
         gains = [0.0] * len(batch)
         if by_goodput and config.fusion_width > 1:
             leads_first = [lead + [d for d in drafters if d not in lead][: config.fusion_width - 1] for lead, drafters in zip(chosen, ranked)]
-            chosen, gains = cooperate(
-                leads_first,
-                ks,
-                means,
-                services,
-                controller.cost,
-                config.fusion_depth,
-                overlap,
-                controller.fusion_gain.efficiency,
-                free,
-                controller.fill,
-            )
+            weighed = (leads_first, ks, means, services, controller.cost, config.fusion_depth, overlap)
+            chosen, gains = cooperate(*weighed, controller.fusion_gain.efficiency, free, controller.fill)
         requests = [
             RequestPlan(state, drafters, _depths(len(drafters), k, config.fusion_depth), lockstep(drafters, services), gain, a)
             if k > 0
