@@ -98,9 +98,9 @@ class CostModel:
     draft_call: float = 1.0
     verify_scale: float = 1.0  # measured over modelled verification compute, followed online
     # The same for the passes beyond the first of a call that decodes plain steps, followed apart: each such pass also
-    # samples, commits and looks its sessions' contexts up, so one scale for both misjudges either by a fifth on one
-    # core, and a plain round of eight passes then looks 2-3 ms slower than modelled where a drafting round looks
-    # 1 ms slower, which made drafting look cheap beside it (`drafting_extra` below zero).
+    # samples, commits and looks its sessions' contexts up, so one scale for both misjudges either, plain rounds then
+    # look slower than modelled by more than drafting rounds do, and drafting looks cheap beside them
+    # (`drafting_extra` below zero; docs/benchmarks/compare.md).
     steps_scale: float = 1.0
     # What a round that drafts takes beyond the model's prediction, against what a plain round takes beyond its own
     # (`observe_round`): the router's planning, scoring and merging, the drafter's replies waited for, contention.
@@ -271,8 +271,9 @@ class CostModel:
             self.verify_scale += rate * (compute_ms / first - self.verify_scale)
             return
         rest = (passes - 1) * self._verify_compute_ms(sessions, sessions) + self.verify_per_token * rows
-        beyond = max(0.0, compute_ms - self.verify_scale * first)
-        self.steps_scale += rate * (beyond / rest - self.steps_scale)
+        if rest > 0:
+            beyond = max(0.0, compute_ms - self.verify_scale * first)
+            self.steps_scale += rate * (beyond / rest - self.steps_scale)
 
     def draft_catch_up_ms(self, tokens: int) -> float:
         """What a draft call spends feeding a session `tokens` tokens it lacked beyond its last committed one."""
