@@ -135,7 +135,7 @@ class Drafting:
             bounds.append(bound if posteriors[-1] or leads[-1] else 0)  # no drafter at all: nothing to draft with
         steps = [plain_steps_of(state, self.context.config.settings.plain_steps) for state in batch]
         hopeful = self._hopeful(batch, posteriors, leads, bounds, overlap, steps) if controller.adaptive else [True] * len(batch)
-        might = self._might_draft(batch, posteriors, leads, bounds, overlap, steps, hopeful, by_goodput)
+        might = self._might_draft(batch, posteriors, leads, bounds, overlap, steps, hopeful, by_goodput, running)
         for state, bound, hope in zip(batch, bounds, hopeful):
             if bound and not (hope and might):  # hopeless, or no draft nor probe due even at its best drafter
                 state.hopeless_until = state.rounds + HOPE_RECHECK_ROUNDS
@@ -194,7 +194,9 @@ class Drafting:
         free = not drafter or drafter in self.context.router.model_free
         return 0.0 if free else self.context.controller.cost.draft_catch_up_ms(state.lacking(drafter))
 
-    def _might_draft(self, batch, posteriors, leads, bounds, overlap: bool, steps: list[int], hopeful: list[bool], by_goodput: bool) -> bool:
+    def _might_draft(
+        self, batch, posteriors, leads, bounds, overlap: bool, steps: list[int], hopeful: list[bool], by_goodput: bool, running: int | None
+    ) -> bool:
         """Whether the plan might draft or probe for any request: some request may draft and is hopeful, and, routed by
         goodput, the plan would draft or probe were each request drafted by its best drafter (its mean; Thompson
         sampling ranks who drafts once a round drafts at all)."""
@@ -204,7 +206,8 @@ class Drafting:
             return True
         means, fills, models, best = self._best_drafters(batch, posteriors, leads, lambda a, r: a / (a + r))
         catch_up = [self._catch_up_ms(state, drafter) for state, drafter in zip(batch, best)]
-        return self.context.controller.might_draft(means, bounds, overlap, models, fills, steps, hopeful, catch_up, [s.remaining() for s in batch])
+        left = [s.remaining() for s in batch]
+        return self.context.controller.might_draft(means, bounds, overlap, models, fills, steps, hopeful, catch_up, left, running)
 
     def _hopeful(self, batch, posteriors, leads, bounds, overlap: bool, steps: list[int]) -> list[bool]:
         """Per request, whether the plan could draft for it at its hope (`upper_acceptance`), at its most hopeful

@@ -20,6 +20,10 @@ costs at most that share of the time, whether the round it replaces is one plain
 token a request or plain steps that commit 16 tokens for four requests on one core,
 where a probe round commits 6-7. A probe that rides in a round that drafts anyway
 costs only its rows, and comes almost every round.
+A probe that the plan drafts after has paid; one after which it drafts for nobody has found
+nothing, and each such probe in a row at a load halves the share probes may lose there (down to
+1 / 2^MAX_FRUITLESS_PROBES of it), so exploration costs less the longer it finds nothing and its
+full share returns with the first round the plan drafts in.
 A probe is worth its price only where what it may find could make the plan draft: a
 request probes only if the plan would draft for it at its hope, the best acceptance
 its evidence leaves plausible (`could_draft`), and a round in which that plan drafts
@@ -83,6 +87,10 @@ MAX_REMEASURE_BACKOFF = 16
 # (docs/benchmarks/default-against-plain.md). Where speculating pays, a load's first rounds lose what their plain
 # ones are slower, once.
 WARM_ROUNDS, WARM_SPLIT = 8, 8
+# Probes in a row at a load after which the plan drafted for nobody halve the share probes may lose there, at most this
+# many times: at four clients on one core, where drafting seldom pays, a probe round with its drafters' catch-up
+# commits a third of what a plain round's time does (docs/benchmarks/compare.md).
+MAX_FRUITLESS_PROBES = 4
 
 
 @dataclass
@@ -109,6 +117,8 @@ class SpeculationController:
     # (`speculates`); kept across reloads too.
     lost_in_a_row: dict[int, int] = field(default_factory=dict)
     remeasures: set[int] = field(default_factory=set)
+    # Per load: probe rounds since the plan last drafted (`plan`), which shrink the probes' share (`_probe_share`).
+    fruitless_probes: dict[int, int] = field(default_factory=dict)
 
     @property
     def adaptive(self) -> bool:
@@ -235,9 +245,13 @@ class SpeculationController:
         args = (acceptance, overlap, models, fill, plain_steps, catch_up)
         shares = _catch_up_shares(catch_up, max_draft_tokens, remaining)
         ks = self._best_ks(acceptance, max_draft_tokens, overlap, models, fill, plain_steps, shares)
-        planned = self._round(ks, *args)
-        if (probe := self._probe(ks, planned, max_draft_tokens, hopeful, args)) is not None:
+        planned, load, drafts = self._round(ks, *args), self.measured.load(running or n), any(ks)
+        if drafts:
+            self.fruitless_probes.pop(load, None)  # what the probes before it looked for
+        if (probe := self._probe(ks, planned, max_draft_tokens, hopeful, args, load)) is not None:
             (ks, planned), self.since_probe_ms = probe, 0.0
+            if not drafts:
+                self.fruitless_probes[load] = min(self.fruitless_probes.get(load, 0) + 1, MAX_FRUITLESS_PROBES)
         self.since_probe_ms += planned[1]
         return ks
 
@@ -252,27 +266,30 @@ class SpeculationController:
         hopeful: list[bool] | None = None,
         catch_up: list[float] | None = None,
         remaining: list[int] | None = None,
+        running: int | None = None,
     ) -> bool:
         """Whether `plan`, asked now with these arguments, would draft or probe for any request; pure (no probe clock
         moves). Routing by goodput asks it at each request's best drafter before it ranks drafters (router/drafting.py)."""
         args = (acceptance, overlap, models, fill, plain_steps, catch_up)
         shares = _catch_up_shares(catch_up, max_draft_tokens, remaining)
         ks = self._best_ks(acceptance, max_draft_tokens, overlap, models, fill, plain_steps, shares)
-        return any(ks) or self._probe(ks, self._round(ks, *args), max_draft_tokens, hopeful, args) is not None
+        load = self.measured.load(running or len(max_draft_tokens))
+        return any(ks) or self._probe(ks, self._round(ks, *args), max_draft_tokens, hopeful, args, load) is not None
 
     def _probe(
-        self, ks: list[int], planned: tuple[float, float], max_draft_tokens: list[int], hopeful: list[bool] | None, args: tuple
+        self, ks: list[int], planned: tuple[float, float], max_draft_tokens: list[int], hopeful: list[bool] | None, args: tuple, load: int
     ) -> tuple[list[int], tuple[float, float]] | None:
         """The planned `ks` (expected to commit and take `planned`: `_round`) with every hopeful request at k = 0
         probing one token, and what that round is expected to commit and take, if the rounds since the last probe have
-        paid for what it loses (module docstring); None if no probe is due."""
+        paid for what it loses at the share probes have at this `load` (module docstring); None if no probe is due."""
         hopeful = hopeful or [True] * len(ks)
         probing = [1 if k == 0 and bound > 0 and hope else k for k, bound, hope in zip(ks, max_draft_tokens, hopeful)]
         if probing == ks:
             return None
         (tokens, planned_ms), probe = planned, self._round(probing, *args)
         probe_tokens, probe_ms = probe
-        if probe_ms - probe_tokens * planned_ms / tokens > self.probe_share * self.since_probe_ms:
+        share = self.probe_share / 2 ** self.fruitless_probes.get(load, 0)
+        if probe_ms - probe_tokens * planned_ms / tokens > share * self.since_probe_ms:
             return None
         return probing, probe
 

@@ -10,7 +10,7 @@ import pytest
 from router.routing import FEATURES, MAX_EXTRA_DOMAINS, DomainClassifier, _trigram_vector, DrafterProfile, DrafterRouter, ExpertiseStore
 from specfleet.config import RoutingConfig
 from router.cost_model import CostModel
-from router.speculation import SpeculationController
+from router.speculation import MAX_FRUITLESS_PROBES, SpeculationController
 
 EXEMPLARS = {
     "code": ["def main(argv):\n    return 0\n", "import os\nfor x in range(10):\n    print(x)\n", "class Foo:\n    def bar(self): pass"],
@@ -177,7 +177,36 @@ def test_probes_lose_at_most_their_share_of_the_round_time_and_come_as_soon_as_i
             controller = SpeculationController(cost=pinned_controller().cost, probe_share=share)
             probes, total, loss, longest = _probes(controller, 0.01, steps, 400)
             assert probes * loss <= share * total, (share, steps)
-            assert probes >= total / (loss / share + longest) - 1, (share, steps)
+            first = SpeculationController(cost=pinned_controller().cost, probe_share=share)
+            assert _probe_rounds(first, 0.01, steps, 400)[0] <= (loss / share + longest) / (total / 400) + 1, (share, steps)
+
+
+def _probe_rounds(controller: SpeculationController, acceptance: float, steps: int, rounds: int, running: int = 1) -> list[int]:
+    """The indices of the probe rounds among `rounds` plans of one request (`_probes`)."""
+    ks = [controller.plan([acceptance], [8], running=running, plain_steps=[steps])[0] for _ in range(rounds)]
+    return [i for i, k in enumerate(ks) if k]
+
+
+def test_probes_after_which_nobody_drafts_come_ever_further_apart_until_the_plan_drafts():
+    """Exploration costs less the longer it finds nothing: each probe after which the plan drafted for nobody halves the
+    share the next may lose at that load, to 1 / 2^MAX_FRUITLESS_PROBES of it; the first round the plan drafts in
+    restores the full share, and a load's fruitless probes leave another load's share whole."""
+    controller = pinned_controller()
+    probes = _probe_rounds(controller, 0.01, 1, 3000)
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert len(gaps) > MAX_FRUITLESS_PROBES + 2
+    # The first probe comes at the full share, the next at half of it, ... (gaps[i]: after i + 1 fruitless probes).
+    for before, after in zip(gaps[: MAX_FRUITLESS_PROBES - 1], gaps[1:MAX_FRUITLESS_PROBES]):
+        assert 1.8 * before <= after <= 2.2 * before + 1, gaps
+    floor = gaps[MAX_FRUITLESS_PROBES - 1 :]
+    assert max(floor) <= 1.1 * min(floor) + 1, gaps  # no further apart than the floor's share
+    assert controller.fruitless_probes == {1: MAX_FRUITLESS_PROBES}
+    other = _probe_rounds(controller, 0.01, 1, probes[1] + 1, running=4)  # another load: its first gap, as a fresh one's
+    assert other[1] - other[0] <= gaps[0] + 1
+    assert controller.plan([0.999], [8])[0] > 0  # the plan drafts at load 1: its probes' share is whole again
+    assert 1 not in controller.fruitless_probes
+    again = _probe_rounds(controller, 0.01, 1, probes[2] + 1)
+    assert again[1] - again[0] <= gaps[0] + 1
 
 
 def test_a_round_nobody_could_draft_in_counts_towards_the_next_probe():

@@ -104,8 +104,11 @@ PRESETS = {
     "run": dict(
         systems="hf-target,specfleet-off,specfleet", concurrency="1", rates="", requests=20, max_tokens=64, prompt_tokens=64, workload="mixed"
     ),
+    # Interleaved passes run the systems in this order and back, so each system sits beside the one its ratio is
+    # taken against: speculation off beside vLLM's target alone and beside the default, which issue 31's bars
+    # compare, within a second of each other on a machine whose speed drifts over tens of seconds.
     "compare": dict(
-        systems="hf-target,specfleet-off,hf-assisted,vllm-target,vllm-draft,vllm-ngram,specfleet,specfleet-multi",
+        systems="hf-target,hf-assisted,vllm-ngram,vllm-draft,vllm-target,specfleet-off,specfleet-multi,specfleet",
         concurrency="1,4",
         rates="",
         requests=20,
