@@ -117,7 +117,7 @@ class SpeculationController:
     # (`speculates`); kept across reloads too.
     lost_in_a_row: dict[int, int] = field(default_factory=dict)
     remeasures: set[int] = field(default_factory=set)
-    # Per load: probe rounds since the plan last drafted (`plan`), which shrink the probes' share (`_probe_share`).
+    # Per load: probe rounds since the plan last drafted (`plan`), which shrink the probes' share (`_probe`).
     fruitless_probes: dict[int, int] = field(default_factory=dict)
 
     @property
