@@ -438,7 +438,7 @@ def load_points(args) -> list:
 
 
 async def run_benchmark(args, command: str) -> dict:
-    from tools.bench import report, runner, workload
+    from tools.bench import quiet, report, runner, workload
     from tools.bench.systems import Settings
     from tools.bench.vllm import VLLMUnavailable
     from specfleet.tokenizer import load_tokenizer
@@ -535,6 +535,9 @@ async def run_benchmark(args, command: str) -> dict:
         results["notes"].append("Random models: these numbers exercise the harness and say nothing about speed-ups.")
     if settings.cpus is None and settings.drafter_cpus is None:
         results["notes"].append("Systems were not pinned (--cpus); other load on the machine affects every number.")
+    # Pinned, each point starts once its cores are idle (tools/bench/quiet.py): what ran before still finishing
+    # would slow it.
+    measured_cpus = sorted(set(settings.cpus or []) | set(settings.drafter_cpus or []))
     ctx = progress if progress is not None else contextlib.nullcontext()
     with ctx:
         task = None
@@ -589,6 +592,7 @@ async def run_benchmark(args, command: str) -> dict:
             label = p.label if repeat == 1 else f"{p.label}#{repeat}"
             if progress is not None:
                 progress.update(task, description=f"{system.label}: {p.describe()}" + (f", pass {repeat}" if repeat > 1 else ""))
+            settle_s = await quiet.until_idle(measured_cpus) if measured_cpus else 0.0
             before = system.counters()
             records, start, end = await runner.run_load(system, requests, p, args.seed, advance)
             delta = runner.counters_delta(before, system.counters()) if before else {}
@@ -602,8 +606,11 @@ async def run_benchmark(args, command: str) -> dict:
                 "load_description": p.describe(),
                 "repeat": repeat,
                 "status": "ok",
+                "settle_s": round(settle_s, 2),
                 **m,
             }
+            if settle_s >= quiet.TIMEOUT_S:
+                results["notes"].append(f"{label} of {system.label}: cores {measured_cpus} were still busy after {quiet.TIMEOUT_S:.0f} s")
             run["per_request"] = [
                 {
                     "id": r.request.id,

@@ -252,8 +252,8 @@ class VLLMTarget(System):
 
 async def _until_gone(group: int, timeout_s: float) -> None:
     """Wait until no process of the group is left, then kill what remains: none of a vLLM server's processes may
-    share the cores of the system measured next (docs/benchmarks/compare.md: what runs right after a vLLM system
-    still measures slow, for a reason not found yet)."""
+    share the cores of the system measured next (tools/bench/quiet.py waits for the same between points of an
+    interleaved run, where every system stays up)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
