@@ -437,24 +437,11 @@ def load_points(args) -> list:
     return points
 
 
-async def run_benchmark(args, command: str) -> dict:
-    from tools.bench import quiet, report, runner, workload
+def _settings(args, out_dir: pathlib.Path):
+    """What every system of the run shares (tools/bench/systems.py `Settings`), from the command line."""
     from tools.bench.systems import Settings
-    from tools.bench.vllm import VLLMUnavailable
-    from specfleet.tokenizer import load_tokenizer
 
-    cache = REPO / ".cache"
-    family = runner.resolve_family(args.models, args.drafter, cache)
-    if args.drafters:
-        unknown = sorted(set(_csv(args.drafters)) - set(family.drafters))
-        if unknown:
-            raise ValueError(f"--drafters: {unknown} are not drafters of the {family.name} family ({sorted(family.drafters)})")
-        family.drafters = {name: family.drafters[name] for name in _csv(args.drafters)}
-        if family.drafter not in family.drafters:
-            family.drafter = next(iter(family.drafters))
-    out_dir = pathlib.Path(args.out) if args.out else REPO / "bench-results" / f"{args.command}-{time.strftime('%Y%m%d-%H%M%S')}"
-    args.out = str(out_dir)
-    settings = Settings(
+    return Settings(
         threads=args.threads,
         cpus=_cpus(args.cpus),
         k=args.k,
@@ -470,33 +457,13 @@ async def run_benchmark(args, command: str) -> dict:
         temperature=args.temperature,
         drafter_cpus=_cpus(args.drafter_cpus),
     )
-    source, rows = workload.resolve_source(args.workload)
-    requests = workload.make_requests(rows, args.requests, args.prompt_tokens, args.max_tokens, args.seed)
-    tokenizer = load_tokenizer(str(family.target))
-    workload.tokenize(requests, tokenizer)
-    points = load_points(args)
-    if args.save_workload:
-        opens = [p for p in points if p.kind == "open"]
-        if opens:  # record the first open-loop schedule so that `--rates file` replays it
-            for req, t in zip(requests, workload.poisson_arrivals(len(requests), opens[0].value, args.seed)):
-                req.arrival_s = t
-        workload.save(requests, args.save_workload)
-    systems = build_systems(args, family, settings)
-    if args.install_vllm and any(s.name.startswith("vllm-") for s in systems):
-        from tools.bench import vllm
 
-        try:
-            vllm.check(pathlib.Path(args.vllm_venv))
-        except vllm.VLLMUnavailable:
-            await asyncio.to_thread(vllm.setup, pathlib.Path(args.vllm_venv), lambda m: print(m, file=sys.stderr))
-    eos = tokenizer.eos_token_id
-    # Warm up at the highest closed-loop concurrency, so that batch shapes (torch.compile in vLLM,
-    # dynamic batching in specfleet) are seen before measuring.
-    warm_clients = max([int(p.value) for p in points if p.kind == "closed"] or [1])
-    warmup = requests[: max(args.warmup, warm_clients)] if args.warmup > 0 else []
 
-    progress = _progress(args.no_progress)
-    results = {
+def _results(args, command: str, family, settings, source: str, requests: list, warmup: list, points: list) -> dict:
+    """The results' header (what ran, where, on what) and their empty rows, failures, errors and notes."""
+    from tools.bench import report
+
+    return {
         "title": args.title or f"specfleet bench {args.command}: {family.name} models, {args.workload} workload",
         "command": command,
         "date": report.now_utc(),
@@ -531,149 +498,77 @@ async def run_benchmark(args, command: str) -> dict:
         "errors": [],
         "notes": [],
     }
+
+
+async def run_benchmark(args, command: str) -> dict:
+    from tools.bench import runner, workload
+    from tools.bench.session import BenchSession, add_ratios
+    from specfleet.tokenizer import load_tokenizer
+
+    cache = REPO / ".cache"
+    family = runner.resolve_family(args.models, args.drafter, cache)
+    if args.drafters:
+        unknown = sorted(set(_csv(args.drafters)) - set(family.drafters))
+        if unknown:
+            raise ValueError(f"--drafters: {unknown} are not drafters of the {family.name} family ({sorted(family.drafters)})")
+        family.drafters = {name: family.drafters[name] for name in _csv(args.drafters)}
+        if family.drafter not in family.drafters:
+            family.drafter = next(iter(family.drafters))
+    out_dir = pathlib.Path(args.out) if args.out else REPO / "bench-results" / f"{args.command}-{time.strftime('%Y%m%d-%H%M%S')}"
+    args.out = str(out_dir)
+    settings = _settings(args, out_dir)
+    source, rows = workload.resolve_source(args.workload)
+    requests = workload.make_requests(rows, args.requests, args.prompt_tokens, args.max_tokens, args.seed)
+    tokenizer = load_tokenizer(str(family.target))
+    workload.tokenize(requests, tokenizer)
+    points = load_points(args)
+    if args.save_workload:
+        opens = [p for p in points if p.kind == "open"]
+        if opens:  # record the first open-loop schedule so that `--rates file` replays it
+            for req, t in zip(requests, workload.poisson_arrivals(len(requests), opens[0].value, args.seed)):
+                req.arrival_s = t
+        workload.save(requests, args.save_workload)
+    systems = build_systems(args, family, settings)
+    if args.install_vllm and any(s.name.startswith("vllm-") for s in systems):
+        from tools.bench import vllm
+
+        try:
+            vllm.check(pathlib.Path(args.vllm_venv))
+        except vllm.VLLMUnavailable:
+            await asyncio.to_thread(vllm.setup, pathlib.Path(args.vllm_venv), lambda m: print(m, file=sys.stderr))
+    # Warm up at the highest closed-loop concurrency, so that batch shapes (torch.compile in vLLM,
+    # dynamic batching in specfleet) are seen before measuring.
+    warm_clients = max([int(p.value) for p in points if p.kind == "closed"] or [1])
+    warmup = requests[: max(args.warmup, warm_clients)] if args.warmup > 0 else []
+
+    results = _results(args, command, family, settings, source, requests, warmup, points)
     if family.name == "random":
         results["notes"].append("Random models: these numbers exercise the harness and say nothing about speed-ups.")
     if settings.cpus is None and settings.drafter_cpus is None:
         results["notes"].append("Systems were not pinned (--cpus); other load on the machine affects every number.")
-    # Pinned, each point starts once its cores are idle (tools/bench/quiet.py): what ran before still finishing
-    # would slow it.
-    measured_cpus = sorted(set(settings.cpus or []) | set(settings.drafter_cpus or []))
-    ctx = progress if progress is not None else contextlib.nullcontext()
-    with ctx:
-        task = None
-        per_system = len(warmup) + len(requests) * len(points) * args.repeat  # requests each system is sent
+    session = BenchSession(
+        results=results,
+        out_dir=out_dir,
+        requests=requests,
+        warmup=warmup,
+        warm_clients=warm_clients,
+        points=points,
+        references={},
+        eos=tokenizer.eos_token_id,
+        seed=args.seed,
+        # Pinned, each point starts once its cores are idle (tools/bench/quiet.py): what ran before still finishing
+        # would slow it.
+        measured_cpus=sorted(set(settings.cpus or []) | set(settings.drafter_cpus or [])),
+        repeat=args.repeat,
+        progress=_progress(args.no_progress),
+    )
+    progress = session.progress
+    with progress if progress is not None else contextlib.nullcontext():
         if progress is not None:
-            total = (len(requests) if settings.temperature == 0 else 0) + len(systems) * per_system
-            task = progress.add_task("reference (target alone, transformers greedy)", total=total)
-        advance = (lambda: progress.advance(task)) if progress is not None else None
-        references = {}
+            total = (len(requests) if settings.temperature == 0 else 0) + len(systems) * session.per_system
+            session.task = progress.add_task("reference (target alone, transformers greedy)", total=total)
         if settings.temperature == 0:
-            references = await asyncio.to_thread(runner.reference_outputs, family, settings, requests, advance)
-
-        async def start(system) -> bool:
-            """Start a system; one that cannot start gets failed or unavailable rows and is skipped."""
-            desc = {**system.describe()}
-            results["systems"].append(desc)
-            if progress is not None:
-                progress.update(task, description=f"{system.label}: starting")
-            t0 = time.perf_counter()
-            try:
-                await system.start()
-            except VLLMUnavailable as err:
-                for p in points:
-                    results["runs"].append(
-                        {"label": system.label, "system": system.name, "load": p.label, "status": "unavailable", "message": str(err)}
-                    )
-                results["notes"].append(f"{system.label}: unavailable: {err}")
-                if progress is not None:
-                    progress.advance(task, per_system)
-                return False
-            except Exception as err:  # a system that cannot start is an error of the run, reported in its row
-                msg = f"{type(err).__name__}: {err}"
-                for p in points:
-                    results["runs"].append(
-                        {"label": system.label, "system": system.name, "load": p.label, "status": "failed", "message": msg.splitlines()[0]}
-                    )
-                results["errors"].append(f"{system.label} did not start: {msg}")
-                if progress is not None:
-                    progress.advance(task, per_system)
-                return False
-            desc["startup_s"] = round(time.perf_counter() - t0, 2)
-            desc["command"] = getattr(system, "command", None)
-            return True
-
-        async def warm_up(system) -> None:
-            if warmup:
-                if progress is not None:
-                    progress.update(task, description=f"{system.label}: warm-up")
-                await runner.run_load(system, warmup, runner.LoadPoint("closed", warm_clients), args.seed, advance)
-
-        async def measure(system, p, repeat: int = 1) -> None:
-            label = p.label if repeat == 1 else f"{p.label}#{repeat}"
-            if progress is not None:
-                progress.update(task, description=f"{system.label}: {p.describe()}" + (f", pass {repeat}" if repeat > 1 else ""))
-            settle_s = await quiet.until_idle(measured_cpus) if measured_cpus else 0.0
-            before = system.counters()
-            records, start, end = await runner.run_load(system, requests, p, args.seed, advance)
-            delta = runner.counters_delta(before, system.counters()) if before else {}
-            m = runner.summarize(records, (start, end), references, eos, delta)
-            run = {
-                "label": system.label,
-                "system": system.name,
-                "load": label,
-                "load_kind": "open" if p.kind == "replay" else p.kind,
-                "load_value": p.value,
-                "load_description": p.describe(),
-                "repeat": repeat,
-                "status": "ok",
-                "settle_s": round(settle_s, 2),
-                **m,
-            }
-            if settle_s >= quiet.TIMEOUT_S:
-                results["notes"].append(f"{label} of {system.label}: cores {measured_cpus} were still busy after {quiet.TIMEOUT_S:.0f} s")
-            run["per_request"] = [
-                {
-                    "id": r.request.id,
-                    "domain": r.request.domain,
-                    "tokens": len(r.output.token_ids),
-                    "latency_ms": round((r.output.t_done - r.arrival) * 1e3, 3),
-                    "ttft_ms": None if r.output.t_first is None else round((r.output.t_first - r.arrival) * 1e3, 3),
-                    "error": r.output.error,
-                    "stats": r.output.stats,
-                }
-                for r in sorted(records, key=lambda r: r.arrival)
-            ]
-            results["runs"].append(run)
-            if m["mismatches"]:
-                ex = m["mismatch_examples"][0]
-                results["failures"].append(
-                    f"{system.label} at {label}: {m['mismatches']}/{m['checked']} outputs differ from the target alone "
-                    f"(e.g. {ex['request']} from token {ex['first_diff']}: got {ex['got']}, want {ex['want']})"
-                )
-            if m["errors"]:
-                results["errors"].append(f"{system.label} at {label}: {m['errors']} failed requests, e.g. {m['error_examples'][0]}")
-            report.write_partial(results, out_dir)  # a run cut short (a deadline, Ctrl-C) keeps what it measured
-
-        async def stop(system) -> None:
-            if progress is not None:
-                progress.update(task, description=f"{system.label}: stopping")
-            await system.stop()
-
-        if args.interleave:
-            # Every system up at once, each load point on each in turn: a machine whose speed
-            # drifts during the run slows every system alike at every point.
-            started = []
-            try:
-                for system in systems:
-                    if await start(system):
-                        started.append(system)
-                        await warm_up(system)
-                for repeat in range(1, args.repeat + 1):
-                    order = started if repeat % 2 else started[::-1]
-                    for p in points:
-                        for system in order:
-                            await measure(system, p, repeat)
-            finally:
-                for system in started:
-                    await stop(system)
-        else:
-            for system in systems:
-                if not await start(system):
-                    continue
-                try:
-                    await warm_up(system)
-                    for p in points:
-                        await measure(system, p)
-                finally:
-                    await stop(system)
-    # ratios against the baseline at the same load point
-    base = {r["load"]: r for r in results["runs"] if r["label"] == args.baseline and r.get("status") == "ok"}
-    for r in results["runs"]:
-        b = base.get(r.get("load"))
-        if r.get("status") == "ok" and b:
-            r["speedup"] = r["tokens_per_s"] / b["tokens_per_s"] if b["tokens_per_s"] else None
-            bl, rl = b["latency_ms"]["p50"], r["latency_ms"]["p50"]
-            r["latency_p50_ratio"] = rl / bl if bl and rl else None
-    if args.baseline not in {s.label for s in systems}:
-        results["notes"].append(f"baseline {args.baseline!r} was not run: no ratios")
+            session.references = await asyncio.to_thread(runner.reference_outputs, family, settings, requests, session.advance)
+        await session.run(systems, args.interleave)
+    add_ratios(results, args.baseline, {s.label for s in systems})
     return results
