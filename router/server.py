@@ -14,15 +14,9 @@ from router.frontdoor import FrontDoor
 from router.profiling import profile_costs
 from router.grpc_api import GenerationServicer
 from router.request import Limits, prompt_chars_bound
-from router.routing import (
-    DomainClassifier,
-    DrafterProfile,
-    DrafterRouter,
-    ExpertiseStore,
-    RedisAuthError,
-    RedisExpertiseStore,
-    redacted,
-)
+from router.domains import DomainClassifier
+from router.expertise import ExpertiseStore, RedisAuthError, RedisExpertiseStore, redacted
+from router.routing import DrafterProfile, DrafterRouter
 from router.rounds import SchedulerConfig
 from router.scheduler import Scheduler
 from router.cost_model import CostModel

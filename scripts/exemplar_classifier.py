@@ -14,7 +14,7 @@ import argparse
 import json
 import time
 
-from router.routing import best_label, sure_label
+from router.domains import best_label, sure_label
 from router.server import build_drafter_router
 from specfleet.config import DEMO_MODELS, REPO, default_config
 from specfleet.tokenizer import load_tokenizer

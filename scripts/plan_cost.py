@@ -28,7 +28,9 @@ from router.drafters import DrafterService  # noqa: E402
 from router.drafting import Drafting  # noqa: E402
 from router.request import RequestSpec, RequestState  # noqa: E402
 from router.rounds import RoundContext, SchedulerConfig  # noqa: E402
-from router.routing import DomainClassifier, DrafterProfile, DrafterRouter, ExpertiseStore  # noqa: E402
+from router.domains import DomainClassifier  # noqa: E402
+from router.expertise import ExpertiseStore  # noqa: E402
+from router.routing import DrafterProfile, DrafterRouter  # noqa: E402
 from router.speculation import SpeculationController  # noqa: E402
 
 try:  # an older checkout (ROOT) keeps the cost model beside the controller

@@ -42,7 +42,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from router.routing import DomainClassifier, DrafterProfile, DrafterRouter, ExpertiseStore, RoutingTuning  # noqa: E402
+from router.domains import DomainClassifier  # noqa: E402
+from router.expertise import ExpertiseStore  # noqa: E402
+from router.routing import DrafterProfile, DrafterRouter, RoutingTuning  # noqa: E402
 from specfleet.config import RoutingConfig  # noqa: E402
 from specfleet.config import DEMO_MODELS  # noqa: E402
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from router.routing import DomainClassifier
+from router.domains import DomainClassifier
 from tools.bench.workload import DOMAINS
 from specfleet.config import DEMO_MODELS, RoutingConfig
 from specfleet.v1 import generation_pb2, generation_pb2_grpc

@@ -376,7 +376,7 @@ def check_shared(store, client) -> None:
 
 @needs_redis
 def test_redis_with_a_password_works_with_it_and_fails_clearly_without(tmp_path):
-    from router.routing import RedisExpertiseStore, RedisAuthError
+    from router.expertise import RedisExpertiseStore, RedisAuthError
 
     port, password = free_port(), "redis-pass-0123456789"
     with redis_server(["--port", str(port), "--requirepass", password], port=port, password=password) as client:
@@ -395,7 +395,7 @@ def test_redis_with_a_password_works_with_it_and_fails_clearly_without(tmp_path)
 def test_redis_over_tls_shares_state_and_a_wrong_ca_fails_clearly(pki, tmp_path):
     """rediss:// with the CA that signed Redis's certificate works; another CA stops the router at
     start-up naming router.redis_url and what to set (retrying would never heal it)."""
-    from router.routing import RedisAuthError, RedisExpertiseStore
+    from router.expertise import RedisAuthError, RedisExpertiseStore
 
     good, rogue, port = pki["good"], pki["rogue"], free_port()
     tls = [

@@ -17,7 +17,9 @@ from router.drafters import DrafterService
 from router.drafting import Drafting
 from router.request import RequestSpec, RequestState, SessionMirror
 from router.rounds import RoundContext, SchedulerConfig
-from router.routing import DomainClassifier, DrafterProfile, DrafterRouter, ExpertiseStore
+from router.domains import DomainClassifier
+from router.expertise import ExpertiseStore
+from router.routing import DrafterProfile, DrafterRouter
 from router.speculation import SpeculationController
 from specfleet.config import RoutingConfig, SchedulingConfig, SpeculationConfig
 from specfleet.sampling import SamplingParams

@@ -10,7 +10,7 @@ import yaml
 from router import server
 from router.request import Limits
 from router.rounds import SchedulerConfig
-from router.routing import ExpertiseStore
+from router.expertise import ExpertiseStore
 from router.cost_model import CostModel
 from router.speculation import SpeculationController
 from specfleet import config as config_mod

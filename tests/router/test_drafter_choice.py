@@ -16,7 +16,9 @@ from router.drafter_choice import AcceptanceScale, DraftFill, FusionGain, consol
 from router.drafting import Drafting
 from router.request import RequestSpec, RequestState
 from router.rounds import RequestPlan, RoundContext, SchedulerConfig
-from router.routing import DomainClassifier, DrafterProfile, DrafterRouter, ExpertiseStore
+from router.domains import DomainClassifier
+from router.expertise import ExpertiseStore
+from router.routing import DrafterProfile, DrafterRouter
 from router.cost_model import CostModel
 from router.speculation import SpeculationController
 from specfleet.config import RoutingConfig, SpeculationConfig

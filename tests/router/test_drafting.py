@@ -15,7 +15,9 @@ from router.drafters import DrafterService
 from router.drafting import HOPE_RECHECK_ROUNDS, Drafting
 from router.request import RequestSpec, RequestState
 from router.rounds import RoundContext, SchedulerConfig
-from router.routing import DomainClassifier, DrafterProfile, DrafterRouter, ExpertiseStore
+from router.domains import DomainClassifier
+from router.expertise import ExpertiseStore
+from router.routing import DrafterProfile, DrafterRouter
 from router.speculation import SpeculationController
 from specfleet.config import RoutingConfig, SchedulingConfig, SpeculationConfig
 from specfleet.sampling import SamplingParams

@@ -10,7 +10,9 @@ from router.drafting import Drafting
 from router.lead_tally import LeadTally
 from router.request import RequestSpec, RequestState
 from router.rounds import RoundContext, SchedulerConfig
-from router.routing import DomainClassifier, DrafterProfile, DrafterRouter, ExpertiseStore
+from router.domains import DomainClassifier
+from router.expertise import ExpertiseStore
+from router.routing import DrafterProfile, DrafterRouter
 from router.cost_model import CostModel
 from router.speculation import SpeculationController
 from router.transport import GrpcDrafter

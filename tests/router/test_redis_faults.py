@@ -9,7 +9,7 @@ import threading
 import pytest
 import redis
 
-from router.routing import EXPERTISE_TTL_S, RedisExpertiseStore
+from router.expertise import EXPERTISE_TTL_S, RedisExpertiseStore
 from tests.harness import free_port
 from tests.e2e.test_redis import RedisServer
 from tests.router.test_routing import make_router

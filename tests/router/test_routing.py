@@ -7,7 +7,9 @@ import random
 import numpy as np
 import pytest
 
-from router.routing import FEATURES, MAX_EXTRA_DOMAINS, DomainClassifier, _trigram_vector, DrafterProfile, DrafterRouter, ExpertiseStore
+from router.domains import FEATURES, DomainClassifier, _trigram_vector
+from router.expertise import ExpertiseStore
+from router.routing import MAX_EXTRA_DOMAINS, DrafterProfile, DrafterRouter
 from specfleet.config import RoutingConfig
 from router.cost_model import CostModel
 from router.speculation import MAX_FRUITLESS_PROBES, SpeculationController
