@@ -6,8 +6,12 @@ where it is accepted along with every token before it. So the j-th token is wort
     P(tokens 1..j accepted) * T(B) / B  >=  c,
 
 T(B) the time of a plain pass of the pass's B sessions and c what one more row adds to it. Both come from this
-verifier's own passes of about B sessions: a line through (rows, milliseconds) of its recent ones (`PassCost`, one per
-power of two of sessions: a row's cost is not one number from one session to many). On a GPU a row costs next to
+verifier's own passes of about B sessions (one bucket per power of two of sessions: a row's cost is not one number
+from one session to many): T from a line through (rows, milliseconds) of its recent plain passes (`PassCost`), a pass
+with chains from a line through its last passes with chains, each as a multiple of T when it ran (`RelativeCost`).
+Chains may rest for hundreds of passes while the machine speeds up or slows down, and a pass's first run of a tree
+shape carries one-time costs: milliseconds measured then and compared with a plain pass measured now would keep the
+lookup off for good, where the multiple, with those first runs left out, holds. On a GPU a row costs next to
 nothing and chains go as far as the lookup finds them; on a CPU a row of a small model costs a fifth of a one-token
 pass, and a batch of many sessions is computing, not reading weights, so only chains likely to be accepted go on.
 
@@ -19,7 +23,12 @@ predecessors were all accepted was accepted too.
 
 from __future__ import annotations
 
+import logging
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
 
 # Confidence bands' lower edges: one earlier occurrence gives 1/2, two agreeing 2/3, three 3/4, more above.
 BANDS = (0.0, 0.55, 0.7, 0.8)
@@ -33,6 +42,10 @@ FORGET = 0.99
 # stays measured as the load and the machine change.
 TRUSTED_PASSES = 8
 EXPLORE_EVERY = 32
+# Passes with chains a bucket's line is fitted to, and the multiple of their median time beyond which a pass is left
+# out: a tree shape's first pass (allocations, kernel selection) runs several times a later one's.
+CHAINED_WINDOW = 32
+ONE_TIME_COSTS = 2.0
 # The chance a chain needs, at most: high-confidence tokens go on being proposed however dear rows look, so that the
 # estimates keep seeing verdicts (a threshold of 1 would stop every chain and every measurement with it).
 MOST_NEEDED = 0.9
@@ -44,13 +57,23 @@ def _band(confidence: float) -> int:
 
 @dataclass
 class Acceptance:
-    """Per confidence band: (accepted, tried) tokens whose predecessors in their chain were all accepted."""
+    """Per confidence band: (accepted, tried) tokens whose predecessors in their chain were all accepted; and per
+    band of a chain's first position, its chains' (accepted tokens, proposed tokens, chains)."""
 
     counts: list[list[float]] = field(default_factory=lambda: [[max(edge, 0.5) * PRIOR_TOKENS, PRIOR_TOKENS] for edge in BANDS])
+    # Prior: a chain of one token, accepted as often as the band's own prior says.
+    chains: list[list[float]] = field(default_factory=lambda: [[max(edge, 0.5) * PRIOR_TOKENS, PRIOR_TOKENS, PRIOR_TOKENS] for edge in BANDS])
 
     def chance(self, confidence: float) -> float:
         accepted, tried = self.counts[_band(confidence)]
         return accepted / tried
+
+    def chain(self, first: float) -> tuple[float, float]:
+        """(tokens accepted, tokens proposed) a chain whose first position has this confidence brings, on average:
+        the first position's confidence is known before any of the chain is drawn, so judging a pass by it cannot
+        favour some drawn tokens over others."""
+        accepted, proposed, chains = self.chains[_band(first)]
+        return accepted / chains, proposed / chains
 
     def observe(self, confidences: list[float], accepted: int) -> None:
         """A chain of these confidences of which the first `accepted` tokens were accepted: each of those a hit, the
@@ -59,6 +82,9 @@ class Acceptance:
             band = self.counts[_band(confidence)]
             band[0] = band[0] * FORGET + (1.0 if j < accepted else 0.0)
             band[1] = band[1] * FORGET + 1.0
+        if confidences:
+            chains = self.chains[_band(confidences[0])]
+            chains[:] = [chains[0] * FORGET + accepted, chains[1] * FORGET + len(confidences), chains[2] * FORGET + 1.0]
 
 
 @dataclass
@@ -80,6 +106,37 @@ class PassCost:
         return max(0.0, (y - per_row * x) / n), per_row
 
 
+def _least_squares(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(y at x = 0, slope >= 0) of the least-squares line through `points`; flat where their x do not differ."""
+    n = len(points)
+    x, y = sum(p[0] for p in points), sum(p[1] for p in points)
+    xx, xy = sum(p[0] * p[0] for p in points), sum(p[0] * p[1] for p in points)
+    spread = n * xx - x * x
+    if spread < 1e-6 * max(n * xx, 1e-12):
+        return y / n, 0.0
+    slope = max(0.0, (n * xy - x * y) / spread)
+    return max(0.0, (y - slope * x) / n), slope
+
+
+@dataclass
+class RelativeCost:
+    """A bucket's last `CHAINED_WINDOW` passes with chains as (rows, ms / a plain pass's ms when it ran)."""
+
+    passes: deque = field(default_factory=lambda: deque(maxlen=CHAINED_WINDOW))
+
+    def observe(self, rows: int, multiple: float) -> None:
+        self.passes.append((rows, multiple))
+
+    def line(self) -> tuple[float, float] | None:
+        """(multiple at zero rows, multiple a row) through the window less passes beyond `ONE_TIME_COSTS` times its
+        median; None while fewer than `TRUSTED_PASSES` remain."""
+        if len(self.passes) < TRUSTED_PASSES:
+            return None
+        bound = ONE_TIME_COSTS * statistics.median(m for _, m in self.passes)
+        kept = [p for p in self.passes if p[1] <= bound]
+        return _least_squares(kept) if len(kept) >= TRUSTED_PASSES else None
+
+
 @dataclass
 class PassChains:
     """One pass's lookup: the chance a token needs (`LookupPolicy.needed`), and whether chains pay in it at all."""
@@ -91,10 +148,12 @@ class PassChains:
 
     def pays(self, first_confidences: list[float]) -> bool:
         """Whether chains pay for what they add to the pass (their rows, and a pass with a tree's own cost beyond a
-        plain one's), judged by each session's first position alone: its confidence is known before anything is
-        drawn, so the judgement cannot favour some drawn tokens over others (specfleet/engine/ngram.py `lookup_chain`)."""
-        chances = [c for c in map(self.policy.acceptance.chance, first_confidences) if c >= self.needed]
-        return self.policy.pays(self.sessions, len(chances), sum(chances))
+        plain one's), judged by each session's first position alone, whose token is worth its row: its confidence is
+        known before anything is drawn, so the judgement cannot favour some drawn tokens over others
+        (specfleet/engine/ngram.py `lookup_chain`). A chain is expected to bring what chains of its first band did."""
+        acceptance = self.policy.acceptance
+        chains = [acceptance.chain(c) for c in first_confidences if acceptance.chance(c) >= self.needed]
+        return self.policy.pays(self.sessions, round(sum(rows for _, rows in chains)), sum(tokens for tokens, _ in chains))
 
     def worth(self, confidence: float, first: bool) -> bool:
         """`specfleet.engine.ngram.lookup_chain`'s test of a chain's next position, of this confidence: whether the
@@ -108,25 +167,33 @@ class LookupPolicy:
     acceptance: Acceptance = field(default_factory=Acceptance)
     # Per power of two of sessions in a pass (`int.bit_length`): its plain passes' cost and its passes' with chains.
     plain: dict[int, PassCost] = field(default_factory=dict)
-    chained: dict[int, PassCost] = field(default_factory=dict)
+    chained: dict[int, RelativeCost] = field(default_factory=dict)
     resting: dict[int, int] = field(default_factory=dict)  # per bucket: passes its lookup still rests (`pays`)
 
     def observe_pass(self, sessions: int, rows: int, ms: float) -> None:
-        costs = self.chained if rows > sessions else self.plain
-        costs.setdefault(sessions.bit_length(), PassCost()).observe(rows, ms)
+        key = sessions.bit_length()
+        if rows == sessions:
+            self.plain.setdefault(key, PassCost()).observe(rows, ms)
+            return
+        plain_ms = self._plain_ms(sessions)
+        if plain_ms > 0:  # a pass with chains before any plain one has nothing to be a multiple of
+            self.chained.setdefault(key, RelativeCost()).observe(rows, ms / plain_ms)
 
     def _lines(self, sessions: int) -> tuple[tuple[float, float] | None, tuple[float, float] | None]:
+        """The bucket's (ms at zero rows, ms a row) of plain passes and of passes with chains, the latter at
+        today's plain pass; None where not measured enough."""
         key = sessions.bit_length()
         plain, chained = self.plain.get(key), self.chained.get(key)
-        return (
-            plain.line() if plain and plain.sums[0] >= 2 else None,
-            chained.line() if chained and chained.sums[0] >= TRUSTED_PASSES else None,
-        )
+        plain_line = plain.line() if plain and plain.sums[0] >= 2 else None
+        multiple = chained.line() if chained and plain_line else None
+        if multiple is None:
+            return plain_line, None
+        plain_ms = plain_line[0] + plain_line[1] * sessions
+        return plain_line, (multiple[0] * plain_ms, multiple[1] * plain_ms)
 
     def _plain_ms(self, sessions: int) -> float:
-        plain, chained = self._lines(sessions)
-        line = plain or chained or (0.0, 0.0)
-        return line[0] + line[1] * sessions
+        plain, _ = self._lines(sessions)
+        return plain[0] + plain[1] * sessions if plain else 0.0
 
     def needed(self, sessions: int) -> float:
         """The chance of acceptance a chain's token needs in a pass of this many sessions: what a row adds to a pass
@@ -148,12 +215,25 @@ class LookupPolicy:
             self.resting.pop(key, None)  # paying, or rested: explored
             return True
         self.resting[key] = EXPLORE_EVERY
+        log.debug(
+            "lookup rests %d passes at %d sessions: %d rows expected to save %.3f ms, add %.3f (plain %.3f ms, chained %.3f + %.4f a row)",
+            EXPLORE_EVERY,
+            sessions,
+            rows,
+            expected * plain_ms / sessions,
+            chained[0] + chained[1] * (sessions + rows) - plain_ms,
+            plain_ms,
+            *chained,
+        )
         return False
 
     def for_pass(self, sessions: int) -> PassChains | None:
-        """The pass's lookup, or None where no token could be worth its row (no confidence band's chance is enough)
-        or the bucket's lookup rests, so that no session looks anything up."""
+        """The pass's lookup, or None where no token could be worth its row (no confidence band's chance is enough),
+        the bucket's lookup rests, or the bucket has not run the plain passes that passes with chains are measured
+        against (its first three), so that no session looks anything up."""
         key = sessions.bit_length()
+        if self._plain_ms(sessions) <= 0:
+            return None
         if self.resting.get(key, 0) > 1:
             self.resting[key] -= 1
             return None

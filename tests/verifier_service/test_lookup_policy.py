@@ -60,7 +60,10 @@ def test_chains_are_proposed_in_a_pass_only_where_their_first_tokens_pay_for_a_p
     """A pass with chains costs its rows and a fixed part of its own (its tree's bookkeeping): the sessions' first
     positions' chances must pay for both, or the pass runs plain."""
     policy = LookupPolicy()
-    assert policy.for_pass(4).pays([0.5]), "nothing measured: chains are proposed, and teach what they cost"
+    assert policy.for_pass(4) is None, "nothing measured: the first passes run plain, for chains to be weighed against"
+    for _ in range(3):
+        policy.observe_pass(4, 4, 3.0)
+    assert policy.for_pass(4).pays([0.5]), "plain passes measured, chains not yet: chains are proposed, and teach what they cost"
     for rows in (4, 5, 6, 8, 12) * 10:
         policy.observe_pass(4, rows, 1.4 + 0.4 * rows + (0.5 if rows > 4 else 0.0))
     chains = policy.for_pass(4)
@@ -85,3 +88,45 @@ def test_verdicts_teach_each_band_its_chance_up_to_the_first_rejection():
     for _ in range(300):
         acceptance.observe([0.9], accepted=1)
     assert acceptance.chance(0.9) > 0.97
+
+
+def test_chains_measured_on_a_slower_machine_are_weighed_as_a_multiple_of_today_s_plain_pass():
+    """Chains rest while the machine speeds up: their passes count as a multiple of the plain pass they ran beside,
+    so the lookup is judged at today's speed, not kept off by milliseconds measured when everything was slower."""
+    policy = LookupPolicy()
+    for rows in (1, 2, 3, 4, 5) * 8:  # slow: a plain pass 3 ms, each row 10% more
+        policy.observe_pass(1, rows, 3.0 * (0.9 + 0.1 * rows))
+    for _ in range(400):  # twice as fast since
+        policy.observe_pass(1, 1, 1.5)
+    plain, chained = policy._lines(1)
+    assert plain[0] == pytest.approx(1.5, rel=0.01) and chained == (pytest.approx(0.9 * 1.5, rel=0.02), pytest.approx(0.15, rel=0.02))
+    assert policy.for_pass(1).pays([0.5]), "half a token (0.75 ms) for a row that adds 0.15 ms today"
+
+
+def test_a_tree_shape_s_first_passes_are_left_out_of_what_chains_cost():
+    """The first pass of each tree shape carries one-time costs (here ten times a later one's): left in, the line
+    would say chains cost several plain passes and the lookup would rest."""
+    policy = LookupPolicy()
+    for _ in range(4):
+        policy.observe_pass(4, 4, 3.0)
+    for rows in (5, 6, 8, 12):
+        policy.observe_pass(4, rows, 10 * (1.9 + 0.4 * rows))
+    for rows in (5, 6, 8, 12) * 7:
+        policy.observe_pass(4, rows, 1.9 + 0.4 * rows)
+    chains = policy.for_pass(4)
+    assert chains.needed == pytest.approx(1.6 / 3.0)
+    assert chains.pays([0.9, 0.9, 0.9]), "2.4 tokens (1.8 ms) for 1.7 ms"
+
+
+def test_a_pass_is_judged_by_what_chains_of_its_first_tokens_band_brought_not_by_their_first_token_alone():
+    """Text that repeats itself has chains accepted whole: a pass with chains pays where one token a chain would not."""
+    policy = LookupPolicy()
+    for rows in (4, 5, 6, 8, 12) * 10:
+        policy.observe_pass(4, rows, 1.4 + 0.4 * rows + (0.5 if rows > 4 else 0.0))
+    assert not policy.for_pass(4).pays([0.75]), "a chain of one token at 0.7 (0.5 ms) for 0.9 ms"
+    policy.resting.clear()
+    for _ in range(100):
+        policy.acceptance.observe([0.75] * 4, accepted=4)
+    assert policy.acceptance.chain(0.75) == (pytest.approx(4.0, abs=0.1), pytest.approx(4.0, abs=0.1))
+    assert policy.acceptance.chain(0.9) == (pytest.approx(0.8), 1.0), "other bands keep their own"
+    assert policy.for_pass(4).pays([0.75]), "four tokens (3 ms) for four rows (2.1 ms)"
