@@ -11,7 +11,13 @@ from one session to many): T from a line through (rows, milliseconds) of its rec
 with chains from a line through its last passes with chains, each as a multiple of T when it ran (`RelativeCost`).
 Chains may rest for hundreds of passes while the machine speeds up or slows down, and a pass's first run of a tree
 shape carries one-time costs: milliseconds measured then and compared with a plain pass measured now would keep the
-lookup off for good, where the multiple, with those first runs left out, holds. On a GPU a row costs next to
+lookup off for good, where the multiple, with those first runs left out, holds. Chains turned down rest the bucket's
+lookup, and a pass with chains after the rest explores whether they still lose: what it measured (its accepted
+tokens' share of a plain pass against what it added to one) doubles the next rest where it lost and restores it
+where it paid, as the router's probes back off. What every pass with chains measured that way also sums to the
+bucket's gain: where the lines say chains pay and the passes that ran them lost, the passes win and chains rest
+(lines through noisy passes can stay a little optimistic for long, at the few-tokens-a-pass gains of a CPU batch).
+On a GPU a row costs next to
 nothing and chains go as far as the lookup finds them; on a CPU a row of a small model costs a fifth of a one-token
 pass, and a batch of many sessions is computing, not reading weights, so only chains likely to be accepted go on.
 
@@ -42,6 +48,11 @@ FORGET = 0.99
 # stays measured as the load and the machine change.
 TRUSTED_PASSES = 8
 EXPLORE_EVERY = 32
+# An exploring pass whose chains cost more than their accepted tokens saved (what it measured, not what the lines
+# said) doubles the bucket's rest, at most this many times; one that paid restores it. Where the lines are right,
+# explorations are the turned-down chains that lose: at four sessions of the demo target on one core they lost about
+# 0.4 ms each, half of all passes with chains (docs/benchmarks/lookup.md).
+MAX_EXPLORE_BACKOFF = 4
 # Passes with chains a bucket's line is fitted to, and the multiple of their median time beyond which a pass is left
 # out: a tree shape's first pass (allocations, kernel selection) runs several times a later one's.
 CHAINED_WINDOW = 32
@@ -123,13 +134,22 @@ class RelativeCost:
     """A bucket's last `CHAINED_WINDOW` passes with chains as (rows, ms / a plain pass's ms when it ran)."""
 
     passes: deque = field(default_factory=lambda: deque(maxlen=CHAINED_WINDOW))
+    # The fit, kept until the next pass: every pass asks for it several times and a fit costs tens of microseconds.
+    _line: tuple[float, float] | None = None
+    _fitted: bool = False
 
     def observe(self, rows: int, multiple: float) -> None:
         self.passes.append((rows, multiple))
+        self._fitted = False
 
     def line(self) -> tuple[float, float] | None:
         """(multiple at zero rows, multiple a row) through the window less passes beyond `ONE_TIME_COSTS` times its
         median; None while fewer than `TRUSTED_PASSES` remain."""
+        if not self._fitted:
+            self._line, self._fitted = self._fit(), True
+        return self._line
+
+    def _fit(self) -> tuple[float, float] | None:
         if len(self.passes) < TRUSTED_PASSES:
             return None
         bound = ONE_TIME_COSTS * statistics.median(m for _, m in self.passes)
@@ -169,15 +189,33 @@ class LookupPolicy:
     plain: dict[int, PassCost] = field(default_factory=dict)
     chained: dict[int, RelativeCost] = field(default_factory=dict)
     resting: dict[int, int] = field(default_factory=dict)  # per bucket: passes its lookup still rests (`pays`)
+    backoff: dict[int, int] = field(default_factory=dict)  # per bucket: explorations in a row that lost (`observe_pass`)
+    exploring: set = field(default_factory=set)  # buckets whose next pass with chains is an exploration
+    gain: dict[int, float] = field(default_factory=dict)  # per bucket: ms its passes with chains saved, net, decayed
 
-    def observe_pass(self, sessions: int, rows: int, ms: float) -> None:
+    def gained(self, sessions: int) -> float:
+        """The ms the bucket's recent passes with chains saved over plain passes, net of what they added."""
+        return self.gain.get(sessions.bit_length(), 0.0)
+
+    def observe_pass(self, sessions: int, rows: int, ms: float, accepted: int | None = None) -> None:
+        """A pass of this many sessions and rows took `ms`, and its lookup chains had `accepted` tokens accepted (None:
+        its trees were not the lookup's)."""
         key = sessions.bit_length()
         if rows == sessions:
             self.plain.setdefault(key, PassCost()).observe(rows, ms)
             return
         plain_ms = self._plain_ms(sessions)
-        if plain_ms > 0:  # a pass with chains before any plain one has nothing to be a multiple of
-            self.chained.setdefault(key, RelativeCost()).observe(rows, ms / plain_ms)
+        if plain_ms <= 0:  # a pass with chains before any plain one has nothing to be a multiple of
+            return
+        self.chained.setdefault(key, RelativeCost()).observe(rows, ms / plain_ms)
+        if accepted is None:
+            return
+        gained = accepted * plain_ms / sessions - (ms - plain_ms)
+        self.gain[key] = self.gain.get(key, 0.0) * FORGET + gained
+        if key in self.exploring:
+            self.exploring.discard(key)
+            lost = self.backoff.get(key, 0) + 1
+            self.backoff[key] = min(lost, MAX_EXPLORE_BACKOFF) if gained < 0 else 0
 
     def _lines(self, sessions: int) -> tuple[tuple[float, float] | None, tuple[float, float] | None]:
         """The bucket's (ms at zero rows, ms a row) of plain passes and of passes with chains, the latter at
@@ -211,19 +249,27 @@ class LookupPolicy:
             return rows > 0  # nothing to weigh yet: chains are proposed, and teach what they cost
         plain_ms = plain[0] + plain[1] * sessions
         key = sessions.bit_length()
-        if expected * plain_ms / sessions >= chained[0] + chained[1] * (sessions + rows) - plain_ms or self.resting.get(key) == 1:
-            self.resting.pop(key, None)  # paying, or rested: explored
+        added = chained[0] + chained[1] * (sessions + rows) - plain_ms
+        if expected * plain_ms / sessions >= added and self.gained(sessions) >= 0:
+            self.resting.pop(key, None)
             return True
-        self.resting[key] = EXPLORE_EVERY
+        if self.resting.get(key) == 1:  # rested: explored, and what the exploration finds decides the next rest
+            self.resting.pop(key)
+            self.exploring.add(key)
+            return True
+        rest = EXPLORE_EVERY << self.backoff.get(key, 0)
+        self.resting[key] = rest
         log.debug(
-            "lookup rests %d passes at %d sessions: %d rows expected to save %.3f ms, add %.3f (plain %.3f ms, chained %.3f + %.4f a row)",
-            EXPLORE_EVERY,
+            "lookup rests %d passes at %d sessions: %d rows expected to save %.3f ms, add %.3f (plain %.3f ms, chained %.3f + %.4f a row; "
+            "passes with chains gained %.3f ms)",
+            rest,
             sessions,
             rows,
             expected * plain_ms / sessions,
-            chained[0] + chained[1] * (sessions + rows) - plain_ms,
+            added,
             plain_ms,
             *chained,
+            self.gained(sessions),
         )
         return False
 

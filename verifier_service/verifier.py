@@ -385,5 +385,8 @@ class Verifier:
             if item.logprobs:
                 result.logprobs, result.top_token_ids, result.top_logprobs = shaping.token_logprobs(logits[b, rows], tokens, item.top_logprobs)
             results.append(result)
-        self.lookup.observe_pass(len(live), sum(1 + len(item.tree_tokens) for _, item, _ in live), (time.perf_counter() - started) * 1e3)
+        rows = sum(1 + len(item.tree_tokens) for _, item, _ in live)
+        looked_up = any(item.lookup_confidences for _, item, _ in live)
+        accepted = sum(r.lookup_accepted for r in results) if looked_up else None
+        self.lookup.observe_pass(len(live), rows, (time.perf_counter() - started) * 1e3, accepted)
         return results

@@ -159,7 +159,7 @@ def test_chains_go_only_as_far_as_their_tokens_pay_for_their_rows(demo):
     dear = _verifier(demo, eager=False)
     for rows in (1, 2, 3, 4, 5) * 4:
         dear.lookup.observe_pass(1, rows, 1.0 * rows)  # no fixed cost: a row costs a whole one-token pass
-    dear.lookup.observe_pass = lambda sessions, rows, ms: None  # this machine's own passes would say otherwise
+    dear.lookup.observe_pass = lambda sessions, rows, ms, accepted=0: None  # this machine's own passes would say otherwise
     assert dear.lookup.needed(1) == pytest.approx(0.9)
     _, (result,) = _decode(demo, [prompt], [SamplingParams()], 8, 4, "dear", verifier=dear)
     assert result.lookup_proposed == 0 and result.steps == 8

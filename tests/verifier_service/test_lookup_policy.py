@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from verifier_service.lookup import EXPLORE_EVERY, MOST_NEEDED, Acceptance, LookupPolicy, PassChains, PassCost
+from verifier_service.lookup import EXPLORE_EVERY, MAX_EXPLORE_BACKOFF, MOST_NEEDED, Acceptance, LookupPolicy, PassChains, PassCost
 
 
 def test_the_pass_cost_is_a_line_through_recent_passes_and_free_rows_until_rows_differ():
@@ -130,3 +130,71 @@ def test_a_pass_is_judged_by_what_chains_of_its_first_tokens_band_brought_not_by
     assert policy.acceptance.chain(0.75) == (pytest.approx(4.0, abs=0.1), pytest.approx(4.0, abs=0.1))
     assert policy.acceptance.chain(0.9) == (pytest.approx(0.8), 1.0), "other bands keep their own"
     assert policy.for_pass(4).pays([0.75]), "four tokens (3 ms) for four rows (2.1 ms)"
+
+
+def _dear_lines(policy: LookupPolicy) -> None:
+    """Passes at 4 sessions where chains are dear: a pass with chains 0.5 ms above a plain one and 0.4 ms a row,
+    against a plain pass's 3.0 ms for 4 tokens."""
+    for _ in range(3):
+        policy.observe_pass(4, 4, 3.0)
+    for rows in (4, 5, 6, 8, 12) * 10:
+        policy.observe_pass(4, rows, 1.4 + 0.4 * rows + (0.5 if rows > 4 else 0.0))
+
+
+def _turned_down(policy: LookupPolicy) -> None:
+    _dear_lines(policy)
+    assert not policy.for_pass(4).pays([0.75])
+
+
+def _rest(policy: LookupPolicy) -> int:
+    """Passes until the lookup explores (runs chains it would turn down), that exploration's pass included."""
+    for waited in range(1, 100 * EXPLORE_EVERY):
+        chains = policy.for_pass(4)
+        if chains is not None:
+            assert chains.pays([0.75]), "after its rest the lookup explores"
+            return waited
+    raise AssertionError("the lookup never explored")
+
+
+def test_explorations_that_lose_double_the_next_rest_and_one_that_pays_restores_it():
+    """An exploration is a pass whose chains the lines turned down: what it measures decides how long the lookup rests
+    before the next, so that explorations that keep losing cost ever less (at most 2**MAX_EXPLORE_BACKOFF rests)."""
+    policy = LookupPolicy()
+    _turned_down(policy)
+    assert _rest(policy) == EXPLORE_EVERY
+    rests = []
+    for _ in range(MAX_EXPLORE_BACKOFF + 1):
+        policy.observe_pass(4, 5, 3.0 + 1.3, accepted=1)  # 1 token saved 0.75 ms, the chain added 1.3
+        assert not policy.for_pass(4).pays([0.75])
+        rests.append(_rest(policy))
+    assert rests == [EXPLORE_EVERY << min(n, MAX_EXPLORE_BACKOFF) for n in range(1, MAX_EXPLORE_BACKOFF + 2)]
+    policy.observe_pass(4, 4, 3.0)  # a plain pass between: the exploration is the next pass with chains
+    policy.observe_pass(4, 6, 3.0 + 1.3, accepted=2)  # 2 tokens saved 1.5 ms for 1.3: it paid
+    assert not policy.for_pass(4).pays([0.75])
+    assert _rest(policy) == EXPLORE_EVERY, "an exploration that paid restores the rest"
+
+
+def test_passes_with_chains_the_lines_chose_do_not_move_the_rest():
+    """Only explorations judge the rest: a pass whose chains the lines found paying is not an exploration."""
+    policy = LookupPolicy()
+    _dear_lines(policy)
+    assert policy.for_pass(4).pays([0.9, 0.9, 0.9]), "2.4 tokens (1.8 ms) for 1.7: paying"
+    policy.observe_pass(4, 7, 3.0 + 1.9, accepted=0)  # it lost
+    assert not policy.for_pass(4).pays([0.75])
+    assert _rest(policy) == EXPLORE_EVERY
+
+
+def test_chains_rest_where_the_passes_that_ran_them_lost_though_the_lines_say_they_pay():
+    """What passes with chains measured (accepted tokens' share of a plain pass, against what they added to one) wins
+    over the lines: chains the lines find paying rest once such passes lost, until an exploration wins it back."""
+    policy = LookupPolicy()
+    _dear_lines(policy)
+    assert policy.for_pass(4).pays([0.9, 0.9, 0.9]), "2.4 tokens (1.8 ms) for 1.7: paying"
+    for _ in range(3):
+        policy.observe_pass(4, 7, 3.0 + 1.7, accepted=1)  # 0.75 ms saved for 1.7 added
+    assert policy.gained(4) == pytest.approx(-0.95 * (1 + 0.99 + 0.99**2))
+    assert not policy.for_pass(4).pays([0.9, 0.9, 0.9]), "the passes lost: chains rest"
+    assert policy.gained(1) == 0.0, "each bucket of sessions keeps its own"
+    assert _rest(policy) == EXPLORE_EVERY
+    policy.observe_pass(4, 7, 3.0 + 1.7, accepted=7)  # 5.25 ms saved for 1.7: the exploration wins it back
+    assert policy.gained(4) > 0 and policy.for_pass(4).pays([0.9, 0.9, 0.9])
