@@ -109,24 +109,17 @@ class PassCost:
 
     def line(self) -> tuple[float, float]:
         """(ms at zero rows, ms a row); a row costs nothing until the passes have had different numbers of rows."""
-        n, x, y, xx, xy = self.sums
-        spread = n * xx - x * x
-        if n < 2 or spread < 1e-6 * max(n * xx, 1e-12):
-            return (y / n if n else 0.0), 0.0
-        per_row = max(0.0, (n * xy - x * y) / spread)
-        return max(0.0, (y - per_row * x) / n), per_row
+        return _line(*self.sums)
 
 
-def _least_squares(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """(y at x = 0, slope >= 0) of the least-squares line through `points`; flat where their x do not differ."""
-    n = len(points)
-    x, y = sum(p[0] for p in points), sum(p[1] for p in points)
-    xx, xy = sum(p[0] * p[0] for p in points), sum(p[0] * p[1] for p in points)
+def _line(n: float, x: float, y: float, xx: float, xy: float) -> tuple[float, float]:
+    """(y at x = 0, slope >= 0) of the least-squares line with these sums of 1, x, y, xx and xy over its points; flat
+    where their x do not differ."""
     spread = n * xx - x * x
-    if spread < 1e-6 * max(n * xx, 1e-12):
-        return y / n, 0.0
-    slope = max(0.0, (n * xy - x * y) / spread)
-    return max(0.0, (y - slope * x) / n), slope
+    if n < 2 or spread < 1e-6 * max(n * xx, 1e-12):
+        return (y / n if n else 0.0), 0.0
+    per_row = max(0.0, (n * xy - x * y) / spread)
+    return max(0.0, (y - per_row * x) / n), per_row
 
 
 @dataclass
@@ -154,7 +147,10 @@ class RelativeCost:
             return None
         bound = ONE_TIME_COSTS * statistics.median(m for _, m in self.passes)
         kept = [p for p in self.passes if p[1] <= bound]
-        return _least_squares(kept) if len(kept) >= TRUSTED_PASSES else None
+        if len(kept) < TRUSTED_PASSES:
+            return None
+        x, y = sum(r for r, _ in kept), sum(m for _, m in kept)
+        return _line(len(kept), x, y, sum(r * r for r, _ in kept), sum(r * m for r, m in kept))
 
 
 @dataclass
@@ -210,12 +206,12 @@ class LookupPolicy:
         self.chained.setdefault(key, RelativeCost()).observe(rows, ms / plain_ms)
         if accepted is None:
             return
-        gained = accepted * plain_ms / sessions - (ms - plain_ms)
-        self.gain[key] = self.gain.get(key, 0.0) * FORGET + gained
+        net = accepted * plain_ms / sessions - (ms - plain_ms)
+        self.gain[key] = self.gain.get(key, 0.0) * FORGET + net
         if key in self.exploring:
             self.exploring.discard(key)
             lost = self.backoff.get(key, 0) + 1
-            self.backoff[key] = min(lost, MAX_EXPLORE_BACKOFF) if gained < 0 else 0
+            self.backoff[key] = min(lost, MAX_EXPLORE_BACKOFF) if net < 0 else 0
 
     def _lines(self, sessions: int) -> tuple[tuple[float, float] | None, tuple[float, float] | None]:
         """The bucket's (ms at zero rows, ms a row) of plain passes and of passes with chains, the latter at
