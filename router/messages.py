@@ -97,6 +97,7 @@ class VerifiedSession:
 class VerifyResponse:
     sessions: list[VerifiedSession]  # in the order of the call's sessions
     compute_ms: float
-    batch_size: int  # sessions in the verifier's pass, this call's and others' merged with it
-    queue_ms: float = 0.0  # the call's wait for the verifier's model thread: its batch queue, others' share of a joint pass
+    batch_size: int  # sessions whose work compute_ms less shared_ms is: the call's batch; a call that joined a pass, its own
+    queue_ms: float = 0.0  # the call's wait for the verifier's model thread before its first pass
     passes: int = 1  # forward passes the batch ran (more than one where sessions decoded plain steps)
+    shared_ms: float = 0.0  # of compute_ms, what went to other calls' sessions in passes shared with them

@@ -258,7 +258,8 @@ class Scheduler:
         if log.isEnabledFor(logging.DEBUG):  # one line a round, for scripts/round_breakdown.py
             log.debug(
                 "round: requests=%d k=%d committed=%d plan_ms=%.3f draft_ms=%.3f verify_ms=%.3f wall_ms=%.3f scored=%d prefills=%d"
-                " clean=%d routed=%d ranked=%d in_way=%d modelled_ms=%.3f expected=%.2f extra_ms=%.3f lookup_rows=%d",
+                " clean=%d routed=%d ranked=%d in_way=%d modelled_ms=%.3f expected=%.2f extra_ms=%.3f lookup_rows=%d"
+                " verify_scale=%.3f steps_scale=%.3f verify_call_ms=%.3f",
                 len(batch),
                 sum(r.k for r in plan.requests),
                 committed,
@@ -276,6 +277,9 @@ class Scheduler:
                 self._expected_tokens(plan),
                 controller.cost.drafting_extra,
                 plan.lookup_rows,
+                controller.cost.verify_scale,
+                controller.cost.steps_scale,
+                controller.cost.verify_call,
             )
 
     def _expected_tokens(self, plan: RoundPlan) -> float:

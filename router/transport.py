@@ -155,6 +155,7 @@ def verify_response(reply: verifier_pb2.VerifyResponse) -> messages.VerifyRespon
         batch_size=reply.batch_size,
         queue_ms=reply.queue_ms,
         passes=reply.passes or 1,
+        shared_ms=reply.shared_ms,
     )
 
 

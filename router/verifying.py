@@ -156,14 +156,16 @@ class Verifying:
             telemetry.replica_sessions.labels(replica=replica).inc(len(part))
             telemetry.verify_call.observe(wall / 1e3)
             telemetry.call_phases("verify", wall, reply.compute_ms, reply.queue_ms)
-        # A merged batch reports its whole compute time to every caller: count this call's share
-        # as busy time, and scale this call's sessions and tokens up to the pass for the cost model.
-        metrics.verify_busy_ms += reply.compute_ms * len(sessions) / max(reply.batch_size, len(sessions))
+        # The passes' work less what went to calls that shared a pass with this one (a prompt prefilled beside the last
+        # of its plain steps) is its batch's; a batch merged from several calls reports it to every caller: count this
+        # call's share as busy time, and scale this call's sessions and tokens up to the batch for the cost model.
+        work = reply.compute_ms - reply.shared_ms
+        metrics.verify_busy_ms += work * len(sessions) / max(reply.batch_size, len(sessions))
         fed = sum(fed_tokens(s) for s in sessions)
         # The verifier's lookup adds its chains' rows to the passes (router.lookup_tokens).
         rows = sum(v.lookup_proposed for v in reply.sessions)
         share = reply.batch_size / max(1, len(sessions))
-        cost.observe_verify(round(len(sessions) * share), round(fed * share), reply.compute_ms, reply.passes, round(rows * share))
+        cost.observe_verify(round(len(sessions) * share), round(fed * share), work, reply.passes, round(rows * share))
         cost.observe_calls(verify_overhead_ms=wall - reply.compute_ms)
         self._learn_lookup(part, reply.sessions, plan)
         for call, verified in zip(part, reply.sessions):

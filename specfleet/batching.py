@@ -34,16 +34,21 @@ class Joined:
 class BatchStats:
     """What the batch function reports back to each caller, with its results."""
 
-    # The model thread's time for this caller's batch: a joined call's, its pass; a batch that others joined, its
-    # passes less their share of the pass they joined.
+    # The model thread's time in the passes that served this caller's items: its batch's; a joined call's, the pass it
+    # joined.
     compute_ms: float
+    # The items whose work compute_ms less shared_ms is: the batch's (calls merged into it when it started included); a
+    # joined call's own.
     batch_size: int
-    # How long this caller's items waited for the model thread: in the queue before its batch's pass started (the
-    # pass before, plus max_wait_s of collecting), and, in a batch that others joined, their share of that pass.
-    # The caller's own, not the batch's.
+    # How long this caller's items waited for the model thread before their first pass: in the queue (the pass
+    # before, plus max_wait_s of collecting). The caller's own, not the batch's.
     queue_ms: float = 0.0
     # Forward passes the batch ran (the batch function's `passes` of its results).
     passes: int = 1
+    # Of compute_ms, what went to other calls' items in a pass shared with them (`join_running`): by the batch
+    # function's weighing of the pass's work (`answer`). A round's pass is its compute whoever else it served; what
+    # a call's own items cost, and the model thread's busy time, are compute_ms less this.
+    shared_ms: float = 0.0
 
 
 def housekeeping_every(idle_s: float) -> float:
@@ -122,18 +127,22 @@ class BatchQueue:
         self._joined.extend(taken)
         return taken
 
-    def answer(self, joined: Joined, results: list, batch_size: int) -> None:
-        """A joined call's results, after the pass it joined (`join_running`) over batch_size items in all."""
+    def answer(self, joined: Joined, results: list, batch_size: int, share: float | None = None) -> None:
+        """A joined call's results, after the pass it joined (`join_running`) over batch_size items in all, of whose
+        work its items did `share` (default: their share of the items). The batch function knows the work: a prompt's
+        prefill that joins three sessions' one-token step is most of that pass, not a quarter of it."""
         self._joined.remove(joined)
         pass_ms = (time.perf_counter() - joined.started) * 1e3
-        # Its share of the pass is not the running batch's compute: each caller's compute, weighed by its share of
-        # its batch as callers weigh it, sums to the model thread's busy time.
-        self._lent_ms += pass_ms * len(joined.items) / max(batch_size, len(joined.items))
+        share = len(joined.items) / max(batch_size, len(joined.items)) if share is None else min(1.0, max(0.0, share))
+        # Its share of the pass is work the running batch did not do for itself (`BatchStats.shared_ms`): the callers'
+        # own work sums to the model thread's busy time, and each is what its items cost.
+        self._lent_ms += pass_ms * share
         stats = BatchStats(
             compute_ms=pass_ms,
-            batch_size=batch_size,
+            batch_size=len(joined.items),
             queue_ms=(joined.started - joined.pending.enqueued) * 1e3,
             passes=self.passes(results) if self.passes is not None else 1,
+            shared_ms=pass_ms * (1 - share),
         )
         joined.pending.loop.call_soon_threadsafe(_resolve, joined.pending.future, (results, stats), None)
 
@@ -197,14 +206,14 @@ class BatchQueue:
                 joined.pending.loop.call_soon_threadsafe(_resolve, joined.pending.future, None, why)
             self._joined.clear()
             passes = self.passes(results) if error is None and self.passes is not None else 1
-            # The share of its passes that served joined calls is time its callers waited for the model thread.
+            # The share of its passes that served joined calls is work its own callers' items did not take.
             lent_ms, self._lent_ms = self._lent_ms, 0.0
-            stats = BatchStats(compute_ms=elapsed * 1e3 - lent_ms, batch_size=len(items), passes=passes)
+            stats = BatchStats(compute_ms=elapsed * 1e3, batch_size=len(items), passes=passes, shared_ms=lent_ms)
             offset = 0
             for pending in batch:
                 n = len(pending.items)
                 if error is None:
-                    value = (results[offset : offset + n], replace(stats, queue_ms=(started - pending.enqueued) * 1e3 + lent_ms))
+                    value = (results[offset : offset + n], replace(stats, queue_ms=(started - pending.enqueued) * 1e3))
                     pending.loop.call_soon_threadsafe(_resolve, pending.future, value, None)
                 else:
                     pending.loop.call_soon_threadsafe(_resolve, pending.future, None, error)

@@ -71,7 +71,12 @@ class RecordVerifier(_RecordCore):
             for r in results
         ]
         return messages.VerifyResponse(
-            sessions=verified, compute_ms=stats.compute_ms, batch_size=stats.batch_size, queue_ms=stats.queue_ms, passes=stats.passes
+            sessions=verified,
+            compute_ms=stats.compute_ms,
+            batch_size=stats.batch_size,
+            queue_ms=stats.queue_ms,
+            passes=stats.passes,
+            shared_ms=stats.shared_ms,
         )
 
 

@@ -126,7 +126,7 @@ def _timing(elapsed_s: float, first_token_s: float | None, tokens: int, stats) -
     """Where the request's time went, as `generate --stats` prints it: the whole call as this client saw it,
     and the router's draft and verify calls summed over rounds, wall (as the router saw them) split into
     compute (the servers' forward passes, shared with requests batched alongside), queue (the waits for the
-    servers' model threads: their batch queues, other calls' share of a pass they joined) and transport (the rest:
+    servers' model threads before those passes: their batch queues) and transport (the rest:
     serialisation, gRPC, event loops, waiting for a CPU); then the router's own time in those rounds."""
     per = max(1, tokens)
     first = f"; first token {first_token_s * 1e3:.0f} ms" if first_token_s is not None else ""

@@ -110,6 +110,7 @@ class VerifierCore:
             batch_size=stats.batch_size,
             queue_ms=stats.queue_ms,
             passes=stats.passes,
+            shared_ms=stats.shared_ms,
         )
 
     async def release(self, request: common_pb2.ReleaseRequest) -> common_pb2.ReleaseResponse:

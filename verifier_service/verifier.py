@@ -160,7 +160,7 @@ class Verifier:
         # The batch queue's `join_running` and `answer` (specfleet/batching.py): waiting calls of one pass join a batch's last
         # step, up to max_batch_items sessions in that pass. Without a queue, none joins.
         self.join_running: Callable[[Callable[[list], bool], int], list] = lambda accept, room: []
-        self.answer: Callable[[object, list, int], None] = lambda joined, results, batch_size: None
+        self.answer: Callable[..., None] = lambda joined, results, batch_size, share=None: None
         self.max_batch_items = 0
         # How far lookup chains go: as far as they pay for their rows in this verifier's passes (lookup.py).
         self.lookup = LookupPolicy()
@@ -295,8 +295,12 @@ class Verifier:
         self._step(more, results, verified[: len(mine)])
         for ((n, idx), _, _), result in zip(theirs, verified[len(mine) :]):
             calls[n][1][idx] = result
+        # Each joined call's share of the pass is its rows' (its new tokens and tree; a step's token and lookup chain):
+        # a prompt prefilled beside a few one-token steps is most of the pass, and its caller learns costs from it.
+        rows = {id(call): sum(max(1, len(item.new_token_ids)) + len(item.tree_tokens) for _, item, _ in live) for call, _, live in calls}
+        total = sum(1 + len(item.tree_tokens) for _, item, _ in mine) + sum(rows.values())
         for call, answers, _ in calls:
-            self.answer(call, answers, len(mine) + len(theirs))
+            self.answer(call, answers, len(mine) + len(theirs), rows[id(call)] / max(1, total))
         return {item.session_id for call in joined for item in call.items}
 
     def _chunk(self, live: list, results: list) -> list:

@@ -66,18 +66,20 @@ class VerifiedSession(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., status: _Optional[_Union[_common_pb2.SessionStatus, str]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., lookup_proposed: _Optional[int] = ..., lookup_accepted: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("sessions", "compute_ms", "batch_size", "queue_ms", "passes")
+    __slots__ = ("sessions", "compute_ms", "batch_size", "queue_ms", "passes", "shared_ms")
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PASSES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MS_FIELD_NUMBER: _ClassVar[int]
     sessions: _containers.RepeatedCompositeFieldContainer[VerifiedSession]
     compute_ms: float
     batch_size: int
     queue_ms: float
     passes: int
-    def __init__(self, sessions: _Optional[_Iterable[_Union[VerifiedSession, _Mapping]]] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., queue_ms: _Optional[float] = ..., passes: _Optional[int] = ...) -> None: ...
+    shared_ms: float
+    def __init__(self, sessions: _Optional[_Iterable[_Union[VerifiedSession, _Mapping]]] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., queue_ms: _Optional[float] = ..., passes: _Optional[int] = ..., shared_ms: _Optional[float] = ...) -> None: ...
 
 class VerifierServiceStats(_message.Message):
     __slots__ = ("session_ids",)

@@ -9,6 +9,8 @@ import asyncio
 import threading
 import time
 
+import pytest
+
 from specfleet.batching import BatchQueue
 
 
@@ -84,13 +86,16 @@ def test_housekeeping_runs_on_the_model_thread_while_idle_and_between_batches_an
 
 
 JOINT_PASS_S = 0.2
+# The joined pair's share of the pass's work, as the batch function weighs it (a prefill's rows beside a step's): more
+# than its share of the items (two of three).
+JOINED_SHARE = 0.9
 
 
 def test_waiting_calls_join_a_running_batch_in_order_and_one_it_leaves_unanswered_fails():
     """`BatchQueue.join_running`, between a batch's passes on the model thread: the waiting calls its predicate accepts, oldest
     first, up to the room given, stopping at the first it refuses; each is answered with `answer` (its own results,
-    its wait until it joined, the pass's time and size) without a batch of its own, and its share of that pass is not
-    the running batch's compute. A call that joins a batch which then
+    its wait until it joined, the pass as its compute, and the others' share of the pass's work as shared) without a
+    batch of its own, and its share of that pass's work is shared in the running batch's compute. A call that joins a batch which then
     ends without answering it fails with a message, and the queue serves on."""
     started, go, joined = threading.Event(), threading.Event(), []
     batches, first_ms = [], []
@@ -106,7 +111,7 @@ def test_waiting_calls_join_a_running_batch_in_order_and_one_it_leaves_unanswere
             time.sleep(JOINT_PASS_S)  # the pass they joined
             for call in taken:
                 if call.items != ["join-unanswered"]:
-                    queue.answer(call, [item.upper() for item in call.items], batch_size=1 + len(call.items))
+                    queue.answer(call, [item.upper() for item in call.items], batch_size=1 + len(call.items), share=JOINED_SHARE)
             first_ms.append((time.perf_counter() - began) * 1e3)
         return [item.upper() for item in items]
 
@@ -126,12 +131,16 @@ def test_waiting_calls_join_a_running_batch_in_order_and_one_it_leaves_unanswere
         (first, pair, unanswered, other, late), after = asyncio.run(scenario())
     finally:
         queue.close()
-    assert first[0] == ["FIRST"] and pair[0] == ["JOIN-A", "JOIN-B"] and pair[1].batch_size == 3
-    # The pass's time is shared: the joined pair's two thirds of it are not the first batch's compute.
-    assert pair[1].compute_ms >= JOINT_PASS_S * 1e3
-    assert first[1].compute_ms < first_ms[0] - JOINT_PASS_S * 1e3 / 3
-    assert first[1].queue_ms >= pair[1].compute_ms * 2 / 3, "the first call waited for the pair's share of the pass"
-    assert pair[1].queue_ms >= 10 and pair[1].passes == 1
+    assert first[0] == ["FIRST"] and pair[0] == ["JOIN-A", "JOIN-B"] and pair[1].batch_size == 2
+    # The pass served both calls: it is each one's compute, and its work is shared by the batch function's weighing
+    # (the pair's 0.9 of it is not the first batch's work; the first batch's tenth is not the pair's). Neither waited
+    # for the pass: the pair waited only to join it.
+    joint_ms = JOINT_PASS_S * 1e3
+    assert joint_ms <= pair[1].compute_ms <= first[1].compute_ms and first[1].compute_ms >= first_ms[0]
+    assert pair[1].shared_ms == pytest.approx(pair[1].compute_ms * (1 - JOINED_SHARE))
+    assert first[1].shared_ms == pytest.approx(pair[1].compute_ms * JOINED_SHARE)
+    assert first[1].queue_ms < joint_ms / 2, "the first call waited for no pass"
+    assert 10 <= pair[1].queue_ms < joint_ms / 2 + 10 and pair[1].passes == 1
     assert isinstance(unanswered, RuntimeError) and "joined a batch that ended without answering it" in str(unanswered)
     # "other" is refused, so the call behind it waits too; both run in batches of their own, in order.
     assert joined == [["join-a", "join-b"], ["join-unanswered"]]

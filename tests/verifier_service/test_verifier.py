@@ -131,9 +131,9 @@ def test_plain_steps_stop_at_end_of_sequence_and_when_another_call_waits(random_
 def test_a_waiting_call_of_one_pass_joins_the_running_call_s_last_step(random_family):
     """A call that needs one pass (a new prompt, a tree) waiting while plain steps run joins the step about to run
     (`Verifier._join_last`, the batch queue's `join_running`), which is the running call's last: the joined sessions' results
-    are a call of their own's (a new prompt greedy, a tree sampled and raced), and the running sessions' steps are
-    as many calls' of one step. A waiting call of several passes, or one holding a stepping session, does not join:
-    the running call just ends after the pass under way."""
+    are a call of their own's (a new prompt greedy, a tree sampled and raced), each answered with its rows' share of
+    the pass, and the running sessions' steps are as many calls' of one step. A waiting call of several passes, or one
+    holding a stepping session, does not join: the running call just ends after the pass under way."""
     path = str(random_family["target"])
     prompts = _prompts(4)
     stepping = _one_step_calls(path, prompts[:2], PLAIN[:2], 3)
@@ -160,12 +160,15 @@ def test_a_waiting_call_of_one_pass_joins_the_running_call_s_last_step(random_fa
         return [SimpleNamespace(items=call) for call in waiting if accept(call)]
 
     together.join_running = join
-    together.answer = lambda joined, results, batch_size: answered.append((joined.items, results, batch_size))
+    together.answer = lambda joined, results, batch_size, share: answered.append((joined.items, results, batch_size, share))
     running = [VerifyItem(f"s{i}", 0, prompt, p, logprobs=True, plain_steps=6) for i, (prompt, p) in enumerate(zip(prompts, PLAIN[:2]))]
     results = together.verify_batch(running)
     assert [r.token_ids for r in results] == [tokens for tokens, _ in stepping] and [r.steps for r in results] == [3, 3]
-    assert [items for items, _, _ in answered] == waiting and {size for _, _, size in answered} == {4}
-    for (_, got, _), want in zip(answered, expected):
+    assert [items for items, _, _, _ in answered] == waiting and {size for _, _, size, _ in answered} == {4}
+    # Each joined call's share of the pass is its rows' (a prompt; a prompt and its tree's node) beside the steps' two.
+    rows = [len(prompts[3]), len(prompts[2]) + 1]
+    assert [share for _, _, _, share in answered] == pytest.approx([r / (2 + sum(rows)) for r in rows])
+    for (_, got, _, _), want in zip(answered, expected):
         assert [(r.accepted_nodes, r.token_ids) for r in got] == [(r.accepted_nodes, r.token_ids) for r in want]
         assert got[0].logprobs == pytest.approx(want[0].logprobs, abs=1e-4)
     assert len(together.store.get("new").token_ids) == len(prompts[3]) + 1, "the joined session holds what it emitted"

@@ -203,7 +203,7 @@ def markdown(results: dict, plots: dict[str, str] | None = None, heading: str = 
     if rt:
         lines += [
             "Per speculative round (router's view; compute is the servers' forward passes, queue the calls' waits for the "
-            "servers' model threads (their batch queues, other calls' share of a pass they joined), transport the rest of "
+            "servers' model threads before those passes (their batch queues), transport the rest of "
             "the calls' wall time: serialisation, gRPC, event loops, waiting for a CPU; router is the router's own time in "
             "the round, beside its calls):",
             "",

@@ -1,0 +1,41 @@
+"""router/verifying.py: what a verify call's reply teaches the router, where the verifier's pass served other calls
+too (a prompt prefilled beside the last of another call's plain steps: specfleet/batching.py `BatchQueue.answer`)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from router import messages
+from router.cost_model import CostModel
+from router.rounds import RequestPlan, RoundContext, RoundPlan, SchedulerConfig
+from router.speculation import SpeculationController
+from router.verifiers import VerifierPool
+from router.verifying import Verifying
+from tests.router.test_lookup import _state
+
+
+class SharedPass:
+    """A verifier replica whose one pass of 10 ms also served another call's sessions, 6 ms of its work."""
+
+    address = "replica"
+
+    async def verify(self, sessions, timeout_s):
+        replies = [messages.VerifiedSession(True, token_ids=[5]) for _ in sessions]
+        return messages.VerifyResponse(replies, compute_ms=10.0, batch_size=len(sessions), passes=1, shared_ms=6.0)
+
+
+def test_a_pass_shared_with_other_calls_counts_only_this_call_s_work_as_busy_and_as_its_cost():
+    """The pass is the round's compute, as the request's timings say; the work that went to the other call's sessions
+    is neither the verifier's busy time for this call nor what the cost model learns a pass of these sessions costs:
+    counted, a prompt's prefill beside a few sessions' last plain step made their steps look dearer than they are."""
+    cost = CostModel(verify_base=2.0, verify_per_session=0.0, verify_per_token=0.0, verify_call=0.0)
+    context = RoundContext(SchedulerConfig(), {}, None, SpeculationController(cost))
+    verifying = Verifying(context, VerifierPool([SharedPass()], wait_s=60))
+    state = _state("a", 4)
+    asyncio.run(verifying.verify(RoundPlan([RequestPlan(state)]), {}))
+    assert state.timing_ms["verify_compute"] == 10.0 and state.tokens[-1] == 5
+    assert context.metrics.verify_busy_ms == 4.0
+    # One pass of 4 ms where 2 ms were modelled: the scale moves a step (1 - forget) from 1 toward 2, not toward 5.
+    assert cost.verify_scale == pytest.approx(1.0 + (1 - cost.forget) * (2.0 - 1.0))
