@@ -10,7 +10,7 @@ from router import messages
 from router.drafter_choice import DraftFill, modelled_round_ms
 from router.cost_model import CostModel
 from router.speculation import SpeculationController
-from router.verifying import fed_tokens
+from router.verifying import fed_tokens, prefills
 from specfleet.config import SpeculationConfig
 
 
@@ -181,13 +181,14 @@ def test_plain_steps_count_what_the_verifier_s_lookup_adds_so_drafting_must_beat
 
 def test_a_prompt_s_prefill_counts_its_tokens_so_the_model_keeps_a_pass_s_measured_cost():
     """The verify call of a request's first round prefills its prompt, so it feeds the prompt's tokens, not the one a
-    decoding session feeds: counted as one, each prefill would tell the model that a pass costs several times what it
-    does, and plain steps would look dear and drafting cheap."""
+    decoding session feeds (and the router leaves such calls out of what the model learns: `prefills`,
+    tests/router/test_verifying.py); a call measured as modelled keeps the scale where it is, prompt or not."""
     sampling = messages.SamplingParams(temperature=0.0)
     prompt = messages.VerifySession(sync=messages.SessionSync("new", 0, list(range(64))), tree=messages.TokenTree(), sampling=sampling)
     tree = messages.TokenTree(token_ids=[5, 6, 7], parents=[-1, 0, 1], proposals=[None] * 3)
     decoding = messages.VerifySession(sync=messages.SessionSync("old", 80, []), tree=tree, sampling=sampling)
     assert fed_tokens(prompt) == 64 and fed_tokens(decoding) == 4
+    assert prefills(prompt) and not prefills(decoding)
     cost = model()
     for i in range(400):  # a prompt every eighth call, the others four plain steps of one session; all as modelled
         if i % 8 == 0:
