@@ -169,11 +169,11 @@ class Verifying:
         # call's share as busy time, and scale this call's sessions and tokens up to the batch for the cost model.
         work = reply.compute_ms - reply.shared_ms
         metrics.verify_busy_ms += work * len(sessions) / max(reply.batch_size, len(sessions))
-        fed = sum(fed_tokens(s) for s in sessions)
-        # The verifier's lookup adds its chains' rows to the passes (router.lookup_tokens).
-        rows = sum(v.lookup_proposed for v in reply.sessions)
-        share = reply.batch_size / max(1, len(sessions))
         if not any(prefills(s) for s in sessions):
+            fed = sum(fed_tokens(s) for s in sessions)
+            # The verifier's lookup adds its chains' rows to the passes (router.lookup_tokens).
+            rows = sum(v.lookup_proposed for v in reply.sessions)
+            share = reply.batch_size / max(1, len(sessions))
             cost.observe_verify(round(len(sessions) * share), round(fed * share), work, reply.passes, round(rows * share))
         cost.observe_calls(verify_overhead_ms=wall - reply.compute_ms)
         self._learn_lookup(part, reply.sessions, plan)

@@ -296,11 +296,11 @@ class Verifier:
         for ((n, idx), _, _), result in zip(theirs, verified[len(mine) :]):
             calls[n][1][idx] = result
         # Each joined call's share of the pass is its rows' (its new tokens and tree; a step's token and lookup chain):
-        # a prompt prefilled beside a few one-token steps is most of the pass, and its caller learns costs from it.
-        rows = {id(call): sum(max(1, len(item.new_token_ids)) + len(item.tree_tokens) for _, item, _ in live) for call, _, live in calls}
-        total = sum(1 + len(item.tree_tokens) for _, item, _ in mine) + sum(rows.values())
-        for call, answers, _ in calls:
-            self.answer(call, answers, len(mine) + len(theirs), rows[id(call)] / max(1, total))
+        # a prompt prefilled beside a few one-token steps is most of the pass, not the running call's steps' cost.
+        rows = [sum(max(1, len(item.new_token_ids)) + len(item.tree_tokens) for _, item, _ in live) for _, _, live in calls]
+        total = sum(1 + len(item.tree_tokens) for _, item, _ in mine) + sum(rows)
+        for (call, answers, _), fed in zip(calls, rows):
+            self.answer(call, answers, len(mine) + len(theirs), fed / max(1, total))
         return {item.session_id for call in joined for item in call.items}
 
     def _chunk(self, live: list, results: list) -> list:
