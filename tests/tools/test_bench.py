@@ -297,3 +297,19 @@ def test_a_run_cut_short_keeps_the_load_points_it_measured(random_family, tmp_pa
     results = json.loads((out / "results.json").read_text())
     assert results["partial"] and [(r["label"], r["load"], r["status"]) for r in results["runs"]] == [("hf-target", "c1", "ok")]
     assert "Partial" in (out / "results.md").read_text()
+
+
+def test_the_demo_fleet_system_routes_as_serve_s_embedded_default(tmp_path):
+    """`specfleet-multi` on the bundled family is what the docs call the default: `specfleet serve`'s routing
+    settings with no config; --set still changes them; a single drafter's system routes with the config's defaults."""
+    from specfleet.config.runtime import default_config
+    from tools.bench import runner, systems
+
+    family = runner.resolve_family("demo", None, tmp_path)
+    routing = default_config(tmp_path).router.routing
+    router = systems.SpecfleetMulti(family, systems.Settings()).config()["router"]
+    assert (router["fusion_width"], router["fusion_depth"]) == (routing.fusion_width, routing.fusion_depth)
+    assert routing.fusion_width > 1  # the default fuses: a system without its settings would measure something else
+    changed = systems.SpecfleetMulti(family, systems.Settings(), overrides=[("router.fusion_width", 1)]).config()["router"]
+    assert changed["fusion_width"] == 1
+    assert "fusion_width" not in systems.Specfleet(family, systems.Settings()).config()["router"]

@@ -8,7 +8,8 @@ are measured the same way:
   hf-assisted   transformers assisted generation (`assistant_model=` the drafter)
   specfleet-off `specfleet serve` with every request sent `speculation.disabled=true`
   specfleet     `specfleet serve` with one drafter (the chosen one)
-  specfleet-multi  `specfleet serve` hosting every drafter of the family in one drafter service
+  specfleet-multi  `specfleet serve` hosting every drafter of the family in one drafter service (the demo
+                   family: routed and fused as `specfleet serve` with no config, the default)
   specfleet-fleet  `specfleet serve` with one drafter service per drafter of the family, each on a core of its own
                    (--drafter-cpus), as a fleet of drafter nodes runs
   vllm-target   vLLM CPU OpenAI-compatible server, target alone
@@ -326,9 +327,13 @@ class Specfleet(System):
         if "metrics_port" in {f.name for f in dataclasses.fields(config_mod.RouterConfig)}:
             # the router's Prometheus counters give the verifier's exact busy time per load point
             cfg["router"]["metrics_port"] = free_port()
+        self._routing(cfg["router"])
         for key, value in self.overrides:
             config_mod.set_key(cfg, key, value)
         return cfg
+
+    def _routing(self, router: dict) -> None:
+        """Routing settings beyond the config's defaults (none: one drafter has nothing to route among)."""
 
     def counters(self) -> dict:
         port = getattr(self, "metrics_port", 0)
@@ -497,6 +502,19 @@ class SpecfleetMulti(Specfleet):
 
     def __init__(self, family, settings, label=None, drafters=None, overrides=()):
         super().__init__(family, settings, label, drafters=drafters or sorted(family.drafters), overrides=overrides)
+
+    def _routing(self, router: dict) -> None:
+        """With the bundled demo family, the fusion settings `specfleet serve` starts with when given no config, so
+        that this system is the embedded default the docs call "the default" (--set changes them)."""
+        if self.family.name != "demo":
+            return
+        import tempfile
+
+        from specfleet.config.runtime import default_config
+
+        with tempfile.TemporaryDirectory() as work_dir:
+            routing = default_config(pathlib.Path(work_dir)).router.routing
+        router.update(fusion_width=routing.fusion_width, fusion_depth=routing.fusion_depth)
 
 
 class SpecfleetFleet(SpecfleetMulti):
