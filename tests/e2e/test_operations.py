@@ -39,6 +39,10 @@ def ops(random_family, tmp_path_factory):
         metrics_port=free_port(),
         http_port=free_port(),
         rpc_timeout_s=600.0,  # a round waits out the verifier's pause rather than failing
+        # Every round drafts k: the metrics test needs drafts both accepted and rejected, and with adaptive
+        # speculation the plan may leave a round's requests to plain steps with the verifier's lookup, where what
+        # the lookup learned from the earlier tests' traffic says those commit more (tests/router tests the plan).
+        adaptive_speculation=False,
     )
     config["verifier"]["colocate"] = False  # the tests pause the verifier alone (SIGSTOP), not the router with it
     cluster = Cluster(config, tmp_path_factory.mktemp("ops"), "ops").start()
@@ -166,7 +170,8 @@ def test_metrics_count_what_the_replies_report(ops, stub):
 
     drafted = sum(r.speculation.draft_tokens for r in replies)
     accepted = sum(r.speculation.accepted_tokens for r in replies)
-    assert 0 < accepted < drafted  # the drafter proposed, and the target both accepted and rejected
+    # the drafter proposed, and the target both accepted and rejected
+    assert 0 < accepted < drafted, [r.speculation for r in replies]
     assert moved("specfleet:spec_decode_num_draft_tokens_total") == drafted
     assert moved("specfleet:spec_decode_num_accepted_tokens_total") == accepted
     assert moved_family("specfleet:request_success_total") == len(replies)
