@@ -52,3 +52,25 @@ def test_an_unknown_event_loop_is_refused_naming_the_variable(monkeypatch):
     with pytest.raises(SystemExit, match="SPECFLEET_EVENT_LOOP must be one of uvloop, asyncio, got 'trio'"):
         serving.run(coroutine)
     coroutine.close()
+
+
+def test_what_a_server_holds_once_it_listens_is_out_of_the_collectors_generations():
+    """Objects alive once the server listens (its models, modules and tables) live as long as the process: they are
+    frozen, so collections while serving walk only what serving allocates."""
+    import gc
+
+    async def run() -> int:
+        stop = asyncio.Event()
+        server = asyncio.create_task(serving.serve("verifier", "127.0.0.1", 0, lambda server: [], stop=stop))
+        try:
+            while gc.get_freeze_count() == 0 and not server.done():
+                await asyncio.sleep(0.01)
+            return gc.get_freeze_count()
+        finally:
+            stop.set()
+            await server
+
+    try:
+        assert asyncio.run(asyncio.wait_for(run(), 30)) > 0
+    finally:
+        gc.unfreeze()
