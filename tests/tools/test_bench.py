@@ -191,6 +191,11 @@ def test_interleave_runs_each_load_point_on_every_system_in_turn(random_family, 
     by_key = {(r["load"], r["label"]): r for r in runs}
     again = by_key[("c2#2", "corrupt")]
     assert again["speedup"] == pytest.approx(again["tokens_per_s"] / by_key[("c2#2", "hf-target")]["tokens_per_s"])
+    # Across the passes: each point's median of the paired ratios, in the JSON and in the Markdown.
+    across = {(row["label"], row["load"]): row for row in json.loads((out / "results.json").read_text())["across_passes"]}
+    ratios = sorted(by_key[(load, "corrupt")]["speedup"] for load in ("c2", "c2#2"))
+    assert across[("corrupt", "c2")]["ratio"]["median"] == pytest.approx(sum(ratios) / 2)
+    assert "Across passes" in (out / "results.md").read_text()
 
 
 def test_missing_vllm_is_reported_not_fatal(random_family, tmp_path, capsys):

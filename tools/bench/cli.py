@@ -502,6 +502,7 @@ def _results(args, command: str, family, settings, source: str, requests: list, 
 
 async def run_benchmark(args, command: str) -> dict:
     from tools.bench import runner, workload
+    from tools.bench.passes import across_passes
     from tools.bench.session import BenchSession, add_ratios
     from specfleet.tokenizer import load_tokenizer
 
@@ -571,4 +572,5 @@ async def run_benchmark(args, command: str) -> dict:
             session.references = await asyncio.to_thread(runner.reference_outputs, family, settings, requests, session.advance)
         await session.run(systems, args.interleave)
     add_ratios(results, args.baseline, {s.label for s in systems})
+    results["across_passes"] = across_passes(results)
     return results

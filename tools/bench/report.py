@@ -11,6 +11,8 @@ import re
 import shutil
 import subprocess
 
+from tools.bench.passes import passes_table
+
 REPO = pathlib.Path(__file__).resolve().parent.parent.parent
 DOCS_DIR = REPO / "docs" / "benchmarks"  # one file per block; docs/BENCHMARKS.md summarises them
 
@@ -199,6 +201,9 @@ def markdown(results: dict, plots: dict[str, str] | None = None, heading: str = 
         results_table(results),
         "",
     ]
+    across = passes_table(results)
+    if across:
+        lines += ["Across passes (median of the passes, min–max; each ratio against the baseline's run in the same pass):", "", across, ""]
     rt = round_table(results)
     if rt:
         lines += [
