@@ -155,10 +155,10 @@ class DrafterCore:
         )
 
     async def release(self, request: common_pb2.ReleaseRequest) -> common_pb2.ReleaseResponse:
-        ids = list(request.session_ids)
-        released = 0
-        for model in self.models.values():
-            released += await asyncio.to_thread(model.store.release, ids, request.keep_tokens)
+        ids, keep, models = list(request.session_ids), request.keep_tokens, list(self.models.values())
+        # Each store's lock is held by the model thread for a whole batch: off the event loop, in one hop for every
+        # model (a hop each cost a service of nine models most of the event loop's time its releases took).
+        released = await asyncio.to_thread(lambda: sum(model.store.release(ids, keep) for model in models))
         return common_pb2.ReleaseResponse(released=released)
 
     def info(self) -> drafter_pb2.DrafterInfo:
