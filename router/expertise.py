@@ -30,6 +30,8 @@ class ExpertiseStore:
         self.decay = decay  # multiplies old evidence at every update, so routing follows drifting traffic
         self._local: dict[tuple[str, str], Evidence] = {}
         self._lock = threading.Lock()
+        # Moves whenever the evidence may have: what is computed from it (router/routing.py) is kept until it does.
+        self.version = 0
 
     def get(self, domain: str, drafter: str) -> Evidence:
         with self._lock:
@@ -41,6 +43,7 @@ class ExpertiseStore:
             e = self._local.setdefault((domain, drafter), Evidence())
             e.accepted = e.accepted * self.decay + accepted
             e.rejected = e.rejected * self.decay + rejected
+            self.version += 1
 
     def counts(self, domain: str, drafters) -> list[tuple[float, float]]:
         """(accepted, rejected) of each of these drafters in the domain, read under one lock (a round's plan reads
@@ -214,6 +217,7 @@ class RedisExpertiseStore(ExpertiseStore):
                     continue
                 domain, drafter, evidence = parsed
                 self._local[(domain, drafter)] = evidence
+            self.version += 1
 
     @property
     def backend(self) -> str:

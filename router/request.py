@@ -118,7 +118,7 @@ class RequestState:
     published_final: bool = False
     routing: object = None  # router.routing.RequestRouting
     rounds: int = 0
-    # Until this many rounds, the plan takes the request to be hopeless, as it last found it (router/drafting.py).
+    # Until this many rounds, the plan takes the request to be hopeless, as it last found it (router/planning.py).
     hopeless_until: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0

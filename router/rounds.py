@@ -137,7 +137,7 @@ class RoundPlan:
     # sent it there or because none of its requests drafts at all.
     routed: bool = True
     # Whether the plan ranked drafters and planned k: not where no request's hope could make it draft, nor where the
-    # plan would neither draft nor probe at each request's best drafter (router/drafting.py), nor where it is not routed.
+    # plan would neither draft nor probe at each request's best drafter (router/planning.py), nor where it is not routed.
     ranked: bool = False
 
     def drafting(self) -> list[RequestPlan]:
@@ -146,7 +146,7 @@ class RoundPlan:
     def to_score(self) -> list[RequestState]:
         """The requests whose prompts the specialists score this round: those routing could not place, in a round
         that routes (they decode plainly meanwhile)."""
-        return [r.state for r in self.requests if r.state.routing.needs_scores] if self.routed else []
+        return [r.state for r in self.requests if r.state.routing.awaits_scores] if self.routed else []
 
     def called(self, stage: str, wall_ms: float) -> None:
         """One call of the stage ("draft" or "verify") took wall_ms."""

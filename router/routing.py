@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 
 from router.domains import DomainClassifier, best_label, sure_label
+from router.drafter_choice import upper_acceptance
 from router.expertise import Evidence, ExpertiseStore
 from router.lead_tally import LeadTally
 from specfleet.config import ROUTING_POLICIES, RoutingConfig
@@ -74,6 +75,17 @@ class RequestRouting:
     scorable: bool = True
     prompt: str = ""
 
+    @property
+    def unplaced(self) -> bool:
+        """Waiting for the exemplars to place it (`DrafterRouter.place`), not for the specialists' scores: it is not
+        scorable, and the plan places it in the first round that might draft for it (router/planning.py)."""
+        return self.needs_scores and not self.scorable
+
+    @property
+    def awaits_scores(self) -> bool:
+        """Its prompt is to be scored by the specialists (in the first round that routes it)."""
+        return self.needs_scores and self.scorable
+
 
 class DrafterRouter:
     def __init__(
@@ -99,6 +111,7 @@ class DrafterRouter:
         self.rng = random.Random(seed)
         # Which drafter the round plans led each domain with (router/lead_tally.py): whether scoring a prompt pays.
         self.leads = LeadTally()
+        self._anywhere: tuple[int, dict[str, tuple[float, float]]] | None = None  # (store version, posteriors)
 
     def admits(self, domain: str) -> bool:
         """Whether a request may name this domain (GenerateRequest.domain): a drafter's speciality, or one of the
@@ -185,6 +198,22 @@ class DrafterRouter:
         that also needs every drafter's mean (a round planned by goodput) to compute them once."""
         shared = self.store.counts(routing.domain, self.drafters)
         return {d: self._posterior(routing, d, a, r) for d, (a, r) in zip(self.drafters, shared)}
+
+    def posteriors_anywhere(self) -> dict[str, tuple[float, float]]:
+        """For a request not placed in a domain yet (and so with no evidence of its own), each drafter's posterior in
+        the domain where its hope (`upper_acceptance`) is highest: its hope is at most that wherever the exemplars place
+        it. The plan weighs an unplaced request's hope by these before spending a classification on its prompt. Kept
+        until the store's evidence moves."""
+        if self._anywhere is None or self._anywhere[0] != self.store.version:
+            version, best = self.store.version, {}
+            for domain in sorted(self.domains | {""}):
+                routing = RequestRouting(domain=domain)
+                for drafter, (a, r) in zip(self.drafters, self.store.counts(domain, self.drafters)):
+                    posterior = self._posterior(routing, drafter, a, r)
+                    if drafter not in best or upper_acceptance(*posterior) > upper_acceptance(*best[drafter]):
+                        best[drafter] = posterior
+            self._anywhere = (version, best)
+        return self._anywhere[1]
 
     def choose(self, routing: RequestRouting, candidates: bool = False, posteriors: dict | None = None) -> list[str]:
         """The drafters for this round, best first. Expertise routing adds cooperating drafters (up to fusion_width

@@ -14,7 +14,7 @@ many plain steps costs a new request one pass of waiting, not the round; it join
 least loaded lane after that round.
 
 A round of one group (`_round`; the stages share one `rounds.RoundContext`):
-1. Plan (router/drafting.py): who drafts for each request and how many
+1. Plan (router/planning.py): who drafts for each request and how many
    tokens, returned as a `rounds.RoundPlan` that the next stages take.
 2. Draft (router/drafting.py): a token tree per drafting request, whose every
    node carries the distribution it was drawn from.
@@ -43,6 +43,7 @@ import grpc
 
 from router.drafters import DrafterService
 from router.drafting import Drafting
+from router.planning import Planning
 from router.request import RequestState
 from router.rounds import RecentLoad, RoundContext, RoundMeasures, RoundPlan, SchedulerConfig, concurrently
 from router.routing import DrafterRouter
@@ -76,6 +77,7 @@ class Scheduler:
         self.context = RoundContext(config, drafters, router, controller)
         self.verifiers = verifiers
         self.drafting = Drafting(self.context, self._in_background)
+        self.planning = Planning(self.context, self.drafting.breaker)
         self.verifying = Verifying(self.context, verifiers)
         self._background: set[asyncio.Task] = set()
         self._stopping = asyncio.Event()  # set by stop(): background releases stop retrying
@@ -238,7 +240,7 @@ class Scheduler:
         # Drafting hides behind verification only while another lane has requests to verify. A new request
         # whose specialists still score its prompt decodes plainly in this round, which verifies its prompt while
         # they score it (in the same round, beside its draft and verify calls), not after.
-        plan = self.drafting.plan(batch, overlap=sum(1 for lane in self._lanes if lane) > 1, running=running)
+        plan = self.planning.plan(batch, overlap=sum(1 for lane in self._lanes if lane) > 1, running=running)
         planned, prefills = time.perf_counter(), sum(1 for s in batch if s.rounds == 0)
         clean_start = self._measures.start(index, plan)
         unscored = plan.to_score()

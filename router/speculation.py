@@ -27,7 +27,7 @@ full share returns with the first round the plan drafts in.
 A probe is worth its price only where what it may find could make the plan draft: a
 request probes only if the plan would draft for it at its hope, the best acceptance
 its evidence leaves plausible (`could_draft`), and a round in which that plan drafts
-for nobody is not routed at all (router/drafting.py).
+for nobody is not routed at all (router/planning.py).
 
 The model's prediction is then checked against what rounds deliver
 (`MeasuredGoodput`, router/measured_goodput.py). The model leaves costs out (the router's own work per
@@ -164,7 +164,7 @@ class SpeculationController:
             self.cost.observe_round(modelled_ms, wall_ms, drafted)
 
     def planned_plainly(self, plain_steps: list[int]) -> None:
-        """A routed round the plan was not asked for (router/drafting.py: no request hopeful, or none that might draft
+        """A routed round the plan was not asked for (router/planning.py: no request hopeful, or none that might draft
         or probe at its best drafter): its modelled time, its requests decoding `plain_steps` tokens each, counts
         towards the next probe like a round the plan keeps at k = 0."""
         self.since_probe_ms += self._round([0] * len(plain_steps), [0.0] * len(plain_steps), False, 1, None, plain_steps)[1]
@@ -269,7 +269,7 @@ class SpeculationController:
         running: int | None = None,
     ) -> bool:
         """Whether `plan`, asked now with these arguments, would draft or probe for any request; pure (no probe clock
-        moves). Routing by goodput asks it at each request's best drafter before it ranks drafters (router/drafting.py)."""
+        moves). Routing by goodput asks it at each request's best drafter before it ranks drafters (router/planning.py)."""
         args = (acceptance, overlap, models, fill, plain_steps, catch_up)
         shares = _catch_up_shares(catch_up, max_draft_tokens, remaining)
         ks = self._best_ks(acceptance, max_draft_tokens, overlap, models, fill, plain_steps, shares)

@@ -1,4 +1,4 @@
-"""How long the router takes to plan one round (`Drafting.plan`): routing, consolidation, k, helpers.
+"""How long the router takes to plan one round (`Planning.plan`): routing, consolidation, k, helpers.
 
 Synthetic rounds of 1, 4 and 16 requests among the demo family's eight drafters (seven specialists, the general
 drafter), each request in a domain of its own in turn, adaptive speculation on, fusion_width 1; the best of five
@@ -25,7 +25,7 @@ ROOT = sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("-") else
 sys.path.insert(0, ROOT)
 
 from router.drafters import DrafterService  # noqa: E402
-from router.drafting import Drafting  # noqa: E402
+from router.planning import Planning  # noqa: E402
 from router.request import RequestSpec, RequestState  # noqa: E402
 from router.rounds import RoundContext, SchedulerConfig  # noqa: E402
 from router.domains import DomainClassifier  # noqa: E402
@@ -81,7 +81,7 @@ def main() -> int:
         ExpertiseStore(0.99),
     )
     controller = SpeculationController(CostModel(), settings=SpeculationConfig(remeasure_every=0))
-    drafting = Drafting(RoundContext(SchedulerConfig(), {p.name: service for p in profiles}, router, controller), in_background=lambda c: None)
+    planning = Planning(RoundContext(SchedulerConfig(), {p.name: service for p in profiles}, router, controller))
     router.rng.seed(0)
     if args.acceptance is not None:
         for domain in DOMAINS:
@@ -92,14 +92,14 @@ def main() -> int:
         for i, state in enumerate(batch):
             state.routing = router.start("x", domain_hint=DOMAINS[i % len(DOMAINS)])
         for _ in range(50 + args.plans):
-            drafting.plan(batch, overlap=False)
+            planning.plan(batch, overlap=False)
         if args.plans:
             continue
         best = float("inf")
         for _ in range(5):
             started = time.perf_counter()
             for _ in range(300):
-                drafting.plan(batch, overlap=False)
+                planning.plan(batch, overlap=False)
             best = min(best, (time.perf_counter() - started) / 300 * 1e3)
         print(f"{n} requests, {len(profiles)} drafters: {best:.3f} ms a plan (best of 5 timings of 300)")
     return 0

@@ -43,7 +43,7 @@ LONG_FILES = {
     "specfleet/cli.py": "every subcommand's entry and `serve`'s process tree in one place, the order they start in",
 }
 LONG_FUNCTIONS = {
-    "router/drafting.py:Drafting.plan": "a round's plan reads top to bottom: route, hope, consolidate, k, helpers",
+    "router/planning.py:Planning.plan": "a round's plan reads top to bottom: route, hope, consolidate, k, helpers",
     "router/drafter_choice.py:cooperate": "the helper search and its goodput bookkeeping share their loop state",
     "specfleet/ray_cluster.py:serve": "the Ray deployment's start-up in the order its actors must come up",
 }

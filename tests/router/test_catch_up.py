@@ -1,4 +1,4 @@
-"""Catching a drafter up (router/cost_model.py `draft_catch_up_ms`, router/speculation.py, router/drafting.py
+"""Catching a drafter up (router/cost_model.py `draft_catch_up_ms`, router/speculation.py, router/planning.py
 `_catch_up_ms`): a request whose drafter lacks its context pays for feeding it on its first draft.
 
 A request that decoded plainly for a while, or never drafted, has a drafter session that lacks its context; the draft
@@ -14,7 +14,7 @@ import pytest
 
 from router.cost_model import CATCH_UP_TOKENS, CostModel
 from router.drafters import DrafterService
-from router.drafting import Drafting
+from router.planning import Planning
 from router.request import RequestSpec, RequestState, SessionMirror
 from router.rounds import RoundContext, SchedulerConfig
 from router.domains import DomainClassifier
@@ -28,7 +28,7 @@ PLAIN_STEPS = 4
 
 
 def _controller(per_token: float = 0.1) -> SpeculationController:
-    """The cost model of tests/router/test_drafting.py (drafting pays from an acceptance of 0.7 at 4 plain steps), with
+    """The cost model of tests/router/test_planning.py (drafting pays from an acceptance of 0.7 at 4 plain steps), with
     a token of catch-up at `per_token` ms."""
     cost = CostModel(
         verify_base=2.0, verify_per_token=0.1, draft_per_token=0.5, draft_base=1.0, verify_call=0.0, draft_call=0.0, pinned=True,
@@ -112,9 +112,9 @@ def test_the_plan_weighs_what_each_request_s_drafter_lacks():
         settings = SchedulerConfig(SchedulingConfig(plain_steps=PLAIN_STEPS))
         controller = _controller()
         controller.since_probe_ms = 400.0  # a probe may lose 20 ms
-        drafting = Drafting(RoundContext(settings, {"general": service, "code": service}, router, controller), in_background=lambda c: None)
+        planning = Planning(RoundContext(settings, {"general": service, "code": service}, router, controller))
         state.routing = router.start("def f(x):", domain_hint="code")
-        return [r.k for r in drafting.plan([state], overlap=False).requests]
+        return [r.k for r in planning.plan([state], overlap=False).requests]
 
     held = _request("held", 300)
     for drafter in ("general", "code"):

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 from router.drafters import DrafterService
 from router.drafter_choice import AcceptanceScale, DraftFill, FusionGain, consolidate, cooperate, expected_tokens, fused_tokens, most_models
-from router.drafting import Drafting
+from router.planning import Planning
 from router.request import RequestSpec, RequestState
 from router.rounds import RequestPlan, RoundContext, SchedulerConfig
 from router.domains import DomainClassifier
@@ -81,16 +81,16 @@ def test_a_model_no_request_leads_with_may_take_the_whole_round():
 
 
 def test_a_round_moves_no_request_to_a_drafter_whose_service_is_skipped():
-    """Drafting.usable: the drafters on a service whose every replica the breaker skips are not candidates."""
+    """Planning.usable: the drafters on a service whose every replica the breaker skips are not candidates."""
     replicas = {"left": [SimpleNamespace(name="left-0")], "right": [SimpleNamespace(name="right-0"), SimpleNamespace(name="right-1")]}
     services = {name: DrafterService(name, replicas[name]) for name in replicas}
     hosted = {"general": services["left"], "code": services["right"], "german": services["right"]}
     router = DrafterRouter(RoutingConfig(), [DrafterProfile(name) for name in hosted], DomainClassifier({}), ExpertiseStore(0.99))
-    drafting = Drafting(RoundContext(SchedulerConfig(), hosted, router, SpeculationController(cost(1.0))), in_background=lambda coroutine: None)
-    assert drafting.usable() == ["general", "code", "german"]
-    drafting.breaker.failed("left-0")
-    drafting.breaker.failed("right-0")
-    assert drafting.usable() == ["code", "german"]  # right-1 still answers
+    planning = Planning(RoundContext(SchedulerConfig(), hosted, router, SpeculationController(cost(1.0))))
+    assert planning.usable() == ["general", "code", "german"]
+    planning.breaker.failed("left-0")
+    planning.breaker.failed("right-0")
+    assert planning.usable() == ["code", "german"]  # right-1 still answers
 
 
 def test_cheap_steps_or_much_better_specialists_keep_the_routing():
@@ -209,7 +209,7 @@ def _request(session_id: str, max_draft_tokens: int = 4) -> RequestState:
 
 
 def test_a_round_plans_helpers_by_goodput_with_adaptive_speculation_and_by_fusion_below_without():
-    """Through `Drafting.plan`: with adaptive speculation a helper on another service, whose rows cost nothing,
+    """Through `Planning.plan`: with adaptive speculation a helper on another service, whose rows cost nothing,
     joins whatever fusion_below says, and the plan records what it is expected to add; with fusion_width 1 there is none; with
     adaptive speculation off routing's fusion_below rule alone decides."""
     replicas = {name: DrafterService(name, [SimpleNamespace(name=f"{name}-0")]) for name in ("left", "right")}
@@ -220,11 +220,11 @@ def test_a_round_plans_helpers_by_goodput_with_adaptive_speculation_and_by_fusio
         config = RoutingConfig(routing_policy="expertise", default_drafter="general", fusion_width=fusion_width, fusion_below=fusion_below)
         router = DrafterRouter(config, profiles, DomainClassifier({}), ExpertiseStore(0.99))
         controller = SpeculationController(cost(0.5, per_row_ms=0.0), settings=SpeculationConfig(adaptive_speculation=adaptive, remeasure_every=0))
-        drafting = Drafting(RoundContext(SchedulerConfig(), hosted, router, controller), in_background=lambda coroutine: None)
+        planning = Planning(RoundContext(SchedulerConfig(), hosted, router, controller))
         batch = [_request(f"s{i}") for i in range(2)]
         for state in batch:
             state.routing = router.start("def f(x):", domain_hint="code")
-        return drafting.plan(batch, overlap=False).requests
+        return planning.plan(batch, overlap=False).requests
 
     fused = plan(fusion_width=2, adaptive=True)
     assert all(len(r.drafters) == 2 and r.k > 0 and r.expected_gain > 0 for r in fused)
@@ -304,7 +304,7 @@ def test_a_drafter_whose_leads_gain_less_than_routing_predicts_is_weighed_by_wha
 
 
 def test_a_round_weighs_each_lead_by_what_its_leads_gained():
-    """Through `Drafting.plan`, one request in the code specialist's domain: routing's prior makes the specialist its
+    """Through `Planning.plan`, one request in the code specialist's domain: routing's prior makes the specialist its
     lead (0.8 per token); once its leads are measured to gain nothing (routing's own evidence unchanged), the round
     moves the request to the general drafter. The plan records routing's own prediction for the lead."""
     service = DrafterService("drafters", [SimpleNamespace(name="drafters-0")])
@@ -312,15 +312,15 @@ def test_a_round_weighs_each_lead_by_what_its_leads_gained():
     router = DrafterRouter(RoutingConfig(routing_policy="expertise", default_drafter="general"), profiles, DomainClassifier({}), ExpertiseStore(0.99))
     controller = SpeculationController(cost(0.5, per_row_ms=0.1), settings=SpeculationConfig(remeasure_every=0))
     context = RoundContext(SchedulerConfig(), {"general": service, "code": service}, router, controller)
-    drafting = Drafting(context, in_background=lambda coroutine: None)
+    planning = Planning(context)
     state = _request("s0")
     state.routing = router.start("def f(x):", domain_hint="code")
-    (before,) = drafting.plan([state], overlap=False).requests
+    (before,) = planning.plan([state], overlap=False).requests
     assert before.drafters == ["code"] and before.k > 0 and before.acceptance == router.mean(state.routing, "code")
     for _ in range(300):  # what verification measures (`test_verification_measures_what_the_helpers_added`)
         controller.acceptance_scale.observe("code", 0.8, 4, hits=0)
     assert abs(controller.acceptance_scale.scale("code") - AcceptanceScale.LOW) < 1e-6
-    (after,) = drafting.plan([state], overlap=False).requests
+    (after,) = planning.plan([state], overlap=False).requests
     assert after.drafters == ["general"], after.drafters
 
 
@@ -340,11 +340,11 @@ def test_a_round_the_measured_check_sends_to_plain_decoding_routes_nothing_and_s
         for _ in range(40):  # two requests running: plain rounds commit one token each, drafting rounds two
             controller.observe_round(2, 2, plain_ms, speculated=False, running=2)
             controller.observe_round(2, 4, drafting_ms, speculated=True, running=2)
-        drafting = Drafting(RoundContext(SchedulerConfig(), hosted, router, controller), in_background=lambda coroutine: None)
+        planning = Planning(RoundContext(SchedulerConfig(), hosted, router, controller))
         batch = [_request(f"s{i}", max_draft_tokens) for i in range(2)]
         for state in batch:
             state.routing = router.start("def f(x): return x", domain_hint="", drafts=max_draft_tokens > 0)
-        return drafting.plan(batch, overlap=False, running=2), batch
+        return planning.plan(batch, overlap=False, running=2), batch
 
     plain, batch = plan(plain_ms=4.0, drafting_ms=12.0)  # drafting: 2 tokens in 12 ms against 1 in 4
     assert not plain.routed and all(r.k == 0 and not r.drafters for r in plain.requests)
@@ -352,14 +352,14 @@ def test_a_round_the_measured_check_sends_to_plain_decoding_routes_nothing_and_s
     routed, batch = plan(plain_ms=8.0, drafting_ms=9.0)
     assert routed.routed and all(r.k > 0 for r in routed.requests)
     assert not any(s.routing.needs_scores for s in batch)  # the exemplars placed them
-    batch[0].routing.needs_scores = True  # one the exemplars could not place: scored in a round that routes
+    batch[0].routing.needs_scores = batch[0].routing.scorable = True  # one the exemplars could not place: scored in a round that routes
     assert routed.to_score() == [batch[0]]
     # A round none of whose requests drafts at all (speculation off for each) decodes plainly, unrouted, whatever
     # the check measured: it is plain decoding's round, not speculating's.
     assert not plan(plain_ms=8.0, drafting_ms=9.0, max_draft_tokens=0)[0].routed
 
 
-def scoring_setup() -> tuple[DrafterRouter, SpeculationController, Drafting]:
+def scoring_setup() -> tuple[DrafterRouter, SpeculationController, Planning]:
     """A general drafter and a code specialist on one service, exemplars that place no prompt for sure, a controller
     with the measured check on, and the round planning over them: (the router, the controller, the planning)."""
     service = DrafterService("left", [SimpleNamespace(name="left-0")])
@@ -368,7 +368,7 @@ def scoring_setup() -> tuple[DrafterRouter, SpeculationController, Drafting]:
     config = RoutingConfig(routing_policy="expertise", default_drafter="general", exemplar_margin=100.0)  # nothing sure
     router = DrafterRouter(config, [DrafterProfile("general"), DrafterProfile("code", specialities=["code"])], exemplars, ExpertiseStore(0.99))
     controller = SpeculationController(cost(0.5), settings=SpeculationConfig(remeasure_every=32))
-    return router, controller, Drafting(RoundContext(SchedulerConfig(), hosted, router, controller), in_background=lambda coroutine: None)
+    return router, controller, Planning(RoundContext(SchedulerConfig(), hosted, router, controller))
 
 
 def test_a_prompt_first_decoded_plainly_by_the_measured_check_is_placed_by_the_exemplars_not_scored():
@@ -376,24 +376,24 @@ def test_a_prompt_first_decoded_plainly_by_the_measured_check_is_placed_by_the_e
     exemplars' best guess places it, so that a round that speculates again does not pay for every prompt that arrived
     while the lane decoded plainly. Nor is one whose first round speculates only to remeasure speculating. A request
     routed from its first round while speculating is not measured to lose is scored as before."""
-    router, controller, drafting = scoring_setup()
+    router, controller, planning = scoring_setup()
     for _ in range(40):  # plain decoding measured ahead
         controller.observe_round(2, 2, 4.0, speculated=False, running=2)
         controller.observe_round(2, 4, 12.0, speculated=True, running=2)
     early = _request("early")
     early.routing = router.start("def f(x): return x", domain_hint="")
-    assert not drafting.plan([early], overlap=False, running=2).routed
+    assert not planning.plan([early], overlap=False, running=2).routed
     for _ in range(32):  # plain rounds until speculating is due to be remeasured
         controller.observe_round(2, 2, 4.0, speculated=False, running=2)
     remeasured = _request("remeasured")
     remeasured.routing = router.start("def f(x): return x", domain_hint="")
-    plan = drafting.plan([remeasured], overlap=False, running=2)
+    plan = planning.plan([remeasured], overlap=False, running=2)
     assert plan.routed and plan.to_score() == [], "a round that only remeasures speculating scores no prompt"
     assert not remeasured.routing.needs_scores and remeasured.routing.domain == "code"
     controller.settings = SpeculationConfig(remeasure_every=0)  # from now on every round routes
     late = _request("late")
     late.routing = router.start("def f(x): return x", domain_hint="")
-    routed = drafting.plan([early, late], overlap=False, running=2)
+    routed = planning.plan([early, late], overlap=False, running=2)
     assert routed.routed and routed.to_score() == [late]
     assert not early.routing.needs_scores and early.routing.domain == "code"
 
@@ -402,49 +402,49 @@ def test_prompts_are_scored_only_where_speculating_is_measured_to_pay():
     """The specialists' scoring of a new prompt (a prefill each) buys better drafting, which pays only where drafting
     does: on a cold start, before speculating is measured against plain decoding, the exemplars place the prompt;
     once speculating is measured ahead at the load, new prompts are scored."""
-    router, controller, drafting = scoring_setup()
+    router, controller, planning = scoring_setup()
     cold = _request("cold")
     cold.routing = router.start("def f(x): return x", domain_hint="")
-    plan = drafting.plan([cold], overlap=False, running=2)
+    plan = planning.plan([cold], overlap=False, running=2)
     assert plan.routed and plan.to_score() == [], "a cold start scores no prompt"
     assert not cold.routing.needs_scores and cold.routing.domain == "code"  # the exemplars' best guess
     for _ in range(3):  # speculating's rounds draft; plain decoding is not measured yet
         controller.observe_round(2, 4, 9.0, speculated=True, running=2, drafted=True)
     unmeasured = _request("unmeasured")
     unmeasured.routing = router.start("def f(x): return x", domain_hint="")
-    plan = drafting.plan([unmeasured], overlap=False, running=2)
+    plan = planning.plan([unmeasured], overlap=False, running=2)
     assert plan.routed and plan.to_score() == [], "speculating not yet measured against plain decoding"
     for _ in range(40):  # speculating measured ahead: two tokens a request in 9 ms against one in 8
         controller.observe_round(2, 2, 8.0, speculated=False, running=2)
         controller.observe_round(2, 4, 9.0, speculated=True, running=2, drafted=True)
     warm = _request("warm")
     warm.routing = router.start("def f(x): return x", domain_hint="")
-    assert drafting.plan([warm], overlap=False, running=2).to_score() == [warm]
+    assert planning.plan([warm], overlap=False, running=2).to_score() == [warm]
 
 
 def test_prompts_are_not_scored_where_speculating_s_rounds_drafted_for_nobody_lately():
     """Speculating measured ahead beyond the noise, but by rounds the plan routed and drafted in for nobody (plain
     rounds, whichever way the check counts them): the lead is chance, and scoring would buy drafting that does not
     happen. One drafting round among the last few is enough to score again."""
-    router, controller, drafting = scoring_setup()
+    router, controller, planning = scoring_setup()
     for _ in range(40):
         controller.observe_round(2, 2, 8.0, speculated=False, running=2)
         controller.observe_round(2, 4, 9.0, speculated=True, running=2)
     assert controller.measured.speculating_wins(2) and not controller.measured.drafted_lately(2)
     plain = _request("plain")
     plain.routing = router.start("def f(x): return x", domain_hint="")
-    assert drafting.plan([plain], overlap=False, running=2).to_score() == []
+    assert planning.plan([plain], overlap=False, running=2).to_score() == []
     controller.observe_round(2, 4, 9.0, speculated=True, running=2, drafted=True)
     again = _request("again")
     again.routing = router.start("def f(x): return x", domain_hint="")
-    assert drafting.plan([again], overlap=False, running=2).to_score() == [again]
+    assert planning.plan([again], overlap=False, running=2).to_score() == [again]
 
 
 def test_prompts_are_not_scored_where_speculating_and_plain_decoding_are_level():
     """Rounds that speculate deliver what plain rounds do, within their spread: a prefill by every specialist would
     buy drafting that does not pay. Speculating's point estimate is ahead here, by chance; only ahead beyond the noise
     does scoring pay."""
-    router, controller, drafting = scoring_setup()
+    router, controller, planning = scoring_setup()
     rng = random.Random(0)
     for _ in range(40):
         controller.observe_round(2, 16, 14.0 * rng.uniform(0.9, 1.1), speculated=False, running=2)
@@ -454,4 +454,4 @@ def test_prompts_are_not_scored_where_speculating_and_plain_decoding_are_level()
     assert not measured.speculating_wins(2) and not measured.speculating_loses(2)
     level = _request("level")
     level.routing = router.start("def f(x): return x", domain_hint="")
-    assert drafting.plan([level], overlap=False, running=2).to_score() == []
+    assert planning.plan([level], overlap=False, running=2).to_score() == []

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from router.drafters import DrafterService
-from router.drafting import Drafting
+from router.planning import Planning
 from router.lead_tally import LeadTally
 from router.request import RequestSpec, RequestState
 from router.rounds import RoundContext, SchedulerConfig
@@ -83,7 +83,7 @@ def request(session: str, domain_router: DrafterRouter, prompt: str) -> RequestS
 
 
 def test_a_round_s_plan_tallies_the_lead_of_every_request_it_drafts_for():
-    """The plan (router/drafting.py) tallies each drafting request's lead under its domain; a request it decodes
+    """The plan (router/planning.py) tallies each drafting request's lead under its domain; a request it decodes
     plainly adds nothing. Nothing is called: the plan only weighs the round (its gRPC channel stays unused)."""
     router = make_router()
     plan = asyncio.run(_plan(router))
@@ -95,7 +95,7 @@ async def _plan(router: DrafterRouter):
     services = {name: DrafterService("drafters", [GrpcDrafter("drafters", "127.0.0.1:9")]) for name in router.drafters}
     # Catching a drafter up costs nothing here: the plan drafts by acceptance alone (tests/router/test_catch_up.py).
     controller = SpeculationController(CostModel(pinned=True, draft_catch_up_per_token=0.0), settings=SpeculationConfig(remeasure_every=0))
-    drafting = Drafting(RoundContext(SchedulerConfig(), services, router, controller), in_background=lambda coroutine: coroutine.close())
+    planning = Planning(RoundContext(SchedulerConfig(), services, router, controller))
     batch = [request("a", router, "def f(): pass"), request("b", router, "def g(): pass")]
     batch[1].spec.max_draft_tokens = 0
-    return drafting.plan(batch, overlap=False)
+    return planning.plan(batch, overlap=False)

@@ -1,4 +1,4 @@
-"""Planning a round (router/drafting.py `Drafting.plan`): where nobody could draft, nothing is ranked or probed; a
+"""Planning a round (router/planning.py `Planning.plan`): where nobody could draft, nothing is ranked or probed; a
 request's first round decodes plainly.
 
 Each request's hope is the best acceptance its drafters' posteriors leave plausible (router/drafter_choice.py
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 from router.cost_model import CostModel
 from router.drafter_choice import upper_acceptance
 from router.drafters import DrafterService
-from router.drafting import HOPE_RECHECK_ROUNDS, Drafting
+from router.planning import HOPE_RECHECK_ROUNDS, Planning
 from router.request import RequestSpec, RequestState
 from router.rounds import RoundContext, SchedulerConfig
 from router.domains import DomainClassifier
@@ -65,9 +65,8 @@ def _plans(code_accepted: float, code_rejected: float, rounds: int, first_rounds
     controller, asked = _controller(), []
     might_draft = controller.might_draft
     controller.might_draft = lambda *args, **kwargs: asked.append(args) or might_draft(*args, **kwargs)
-    drafting = Drafting(
-        RoundContext(SchedulerConfig(SchedulingConfig(plain_steps=PLAIN_STEPS)), {"general": service, "code": service}, router, controller),
-        in_background=lambda c: None,
+    planning = Planning(
+        RoundContext(SchedulerConfig(SchedulingConfig(plain_steps=PLAIN_STEPS)), {"general": service, "code": service}, router, controller)
     )
     batch = [_request(f"s{i}") for i in range(2)]
     for state in batch[:first_rounds]:
@@ -76,7 +75,7 @@ def _plans(code_accepted: float, code_rejected: float, rounds: int, first_rounds
         state.routing = router.start("def f(x):", domain_hint="code")
     plans = []
     for _ in range(rounds):
-        plans.append(drafting.plan(batch, overlap=False))
+        plans.append(planning.plan(batch, overlap=False))
         for state in batch:
             state.rounds += 1  # as the round's verification counts it
     return plans, len(ranked), len(asked)
@@ -145,7 +144,7 @@ def test_a_request_found_hopeless_is_weighed_again_every_few_rounds_not_every_ro
     posteriors = router.posteriors
     router.posteriors = lambda routing: weighed.append(state.rounds) or posteriors(routing)
     settings = SchedulerConfig(SchedulingConfig(plain_steps=PLAIN_STEPS))
-    drafting = Drafting(RoundContext(settings, {"general": service, "code": service}, router, _controller()), in_background=lambda c: None)
+    planning = Planning(RoundContext(settings, {"general": service, "code": service}, router, _controller()))
     state = _request("s0")
     state.routing = router.start("def f(x):", domain_hint="code")
     ks = []
@@ -153,6 +152,48 @@ def test_a_request_found_hopeless_is_weighed_again_every_few_rounds_not_every_ro
         state.rounds = rounds
         if rounds == 6:
             router.store.add("code", "code", 2000.0, 0.0)  # the specialist's drafts now accepted
-        ks.append(drafting.plan([state], overlap=False).requests[0].k)
+        ks.append(planning.plan([state], overlap=False).requests[0].k)
     assert weighed[:3] == [1, 5, 9], weighed
     assert ks[:8] == [0] * 8 and ks[8] > 0, ks  # drafts from round 9 on
+
+
+def test_a_prompt_the_exemplars_have_not_placed_is_classified_only_once_a_round_might_draft_for_it():
+    """Where the specialists do not score new prompts (scoring does not pay on a cold start), the exemplars place a
+    prompt in the first round that might draft for it: weighed at its hope anywhere (each drafter's best domain), a
+    request nobody could draft for wherever it belongs is left unplaced, its prompt not classified (the largest part
+    of a new request's plan). Once some domain's evidence could make it draft, it is placed and drafts there."""
+    service = DrafterService("left", [SimpleNamespace(name="left-0")])
+    exemplars = DomainClassifier({"code": ["def f(x): return x"], "en": ["the cat sat on the mat"]})
+    classified = []
+    scores = exemplars.scores
+    exemplars.scores = lambda prompt: classified.append(prompt) or scores(prompt)
+    config = RoutingConfig(routing_policy="expertise", default_drafter="general", fusion_width=1)
+    profiles = [DrafterProfile("general"), DrafterProfile("code", specialities=["code"]), DrafterProfile("en", specialities=["en"])]
+    router = DrafterRouter(config, profiles, exemplars, ExpertiseStore(1.0))
+    router.rng.seed(0)
+    for domain, drafter in (("code", "general"), ("code", "code"), ("en", "en"), ("en", "general"), ("", "general")):
+        router.store.add(domain, drafter, 76.8, 179.2)  # hope 0.38 each, where drafting pays from 0.7
+    router.store.add("", "code", 76.8, 179.2)
+    router.store.add("", "en", 76.8, 179.2)
+    router.store.add("code", "en", 76.8, 179.2)
+    router.store.add("en", "code", 76.8, 179.2)
+    cost = CostModel(verify_base=2.0, verify_per_token=0.1, draft_per_token=0.5, draft_base=1.0, verify_call=0.0, draft_call=0.0, pinned=True)
+    controller = SpeculationController(cost, settings=SpeculationConfig(remeasure_every=32))  # cold: scoring does not pay
+    settings = SchedulerConfig(SchedulingConfig(plain_steps=PLAIN_STEPS))
+    planning = Planning(RoundContext(settings, {d.name: service for d in profiles}, router, controller))
+    state = _request("s0")
+    state.rounds = 0
+    state.routing = router.start("def g(y): return y", domain_hint="")
+    assert state.routing.needs_scores
+    ks = []
+    for rounds in range(14):
+        state.rounds = rounds
+        if rounds == 6:
+            router.store.add("code", "code", 2000.0, 0.0)  # the code specialist's drafts now accepted in code
+        plan = planning.plan([state], overlap=False)
+        assert plan.to_score() == []  # nor is it ever scored
+        ks.append(plan.requests[0].k)
+        if rounds < 9:
+            assert classified == [] and state.routing.unplaced and state.routing.domain == "", rounds
+    assert ks[:9] == [0] * 9 and ks[9] > 0, ks  # weighed in rounds 1 and 5 (hopeless anywhere), then 9: drafts
+    assert len(classified) == 1 and state.routing.domain == "code" and not state.routing.needs_scores

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 
 from router import messages, transport
-from router.drafting import _depths
+from router.planning import _depths
 from router.rounds import plain_steps
 from router.request import RequestSpec, RequestState
 from router.rounds import RecentLoad, RequestPlan, RoundPlan

@@ -215,7 +215,7 @@ def test_probes_after_which_nobody_drafts_come_ever_further_apart_until_the_plan
 
 
 def test_a_round_nobody_could_draft_in_counts_towards_the_next_probe():
-    """A round the plan is not asked for (no request hopeful: router/drafting.py) is still time the next probe's loss is
+    """A round the plan is not asked for (no request hopeful: router/planning.py) is still time the next probe's loss is
     weighed against."""
     fresh, waited = pinned_controller(), pinned_controller()
     for _ in range(3):
