@@ -1,6 +1,6 @@
 """A round's plan, and the context its stages share.
 
-A round of one lane (router/scheduler.py) is: plan (`Drafting.plan` returns a
+A round of one lane (router/scheduler.py) is: plan (`Planning.plan` returns a
 `RoundPlan`), draft (`Drafting.draft(plan)` returns each request's `DraftTree`),
 verify, commit and learn (`Verifying.verify(plan, trees)`). The plan is data handed
 from stage to stage; what lasts beyond the round stays in `RequestState`.
