@@ -216,8 +216,9 @@ class RedisExpertiseStore(ExpertiseStore):
                         log.warning("redis %s: ignoring field %r = %r; expected 'accepted,rejected', finite and >= 0", self.key, name, value)
                     continue
                 domain, drafter, evidence = parsed
-                self._local[(domain, drafter)] = evidence
-            self.version += 1
+                if self._local.get((domain, drafter)) != evidence:
+                    self._local[(domain, drafter)] = evidence
+                    self.version += 1
 
     @property
     def backend(self) -> str:

@@ -25,10 +25,10 @@ from specfleet.sampling import SamplingParams
 PLAIN_STEPS = 4  # what a round nobody drafts in decodes a request here (the cost model below is calibrated at it)
 
 
-def _controller() -> SpeculationController:
+def _controller(remeasure_every: int = 0) -> SpeculationController:
     """Two requests decoding PLAIN_STEPS plain steps a round: drafting pays from an acceptance of 0.7 (checked below)."""
     cost = CostModel(verify_base=2.0, verify_per_token=0.1, draft_per_token=0.5, draft_base=1.0, verify_call=0.0, draft_call=0.0, pinned=True)
-    return SpeculationController(cost, settings=SpeculationConfig(remeasure_every=0))
+    return SpeculationController(cost, settings=SpeculationConfig(remeasure_every=remeasure_every))
 
 
 def _request(session_id: str) -> RequestState:
@@ -177,8 +177,7 @@ def test_a_prompt_the_exemplars_have_not_placed_is_classified_only_once_a_round_
     router.store.add("", "en", 76.8, 179.2)
     router.store.add("code", "en", 76.8, 179.2)
     router.store.add("en", "code", 76.8, 179.2)
-    cost = CostModel(verify_base=2.0, verify_per_token=0.1, draft_per_token=0.5, draft_base=1.0, verify_call=0.0, draft_call=0.0, pinned=True)
-    controller = SpeculationController(cost, settings=SpeculationConfig(remeasure_every=32))  # cold: scoring does not pay
+    controller = _controller(remeasure_every=32)  # the measured check on, cold: scoring does not pay
     settings = SchedulerConfig(SchedulingConfig(plain_steps=PLAIN_STEPS))
     planning = Planning(RoundContext(settings, {d.name: service for d in profiles}, router, controller))
     state = _request("s0")

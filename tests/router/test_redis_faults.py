@@ -47,6 +47,14 @@ def test_bad_values_in_redis_are_ignored_and_routing_keeps_answering(redis_url):
     fresh = client.hget("specfleet:expertise", "code\x1fd0").decode().split(",")
     assert [float(x) for x in fresh] == [2.0, 1.0]
     assert store.snapshot()[("code", "good")].accepted == pytest.approx(4.0 * 0.98 + 1.0)
+    # What is computed from the evidence (router/routing.py `posteriors_anywhere`) is kept while a sync reads nothing
+    # new, and recomputed once another router's update arrives.
+    version = store.version
+    store.sync(pairs)
+    assert store.version == version
+    client.hset("specfleet:expertise", "code\x1fgood", b"9.0,1.0")
+    store.sync(pairs)
+    assert store.version > version and store.snapshot()[("code", "good")].accepted == 9.0
 
     # The Thompson sample over what was read must return (it looped forever on NaN parameters).
     router = make_router()
