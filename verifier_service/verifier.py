@@ -338,14 +338,6 @@ class Verifier:
         scored = tree_pass(self.loaded, [(session, item.tree_tokens, item.tree_parents) for _, item, session in live])
         logits = scored.logits  # [B, 1 + N, V] on the model's device
 
-        num_nodes = logits.shape[1] - 1
-        trees = TreeBatch.from_lists(
-            [item.tree_tokens for _, item, _ in live],
-            [item.tree_parents for _, item, _ in live],
-            [item.proposals for _, item, _ in live],
-            num_nodes,
-            logits.device,
-        )
         params = [item.sampling for _, item, _ in live]
         # Greedy and raced sessions have a fixed target token at every row: the greedy walk
         # decides them (obligations 5 and 6); the rest take rejection sampling.
@@ -355,19 +347,26 @@ class Verifier:
         if fixed:
             # Row 0 fills position len(tokens); the row after a node at depth d fills len(tokens) + d.
             filled = [[len(live[b][2].token_ids) + d for d in [0, *scored.depths[b]]] for b in fixed]
-            wanted = shaping.target_tokens([params[b] for b in fixed], logits[fixed], filled)
-            verdict = verify_trees_greedy(wanted, trees.select(fixed))
-            for row, b in enumerate(fixed):
-                accepted[b] = verdict.accepted[row, : int(verdict.num_accepted[row])].tolist()
-                next_token[b] = int(verdict.next_token[row])
+            wanted = shaping.target_tokens([params[b] for b in fixed], logits if not sampled else logits[fixed], filled)
+            trees = [live[b][1] for b in fixed]
+            verdicts = verify_trees_greedy(wanted.tolist(), [t.tree_tokens for t in trees], [t.tree_parents for t in trees])
+            for b, (path, token) in zip(fixed, verdicts):
+                accepted[b], next_token[b] = path, token
         if sampled:
             # Rejection sampling: p shaped as each session asked, with its seeded noise.
             rows = [params[b] for b in sampled]
+            trees = TreeBatch.from_lists(
+                [live[b][1].tree_tokens for b in sampled],
+                [live[b][1].tree_parents for b in sampled],
+                [live[b][1].proposals for b in sampled],
+                logits.shape[1] - 1,
+                logits.device,
+            )
             target_probs = shaping.shape(rows, logits[sampled])
             uniforms, exponentials = shaping.verify_noise(
                 rows, [len(live[b][2].token_ids) for b in sampled], logits.shape[1], logits.shape[2], logits.device
             )
-            verdict = verify_trees(target_probs, trees.select(sampled), uniforms, exponentials)
+            verdict = verify_trees(target_probs, trees, uniforms, exponentials)
             for row, b in enumerate(sampled):
                 accepted[b] = verdict.accepted[row, : int(verdict.num_accepted[row])].tolist()
                 next_token[b] = int(verdict.next_token[row])

@@ -18,7 +18,7 @@ from specfleet.engine.sampling import race, race_keys, race_noise
 from specfleet.v1 import generation_pb2, generation_pb2_grpc
 from tests.harness import NGRAM, Cluster, cluster_config, split_drafters, with_ngram
 from tests.helpers import PROMPTS
-from verifier_service.verification import TreeBatch, verify_trees_greedy
+from verifier_service.verification import verify_trees_greedy
 
 V = 6  # vocabulary of the Markov stand-in for target and drafters
 LENGTH = 3
@@ -58,19 +58,14 @@ def generate(target: torch.Tensor, drafter: torch.Tensor | None, depth: int, see
         contexts = [last[group]] + chain
         wanted = torch.stack([raced_tokens(target, group_seeds, c, start + 1 + j) for j, c in enumerate(contexts)], 1)
         tokens = torch.stack(chain, 1) if n else torch.zeros(len(group), 0, dtype=torch.long)
-        trees = TreeBatch(
-            tokens=tokens,
-            parents=torch.arange(-1, n - 1).expand(len(group), n),
-            valid=torch.ones(len(group), n, dtype=torch.bool),
-            q_ids=tokens.unsqueeze(2),
-            q_probs=torch.ones(len(group), n, 1),
-        )
-        verdict = verify_trees_greedy(wanted, trees)
+        verdicts = verify_trees_greedy(wanted.tolist(), tokens.tolist(), [list(range(-1, n - 1))] * len(group))
+        num_accepted = torch.tensor([len(path) for path, _ in verdicts], dtype=torch.long)
+        next_token = torch.tensor([token for _, token in verdicts], dtype=torch.long)
         drafted += n * len(group)
-        accepted_total += int(verdict.num_accepted.sum())
+        accepted_total += int(num_accepted.sum())
         for j in range(n + 1):
-            token = torch.where(verdict.num_accepted == j, verdict.next_token, tokens[:, min(j, n - 1)] if n else verdict.next_token)
-            take = (verdict.num_accepted >= j) & (produced[group] < LENGTH)
+            token = torch.where(num_accepted == j, next_token, tokens[:, min(j, n - 1)] if n else next_token)
+            take = (num_accepted >= j) & (produced[group] < LENGTH)
             idx = group[take]
             out[rows[idx], produced[idx]] = token[take]
             last[idx] = token[take]

@@ -48,7 +48,7 @@ import pytest
 import torch
 
 from specfleet.engine.sampling import probs_from_logits
-from verifier_service.verification import TreeBatch, verify_trees, verify_trees_greedy
+from verifier_service.verification import TreeBatch, Verdict, verify_trees, verify_trees_greedy
 
 V = 6  # vocabulary of the Markov models
 SAMPLES = 200_000
@@ -350,6 +350,17 @@ def as_sparse(laws: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tenso
     return ids, laws.gather(1, ids).float()
 
 
+def greedy_verdict(target_ids: torch.Tensor, trees: TreeBatch) -> Verdict:
+    """`verify_trees_greedy`'s paths as a `Verdict`, to compare with `verify_trees` and share its bookkeeping."""
+    parents = torch.where(trees.valid, trees.parents, torch.full_like(trees.parents, -2))
+    verdicts = verify_trees_greedy(target_ids.tolist(), trees.tokens.tolist(), parents.tolist())
+    accepted = torch.full(trees.tokens.shape, -1, dtype=torch.long)
+    for b, (path, _) in enumerate(verdicts):
+        accepted[b, : len(path)] = torch.tensor(path, dtype=torch.long)
+    num_accepted = torch.tensor([len(path) for path, _ in verdicts], dtype=torch.long)
+    return Verdict(accepted, num_accepted, torch.tensor([token for _, token in verdicts], dtype=torch.long))
+
+
 def simulate(
     target_probs: torch.Tensor,  # [V, V] float32, what the verifier sees after each token
     tables: dict[str, torch.Tensor],
@@ -392,7 +403,7 @@ def simulate(
         trees = TreeBatch(tokens=tokens, parents=parents.expand(m, nodes), valid=torch.ones(m, nodes, dtype=torch.bool), q_ids=q_ids, q_probs=q_probs)
         contexts = torch.cat([last.unsqueeze(1), tokens], dim=1)  # [m, nodes + 1]
         if mode == "greedy":
-            verdict = verify_trees_greedy(argmax[contexts], trees)
+            verdict = greedy_verdict(argmax[contexts], trees)
         elif mode == "constant-noise":
             verdict = verify_trees(target_probs[contexts], trees, torch.zeros(m, nodes), torch.ones(m, V))
         else:
@@ -588,7 +599,7 @@ def test_greedy_specialisation_gives_the_same_verdict():
     trees = TreeBatch(tokens=tokens, parents=parents, valid=parents > -2, q_ids=q_ids, q_probs=q_probs)
     point_masses = torch.zeros(batch, num_nodes + 1, V).scatter_(2, argmax.unsqueeze(2), 1.0)
     general = verify_trees(point_masses, trees, torch.rand(batch, num_nodes, generator=gen), torch.empty(batch, V).exponential_(generator=gen))
-    greedy = verify_trees_greedy(argmax, trees)
+    greedy = greedy_verdict(argmax, trees)
     assert torch.equal(general.accepted, greedy.accepted)
     assert torch.equal(general.num_accepted, greedy.num_accepted)
     assert torch.equal(general.next_token, greedy.next_token)
