@@ -43,6 +43,12 @@ ALWAYS = 1 << 62  # the row count of `transposed`: every call
 # The row counts `calibrate` times, and how long it may spend on one row count of one shape.
 CALIBRATION_ROWS = (1, 2, 4, 8, 12, 16, 20, 24, 32, 48, 64, 128)
 CALIBRATION_BUDGET_S = 0.04
+# A pass of every layer in one call (cpu_pass.py) takes each projection's bfloat16 copy up to the most rows at which
+# that copy computed within this factor of the faster float32 layout: the call saves a dozen calls a layer, which
+# pays for a copy a few percent slower. Past a few dozen rows the copy and oneDNN's layout are within a few percent
+# of each other on an AMD EPYC, so which won a calibration was chance, and with it whether a 64-token prefill of
+# the demo target ran in one call (10% faster) or not (docs/benchmarks/verify-overhead.md).
+PASS_SLACK = 1.10
 
 
 def available(dtype: torch.dtype) -> bool:
@@ -59,6 +65,7 @@ class CpuWeight:
     transposed_rows: int = TRANSPOSED_ROWS  # calls of at most this many rows take `transposed`
     bf16: torch.Tensor | None = None  # `cpu_kernels.pack_bf16`'s copy, where the weight is exactly bfloat16
     bf16_rows: int = 0  # calls of at most this many rows take `bf16` (before `transposed`)
+    bf16_pass_rows: int = 0  # a pass of every layer in one call takes `bf16` up to this many rows (`PASS_SLACK`)
 
     @staticmethod
     def of(weight: torch.Tensor, bf16: bool = False) -> "CpuWeight":
@@ -88,11 +95,12 @@ class CpuWeight:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
 
-def lay_out(model, mode: str = "auto") -> tuple[int, dict[tuple[int, ...], tuple[int, int]]]:
+def lay_out(model, mode: str = "auto") -> tuple[int, dict[tuple[int, ...], tuple[int, int, int]]]:
     """Replace `model`'s linear weights (every layer's and the output layer) with `CpuWeight`s, each with the
     row counts its shape was calibrated to on this CPU (mode auto, which also keeps a bfloat16 copy of each weight
     bfloat16 holds exactly; transposed: every call takes the transposed copy, packed: oneDNN's layout); the bytes
-    added and {shape: (rows the transposed copy serves, rows the bfloat16 copy serves)}.
+    added and {shape: (rows the transposed copy serves, rows the bfloat16 copy serves, rows it serves in a pass of
+    every layer in one call)}.
 
     `model` is a `llama.LlamaModel` on a CPU, not a stack (a stack's layers run per model, on slices)."""
     head = model.lm_head
@@ -109,9 +117,9 @@ def lay_out(model, mode: str = "auto") -> tuple[int, dict[tuple[int, ...], tuple
     if mode == "auto":
         calibrated = calibrate(weights)
     else:
-        calibrated = {_key(w): (ALWAYS if mode == "transposed" else 0, 0) for w in weights}
+        calibrated = {_key(w): (ALWAYS if mode == "transposed" else 0, 0, 0) for w in weights}
     for w in weights:
-        w.transposed_rows, w.bf16_rows = calibrated[_key(w)]
+        w.transposed_rows, w.bf16_rows, w.bf16_pass_rows = calibrated[_key(w)]
         added += w.transposed.numel() * w.transposed.element_size() + (0 if w.bf16 is None else w.bf16.numel() * w.bf16.element_size())
     return added, {shape: rows for (shape, _), rows in calibrated.items()}
 
@@ -120,10 +128,11 @@ def _key(weight: CpuWeight) -> tuple[tuple[int, ...], bool]:
     return tuple(weight.weight.shape), weight.bf16 is not None
 
 
-def calibrate(weights: list[CpuWeight]) -> dict[tuple[tuple[int, ...], bool], tuple[int, int]]:
+def calibrate(weights: list[CpuWeight]) -> dict[tuple[tuple[int, ...], bool], tuple[int, int, int]]:
     """Per weight shape (and whether it has a bfloat16 copy): (the most rows for which the transposed copy
-    computed faster than oneDNN's layout, the most rows for which the bfloat16 copy computed faster than both; 0
-    without one), timed here on each of CALIBRATION_ROWS.
+    computed faster than oneDNN's layout, the most rows for which the bfloat16 copy computed faster than both, the
+    most rows for which it computed within `PASS_SLACK` of the faster; 0 without one), timed here on each of
+    CALIBRATION_ROWS.
 
     Each path is timed as a pass runs it: over every weight in turn, so that each call finds its weight where a
     pass finds it (in memory, not in a cache the call before warmed), the paths taking turns within a small
@@ -138,7 +147,8 @@ def calibrate(weights: list[CpuWeight]) -> dict[tuple[tuple[int, ...], bool], tu
             "transposed": lambda w, x: x @ w.transposed,
             "packed": lambda w, x: w.by_packed(x),
         }
-        # The kernel is bound by arithmetic past a few rows, so once it has lost twice it is not timed at more.
+        # The kernel is bound by arithmetic past a few rows, so once it has lost twice, even by the pass's slack, it is
+        # not timed at more.
         if bf16_losses < 2 and any(w.bf16 is not None for w in weights):
             paths["bf16"] = lambda w, x: w.bf16 is not None and cpu_kernels.linear_bf16(x, w.bf16, w.transposed.shape[1])
         best = _fastest(weights, paths, lambda w: inputs[w.transposed.shape[0]][:rows], _key)
@@ -147,8 +157,9 @@ def calibrate(weights: list[CpuWeight]) -> dict[tuple[tuple[int, ...], bool], tu
             # A shape whose weights have no bfloat16 copy ran nothing on the kernel: it never wins.
             kernel = best.get((key, "bf16"), float("inf")) if key[1] else float("inf")
             bf16[key][rows] = (kernel, min(best[key, "transposed"], best[key, "packed"]))
-        bf16_losses = 0 if any(copy < alternative for by_rows in bf16.values() for copy, alternative in [by_rows[rows]]) else bf16_losses + 1
-    return {key: (choose(transposed[key]), choose(bf16[key])) for key in transposed}
+        within = any(copy < alternative * PASS_SLACK for by_rows in bf16.values() for copy, alternative in [by_rows[rows]])
+        bf16_losses = 0 if within else bf16_losses + 1
+    return {key: (choose(transposed[key]), choose(bf16[key]), choose(bf16[key], PASS_SLACK)) for key in transposed}
 
 
 def _inputs(weights: list[torch.Tensor], dim: int) -> dict[int, torch.Tensor]:
@@ -179,10 +190,10 @@ def _fastest(weights: list, paths: dict, inputs, key) -> dict[tuple, float]:
     return dict(best)
 
 
-def choose(timings: dict[int, tuple[float, float]]) -> int:
-    """From {rows: (seconds with a copy, seconds with the alternative)}: the most rows the copy was faster at
-    (0: never)."""
-    return max((rows for rows, (copy, alternative) in timings.items() if copy < alternative), default=0)
+def choose(timings: dict[int, tuple[float, float]], slack: float = 1.0) -> int:
+    """From {rows: (seconds with a copy, seconds with the alternative)}: the most rows the copy was faster at, or
+    within `slack` times the alternative's seconds (0: never)."""
+    return max((rows for rows, (copy, alternative) in timings.items() if copy < alternative * slack), default=0)
 
 
 @dataclass

@@ -8,8 +8,8 @@ are the ones the calls one by one give, bit for bit (tests/engine/test_cpu_pass.
 
 It serves a pass where each of those calls would take the kernel: a float32 model on a CPU with the kernels built,
 attention on the kernel with RoPE fused (no per-head query and key norms), one model (not a stack), one rank, and
-every projection laid out with a bfloat16 copy that serves the pass's rows (`cpu_linear`: a copy's calibrated
-rows). Elsewhere `prepare` returns None or `serves` says no, and the layers run one call at a time.
+every projection laid out with a bfloat16 copy that serves the pass's rows (`cpu_linear`: the rows a copy was
+calibrated to serve in such a pass, `PASS_SLACK`). Elsewhere `prepare` returns None or `serves` says no, and the layers run one call at a time.
 """
 
 from __future__ import annotations
@@ -45,14 +45,14 @@ class CpuPass:
     """A model's layers as `specfleet_layers` reads them, built once (`prepare`); it holds what its pointers point into."""
 
     layers: _Layers
-    max_rows: int  # the most rows every projection's bfloat16 copy serves
+    max_rows: int  # the most rows every projection's bfloat16 copy serves in such a pass (`bf16_pass_rows`)
     keep: tuple
 
 
 def _packed(weight) -> tuple[torch.Tensor, int] | None:
     """A projection's bfloat16 copy and the most rows it serves, if it has one."""
     if isinstance(weight, CpuWeight) and weight.bf16 is not None:
-        return weight.bf16, weight.bf16_rows
+        return weight.bf16, weight.bf16_pass_rows
     if isinstance(weight, Bf16Weight):
         return weight.bf16, weight.rows
     return None

@@ -108,10 +108,12 @@ class LoadedModel:
             self.model.cpu_pass = cpu_pass.prepare(self.model)
             log.info(
                 "model %s: linear layers laid out for the CPU's kernels (%.1f MB more memory); per weight shape, rows the "
-                "bfloat16 copy serves, then W^T, oneDNN's layout more: %s",
+                "bfloat16 copy serves (in a pass of every layer in one call), then W^T, oneDNN's layout more: %s; that pass "
+                "serves %s rows",
                 self.name,
                 added / 2**20,
-                ", ".join(f"{'x'.join(map(str, shape))}: {b}, {t}" for shape, (t, b) in rows.items()),
+                ", ".join(f"{'x'.join(map(str, shape))}: {b} ({p}), {t}" for shape, (t, b, p) in rows.items()),
+                "no" if self.model.cpu_pass is None else f"1-{self.model.cpu_pass.max_rows}",
             )
         if self.graphs is None:
             return

@@ -27,7 +27,7 @@ def _loaded(tmp_path, name: str, bf16_values: bool = True, linear: str = "auto")
         # Every layer's copies serve every pass below, whatever this machine's calibration found for such small shapes.
         for layer in loaded.model.layers:
             for weight in (layer.qkv, layer.out, layer.gate_up, layer.down):
-                weight.bf16_rows = 1 << 20
+                weight.bf16_rows = weight.bf16_pass_rows = 1 << 20
         loaded.model.cpu_pass = cpu_pass.prepare(loaded.model)
     return loaded
 
@@ -82,6 +82,16 @@ def test_a_pass_of_few_rows_leaves_only_the_output_layer_to_python(tmp_path, mon
     loaded.model.cpu_pass.max_rows = 2
     forward_batch(loaded, items)
     assert len(calls) > 1
+
+
+def test_the_pass_serves_the_rows_each_copy_was_calibrated_to_serve_in_it(tmp_path):
+    """Its rows are the fewest any projection's bfloat16 copy serves in such a pass (`bf16_pass_rows`, within the
+    calibration's slack), not the rows a call of the copy alone serves (`bf16_rows`)."""
+    loaded = _loaded(tmp_path, "llama3-rope-bias")
+    weights = [getattr(layer, n) for layer in loaded.model.layers for n in ("qkv", "out", "gate_up", "down")]
+    for i, weight in enumerate(weights):
+        weight.bf16_rows, weight.bf16_pass_rows = 2, 128 - i
+    assert cpu_pass.prepare(loaded.model).max_rows == 128 - len(weights) + 1
 
 
 @pytest.mark.parametrize(
