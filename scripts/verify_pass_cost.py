@@ -1,8 +1,9 @@
 """The verifier's whole verify pass (`Verifier._verify`: the forward pass, the verdict, the commit) of the demo
-target, B greedy sessions of 100 cached tokens, with and without lookup-like chains: the median wall time of each
-case over interleaved repetitions, on whatever code PYTHONPATH holds (run it in two checkouts to compare them).
+target, B sessions of 100 cached tokens (greedy, or sampled with `--temperature`), with and without lookup-like
+chains: the median wall time of each case over interleaved repetitions, on whatever code PYTHONPATH holds (run it in
+two checkouts to compare them).
 
-    PYTHONPATH=. taskset -c 0 .venv/bin/python scripts/verify_pass_cost.py --sessions 1,4 [--reps 300]
+    PYTHONPATH=. taskset -c 0 .venv/bin/python scripts/verify_pass_cost.py --sessions 1,4 [--reps 300] [--temperature 1]
 """
 
 from __future__ import annotations
@@ -32,19 +33,21 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sessions", default="1,4")
     parser.add_argument("--reps", type=int, default=300)
+    parser.add_argument("--temperature", type=float, default=0.0)
     args = parser.parse_args()
+    sampling = SamplingParams(temperature=args.temperature, seed=3)
     cfg = config_mod.default_config(config_mod.REPO / ".cache")
     verifier = load_core(cfg.verifier, threads=1).verifier
     for batch in [int(s) for s in args.sessions.split(",")]:
         prompts = [[(b * 37 + j * 11) % 500 + 10 for j in range(CONTEXT)] for b in range(batch)]
         ids = [f"b{batch}s{b}" for b in range(batch)]
-        verifier.verify_batch([VerifyItem(sid, 0, p, SamplingParams()) for sid, p in zip(ids, prompts)])
+        verifier.verify_batch([VerifyItem(sid, 0, p, sampling) for sid, p in zip(ids, prompts)])
 
         def live(chain):
             out = []
             for b, sid in enumerate(ids):
                 session = verifier.store.sync(sid, CONTEXT, [])  # back to the prompt: every pass verifies the same place
-                item = VerifyItem(sid, CONTEXT, [], SamplingParams())
+                item = VerifyItem(sid, CONTEXT, [], sampling)
                 if chain and b < chain[1]:
                     n = chain[0]
                     item = dataclasses.replace(

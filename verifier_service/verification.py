@@ -21,7 +21,9 @@ Leviathan et al. / Chen et al. speculative sampling):
         else:        r = normalise(max(0, r - q_c))
     emit one token drawn from r
 When cur has no children left to try, r is either p_cur itself (a leaf: the
-bonus token) or the residual after its rejected children (the correction).
+bonus token) or the residual after its rejected children (the correction). The final
+draw is by inverse CDF: the first token whose cumulative mass exceeds
+u * sum(r), u uniform in [0, 1).
 
 Proof obligations, each checked by tests/verifier_service/test_verification.py:
  1. Lossless: for every context, the first emitted token is distributed
@@ -52,7 +54,7 @@ Proof obligations, each checked by tests/verifier_service/test_verification.py:
  3. Point-mass proposals: q = delta_x accepts x with probability p(x) and
     the residual is p without x, renormalised.
  4. Reproducible: the outcome is a deterministic function of the inputs,
-    including the caller's uniforms and exponential noise.
+    including the caller's uniforms (one per node, one for the final draw).
  5. `verify_trees_greedy` is `verify_trees` specialised to point-mass p: it
     returns the same verdict from the argmax ids alone. With r a point mass on
     y, a child is accepted iff its token is y, and rejecting a child leaves r
@@ -141,7 +143,7 @@ def verify_trees(
     target_probs: torch.Tensor,  # [B, N + 1, V]: p after the root, then after each node
     trees: TreeBatch,
     uniforms: torch.Tensor,  # [B, N] in [0, 1), one per node
-    exponentials: torch.Tensor,  # [B, V], Exp(1) noise for the final draw
+    final: torch.Tensor,  # [B] in [0, 1), the final draw's
 ) -> Verdict:
     batch, num_nodes = trees.tokens.shape
     rows = torch.arange(batch, device=target_probs.device)
@@ -177,8 +179,12 @@ def verify_trees(
             reduced = torch.where(mass > _EMPTY_RESIDUAL, reduced / mass.clamp(min=_EMPTY_RESIDUAL), fallback)
             residual = torch.where(reject.unsqueeze(1), reduced, residual)
 
-    # Exponential race: argmax r / E draws index v with probability r(v) / sum(r).
-    next_token = (residual / exponentials).argmax(dim=1)
+    # Inverse CDF: the first index whose cumulative mass exceeds u * sum(r) is v with probability r(v) / sum(r); a
+    # token of no mass adds nothing to the sum, so it is never the first. In float64, and u < 1 keeps u * sum(r) below
+    # the last sum. One uniform a session, where a race over V needs V exponentials (docs/benchmarks/verify-overhead.md).
+    cdf = residual.double().cumsum(dim=1)
+    point = (final.to(cdf) * cdf[:, -1]).unsqueeze(1)
+    next_token = torch.searchsorted(cdf, point, right=True).squeeze(1)
     return Verdict(accepted=accepted, num_accepted=num_accepted, next_token=next_token)
 
 

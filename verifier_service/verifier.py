@@ -363,10 +363,8 @@ class Verifier:
                 logits.device,
             )
             target_probs = shaping.shape(rows, logits[sampled])
-            uniforms, exponentials = shaping.verify_noise(
-                rows, [len(live[b][2].token_ids) for b in sampled], logits.shape[1], logits.shape[2], logits.device
-            )
-            verdict = verify_trees(target_probs, trees, uniforms, exponentials)
+            uniforms, final = shaping.verify_noise(rows, [len(live[b][2].token_ids) for b in sampled], logits.shape[1], logits.device)
+            verdict = verify_trees(target_probs, trees, uniforms, final)
             for row, b in enumerate(sampled):
                 accepted[b] = verdict.accepted[row, : int(verdict.num_accepted[row])].tolist()
                 next_token[b] = int(verdict.next_token[row])

@@ -60,16 +60,15 @@ def target_tokens(params: list[SamplingParams], logits: torch.Tensor, filled: li
     return wanted
 
 
-def verify_noise(params: list[SamplingParams], positions: list[int], width: int, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rejection sampling's draws per session: uniforms [B, W - 1] (one per node) and Exp(1) noise [B, V]
-    (the final draw), from (seed, position of the session's next token, STREAM_VERIFY)."""
-    uniforms = torch.empty(len(params), width - 1)
-    exponentials = torch.empty(len(params), vocab)
+def verify_noise(params: list[SamplingParams], positions: list[int], width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rejection sampling's draws per session: uniforms [B, W - 1] (one per node) and one more [B] (the final draw),
+    from (seed, position of the session's next token, STREAM_VERIFY). The final draw comes first and node i takes the
+    draw after it, so that neither depends on W, the widest tree of the batch the session was verified in."""
+    draws = torch.empty(len(params), width)
     for r, (p, position) in enumerate(zip(params, positions)):
-        gen = generator_for(p.seed, position, STREAM_VERIFY)
-        uniforms[r] = torch.rand(width - 1, generator=gen)
-        exponentials[r].exponential_(generator=gen)
-    return uniforms.to(device), exponentials.to(device)
+        draws[r] = torch.rand(width, generator=generator_for(p.seed, position, STREAM_VERIFY))
+    draws = draws.to(device)
+    return draws[:, 1:], draws[:, 0]
 
 
 def propose(

@@ -405,11 +405,10 @@ def simulate(
         if mode == "greedy":
             verdict = greedy_verdict(argmax[contexts], trees)
         elif mode == "constant-noise":
-            verdict = verify_trees(target_probs[contexts], trees, torch.zeros(m, nodes), torch.ones(m, V))
+            verdict = verify_trees(target_probs[contexts], trees, torch.zeros(m, nodes), torch.zeros(m))
         else:
             uniforms = torch.rand(m, nodes, generator=gen)
-            exponentials = torch.empty(m, V).exponential_(generator=gen)
-            verdict = verify_trees(target_probs[contexts], trees, uniforms, exponentials)
+            verdict = verify_trees(target_probs[contexts], trees, uniforms, torch.rand(m, generator=gen))
 
         # The round emits the accepted drafts, then the next token.
         steps = torch.arange(nodes + 1)
@@ -598,12 +597,30 @@ def test_greedy_specialisation_gives_the_same_verdict():
     q_probs = torch.where(sampled, torch.full((batch, num_nodes, k), 1.0 / k), torch.tensor([1.0] + [0.0] * (k - 1)))
     trees = TreeBatch(tokens=tokens, parents=parents, valid=parents > -2, q_ids=q_ids, q_probs=q_probs)
     point_masses = torch.zeros(batch, num_nodes + 1, V).scatter_(2, argmax.unsqueeze(2), 1.0)
-    general = verify_trees(point_masses, trees, torch.rand(batch, num_nodes, generator=gen), torch.empty(batch, V).exponential_(generator=gen))
+    general = verify_trees(point_masses, trees, torch.rand(batch, num_nodes, generator=gen), torch.rand(batch, generator=gen))
     greedy = greedy_verdict(argmax, trees)
     assert torch.equal(general.accepted, greedy.accepted)
     assert torch.equal(general.num_accepted, greedy.num_accepted)
     assert torch.equal(general.next_token, greedy.next_token)
     assert (general.num_accepted >= 4).sum() > 50  # deep acceptance, not only rejections
+
+
+def test_the_final_draw_never_emits_a_token_of_no_mass():
+    """The inverse CDF at the ends of [0, 1): u = 0 and the largest float32 below 1 land on the first and the last token
+    with mass, never on the tokens of none around them (a draw that took the first cumulative sum reaching u * sum(r)
+    would take the token before the mass at u = 0)."""
+    probs = torch.zeros(1, 1, V)
+    probs[0, 0, 2], probs[0, 0, 4] = 0.25, 0.75
+    empty = TreeBatch(
+        tokens=torch.zeros(1, 0, dtype=torch.long),
+        parents=torch.zeros(1, 0, dtype=torch.long),
+        valid=torch.zeros(1, 0, dtype=torch.bool),
+        q_ids=torch.zeros(1, 0, 1, dtype=torch.long),
+        q_probs=torch.zeros(1, 0, 1),
+    )
+    below_one = torch.tensor([1.0]).nextafter(torch.tensor([0.0]))
+    for u, token in [(torch.zeros(1), 2), (torch.full((1,), 0.2499), 2), (torch.full((1,), 0.25), 4), (below_one, 4)]:
+        assert verify_trees(probs, empty, torch.zeros(1, 0), u).next_token.item() == token, float(u)
 
 
 def test_verdict_shapes_and_accepted_path():
@@ -622,7 +639,7 @@ def test_verdict_shapes_and_accepted_path():
         q_probs=torch.ones(1, 3, 1),
     )
     target_probs = torch.stack([target[0]] + [target[t] for t in path]).unsqueeze(0)
-    verdict = verify_trees(target_probs, trees, torch.rand(1, 3), torch.ones(1, V))
+    verdict = verify_trees(target_probs, trees, torch.rand(1, 3), torch.rand(1))
     assert verdict.accepted.tolist() == [[0, 1, 2]]
     assert verdict.num_accepted.tolist() == [3]
     assert verdict.next_token.item() == int(target[path[-1]].argmax())
