@@ -38,9 +38,8 @@ def probs_from_logits(
     logits = logits.float()
     batch, vocab = logits.shape
     greedy = temperature < GREEDY_BELOW
-    one_hot = torch.zeros_like(logits).scatter_(1, logits.argmax(dim=1, keepdim=True), 1.0)
     if greedy.all():
-        return one_hot
+        return _one_hot(logits)
     scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(1)
     if bool(((top_k <= 0) | (top_k >= vocab)).all() and (top_p >= 1).all()):
         # No truncation asked for: the sort below would change nothing, and it is the costly part.
@@ -61,7 +60,14 @@ def probs_from_logits(
         drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         probs = torch.zeros_like(scaled).scatter_(1, sorted_ids, sorted_logits.softmax(dim=1))
-    return torch.where(greedy.unsqueeze(1), one_hot, probs)
+    if not greedy.any():  # a sampled batch: the argmax's point masses would be computed to be discarded
+        return probs
+    return torch.where(greedy.unsqueeze(1), _one_hot(logits), probs)
+
+
+def _one_hot(logits: torch.Tensor) -> torch.Tensor:
+    """[B, V] the point mass on each row's argmax."""
+    return torch.zeros_like(logits).scatter_(1, logits.argmax(dim=1, keepdim=True), 1.0)
 
 
 def truncate(probs: torch.Tensor, max_entries: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,7 +31,7 @@ from specfleet.sampling import STREAM_VERIFY, SamplingParams
 def shape(params: list[SamplingParams], logits: torch.Tensor) -> torch.Tensor:
     """p [B, W, V] as each session asked (temperature, top-k, top-p), from logits [B, W, V]."""
     batch, width, vocab = logits.shape
-    per_row = lambda values, dtype: torch.tensor(values, dtype=dtype, device=logits.device).repeat_interleave(width)  # noqa: E731
+    per_row = lambda values, dtype: torch.tensor([v for v in values for _ in range(width)], dtype=dtype, device=logits.device)  # noqa: E731
     return probs_from_logits(
         logits.reshape(batch * width, vocab),
         per_row([p.temperature for p in params], torch.float32),

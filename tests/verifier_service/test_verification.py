@@ -605,6 +605,19 @@ def test_greedy_specialisation_gives_the_same_verdict():
     assert (general.num_accepted >= 4).sum() > 50  # deep acceptance, not only rejections
 
 
+def test_a_batch_of_greedy_and_sampled_rows_shapes_each_as_it_asked():
+    """Greedy rows beside sampled ones are point masses on their argmax, and the sampled rows their softmax, in one
+    call (a sampled batch alone skips the point masses)."""
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(4))
+    temperature = torch.tensor([0.0, 1.0, 0.5])
+    probs = probs_from_logits(logits, temperature, torch.zeros(3, dtype=torch.long), torch.ones(3))
+    assert torch.equal(probs[0], torch.zeros(V).scatter_(0, logits[0].argmax().unsqueeze(0), 1.0))
+    torch.testing.assert_close(probs[1], logits[1].softmax(dim=0))
+    torch.testing.assert_close(probs[2], (logits[2] / 0.5).softmax(dim=0))
+    sampled = probs_from_logits(logits[1:], temperature[1:], torch.zeros(2, dtype=torch.long), torch.ones(2))
+    torch.testing.assert_close(sampled, probs[1:])
+
+
 def test_the_final_draw_never_emits_a_token_of_no_mass():
     """The inverse CDF at the ends of [0, 1): u = 0 and the largest float32 below 1 land on the first and the last token
     with mass, never on the tokens of none around them (a draw that took the first cumulative sum reaching u * sum(r)
