@@ -114,8 +114,10 @@ def propose(
         winners = race(q_host[raced], race_noise(keys, vocab_ids[raced]))
         local_tokens[raced] = ids_host[raced].gather(1, winners.unsqueeze(1)).squeeze(1)
     local_tokens = local_tokens.to(device)
-    greedy = torch.tensor([p.greedy for p in params], device=device).unsqueeze(1)
-    confidences = torch.where(greedy, logits.softmax(dim=1), probs).gather(1, local_tokens.unsqueeze(1)).squeeze(1)
+    if any(p.greedy for p in params):
+        greedy = torch.tensor([p.greedy for p in params], device=device).unsqueeze(1)
+        probs = torch.where(greedy, logits.softmax(dim=1), probs)
+    confidences = probs.gather(1, local_tokens.unsqueeze(1)).squeeze(1)
     tokens = global_ids(local_tokens).tolist()
     proposals = [
         ([t for t, p in zip(row_ids, row_q) if p > 0], [p for p in row_q if p > 0]) for row_ids, row_q in zip(vocab_ids.tolist(), q.tolist())
