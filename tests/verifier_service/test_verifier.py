@@ -177,19 +177,35 @@ def test_a_waiting_call_of_one_pass_joins_the_running_call_s_last_step(random_fa
 def test_a_tree_then_plain_steps_in_one_call_are_the_tokens_of_a_tree_call_then_one_step_calls(random_family):
     """A session may verify its tree and decode plainly after it in the same call (what a probe in a round of plain
     steps would ask): its tree's verdict and every token after it are those of the tree's own call followed by one-step calls,
-    greedy, raced and sampled, beside a session without a tree."""
+    greedy, raced and sampled, beside a session without a tree, and beside a greedy session whose node is the token its
+    target emits one position later (rejected in the tree's pass, it would be accepted in the next were that pass to
+    verify the tree again)."""
     path = str(random_family["target"])
-    prompts = _prompts(len(PLAIN) + 1)
-    plain = _one_step_calls(path, prompts, PLAIN + [SamplingParams()], 1)
+    prompts = _prompts(len(PLAIN) + 2)
+    plain = _one_step_calls(path, prompts, PLAIN + [SamplingParams(), SamplingParams()], 2)
     # Each tree's one node: the token the target emits first (accepted where greedy), drawn from a spread-out proposal.
     trees = [dict(tree_tokens=[tokens[0]], tree_parents=[-1], proposals=[([tokens[0], 7], [0.6, 0.4])]) for tokens, _ in plain[: len(PLAIN)]]
+    later = plain[-1][0][1]
 
     def items(steps: int) -> list[VerifyItem]:
         treed = [
             VerifyItem(f"s{i}", 0, prompt, p, logprobs=True, plain_steps=steps, **tree)
             for i, (prompt, p, tree) in enumerate(zip(prompts, PLAIN, trees))
         ]
-        return treed + [VerifyItem("plain", 0, prompts[-1], SamplingParams(), logprobs=True, plain_steps=steps)]
+        return treed + [
+            VerifyItem("plain", 0, prompts[-2], SamplingParams(), logprobs=True, plain_steps=steps),
+            VerifyItem(
+                "later",
+                0,
+                prompts[-1],
+                SamplingParams(),
+                logprobs=True,
+                plain_steps=steps,
+                tree_tokens=[later],
+                tree_parents=[-1],
+                proposals=[([later], [1.0])],
+            ),
+        ]
 
     apart = Verifier(load_model("target", path), SessionStore(1 << 30, 100))
     apart.loaded.eos_token_id = -1
