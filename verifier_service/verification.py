@@ -127,10 +127,6 @@ class TreeBatch:
             q_probs=torch.tensor(rows_qp, dtype=torch.float32, device=device).reshape(batch, num_nodes, k_max),
         )
 
-    def select(self, rows: list[int]) -> "TreeBatch":
-        """These sessions' trees, in this order."""
-        return TreeBatch(self.tokens[rows], self.parents[rows], self.valid[rows], self.q_ids[rows], self.q_probs[rows])
-
 
 @dataclass
 class Verdict:

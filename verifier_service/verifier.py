@@ -348,8 +348,8 @@ class Verifier:
             # Row 0 fills position len(tokens); the row after a node at depth d fills len(tokens) + d.
             filled = [[len(live[b][2].token_ids) + d for d in [0, *scored.depths[b]]] for b in fixed]
             wanted = shaping.target_tokens([params[b] for b in fixed], logits if not sampled else logits[fixed], filled)
-            trees = [live[b][1] for b in fixed]
-            verdicts = verify_trees_greedy(wanted.tolist(), [t.tree_tokens for t in trees], [t.tree_parents for t in trees])
+            items = [live[b][1] for b in fixed]
+            verdicts = verify_trees_greedy(wanted.tolist(), [item.tree_tokens for item in items], [item.tree_parents for item in items])
             for b, (path, token) in zip(fixed, verdicts):
                 accepted[b], next_token[b] = path, token
         if sampled:
@@ -365,9 +365,10 @@ class Verifier:
             target_probs = shaping.shape(rows, logits[sampled])
             uniforms, final = shaping.verify_noise(rows, [len(live[b][2].token_ids) for b in sampled], logits.shape[1], logits.device)
             verdict = verify_trees(target_probs, trees, uniforms, final)
-            for row, b in enumerate(sampled):
-                accepted[b] = verdict.accepted[row, : int(verdict.num_accepted[row])].tolist()
-                next_token[b] = int(verdict.next_token[row])
+            # To the host once for the batch, not a copy per session.
+            rows_accepted, counts, drawn = verdict.accepted.tolist(), verdict.num_accepted.tolist(), verdict.next_token.tolist()
+            for b, row, count, token in zip(sampled, rows_accepted, counts, drawn):
+                accepted[b], next_token[b] = row[:count], token
 
         results = []
         for b, (_, item, session) in enumerate(live):

@@ -9,7 +9,8 @@ are the ones the calls one by one give, bit for bit (tests/engine/test_cpu_pass.
 It serves a pass where each of those calls would take the kernel: a float32 model on a CPU with the kernels built,
 attention on the kernel with RoPE fused (no per-head query and key norms), one model (not a stack), one rank, and
 every projection laid out with a bfloat16 copy that serves the pass's rows (`cpu_linear`: the rows a copy was
-calibrated to serve in such a pass, `PASS_SLACK`). Elsewhere `prepare` returns None or `serves` says no, and the layers run one call at a time.
+calibrated to serve in such a pass, `PASS_SLACK`). Elsewhere `prepare` returns None or `serves` says no, and the
+layers run one call at a time.
 """
 
 from __future__ import annotations
