@@ -73,14 +73,20 @@ Proof obligations, each checked by tests/verifier_service/test_verification.py:
     y_t with probability at least sum_v min(p_t(v), q(v)) / (1 + TV(p_t, q))
     (Daliri, Musco and Suresh, 2024), somewhat below rejection sampling's
     sum_v min(p_t(v), q(v)); that is the price of invariance.
+ 7. The statistical tests of 1-3 run the walk vectorised over sessions
+    (tests/verifier_service/reference_walk.py); `verify_trees` walks each
+    session in Python and returns the same verdicts from the same draws, up to
+    float rounding (its residual's sums are float64 where the reference's are
+    float32), on random ragged trees with siblings below siblings, sparse and
+    point-mass proposals, supports listing an id twice, and point-mass p whose
+    residuals empty.
 
-Shapes: B sessions; N draft nodes (padded per session); K entries per sparse
-proposal; V vocabulary.
+Shapes: B sessions; N draft nodes (the batch's widest tree); V vocabulary.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from itertools import islice
 
 import torch
 
@@ -90,98 +96,96 @@ import torch
 _EMPTY_RESIDUAL = 1e-12
 
 
-@dataclass
-class TreeBatch:
-    tokens: torch.Tensor  # [B, N] int64, draft token of each node
-    parents: torch.Tensor  # [B, N] int64, parent node index, -1 for the root
-    valid: torch.Tensor  # [B, N] bool, False for padding nodes
-    q_ids: torch.Tensor  # [B, N, K] int64, support of each node's proposal distribution
-    q_probs: torch.Tensor  # [B, N, K] float, probabilities on that support (0 for padding)
-
-    @classmethod
-    def from_lists(
-        cls,
-        tokens: list[list[int]],
-        parents: list[list[int]],
-        proposals: list[list[tuple[list[int], list[float]]]],
-        num_nodes: int,
-        device,
-    ) -> "TreeBatch":
-        """Sessions' trees (token ids, parents, per node its proposal's (ids, probs)) padded to N nodes and
-        K entries, on the device. Padded in Python lists, converted once."""
-        batch = len(tokens)
-        k_max = max([len(ids) for session in proposals for ids, _ in session] or [1])
-        rows_t, rows_p, rows_qi, rows_qp = [], [], [], []
-        for toks, pars, props in zip(tokens, parents, proposals):
-            pad = num_nodes - len(toks)
-            rows_t.append(toks + [0] * pad)
-            rows_p.append(pars + [-2] * pad)
-            rows_qi.append([ids + [0] * (k_max - len(ids)) for ids, _ in props] + [[0] * k_max] * pad)
-            rows_qp.append([probs + [0.0] * (k_max - len(probs)) for _, probs in props] + [[0.0] * k_max] * pad)
-        parents_t = torch.tensor(rows_p, dtype=torch.long, device=device).reshape(batch, num_nodes)
-        return cls(
-            tokens=torch.tensor(rows_t, dtype=torch.long, device=device).reshape(batch, num_nodes),
-            parents=parents_t,
-            valid=parents_t > -2,
-            q_ids=torch.tensor(rows_qi, dtype=torch.long, device=device).reshape(batch, num_nodes, k_max),
-            q_probs=torch.tensor(rows_qp, dtype=torch.float32, device=device).reshape(batch, num_nodes, k_max),
-        )
-
-
-@dataclass
-class Verdict:
-    accepted: torch.Tensor  # [B, N] int64, accepted node indices root to leaf, -1 after the last
-    num_accepted: torch.Tensor  # [B] int64
-    next_token: torch.Tensor  # [B] int64, the correction or bonus token
-
-
 def verify_trees(
-    target_probs: torch.Tensor,  # [B, N + 1, V]: p after the root, then after each node
-    trees: TreeBatch,
-    uniforms: torch.Tensor,  # [B, N] in [0, 1), one per node
-    final: torch.Tensor,  # [B] in [0, 1), the final draw's
-) -> Verdict:
-    batch, num_nodes = trees.tokens.shape
-    rows = torch.arange(batch, device=target_probs.device)
+    target_probs: torch.Tensor,  # [B, N + 1, V]: p after the root, then after each node (rows past a session's nodes unread)
+    tokens: list[list[int]],  # per session: its nodes' tokens
+    parents: list[list[int]],  # per session: its nodes' parents (-1: the root)
+    proposals: list[list[tuple[list[int], list[float]]]],  # per session, per node: q's support and probabilities
+    uniforms: list[list[float]],  # per session: a draw in [0, 1) per node
+    final: list[float],  # per session: the final draw's, in [0, 1)
+) -> list[tuple[list[int], int]]:
+    """The walk above, per session: (accepted nodes root to leaf, next token).
 
-    cur = torch.full((batch,), -1, dtype=torch.long, device=target_probs.device)
-    residual = target_probs[:, 0].clone()  # [B, V]
-    accepted = torch.full((batch, num_nodes), -1, dtype=torch.long, device=target_probs.device)
-    num_accepted = torch.zeros(batch, dtype=torch.long, device=target_probs.device)
+    All the walk reads of p before its final draw is p at each node's token and its proposal's support (a rejection
+    changes the residual there alone), so those values come to the host in one gather and each session walks its
+    nodes in Python; the final draw reads one row per session on the device. A loop of tensor operations per node
+    costs tens of microseconds each on a CPU and a synchronisation per node on a GPU
+    (docs/benchmarks/verify-overhead.md). tests/verifier_service/reference_walk.py walks the same trees vectorised
+    over sessions, for the statistical tests' 200,000 sessions a round; a test checks both give the same verdicts."""
+    values = iter(_node_values(target_probs, tokens, parents, proposals))
+    walks = [_walk(*session, values) for session in zip(tokens, parents, proposals, uniforms)]
+    next_tokens = _final_draws(target_probs, [(cur, residual) for _, cur, residual in walks], final)
+    return [(path, token) for (path, _, _), token in zip(walks, next_tokens)]
 
-    for i in range(num_nodes):
-        # Sessions for which node i is the next untried child of the current node.
-        trying = trees.valid[:, i] & (trees.parents[:, i] == cur)
-        if not trying.any():
+
+def _node_values(target_probs, tokens, parents, proposals) -> list[float]:
+    """p after each node's parent at the node's token, then at each id of its proposal, node after node, in one
+    gather from the device."""
+    batch, width, vocab = target_probs.shape
+    rows, columns = [], []
+    for b, (session_tokens, session_parents, session_proposals) in enumerate(zip(tokens, parents, proposals)):
+        for token, parent, (ids, _) in zip(session_tokens, session_parents, session_proposals):
+            rows += [b * width + parent + 1] * (1 + len(ids))
+            columns += [token, *ids]
+    if not rows:
+        return []
+    device = target_probs.device
+    flat = target_probs.reshape(batch * width, vocab)
+    return flat[torch.tensor(rows, device=device), torch.tensor(columns, device=device)].tolist()
+
+
+def _walk(tokens, parents, proposals, uniforms, values) -> tuple[list[int], int, dict[int, float]]:
+    """One session's walk: (accepted nodes, the node it ends at, the residual there where it differs from p).
+
+    `values` yields each node's p values (`_node_values`), tried or not. The residual r is p_cur times `scale` except
+    on the tokens in `changed`: rejecting a child lowers r on that child's support alone, and renormalising scales
+    every token alike."""
+    cur, path, changed, scale = -1, [], {}, 1.0
+    for i, (token, parent, (ids, probs)) in enumerate(zip(tokens, parents, proposals)):
+        p_token, *p_support = islice(values, 1 + len(ids))
+        if parent != cur:
             continue
-        token = trees.tokens[:, i]
-        # q_i(x_i): sum over the support, since a sparse support may list x_i once at most
-        # but the caller need not have put it first.
-        q_of_token = (trees.q_probs[:, i] * (trees.q_ids[:, i] == token.unsqueeze(1))).sum(dim=1)
-        r_of_token = residual.gather(1, token.unsqueeze(1)).squeeze(1)
+        q = {}  # id: (q(id), p(id)); an id listed twice holds the sum of its entries
+        for v, q_v, p_v in zip(ids, probs, p_support):
+            q[v] = (q[v][0] + q_v if v in q else q_v, p_v)
+        r_token = changed[token] if token in changed else p_token * scale
         # Accept with probability min(1, r/q): u < r/q, written without division.
-        accept = trying & (uniforms[:, i] * q_of_token < r_of_token)
-        reject = trying & ~accept
+        if uniforms[i] * (q[token][0] if token in q else 0.0) < r_token:
+            path.append(i)
+            cur, changed, scale = i, {}, 1.0
+            continue
+        removed = 0.0  # r sums to 1: what max(0, r - q) takes from it
+        for v, (q_v, p_v) in q.items():
+            before = changed[v] if v in changed else p_v * scale
+            changed[v] = max(before - q_v, 0.0)
+            removed += before - changed[v]
+        mass = 1.0 - removed
+        if mass > _EMPTY_RESIDUAL:
+            scale /= mass
+            changed = {v: r_v / mass for v, r_v in changed.items()}
+        else:
+            changed, scale = {}, 1.0
+    return path, cur, {v: r_v / scale for v, r_v in changed.items()}
 
-        if accept.any():
-            accepted[rows[accept], num_accepted[accept]] = i
-            num_accepted += accept.long()
-            cur = torch.where(accept, torch.full_like(cur, i), cur)
-            residual = torch.where(accept.unsqueeze(1), target_probs[:, i + 1], residual)
-        if reject.any():
-            reduced = residual.scatter_add(1, trees.q_ids[:, i], -trees.q_probs[:, i]).clamp_(min=0.0)
-            mass = reduced.sum(dim=1, keepdim=True)
-            fallback = target_probs[rows, cur + 1]
-            reduced = torch.where(mass > _EMPTY_RESIDUAL, reduced / mass.clamp(min=_EMPTY_RESIDUAL), fallback)
-            residual = torch.where(reject.unsqueeze(1), reduced, residual)
 
-    # Inverse CDF: the first index whose cumulative mass exceeds u * sum(r) is v with probability r(v) / sum(r); a
-    # token of no mass adds nothing to the sum, so it is never the first. In float64, and u < 1 keeps u * sum(r) below
-    # the last sum. One uniform a session, where a race over V needs V exponentials (docs/benchmarks/verify-overhead.md).
-    cdf = residual.double().cumsum(dim=1)
-    point = (final.to(cdf) * cdf[:, -1]).unsqueeze(1)
-    next_token = torch.searchsorted(cdf, point, right=True).squeeze(1)
-    return Verdict(accepted=accepted, num_accepted=num_accepted, next_token=next_token)
+def _final_draws(target_probs, ends: list[tuple[int, dict[int, float]]], final: list[float]) -> list[int]:
+    """Each session's next token, drawn from the residual at the node it ended at: p after that node, with the
+    tokens its rejected children changed set to their residual (on p's scale, which the draw does not depend on).
+
+    Inverse CDF: the first index whose cumulative mass exceeds u * sum(r) is v with probability r(v) / sum(r); a
+    token of no mass adds nothing to the sum, so it is never the first. In float64, and u < 1 keeps u * sum(r) below
+    the last sum. One uniform a session, where a race over V needs V exponentials."""
+    batch, width, vocab = target_probs.shape
+    device = target_probs.device
+    rows = torch.tensor([b * width + cur + 1 for b, (cur, _) in enumerate(ends)], device=device)
+    residual = target_probs.reshape(batch * width, vocab)[rows].double()
+    changes = [(b, v, r_v) for b, (_, changed) in enumerate(ends) for v, r_v in changed.items()]
+    if changes:
+        at_b, at_v, r = zip(*changes)
+        residual[torch.tensor(at_b, device=device), torch.tensor(at_v, device=device)] = torch.tensor(r, dtype=torch.float64, device=device)
+    cdf = residual.cumsum(dim=1)
+    point = (torch.tensor(final, dtype=torch.float64, device=device) * cdf[:, -1]).unsqueeze(1)
+    return torch.searchsorted(cdf, point, right=True).squeeze(1).tolist()
 
 
 def verify_trees_greedy(

@@ -34,7 +34,7 @@ from specfleet.engine import LoadedModel, SessionStore, UnknownSession, prefill,
 from specfleet.engine.ngram import lookup_chain, next_token_counts
 from specfleet.sampling import STREAM_DRAFT, SamplingParams
 from verifier_service.lookup import LookupPolicy
-from verifier_service.verification import TreeBatch, verify_trees, verify_trees_greedy
+from verifier_service.verification import verify_trees, verify_trees_greedy
 
 log = logging.getLogger(__name__)
 
@@ -355,20 +355,13 @@ class Verifier:
         if sampled:
             # Rejection sampling: p shaped as each session asked, with its seeded noise.
             rows = [params[b] for b in sampled]
-            trees = TreeBatch.from_lists(
-                [live[b][1].tree_tokens for b in sampled],
-                [live[b][1].tree_parents for b in sampled],
-                [live[b][1].proposals for b in sampled],
-                logits.shape[1] - 1,
-                logits.device,
-            )
             target_probs = shaping.shape(rows, logits[sampled])
-            uniforms, final = shaping.verify_noise(rows, [len(live[b][2].token_ids) for b in sampled], logits.shape[1], logits.device)
-            verdict = verify_trees(target_probs, trees, uniforms, final)
-            # To the host once for the batch, not a copy per session.
-            rows_accepted, counts, drawn = verdict.accepted.tolist(), verdict.num_accepted.tolist(), verdict.next_token.tolist()
-            for b, row, count, token in zip(sampled, rows_accepted, counts, drawn):
-                accepted[b], next_token[b] = row[:count], token
+            uniforms, final = shaping.verify_noise(rows, [len(live[b][2].token_ids) for b in sampled], logits.shape[1])
+            items = [live[b][1] for b in sampled]
+            tokens, parents = [item.tree_tokens for item in items], [item.tree_parents for item in items]
+            verdicts = verify_trees(target_probs, tokens, parents, [item.proposals for item in items], uniforms, final)
+            for b, (path, token) in zip(sampled, verdicts):
+                accepted[b], next_token[b] = path, token
 
         results = []
         for b, (_, item, session) in enumerate(live):

@@ -60,15 +60,13 @@ def target_tokens(params: list[SamplingParams], logits: torch.Tensor, filled: li
     return wanted
 
 
-def verify_noise(params: list[SamplingParams], positions: list[int], width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rejection sampling's draws per session: uniforms [B, W - 1] (one per node) and one more [B] (the final draw),
-    from (seed, position of the session's next token, STREAM_VERIFY). The final draw comes first and node i takes the
-    draw after it, so that neither depends on W, the widest tree of the batch the session was verified in."""
-    draws = torch.empty(len(params), width)
-    for r, (p, position) in enumerate(zip(params, positions)):
-        draws[r] = torch.rand(width, generator=generator_for(p.seed, position, STREAM_VERIFY))
-    draws = draws.to(device)
-    return draws[:, 1:], draws[:, 0]
+def verify_noise(params: list[SamplingParams], positions: list[int], width: int) -> tuple[list[list[float]], list[float]]:
+    """Rejection sampling's draws per session, on the host where the walk reads them: uniforms (W - 1 a session, one
+    per node) and one more (the final draw), from (seed, position of the session's next token, STREAM_VERIFY). The
+    final draw comes first and node i takes the draw after it, so that neither depends on W, the widest tree of the
+    batch the session was verified in."""
+    draws = [torch.rand(width, generator=generator_for(p.seed, position, STREAM_VERIFY)).tolist() for p, position in zip(params, positions)]
+    return [row[1:] for row in draws], [row[0] for row in draws]
 
 
 def propose(

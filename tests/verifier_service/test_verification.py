@@ -32,6 +32,11 @@ At n = 200,000 and M = 36 this is 0.009 to 0.011; a correct verifier measures
 sampled test catches measures 4 to 100 times it. The seeds make every test
 deterministic; the threshold says why the verdict is not luck.
 
+The rounds run the walk vectorised over sessions (reference_walk.py), which
+takes 200,000 sessions a round in tenths of a second; `verify_trees`, the
+verifier's walk per session in Python, is checked against it verdict for
+verdict (obligation 7), and against exact cases of its own.
+
 Every test here that can pass vacuously also asserts that the paths it is
 about carry real mass (rejections, corrections, acceptance at depth 3 and
 below), and the known-bad changes in tests/mutants/verification.yaml must each
@@ -48,7 +53,8 @@ import pytest
 import torch
 
 from specfleet.engine.sampling import probs_from_logits
-from verifier_service.verification import TreeBatch, Verdict, verify_trees, verify_trees_greedy
+from tests.verifier_service.reference_walk import TreeBatch, Verdict, as_lists, as_verdict, verify_trees_batched
+from verifier_service.verification import verify_trees, verify_trees_greedy
 
 V = 6  # vocabulary of the Markov models
 SAMPLES = 200_000
@@ -351,14 +357,9 @@ def as_sparse(laws: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def greedy_verdict(target_ids: torch.Tensor, trees: TreeBatch) -> Verdict:
-    """`verify_trees_greedy`'s paths as a `Verdict`, to compare with `verify_trees` and share its bookkeeping."""
+    """`verify_trees_greedy`'s paths as a `Verdict`, to compare with the reference walk and share its bookkeeping."""
     parents = torch.where(trees.valid, trees.parents, torch.full_like(trees.parents, -2))
-    verdicts = verify_trees_greedy(target_ids.tolist(), trees.tokens.tolist(), parents.tolist())
-    accepted = torch.full(trees.tokens.shape, -1, dtype=torch.long)
-    for b, (path, _) in enumerate(verdicts):
-        accepted[b, : len(path)] = torch.tensor(path, dtype=torch.long)
-    num_accepted = torch.tensor([len(path) for path, _ in verdicts], dtype=torch.long)
-    return Verdict(accepted, num_accepted, torch.tensor([token for _, token in verdicts], dtype=torch.long))
+    return as_verdict(verify_trees_greedy(target_ids.tolist(), trees.tokens.tolist(), parents.tolist()), trees.tokens.shape[1])
 
 
 def simulate(
@@ -373,7 +374,7 @@ def simulate(
 ) -> tuple[torch.Tensor, Stats]:
     """[samples, length + 1] generations (column 0 is the start token), and what the rounds did.
 
-    mode: "sampled" (verify_trees with fresh noise), "constant-noise" (verify_trees with the fixed
+    mode: "sampled" (the reference walk with fresh noise), "constant-noise" (the reference walk with the fixed
     noise the verifier gives greedy sessions) or "greedy" (verify_trees_greedy on argmax ids).
     claimed: laws sent in place of the ones the tokens were drawn from (the negative control).
     """
@@ -405,10 +406,10 @@ def simulate(
         if mode == "greedy":
             verdict = greedy_verdict(argmax[contexts], trees)
         elif mode == "constant-noise":
-            verdict = verify_trees(target_probs[contexts], trees, torch.zeros(m, nodes), torch.zeros(m))
+            verdict = verify_trees_batched(target_probs[contexts], trees, torch.zeros(m, nodes), torch.zeros(m))
         else:
             uniforms = torch.rand(m, nodes, generator=gen)
-            verdict = verify_trees(target_probs[contexts], trees, uniforms, torch.rand(m, generator=gen))
+            verdict = verify_trees_batched(target_probs[contexts], trees, uniforms, torch.rand(m, generator=gen))
 
         # The round emits the accepted drafts, then the next token.
         steps = torch.arange(nodes + 1)
@@ -572,13 +573,11 @@ def test_greedy_emits_exactly_the_target_argmax(tree_name, mode):
     assert stats.deep > 0.05 * stats.rounds and stats.rejected > 0.1 * stats.tried, stats
 
 
-def test_greedy_specialisation_gives_the_same_verdict():
-    """verify_trees_greedy on argmax ids == verify_trees on the point masses, for random ragged trees
-    (siblings below siblings, up to depth 10) whose tokens often hit the argmax, with point-mass and
-    sparse sampled proposals (obligation 5)."""
-    gen = torch.Generator().manual_seed(5)
-    batch, num_nodes, k = 2048, 12, 3
-    logits = torch.randn(batch, num_nodes + 1, V, generator=gen)
+def random_trees(gen: torch.Generator, logits: torch.Tensor, k: int) -> TreeBatch:
+    """Random ragged trees over logits [B, N + 1, V] (siblings below siblings, up to depth N) whose tokens often hit
+    the argmax after their parent; proposals of k ids (the token first, ids may repeat), half of them point masses
+    on the token, half uniform over the k."""
+    batch, num_nodes = logits.shape[0], logits.shape[1] - 1
     argmax = logits.argmax(dim=-1)
     parents = torch.full((batch, num_nodes), -2, dtype=torch.long)
     tokens = torch.zeros(batch, num_nodes, dtype=torch.long)
@@ -595,14 +594,57 @@ def test_greedy_specialisation_gives_the_same_verdict():
     q_ids = torch.cat([tokens.unsqueeze(2), torch.randint(0, V, (batch, num_nodes, k - 1), generator=gen)], dim=2)
     sampled = torch.rand(batch, num_nodes, 1, generator=gen) < 0.5
     q_probs = torch.where(sampled, torch.full((batch, num_nodes, k), 1.0 / k), torch.tensor([1.0] + [0.0] * (k - 1)))
-    trees = TreeBatch(tokens=tokens, parents=parents, valid=parents > -2, q_ids=q_ids, q_probs=q_probs)
+    return TreeBatch(tokens=tokens, parents=parents, valid=parents > -2, q_ids=q_ids, q_probs=q_probs)
+
+
+def test_greedy_specialisation_gives_the_same_verdict():
+    """verify_trees_greedy on argmax ids == the walk on the point masses, for random ragged trees with point-mass and
+    sparse sampled proposals (obligation 5)."""
+    gen = torch.Generator().manual_seed(5)
+    batch, num_nodes = 2048, 12
+    logits = torch.randn(batch, num_nodes + 1, V, generator=gen)
+    trees = random_trees(gen, logits, k=3)
+    argmax = logits.argmax(dim=-1)
     point_masses = torch.zeros(batch, num_nodes + 1, V).scatter_(2, argmax.unsqueeze(2), 1.0)
-    general = verify_trees(point_masses, trees, torch.rand(batch, num_nodes, generator=gen), torch.rand(batch, generator=gen))
+    general = verify_trees_batched(point_masses, trees, torch.rand(batch, num_nodes, generator=gen), torch.rand(batch, generator=gen))
     greedy = greedy_verdict(argmax, trees)
     assert torch.equal(general.accepted, greedy.accepted)
     assert torch.equal(general.num_accepted, greedy.num_accepted)
     assert torch.equal(general.next_token, greedy.next_token)
     assert (general.num_accepted >= 4).sum() > 50  # deep acceptance, not only rejections
+
+
+def test_the_walk_per_session_gives_the_reference_verdict():
+    """verify_trees == the reference walk vectorised over sessions, verdict for verdict, from the same draws
+    (obligation 7): random ragged trees, sparse and point-mass proposals with repeated ids, sessions whose p is a
+    softmax or a point mass on the argmax, and proposals that put all their mass on a point-mass p's token while
+    drafting another (rejecting them empties the residual, which falls back to p)."""
+    gen = torch.Generator().manual_seed(7)
+    batch, num_nodes = 4096, 10
+    logits = torch.randn(batch, num_nodes + 1, V, generator=gen) * 2
+    trees = random_trees(gen, logits, k=3)
+    argmax = logits.argmax(dim=-1)
+    probs = logits.softmax(dim=-1)
+    point_mass = torch.rand(batch, generator=gen) < 0.25
+    probs[point_mass] = torch.zeros(int(point_mass.sum()), num_nodes + 1, V).scatter_(2, argmax[point_mass].unsqueeze(2), 1.0)
+    # A node drafting another token than the argmax, with its proposal's whole mass on the argmax after its parent.
+    covering = point_mass.unsqueeze(1) & (torch.rand(batch, num_nodes, generator=gen) < 0.3)
+    wanted = argmax.gather(1, (trees.parents + 1).clamp(min=0))
+    trees.tokens = torch.where(covering, (wanted + 1) % V, trees.tokens)
+    trees.q_ids[:, :, 0] = torch.where(covering, trees.tokens, trees.q_ids[:, :, 0])
+    trees.q_ids[:, :, 1] = torch.where(covering, wanted, trees.q_ids[:, :, 1])
+    trees.q_probs = torch.where(covering.unsqueeze(2), torch.tensor([0.0, 1.0, 0.0]), trees.q_probs)
+    uniforms, final = torch.rand(batch, num_nodes, generator=gen), torch.rand(batch, generator=gen)
+
+    reference = verify_trees_batched(probs, trees, uniforms, final)
+    walked = as_verdict(verify_trees(probs, *as_lists(trees, uniforms, final)), num_nodes)
+    differ = (walked.accepted != reference.accepted).any(dim=1) | (walked.next_token != reference.next_token)
+    assert not differ.any(), f"{int(differ.sum())} sessions differ, e.g. session {int(differ.nonzero()[0])}"
+    # The paths that matter carry mass: deep acceptance, siblings tried after a rejection, emptied residuals.
+    assert (reference.num_accepted >= 3).sum() > 100
+    first_child = (trees.parents == -1).long().cumsum(dim=1) >= 2
+    assert ((reference.num_accepted == 0) & first_child.any(dim=1)).sum() > 100
+    assert (covering & (trees.parents == -1)).any(dim=1).sum() > 100
 
 
 def test_a_batch_of_greedy_and_sampled_rows_shapes_each_as_it_asked():
@@ -624,16 +666,26 @@ def test_the_final_draw_never_emits_a_token_of_no_mass():
     would take the token before the mass at u = 0)."""
     probs = torch.zeros(1, 1, V)
     probs[0, 0, 2], probs[0, 0, 4] = 0.25, 0.75
-    empty = TreeBatch(
-        tokens=torch.zeros(1, 0, dtype=torch.long),
-        parents=torch.zeros(1, 0, dtype=torch.long),
-        valid=torch.zeros(1, 0, dtype=torch.bool),
-        q_ids=torch.zeros(1, 0, 1, dtype=torch.long),
-        q_probs=torch.zeros(1, 0, 1),
-    )
-    below_one = torch.tensor([1.0]).nextafter(torch.tensor([0.0]))
-    for u, token in [(torch.zeros(1), 2), (torch.full((1,), 0.2499), 2), (torch.full((1,), 0.25), 4), (below_one, 4)]:
-        assert verify_trees(probs, empty, torch.zeros(1, 0), u).next_token.item() == token, float(u)
+    below_one = float(torch.tensor([1.0]).nextafter(torch.tensor([0.0])))
+    for u, token in [(0.0, 2), (0.2499, 2), (0.25, 4), (below_one, 4)]:
+        assert verify_trees(probs, [[]], [[]], [[]], [[]], [u]) == [([], token)], u
+
+
+def test_a_rejected_sibling_leaves_its_residual_for_the_next_and_the_final_draw():
+    """Worked by hand: p = (0.5, 0.3, 0.2) after the root, siblings x = 0 and x = 1 with point-mass proposals. The first
+    is accepted iff u < 0.5; rejected, r = (0, 0.6, 0.4), so the second is accepted iff u < 0.6; rejected too, r = (0,
+    0, 1) and the final draw is token 2 whatever its u. Accepting a node moves on to p after it: (0, 0, 1) after node
+    0, (0.1, 0.1, 0.8) after node 1."""
+    probs = torch.zeros(1, 3, V)
+    probs[0, 0, :3] = torch.tensor([0.5, 0.3, 0.2])
+    probs[0, 1, 2] = 1.0
+    probs[0, 2, :3] = torch.tensor([0.1, 0.1, 0.8])
+    tree = ([[0, 1]], [[-1, -1]], [[([0], [1.0]), ([1], [1.0])]])
+    assert verify_trees(probs, *tree, [[0.49, 0.0]], [0.0]) == [([0], 2)]
+    assert verify_trees(probs, *tree, [[0.51, 0.59]], [0.05]) == [([1], 0)]
+    assert verify_trees(probs, *tree, [[0.51, 0.59]], [0.15]) == [([1], 1)]
+    assert verify_trees(probs, *tree, [[0.51, 0.61]], [0.0]) == [([], 2)]
+    assert verify_trees(probs, *tree, [[0.51, 0.61]], [0.99]) == [([], 2)]
 
 
 def test_verdict_shapes_and_accepted_path():
@@ -643,16 +695,6 @@ def test_verdict_shapes_and_accepted_path():
     for _ in range(3):
         prev = int(target[prev].argmax())
         path.append(prev)
-    tokens = torch.tensor([path])
-    trees = TreeBatch(
-        tokens=tokens,
-        parents=torch.tensor([[-1, 0, 1]]),
-        valid=torch.ones(1, 3, dtype=torch.bool),
-        q_ids=tokens.unsqueeze(2),
-        q_probs=torch.ones(1, 3, 1),
-    )
     target_probs = torch.stack([target[0]] + [target[t] for t in path]).unsqueeze(0)
-    verdict = verify_trees(target_probs, trees, torch.rand(1, 3), torch.rand(1))
-    assert verdict.accepted.tolist() == [[0, 1, 2]]
-    assert verdict.num_accepted.tolist() == [3]
-    assert verdict.next_token.item() == int(target[path[-1]].argmax())
+    chain = ([path], [[-1, 0, 1]], [[([t], [1.0]) for t in path]])
+    assert verify_trees(target_probs, *chain, torch.rand(1, 3).tolist(), [0.5]) == [([0, 1, 2], int(target[path[-1]].argmax()))]
