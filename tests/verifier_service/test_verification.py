@@ -46,6 +46,7 @@ make some test here fail.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,6 +60,9 @@ from verifier_service.verification import verify_trees, verify_trees_greedy
 V = 6  # vocabulary of the Markov models
 SAMPLES = 200_000
 FALSE_FAILURE = 1e-6  # probability that a correct verifier fails one statistical test
+# SPECFLEET_TEST_DEVICE=cuda gives `verify_trees` its p on a GPU in the tests that check it against the reference and
+# by hand (scripts/device-check sets it); everything else here runs on the CPU.
+DEVICE = os.environ.get("SPECFLEET_TEST_DEVICE", "cpu")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -637,7 +641,7 @@ def test_the_walk_per_session_gives_the_reference_verdict():
     uniforms, final = torch.rand(batch, num_nodes, generator=gen), torch.rand(batch, generator=gen)
 
     reference = verify_trees_batched(probs, trees, uniforms, final)
-    walked = as_verdict(verify_trees(probs, *as_lists(trees, uniforms, final)), num_nodes)
+    walked = as_verdict(verify_trees(probs.to(DEVICE), *as_lists(trees, uniforms, final)), num_nodes)
     differ = (walked.accepted != reference.accepted).any(dim=1) | (walked.next_token != reference.next_token)
     assert not differ.any(), f"{int(differ.sum())} sessions differ, e.g. session {int(differ.nonzero()[0])}"
     # The paths that matter carry mass: deep acceptance, siblings tried after a rejection, emptied residuals.
@@ -668,7 +672,7 @@ def test_the_final_draw_never_emits_a_token_of_no_mass():
     probs[0, 0, 2], probs[0, 0, 4] = 0.25, 0.75
     below_one = float(torch.tensor([1.0]).nextafter(torch.tensor([0.0])))
     for u, token in [(0.0, 2), (0.2499, 2), (0.25, 4), (below_one, 4)]:
-        assert verify_trees(probs, [[]], [[]], [[]], [[]], [u]) == [([], token)], u
+        assert verify_trees(probs.to(DEVICE), [[]], [[]], [[]], [[]], [u]) == [([], token)], u
 
 
 def test_a_rejected_sibling_leaves_its_residual_for_the_next_and_the_final_draw():
@@ -680,6 +684,7 @@ def test_a_rejected_sibling_leaves_its_residual_for_the_next_and_the_final_draw(
     probs[0, 0, :3] = torch.tensor([0.5, 0.3, 0.2])
     probs[0, 1, 2] = 1.0
     probs[0, 2, :3] = torch.tensor([0.1, 0.1, 0.8])
+    probs = probs.to(DEVICE)
     tree = ([[0, 1]], [[-1, -1]], [[([0], [1.0]), ([1], [1.0])]])
     assert verify_trees(probs, *tree, [[0.49, 0.0]], [0.0]) == [([0], 2)]
     assert verify_trees(probs, *tree, [[0.51, 0.59]], [0.05]) == [([1], 0)]
