@@ -1,9 +1,9 @@
 """The verifier's whole verify pass (`Verifier._verify`: the forward pass, the verdict, the commit) of the demo
-target, B sessions of 100 cached tokens (greedy, or sampled with `--temperature`), with and without lookup-like
-chains: the median wall time of each case over interleaved repetitions, on whatever code PYTHONPATH holds (run it in
-two checkouts to compare them).
+target, B sessions of 100 cached tokens (greedy, or sampled with `--temperature`: rejection sampling, or with
+`--raced` the exponential race of a client's seed), with and without lookup-like chains: the median wall time of
+each case over interleaved repetitions, on whatever code PYTHONPATH holds (run it in two checkouts to compare them).
 
-    PYTHONPATH=. taskset -c 0 .venv/bin/python scripts/verify_pass_cost.py --sessions 1,4 [--reps 300] [--temperature 1]
+    PYTHONPATH=. taskset -c 0 .venv/bin/python scripts/verify_pass_cost.py --sessions 1,4 [--reps 300] [--temperature 1 [--raced]]
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ def main() -> None:
     parser.add_argument("--sessions", default="1,4")
     parser.add_argument("--reps", type=int, default=300)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--raced", action="store_true", help="sessions with a client's seed: the exponential race")
     args = parser.parse_args()
-    sampling = SamplingParams(temperature=args.temperature, seed=3)
+    sampling = SamplingParams(temperature=args.temperature, seed=3, drafter_invariant=args.raced)
     cfg = config_mod.default_config(config_mod.REPO / ".cache")
     verifier = load_core(cfg.verifier, threads=1).verifier
     for batch in [int(s) for s in args.sessions.split(",")]:

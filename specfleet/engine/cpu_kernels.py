@@ -7,6 +7,9 @@ bytes and changes no value. The sums run in float32, in their own order (as ever
 outputs match F.linear's to float rounding, which tests/engine/test_cpu_kernels.py and the greedy tests against
 transformers bound. Where a weight is not exactly bfloat16, `pack_bf16` declines it and F.linear's paths serve.
 
+`race` (csrc/race.cpp): the exponential race of seeded sessions over the whole vocabulary in one pass a row, where
+the tensor form's dozen [rows, V] temporaries and V logarithms took a third of a sampled pass of four sessions.
+
 `rope_write`, `attend`, `add_rms_norm` and `silu_mul` (csrc/attention.cpp): a layer's queries and keys rotated
 and its new keys and values written into the KV pool, its attention for every session of a pass, RMSNorm with
 the residual add before it, and the MLP's gate, one call each. A pass of a few rows spends more on dispatching
@@ -116,7 +119,18 @@ def library() -> ctypes.CDLL | None:
     lib.specfleet_layers.argtypes = [ctypes.c_void_p, ctypes.POINTER(Pass), *[ctypes.c_int64] * 3, *[ctypes.c_void_p] * 3, ctypes.c_int64]
     lib.specfleet_layers.argtypes += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32]
     lib.specfleet_layers.restype = None
+    lib.specfleet_race.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    lib.specfleet_race.restype = None
     return lib
+
+
+def race(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """[R] each row's exponential race winner over its whole vocabulary (`sampling.race` of `sampling.race_noise`)
+    for probs [R, V] float32 and keys [R] on the CPU: one pass over each row (csrc/race.cpp)."""
+    probs, keys = probs.contiguous(), keys.contiguous()
+    winners = torch.empty(probs.shape[0], dtype=torch.long)
+    library().specfleet_race(probs.data_ptr(), probs.shape[0], probs.shape[1], keys.data_ptr(), winners.data_ptr())
+    return winners
 
 
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor | None:

@@ -26,6 +26,7 @@ import struct
 
 import torch
 
+from specfleet.engine import cpu_kernels
 from specfleet.sampling import GREEDY_BELOW, STREAM_RACE
 
 
@@ -136,3 +137,13 @@ def race_noise(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """[R] index of the race winner argmax p / E per row: distributed as p when E ~ Exp(1) i.i.d."""
     return (probs.double() / noise).argmax(dim=-1)
+
+
+def race_vocabulary(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """[R] each row's race over every token: `race(probs, race_noise(keys, all ids))` for probs [R, V] and keys [R].
+    On a CPU with the compiled kernels, csrc/race.cpp's one pass a row (the same winners,
+    tests/engine/test_cpu_kernels.py), where the tensor form's [R, V] temporaries cost more than the verify pass's
+    forward at a few sessions (docs/benchmarks/verify-overhead.md)."""
+    if probs.device.type == "cpu" and probs.dtype == torch.float32 and cpu_kernels.library() is not None:
+        return cpu_kernels.race(probs, keys)
+    return race(probs, race_noise(keys, torch.arange(probs.shape[1], device=probs.device)))

@@ -22,6 +22,7 @@ from specfleet.engine.sampling import (
     race,
     race_keys,
     race_noise,
+    race_vocabulary,
     sample_sparse,
     truncate,
 )
@@ -48,15 +49,12 @@ def target_tokens(params: list[SamplingParams], logits: torch.Tensor, filled: li
     raced = [b for b, p in enumerate(params) if p.raced]
     if not raced:
         return wanted
-    _, width, vocab = logits.shape
-    seeds, positions = [], []
-    for b in raced:
-        rows = filled[b] + [filled[b][-1]] * (width - len(filled[b]))
-        seeds += [params[b].seed] * width
-        positions += rows
-    probs = shape([params[b] for b in raced], logits[raced])
-    noise = race_noise(race_keys(seeds, positions, device=logits.device), torch.arange(vocab, device=logits.device))
-    wanted[raced] = race(probs.reshape(len(raced) * width, vocab), noise).reshape(len(raced), width)
+    # Each raced session's rows up to its last filled one (padding rows keep their argmax, never read).
+    real = [(b, w, position) for b in raced for w, position in enumerate(filled[b])]
+    sessions, rows = [b for b, _, _ in real], [w for _, w, _ in real]
+    probs = shape([params[b] for b in sessions], logits[sessions, rows].unsqueeze(1)).squeeze(1)
+    keys = race_keys([params[b].seed for b in sessions], [position for _, _, position in real], device=logits.device)
+    wanted[sessions, rows] = race_vocabulary(probs, keys)
     return wanted
 
 

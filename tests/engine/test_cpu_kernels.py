@@ -1,10 +1,11 @@
-"""specfleet/engine/cpu_kernels.py and csrc/: the bfloat16 linear kernel computes what F.linear computes from the
-same (bfloat16-exact) weights at every row count and width, a row's result is bit for bit the same whatever else is
-in its call, weights bfloat16 does not hold exactly are declined; attention over the KV pool computes what
-scaled_dot_product_attention computes for every session's row (ragged lengths, trees, scattered blocks, grouped
-heads), a session's rows bit for bit the same whatever else is in the pass; RoPE with the pool's writes, the norm
-and the MLP's gate compute what torch computes; and a machine that cannot build the kernels serves with torch's
-alone, computing what transformers computes. Whole passes against transformers: tests/engine/test_llama.py."""
+"""specfleet/engine/cpu_kernels.py and csrc/: the bfloat16 linear kernel computes what F.linear computes from the same
+(bfloat16-exact) weights at every row count and width, a row's result is bit for bit the same whatever else is in its
+call, weights bfloat16 does not hold exactly are declined; the exponential race picks the tensor race's winners;
+attention over the KV pool computes what scaled_dot_product_attention computes for every session's row (ragged
+lengths, trees, scattered blocks, grouped heads), a session's rows bit for bit the same whatever else is in the pass;
+RoPE with the pool's writes, the norm and the MLP's gate compute what torch computes; and a machine that cannot build
+the kernels serves with torch's alone, computing what transformers computes. Whole passes against transformers:
+tests/engine/test_llama.py."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from specfleet.engine import cpu_kernels, llama
+from specfleet.engine.sampling import race, race_keys, race_noise
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C++ compiler here to build the kernel")
 
@@ -152,6 +154,26 @@ def test_the_norm_with_its_residual_add_and_the_gate_compute_torch_s():
     gate_up = torch.randn(4, 2, 2 * 96, generator=gen) * 4
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(cpu_kernels.silu_mul(gate_up), F.silu(gate) * up, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("vocab", [5, 1000, 12288])
+def test_the_race_kernel_picks_the_tensor_race_s_winners(vocab):
+    """csrc/race.cpp's winner of every row is the tensor race's (`race` of `race_noise`), for flat and peaked rows,
+    rows whose top-k left most tokens without mass, point masses and keys of every sign; the rows' winners spread
+    over many tokens, so skipping the tokens that cannot win is tested where it matters."""
+    gen = torch.Generator().manual_seed(11)
+    rows = 600 if vocab < 12288 else 24
+    scale = torch.tensor([0.1, 1.0, 4.0, 12.0]).repeat(rows // 4).unsqueeze(1)
+    probs = (torch.randn(rows, vocab, generator=gen) * scale).softmax(dim=1)
+    kept = torch.rand(rows, vocab, generator=gen) < torch.where(torch.arange(rows) % 3 == 0, 0.05, 1.0).unsqueeze(1)
+    probs = torch.where(kept, probs, torch.zeros(()))
+    probs[rows // 2] = 0.0
+    probs[rows // 2, vocab // 2] = 1.0
+    keys = race_keys(list(range(-rows // 2, rows // 2)), list(range(rows)))
+    expected = race(probs, race_noise(keys, torch.arange(vocab)))
+    assert torch.equal(cpu_kernels.race(probs, keys), expected)
+    assert expected[rows // 2] == vocab // 2
+    assert expected.unique().numel() > min(vocab, rows) // 3
 
 
 def test_shapes_the_attention_kernel_does_not_take_are_refused():
