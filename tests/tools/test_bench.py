@@ -318,3 +318,16 @@ def test_the_demo_fleet_system_routes_as_serve_s_embedded_default(tmp_path):
     changed = systems.SpecfleetMulti(family, systems.Settings(), overrides=[("router.fusion_width", 1)]).config()["router"]
     assert changed["fusion_width"] == 1
     assert "fusion_width" not in systems.Specfleet(family, systems.Settings()).config()["router"]
+
+
+def test_sampled_requests_carry_a_seed_each_unless_unseeded(tmp_path):
+    """specfleet's requests at temperature > 0 carry a seed per request (the exponential race), the same one every time
+    it is sent; with --unseeded (Settings.seeded False) none, so the front door takes rejection sampling."""
+    from tools.bench import runner, systems
+    from tools.bench.workload import Request
+
+    family = runner.resolve_family("demo", None, tmp_path)
+    req = Request(id="code-3", domain="code", text="x", max_tokens=4, prompt_tokens=1, prompt_ids=[5])
+    seeded = systems.Specfleet(family, systems.Settings(temperature=1.0)).request(req)
+    assert seeded.HasField("seed") and seeded.seed == systems.Specfleet(family, systems.Settings(temperature=1.0)).request(req).seed
+    assert not systems.Specfleet(family, systems.Settings(temperature=1.0, seeded=False)).request(req).HasField("seed")

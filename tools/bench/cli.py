@@ -70,7 +70,8 @@ Fairness
 Checks
   At temperature 0 every output's token ids are compared with the target alone (transformers
   greedy generate on the same ids); with --temperature > 0 outputs are sampled (seeded per
-  request) and not checked token by token (the lossless tests check the distribution). Any mismatch is shown in the table and makes the exit
+  request, or with --unseeded not: rejection sampling) and not checked token by token (the
+  lossless tests check the distribution). Any mismatch is shown in the table and makes the exit
   code 3 unless --allow-mismatch. Failed requests or systems exit 1.
 
 Output
@@ -215,6 +216,12 @@ def add_run_options(p: argparse.ArgumentParser, preset: str) -> None:
     w.add_argument("--max-tokens", type=int, default=d["max_tokens"], help="new tokens per request (default %(default)s)")
     w.add_argument(
         "--temperature", type=float, default=0.0, help="sampling temperature of every system (default 0: greedy, outputs checked against the target)"
+    )
+    w.add_argument(
+        "--unseeded",
+        action="store_true",
+        help="sampled requests to specfleet carry no seed: rejection sampling, as clients that send none get (default: a seed per "
+        "request, the exponential race)",
     )
     w.add_argument("--stop-at-eos", action="store_true", help="let systems stop at end of sequence (default: ignore EOS, fixed output length)")
     w.add_argument("--concurrency", default=d["concurrency"], help="closed-loop client counts, comma separated (default %(default)s)")
@@ -455,6 +462,7 @@ def _settings(args, out_dir: pathlib.Path):
         send_domain=args.send_domain,
         vllm_args=[a for item in args.vllm_arg for a in shlex.split(item)],
         temperature=args.temperature,
+        seeded=not args.unseeded,
         drafter_cpus=_cpus(args.drafter_cpus),
     )
 
@@ -481,6 +489,7 @@ def _results(args, command: str, family, settings, source: str, requests: list, 
             "ignore_eos": settings.ignore_eos,
             "seed": args.seed,
             "temperature": settings.temperature,
+            "seeded": settings.seeded,
             "device": settings.device,
             "warmup": len(warmup),
             "threads": settings.threads,

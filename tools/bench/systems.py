@@ -97,6 +97,9 @@ class Settings:
     k: int = 4
     ignore_eos: bool = True
     temperature: float = 0.0
+    # Sampled requests to specfleet carry a seed each (the exponential race, obligation 6), or none (rejection
+    # sampling, what a client that sends no seed gets).
+    seeded: bool = True
     dtype: str = "float32"
     # Where the in-process transformers systems (and the greedy reference) run: cpu or cuda[:N].
     # specfleet's services take theirs from the config (--set verifier.device=cuda).
@@ -411,7 +414,7 @@ class Specfleet(System):
             prompt_token_ids=req.prompt_ids,
             max_tokens=req.max_tokens,
             temperature=self.settings.temperature,
-            seed=zlib.crc32(req.id.encode()),
+            seed=zlib.crc32(req.id.encode()) if self.settings.seeded else None,
             stop_at_eos=not self.settings.ignore_eos,
             request_id=req.id.replace("#", "-") + f"-{time.monotonic_ns()}",
             speculation=generation_pb2.SpeculationOptions(disabled=self.disabled, max_draft_tokens=0 if self.disabled else self.settings.k),
