@@ -1,11 +1,18 @@
-"""specfleet/engine/shaping.py: draft proposals and their confidences, greedy and sampled rows in one batch."""
+"""specfleet/engine/shaping.py: draft proposals and their confidences, greedy and sampled rows in one batch; the
+target's tokens of greedy and raced rows. SPECFLEET_TEST_DEVICE=cuda gives `target_tokens` its logits on a GPU
+(scripts/device-check sets it)."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 from specfleet.engine import shaping
+from specfleet.engine.sampling import race, race_keys, race_noise
 from specfleet.sampling import SamplingParams
+
+DEVICE = os.environ.get("SPECFLEET_TEST_DEVICE", "cpu")
 
 
 def test_each_row_of_a_mixed_batch_is_confident_as_its_own_law_says():
@@ -22,3 +29,25 @@ def test_each_row_of_a_mixed_batch_is_confident_as_its_own_law_says():
     assert abs(confidences[1] - float(shaped[tokens[1]])) < 1e-6
     alone = shaping.propose(lambda ids: ids, logits[1:], params[1:], [10], [1], 8)
     assert (alone[0], alone[2]) == (tokens[1:], confidences[1:])
+
+
+def test_the_target_s_tokens_are_the_argmax_or_the_race_keyed_by_the_position_each_row_fills():
+    """Greedy rows take the argmax; a raced session's rows up to its last filled one take the race over the whole
+    vocabulary of its shaped p, keyed by (seed, the position the row fills); the tensor race on the CPU gives the same
+    winners; rows past a session's filled ones (the batch's padding) are never read."""
+    gen = torch.Generator().manual_seed(8)
+    vocab, width = 3000, 4
+    logits = torch.randn(3, width, vocab, generator=gen) * 3
+    params = [
+        SamplingParams(),
+        SamplingParams(temperature=0.8, seed=11, drafter_invariant=True),
+        SamplingParams(temperature=1.0, top_k=40, seed=2**63 + 5, drafter_invariant=True),
+    ]
+    filled = [[20], [30, 31, 31], [7, 8, 9, 9]]
+    wanted = shaping.target_tokens(params, logits.to(DEVICE), filled).cpu()
+    assert wanted[0, 0] == logits[0, 0].argmax()
+    for b in (1, 2):
+        rows = len(filled[b])
+        probs = shaping.shape([params[b]] * rows, logits[b, :rows].unsqueeze(1)).squeeze(1)
+        keys = race_keys([params[b].seed] * rows, filled[b])
+        assert torch.equal(wanted[b, :rows], race(probs, race_noise(keys, torch.arange(vocab))))
