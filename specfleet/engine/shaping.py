@@ -45,11 +45,15 @@ def target_tokens(params: list[SamplingParams], logits: torch.Tensor, filled: li
     """[B, W] the target's token at every row of sessions with a fixed one: the argmax for greedy sessions,
     the exponential race's winner over p for raced ones, keyed by the position the row fills
     (`filled[b]`, at most W entries; rows past them are padding, never read)."""
-    wanted = logits.argmax(dim=-1)
     raced = [b for b, p in enumerate(params) if p.raced]
     if not raced:
-        return wanted
-    # Each raced session's rows up to its last filled one (padding rows keep their argmax, never read).
+        return logits.argmax(dim=-1)
+    # The argmax of greedy sessions' rows alone: over a raced session's it is a vocabulary-wide pass thrown away.
+    wanted = torch.zeros(logits.shape[:2], dtype=torch.long, device=logits.device)
+    greedy = [b for b, p in enumerate(params) if not p.raced]
+    if greedy:
+        wanted[greedy] = logits[greedy].argmax(dim=-1)
+    # Each raced session's rows up to its last filled one (padding rows stay 0, never read).
     real = [(b, w, position) for b in raced for w, position in enumerate(filled[b])]
     sessions, rows = [b for b, _, _ in real], [w for _, w, _ in real]
     probs = shape([params[b] for b in sessions], logits[sessions, rows].unsqueeze(1)).squeeze(1)
