@@ -8,7 +8,8 @@ outputs match F.linear's to float rounding, which tests/engine/test_cpu_kernels.
 transformers bound. Where a weight is not exactly bfloat16, `pack_bf16` declines it and F.linear's paths serve.
 
 `race` (csrc/race.cpp): the exponential race of seeded sessions over the whole vocabulary in one pass a row, where
-the tensor form's dozen [rows, V] temporaries and V logarithms took a third of a sampled pass of four sessions.
+the tensor form's dozen [rows, V] temporaries and V logarithms took a sixth of the verifier's time serving four
+seeded sampled clients.
 
 `rope_write`, `attend`, `add_rms_norm` and `silu_mul` (csrc/attention.cpp): a layer's queries and keys rotated
 and its new keys and values written into the KV pool, its attention for every session of a pass, RMSNorm with

@@ -98,7 +98,8 @@ class LoadedModel:
 
     def prepare(self, max_cache_bytes: int, max_sessions: int) -> None:
         """Before serving, once: on a CPU with `linear` other than plain, lay the linear weights out for its kernels
-        (`cpu_linear.py`); with CUDA graphs, size the KV pool for the cache budget (its tensor then
+        (`cpu_linear.py`), and on any CPU build the compiled kernels if that did not (`cpu_kernels.py`: a seeded
+        request's race takes them); with CUDA graphs, size the KV pool for the cache budget (its tensor then
         stays, so the graphs stay valid) and capture every graph. A stack's members are not prepared
         (their weights are views of the stack's). Tensor parallelism's rank 0 has the other ranks prepare too."""
         if self.model.parallel is not None and self.model.parallel.rank == 0:
@@ -115,6 +116,8 @@ class LoadedModel:
                 ", ".join(f"{'x'.join(map(str, shape))}: {b} ({p}), {t}" for shape, (t, b, p) in rows.items()),
                 "no" if self.model.cpu_pass is None else f"1-{self.model.cpu_pass.max_rows}",
             )
+        if self.model.device.type == "cpu":
+            cpu_kernels.library()  # built here if nothing above built it: a seeded request's race uses it, not a compile
         if self.graphs is None:
             return
         per_session = -(-self.max_context // self.pool.block_size)
