@@ -160,7 +160,8 @@ class Drafting:
         sessions = [entry.session for entry in part]
         started = time.perf_counter()
         try:
-            reply = await transport.draft(sessions, self._timeout_s(sessions))
+            prefill = sum(e.call.state.drafter_mirrors[e.call.drafter].prefill_tokens(e.session.sync.new_token_ids) for e in part)
+            reply = await transport.draft(sessions, self._timeout_s(sessions, prefill))
         except TransportError as err:
             if plan is not None:
                 plan.called("draft", (time.perf_counter() - started) * 1e3)
@@ -200,19 +201,20 @@ class Drafting:
                 continue
             # A lockstep session continues from the lead tokens; `_tree` records them.
             mirror.held = call.tokens + ([] if call.group else drafted.token_ids)
+            mirror.unfilled = len(mirror.held) if drafted.prefilling else 0
             out.append(DraftResult(call, drafted))
         return out
 
-    def _timeout_s(self, sessions: list[messages.DraftSession]) -> float:
+    def _timeout_s(self, sessions: list[messages.DraftSession], prefill_tokens: int) -> float:
         """A draft call's deadline: a multiple of what the cost model expects it to take, so that a hung
         drafter holds a round (and every request in it) for a moment, not for rpc_timeout_s. What a call
-        prefills (a new prompt, a context to score or catch up) is not modelled: its new tokens add a
-        second per PREFILL_TOKENS_PER_S."""
+        prefills (a new prompt, a context to score or catch up, the rest of a prompt prefilled in chunks) is
+        not modelled: each of the `prefill_tokens` it may prefill adds 1 / PREFILL_TOKENS_PER_S seconds."""
         expected_ms = self.context.controller.cost.draft_ms(
             max(s.num_draft_tokens for s in sessions), _drafting_models(sessions, self.context.router.model_free)
         )
         deadline = max(DRAFT_DEADLINE_FLOOR_S, DRAFT_DEADLINE_FACTOR * expected_ms / 1e3)
-        deadline += sum(len(s.sync.new_token_ids) for s in sessions) / PREFILL_TOKENS_PER_S
+        deadline += prefill_tokens / PREFILL_TOKENS_PER_S
         return min(self.context.config.settings.rpc_timeout_s, deadline)
 
     async def _probe(self, transport: DrafterTransport) -> None:

@@ -55,6 +55,14 @@ class SessionMirror:
 
     def __init__(self) -> None:
         self.held: list[int] = []
+        # Of `held`, how many the server may still be prefilling (its last answer: prefilling, a long prompt in
+        # chunks): the next call may prefill as many, and its deadline allows for them (`prefill_tokens`).
+        self.unfilled = 0
+
+    def prefill_tokens(self, new_token_ids: list[int]) -> int:
+        """The most positions a call sending `new_token_ids` may have the server prefill: those and what it is still
+        prefilling of what it holds."""
+        return len(new_token_ids) + self.unfilled
 
     def diff(self, tokens: list[int]) -> tuple[int, list[int]]:
         """(prefix_length, new_token_ids) that turn what the server holds into `tokens`."""
@@ -69,6 +77,7 @@ class SessionMirror:
 
     def reset(self) -> None:
         self.held = []
+        self.unfilled = 0
 
 
 @dataclass

@@ -107,13 +107,14 @@ class Verifying:
             # No replica is live: wait for the next probe instead of spinning through empty rounds.
             await asyncio.sleep(min(0.5, max(0.05, self.verifiers.next_probe_in())))
 
-    def _timeout_s(self, sessions: list[messages.VerifySession]) -> float:
-        """A verify call's deadline: a multiple of the modelled pass plus what it prefills, so that a hung
-        replica's requests move on in seconds, not after rpc_timeout_s."""
+    def _timeout_s(self, sessions: list[messages.VerifySession], prefill_tokens: int) -> float:
+        """A verify call's deadline: a multiple of the modelled pass plus what it may prefill (`prefill_tokens`: new
+        tokens, and the rest of a prompt prefilled in chunks), so that a hung replica's requests move on in
+        seconds, not after rpc_timeout_s."""
         tokens = sum(1 + len(s.tree.token_ids) for s in sessions)
         expected_s = self.context.controller.cost.verify_ms(len(sessions), tokens) / 1e3
         deadline = max(VERIFY_DEADLINE_FLOOR_S, VERIFY_DEADLINE_FACTOR * expected_s)
-        deadline += sum(len(s.sync.new_token_ids) for s in sessions) / PREFILL_TOKENS_PER_S
+        deadline += prefill_tokens / PREFILL_TOKENS_PER_S
         return min(self.context.config.settings.rpc_timeout_s, deadline)
 
     async def _on(self, replica: str, requests: list[RequestPlan], trees: dict[str, DraftTree], plan: RoundPlan) -> None:
@@ -145,7 +146,8 @@ class Verifying:
         sessions = [call.session for call in part]
         started = time.perf_counter()
         try:
-            reply = await self.verifiers.replicas[replica].verify(sessions, self._timeout_s(sessions))
+            prefill = sum(c.request.state.verifier_mirror.prefill_tokens(c.session.sync.new_token_ids) for c in part)
+            reply = await self.verifiers.replicas[replica].verify(sessions, self._timeout_s(sessions, prefill))
         except TransportError as err:
             plan.called("verify", (time.perf_counter() - started) * 1e3)
             if err.invalid_argument:
@@ -191,6 +193,7 @@ class Verifying:
                 # A long prompt prefilled in chunks: the verifier holds the tokens synced, nothing was committed;
                 # the request verifies again next round.
                 state.verifier_mirror.held = list(state.tokens)
+                state.verifier_mirror.unfilled = len(state.tokens)
                 continue
             state.rounds += 1
             if call.tree is not None:
@@ -199,6 +202,7 @@ class Verifying:
                 self._looked_up(state, verified.lookup_proposed, verified.lookup_accepted)
             state.commit(verified.token_ids, token_logprobs(verified) if state.spec.logprobs else None)
             state.verifier_mirror.held = list(state.tokens)
+            state.verifier_mirror.unfilled = 0
 
     def _learn_lookup(self, part: list[VerifyCall], verified: list[messages.VerifiedSession], plan: RoundPlan) -> None:
         """What the verifier's lookup added to the call's plain steps, for the cost model: its tokens a pass weigh

@@ -209,9 +209,19 @@ class KVPool:
             yield run_start, previous - run_start + 1
 
     def move(self, blocks: list[int], to: list[int], length: int) -> None:
-        """Copy positions [0, length) of a session from `blocks` to `to` (same order), in one indexed copy."""
+        """Copy positions [0, length) of a session from `blocks` to `to` (same order), in one indexed copy.
+
+        A cached block the session alone holds hands its hash to its copy: the session's prefix stays cached where
+        its KV now lives, and the old block, released next, is free rather than idle. Left cached there, the old
+        block would be the first the pool forgets, and with it every later block of the prefix (a block is known
+        by the hash of all before it). A block shared with another session stays cached where it is."""
         self.copy(self.index(blocks, length), self.index(to, length))
         self.relocations += 1
+        for old, new in zip(blocks, to):
+            h = self._hash_of.get(old)
+            if h is not None and self._refs.get(old) == 1:
+                del self._hash_of[old]
+                self._cached[h], self._hash_of[new] = new, h
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Positions `src` of the token axis to positions `dst`, in one indexed copy."""

@@ -1,0 +1,66 @@
+"""specfleet.engine.kv: the block pool's bookkeeping of the prefix cache (the passes over it: test_llama.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from specfleet.engine.kv import KVPool, Session
+
+BLOCK = 4
+
+
+def _pool(blocks: int) -> KVPool:
+    # The pool reads only the cache's shape from its model.
+    model = SimpleNamespace(num_layers=1, kv_heads=1, head_dim=2, dtype=torch.float32, device=torch.device("cpu"))
+    pool = KVPool(model, BLOCK, blocks, prefix_caching=True)
+    pool.relocate = True  # a CPU's pool keeps each session consecutive
+    return pool
+
+
+def _grow(pool: KVPool, session: Session, tokens: list[int]) -> None:
+    """What a pass does to a session's cache: room for `tokens`, their positions written, full blocks cached."""
+    session.token_ids += tokens
+    session.reserve(pool, len(tokens), limit=1 << 20)
+    session.commit(list(range(len(tokens))))
+    pool.register(session)
+
+
+def test_a_session_that_moves_keeps_its_prefix_cached_where_its_kv_now_lies():
+    """A session that cannot grow in place moves (one copy of its cache); its cached blocks' hashes go with it. Were
+    they left on the old blocks, those would be idle and the first the pool forgets: the prefix's first block gone,
+    no later one matches (each is known by the hash of all before it), and a client that resends the session (a
+    drafter call that timed out, a prompt prefilled in chunks) prefills all of it again."""
+    pool = _pool(blocks=8)
+    session = Session(token_ids=[])
+    _grow(pool, session, list(range(100, 112)))  # three full blocks
+    blocker = pool.allocate(1, after=session.blocks[-1])  # another session's block, right after these
+    first = list(session.blocks)
+    _grow(pool, session, list(range(112, 116)))
+    assert pool.relocations == 1 and not set(first) & set(session.blocks)
+    assert [pool._cached[h] for h in session.hashes] == session.blocks
+    # The old blocks are free, and making room (more consecutive blocks than any gap holds: every idle cached block
+    # forgotten, then the pool grown) forgets nothing the session holds.
+    assert set(first) <= pool._free
+    taken = pool.allocate(pool.blocks)
+    pool.release(taken + blocker)
+    resent = Session(token_ids=list(session.token_ids) + [999])
+    resent.reuse_prefix(pool, len(resent.token_ids) - 1)
+    assert resent.blocks == session.blocks and resent.kv_len == 16 and pool.hits == 16
+
+
+def test_a_moved_session_leaves_a_block_it_shares_cached_where_the_other_holds_it():
+    """A cached block another session also holds stays where it is: that session still reads it there."""
+    pool = _pool(blocks=16)
+    a = Session(token_ids=[])
+    _grow(pool, a, list(range(8)))
+    b = Session(token_ids=list(range(8)) + [50])
+    b.reuse_prefix(pool, 8)
+    assert b.blocks == a.blocks
+    b.token_ids.pop()
+    pool.allocate(1, after=b.blocks[-1])
+    _grow(pool, b, [50, 51, 52, 53])
+    assert pool.relocations == 1 and not set(a.blocks) & set(b.blocks)
+    assert [pool._cached[h] for h in a.hashes] == a.blocks
+    assert pool._cached[b.hashes[-1]] == b.blocks[-1]  # its own new block, cached where it lies
