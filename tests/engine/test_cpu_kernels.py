@@ -92,7 +92,7 @@ def _reference_attention(q, pool, place, kv_len, n, attend):
     return F.scaled_dot_product_attention(q[:, :n].double(), keys, values, attn_mask=visible).transpose(0, 1).float()
 
 
-@pytest.mark.parametrize("heads, kv_heads, dim", [(4, 2, 64), (8, 8, 128), (4, 1, 80), (2, 2, 16)])
+@pytest.mark.parametrize("heads, kv_heads, dim", [(4, 2, 64), (8, 8, 128), (4, 1, 80), (2, 2, 16), (14, 2, 64)])
 def test_attention_computes_scaled_dot_product_attention(heads, kv_heads, dim):
     gen = torch.Generator().manual_seed(dim)
     pool = torch.randn(3, 2, kv_heads, 512, dim, generator=gen)  # three layers; the kernel reads the second

@@ -26,6 +26,9 @@ typedef float f32x8 __attribute__((vector_size(32)));
 typedef float f32x4 __attribute__((vector_size(16)));
 
 constexpr int64_t MAX_HEAD_DIM = 256;
+// Query heads of one key head attended together (grouped-query attention): a long context's keys and values are
+// read from memory once for all of them, not once a head.
+constexpr int64_t TILE = 4;
 constexpr float HIDDEN = -std::numeric_limits<float>::infinity();
 
 inline vec load(const float* p) {
@@ -112,6 +115,59 @@ inline vec exp_lanes(vec x) {
 
 inline vec vmax(vec a, vec b) { return a > b ? a : b; }
 
+// One query row's attention for `tile` query heads (at most T) of one key head, whose keys and values start at k and
+// val: head g's query at q + g * q_h, its result at out + g * head_dim; scores holds T * padded floats. T = 1 (every
+// head its own key head) keeps the single head's loops free of the tile's.
+template <int64_t T>
+void attend_heads(int64_t tile, const float* q, int64_t q_h, const float* k, const float* val, const int64_t* where, int64_t cached,
+                  int64_t total, int64_t padded, int64_t head_dim, const uint8_t* seen, float scale, float* scores, float* out) {
+  const int64_t count = T == 1 ? 1 : tile, vectors = head_dim / LANES;
+  vec query[T][MAX_HEAD_DIM / LANES];
+  for (int64_t g = 0; g < count; ++g)
+    for (int64_t v = 0; v < vectors; ++v) query[g][v] = load(q + g * q_h + v * LANES);
+  // Scores, LANES positions at a time; then the positions this row does not see hidden.
+  for (int64_t t0 = 0; t0 < padded; t0 += LANES) {
+    vec dots[T][LANES];
+    for (int64_t j = 0; j < LANES; ++j) {
+      const float* key = k + where[t0 + j] * head_dim;
+      for (int64_t g = 0; g < count; ++g) {
+        vec acc = query[g][0] * load(key);
+        for (int64_t v = 1; v < vectors; ++v) acc += query[g][v] * load(key + v * LANES);
+        dots[g][j] = acc;
+      }
+    }
+    for (int64_t g = 0; g < count; ++g) store(scores + g * padded + t0, sums(dots[g]) * scale);
+  }
+  float inverse[T];
+  for (int64_t g = 0; g < count; ++g) {
+    float* s = scores + g * padded;
+    for (int64_t t = cached; t < padded; ++t)
+      if (t >= total || (seen && !seen[t - cached])) s[t] = HIDDEN;
+    vec top = HIDDEN - vec{};
+    for (int64_t t0 = 0; t0 < padded; t0 += LANES) top = vmax(top, load(s + t0));
+    float most = top[0];
+    for (int64_t j = 1; j < LANES; ++j) most = std::max(most, top[j]);
+    vec sum = {};
+    for (int64_t t0 = 0; t0 < padded; t0 += LANES) {
+      const vec p = exp_lanes(load(s + t0) - most);
+      store(s + t0, p);
+      sum += p;
+    }
+    inverse[g] = 1.0f / lanes_sum(sum);
+  }
+  vec acc[T][MAX_HEAD_DIM / LANES] = {};
+  for (int64_t t = 0; t < total; ++t) {
+    const float* value = val + where[t] * head_dim;
+    for (int64_t g = 0; g < count; ++g) {
+      const float p = scores[g * padded + t];
+      if (p == 0.0f) continue;  // hidden, or too small to add anything
+      for (int64_t v = 0; v < vectors; ++v) acc[g][v] += p * load(value + v * LANES);
+    }
+  }
+  for (int64_t g = 0; g < count; ++g)
+    for (int64_t v = 0; v < vectors; ++v) store(out + g * head_dim + v * LANES, acc[g][v] * inverse[g]);
+}
+
 }  // namespace
 
 // Where one pass's sessions lie and what their new tokens see (`cpu_kernels.AttendPlan` fills it once a pass): the
@@ -140,57 +196,32 @@ extern "C" void specfleet_attend(const Pass* pass, const float* q, int64_t q_b, 
   const int64_t* const* indices = pass->indices;
   const uint8_t* const* masks = pass->masks;
   const float scale = pass->scale, *keys = pool_layer, *values = pool_layer + kv_heads * capacity * head_dim;
-  const int64_t group = heads / kv_heads, vectors = head_dim / LANES;
+  const int64_t group = heads / kv_heads;
   std::vector<float> scores;
   std::vector<int64_t> where;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t cached = kv_lens[b], n = new_lens[b], total = cached + n, padded = (total + LANES - 1) / LANES * LANES;
-    scores.resize(padded);
+    scores.resize(TILE * padded);
     where.resize(padded);
     for (int64_t t = 0; t < padded; ++t) where[t] = t >= total ? where[0] : starts[b] >= 0 ? starts[b] + t : indices[b][t];
     for (int64_t i = 0; i < width; ++i) {
-      for (int64_t h = 0; h < heads; ++h) {
-        float* row = out + ((b * width + i) * heads + h) * head_dim;
-        if (i >= n) {
-          std::memset(row, 0, head_dim * sizeof(float));
-          continue;
-        }
-        vec query[MAX_HEAD_DIM / LANES];
-        for (int64_t v = 0; v < vectors; ++v) query[v] = load(q + b * q_b + h * q_h + i * q_n + v * LANES);
-        const float* k = keys + (h / group) * capacity * head_dim;
-        const float* val = values + (h / group) * capacity * head_dim;
-        // Scores, LANES positions at a time; then the positions this row does not see hidden.
-        vec top = HIDDEN - vec{};
-        for (int64_t t0 = 0; t0 < padded; t0 += LANES) {
-          vec dots[LANES];
-          for (int64_t j = 0; j < LANES; ++j) {
-            const float* key = k + where[t0 + j] * head_dim;
-            vec acc = query[0] * load(key);
-            for (int64_t v = 1; v < vectors; ++v) acc += query[v] * load(key + v * LANES);
-            dots[j] = acc;
-          }
-          store(scores.data() + t0, sums(dots) * scale);
-        }
-        const uint8_t* seen = masks[b] ? masks[b] + i * n : nullptr;
-        for (int64_t t = cached; t < padded; ++t)
-          if (t >= total || (seen && !seen[t - cached])) scores[t] = HIDDEN;
-        for (int64_t t0 = 0; t0 < padded; t0 += LANES) top = vmax(top, load(scores.data() + t0));
-        float most = top[0];
-        for (int64_t j = 1; j < LANES; ++j) most = std::max(most, top[j]);
-        vec sum = {};
-        for (int64_t t0 = 0; t0 < padded; t0 += LANES) {
-          const vec p = exp_lanes(load(scores.data() + t0) - most);
-          store(scores.data() + t0, p);
-          sum += p;
-        }
-        vec acc[MAX_HEAD_DIM / LANES] = {};
-        for (int64_t t = 0; t < total; ++t) {
-          if (scores[t] == 0.0f) continue;  // hidden, or too small to add anything
-          const float* value = val + where[t] * head_dim;
-          for (int64_t v = 0; v < vectors; ++v) acc[v] += scores[t] * load(value + v * LANES);
-        }
-        const float inverse = 1.0f / lanes_sum(sum);
-        for (int64_t v = 0; v < vectors; ++v) store(row + v * LANES, acc[v] * inverse);
+      if (i >= n) {
+        std::memset(out + (b * width + i) * heads * head_dim, 0, heads * head_dim * sizeof(float));
+        continue;
+      }
+      const uint8_t* seen = masks[b] ? masks[b] + i * n : nullptr;
+      for (int64_t h0 = 0, tile = 0; h0 < heads; h0 += tile) {
+        // Up to TILE query heads of one key head at a time: each key and value read once for all of them.
+        const int64_t kv = h0 / group;
+        tile = std::min(TILE, (kv + 1) * group - h0);
+        const float* k = keys + kv * capacity * head_dim;
+        const float* val = values + kv * capacity * head_dim;
+        const float* qh = q + b * q_b + h0 * q_h + i * q_n;
+        float* row = out + ((b * width + i) * heads + h0) * head_dim;
+        if (group == 1)
+          attend_heads<1>(1, qh, q_h, k, val, where.data(), cached, total, padded, head_dim, seen, scale, scores.data(), row);
+        else
+          attend_heads<TILE>(tile, qh, q_h, k, val, where.data(), cached, total, padded, head_dim, seen, scale, scores.data(), row);
       }
     }
   }
