@@ -26,9 +26,9 @@ typedef float f32x8 __attribute__((vector_size(32)));
 typedef float f32x4 __attribute__((vector_size(16)));
 
 constexpr int64_t MAX_HEAD_DIM = 256;
-// Query heads of one key head attended together (grouped-query attention): a long context's keys and values are
-// read from memory once for all of them, not once a head.
-constexpr int64_t TILE = 4;
+// Query rows of one key head attended together (a session's new tokens and the query heads of one key head): a
+// context's keys and values are read from memory once for all of them, not once a row.
+constexpr int64_t TILE = 8;
 constexpr float HIDDEN = -std::numeric_limits<float>::infinity();
 
 inline vec load(const float* p) {
@@ -115,32 +115,36 @@ inline vec exp_lanes(vec x) {
 
 inline vec vmax(vec a, vec b) { return a > b ? a : b; }
 
-// One query row's attention for `tile` query heads (at most T) of one key head, whose keys and values start at k and
-// val: head g's query at q + g * q_h, its result at out + g * head_dim; scores holds T * padded floats. T = 1 (every
-// head its own key head) keeps the single head's loops free of the tile's.
+// Attention of `count` (at most T) query rows over the same positions of one key head, whose keys and values start
+// at k and val: row u's query at qs[u], its result at outs[u], the new positions it sees marked by seens[u] (or all
+// where null); scores holds T * padded floats. The rows are a session's query heads of one key head (grouped-query
+// attention) and its new tokens: each key and value is read once for all of them, each row's arithmetic the same
+// as alone. T = 1 keeps a single row's loops free of the tile's.
 template <int64_t T>
-void attend_heads(int64_t tile, const float* q, int64_t q_h, const float* k, const float* val, const int64_t* where, int64_t cached,
-                  int64_t total, int64_t padded, int64_t head_dim, const uint8_t* seen, float scale, float* scores, float* out) {
-  const int64_t count = T == 1 ? 1 : tile, vectors = head_dim / LANES;
+void attend_rows(int64_t count, const float* const* qs, float* const* outs, const uint8_t* const* seens, const float* k, const float* val,
+                 const int64_t* where, int64_t cached, int64_t total, int64_t padded, int64_t head_dim, float scale, float* scores) {
+  if (T == 1) count = 1;
+  const int64_t vectors = head_dim / LANES;
   vec query[T][MAX_HEAD_DIM / LANES];
-  for (int64_t g = 0; g < count; ++g)
-    for (int64_t v = 0; v < vectors; ++v) query[g][v] = load(q + g * q_h + v * LANES);
-  // Scores, LANES positions at a time; then the positions this row does not see hidden.
+  for (int64_t u = 0; u < count; ++u)
+    for (int64_t v = 0; v < vectors; ++v) query[u][v] = load(qs[u] + v * LANES);
+  // Scores, LANES positions at a time; then the positions each row does not see hidden.
   for (int64_t t0 = 0; t0 < padded; t0 += LANES) {
     vec dots[T][LANES];
     for (int64_t j = 0; j < LANES; ++j) {
       const float* key = k + where[t0 + j] * head_dim;
-      for (int64_t g = 0; g < count; ++g) {
-        vec acc = query[g][0] * load(key);
-        for (int64_t v = 1; v < vectors; ++v) acc += query[g][v] * load(key + v * LANES);
-        dots[g][j] = acc;
+      for (int64_t u = 0; u < count; ++u) {
+        vec acc = query[u][0] * load(key);
+        for (int64_t v = 1; v < vectors; ++v) acc += query[u][v] * load(key + v * LANES);
+        dots[u][j] = acc;
       }
     }
-    for (int64_t g = 0; g < count; ++g) store(scores + g * padded + t0, sums(dots[g]) * scale);
+    for (int64_t u = 0; u < count; ++u) store(scores + u * padded + t0, sums(dots[u]) * scale);
   }
   float inverse[T];
-  for (int64_t g = 0; g < count; ++g) {
-    float* s = scores + g * padded;
+  for (int64_t u = 0; u < count; ++u) {
+    float* s = scores + u * padded;
+    const uint8_t* seen = seens[u];
     for (int64_t t = cached; t < padded; ++t)
       if (t >= total || (seen && !seen[t - cached])) s[t] = HIDDEN;
     vec top = HIDDEN - vec{};
@@ -153,19 +157,28 @@ void attend_heads(int64_t tile, const float* q, int64_t q_h, const float* k, con
       store(s + t0, p);
       sum += p;
     }
-    inverse[g] = 1.0f / lanes_sum(sum);
+    inverse[u] = 1.0f / lanes_sum(sum);
   }
+  // Every cached position is seen, and its weight is seldom 0 (an underflow): added without a test; a new position
+  // may be hidden (weight 0, skipped). Adding 0 times a finite value leaves a sum as it is, bit for bit.
   vec acc[T][MAX_HEAD_DIM / LANES] = {};
-  for (int64_t t = 0; t < total; ++t) {
+  for (int64_t t = 0; t < cached; ++t) {
     const float* value = val + where[t] * head_dim;
-    for (int64_t g = 0; g < count; ++g) {
-      const float p = scores[g * padded + t];
-      if (p == 0.0f) continue;  // hidden, or too small to add anything
-      for (int64_t v = 0; v < vectors; ++v) acc[g][v] += p * load(value + v * LANES);
+    for (int64_t u = 0; u < count; ++u) {
+      const float p = scores[u * padded + t];
+      for (int64_t v = 0; v < vectors; ++v) acc[u][v] += p * load(value + v * LANES);
     }
   }
-  for (int64_t g = 0; g < count; ++g)
-    for (int64_t v = 0; v < vectors; ++v) store(out + g * head_dim + v * LANES, acc[g][v] * inverse[g]);
+  for (int64_t t = cached; t < total; ++t) {
+    const float* value = val + where[t] * head_dim;
+    for (int64_t u = 0; u < count; ++u) {
+      const float p = scores[u * padded + t];
+      if (p == 0.0f) continue;  // hidden
+      for (int64_t v = 0; v < vectors; ++v) acc[u][v] += p * load(value + v * LANES);
+    }
+  }
+  for (int64_t u = 0; u < count; ++u)
+    for (int64_t v = 0; v < vectors; ++v) store(outs[u] + v * LANES, acc[u][v] * inverse[u]);
 }
 
 }  // namespace
@@ -204,24 +217,26 @@ extern "C" void specfleet_attend(const Pass* pass, const float* q, int64_t q_b, 
     scores.resize(TILE * padded);
     where.resize(padded);
     for (int64_t t = 0; t < padded; ++t) where[t] = t >= total ? where[0] : starts[b] >= 0 ? starts[b] + t : indices[b][t];
-    for (int64_t i = 0; i < width; ++i) {
-      if (i >= n) {
-        std::memset(out + (b * width + i) * heads * head_dim, 0, heads * head_dim * sizeof(float));
-        continue;
-      }
-      const uint8_t* seen = masks[b] ? masks[b] + i * n : nullptr;
-      for (int64_t h0 = 0, tile = 0; h0 < heads; h0 += tile) {
-        // Up to TILE query heads of one key head at a time: each key and value read once for all of them.
-        const int64_t kv = h0 / group;
-        tile = std::min(TILE, (kv + 1) * group - h0);
-        const float* k = keys + kv * capacity * head_dim;
-        const float* val = values + kv * capacity * head_dim;
-        const float* qh = q + b * q_b + h0 * q_h + i * q_n;
-        float* row = out + ((b * width + i) * heads + h0) * head_dim;
-        if (group == 1)
-          attend_heads<1>(1, qh, q_h, k, val, where.data(), cached, total, padded, head_dim, seen, scale, scores.data(), row);
+    for (int64_t i = n; i < width; ++i) std::memset(out + (b * width + i) * heads * head_dim, 0, heads * head_dim * sizeof(float));
+    for (int64_t kv = 0; kv < kv_heads; ++kv) {
+      const float* k = keys + kv * capacity * head_dim;
+      const float* val = values + kv * capacity * head_dim;
+      // The session's rows of this key head (each new token's query heads of its group), TILE at a time.
+      for (int64_t first = 0, count = 0; first < n * group; first += count) {
+        count = std::min(TILE, n * group - first);
+        const float* qs[TILE];
+        float* outs[TILE];
+        const uint8_t* seens[TILE];
+        for (int64_t u = 0; u < count; ++u) {
+          const int64_t i = (first + u) / group, h = kv * group + (first + u) % group;
+          qs[u] = q + b * q_b + h * q_h + i * q_n;
+          outs[u] = out + ((b * width + i) * heads + h) * head_dim;
+          seens[u] = masks[b] ? masks[b] + i * n : nullptr;
+        }
+        if (count == 1)
+          attend_rows<1>(1, qs, outs, seens, k, val, where.data(), cached, total, padded, head_dim, scale, scores.data());
         else
-          attend_heads<TILE>(tile, qh, q_h, k, val, where.data(), cached, total, padded, head_dim, seen, scale, scores.data(), row);
+          attend_rows<TILE>(count, qs, outs, seens, k, val, where.data(), cached, total, padded, head_dim, scale, scores.data());
       }
     }
   }
