@@ -22,6 +22,7 @@ SHAPES = [
     ("decode, 4 / 4 heads (the demo target), 500 cached, 4 sessions", 4, 4, 64, 500, 4, 1),
     ("verify a chain of 5, 4 / 4 heads, 500 cached, 4 sessions", 4, 4, 64, 500, 4, 5),
     ("prefill 512, 4 / 2 heads of 16, 8,000 cached", 4, 2, 16, 8000, 1, 512),
+    ("prefill a 512-token prompt, 4 / 4 heads of 64, nothing cached", 4, 4, 64, 0, 1, 512),
 ]
 
 
@@ -37,7 +38,7 @@ def measure() -> dict[str, torch.Tensor]:
         plan = cpu_kernels.AttendPlan(places, [cached] * sessions, [width] * sessions, [causal] * sessions, width, pool[None], heads)
         q = torch.randn(sessions, heads, width, dim, generator=gen)
         outputs[name] = cpu_kernels.attend(q, pool, plan)
-        reps = max(3, int(2e8 / (sessions * width * heads * cached * dim)))
+        reps = max(3, int(2e8 / (sessions * width * heads * (cached + width) * dim)))
         times = []
         for _ in range(5):
             started = time.perf_counter()

@@ -117,7 +117,7 @@ inline vec vmax(vec a, vec b) { return a > b ? a : b; }
 
 // Attention of `count` (at most T) query rows over the same positions of one key head, whose keys and values start
 // at k and val: row u's query at qs[u], its result at outs[u], the new positions it sees marked by seens[u] (or all
-// where null); scores holds T * padded floats. The rows are a session's query heads of one key head (grouped-query
+// where null), none at or past `total`; padded is total rounded up to LANES, and scores holds T * padded floats. The rows are a session's query heads of one key head (grouped-query
 // attention) and its new tokens: each key and value is read once for all of them, each row's arithmetic the same
 // as alone. T = 1 keeps a single row's loops free of the tile's.
 template <int64_t T>
@@ -211,13 +211,25 @@ extern "C" void specfleet_attend(const Pass* pass, const float* q, int64_t q_b, 
   const float scale = pass->scale, *keys = pool_layer, *values = pool_layer + kv_heads * capacity * head_dim;
   const int64_t group = heads / kv_heads;
   std::vector<float> scores;
-  std::vector<int64_t> where;
+  std::vector<int64_t> where, sees;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t cached = kv_lens[b], n = new_lens[b], total = cached + n, padded = (total + LANES - 1) / LANES * LANES;
     scores.resize(TILE * padded);
     where.resize(padded);
     for (int64_t t = 0; t < padded; ++t) where[t] = t >= total ? where[0] : starts[b] >= 0 ? starts[b] + t : indices[b][t];
     for (int64_t i = n; i < width; ++i) std::memset(out + (b * width + i) * heads * head_dim, 0, heads * head_dim * sizeof(float));
+    // How far each new token sees: past its last visible new position nothing is visible to it (a prompt's chunk is
+    // causal, a tree's node sees ancestors before it), so a tile of rows stops at the furthest any of them sees. The
+    // positions it skips would each add a weight of exactly 0: the result is the same, bit for bit.
+    sees.resize(n);
+    for (int64_t i = 0; i < n; ++i) {
+      sees[i] = cached;
+      for (int64_t j = n - 1; j >= 0; --j)
+        if (!masks[b] || masks[b][i * n + j]) {
+          sees[i] = cached + j + 1;
+          break;
+        }
+    }
     for (int64_t kv = 0; kv < kv_heads; ++kv) {
       const float* k = keys + kv * capacity * head_dim;
       const float* val = values + kv * capacity * head_dim;
@@ -227,16 +239,19 @@ extern "C" void specfleet_attend(const Pass* pass, const float* q, int64_t q_b, 
         const float* qs[TILE];
         float* outs[TILE];
         const uint8_t* seens[TILE];
+        int64_t seen_to = cached;
         for (int64_t u = 0; u < count; ++u) {
           const int64_t i = (first + u) / group, h = kv * group + (first + u) % group;
           qs[u] = q + b * q_b + h * q_h + i * q_n;
           outs[u] = out + ((b * width + i) * heads + h) * head_dim;
           seens[u] = masks[b] ? masks[b] + i * n : nullptr;
+          seen_to = std::max(seen_to, sees[i]);
         }
+        const int64_t span = (seen_to + LANES - 1) / LANES * LANES;
         if (count == 1)
-          attend_rows<1>(1, qs, outs, seens, k, val, where.data(), cached, total, padded, head_dim, scale, scores.data());
+          attend_rows<1>(1, qs, outs, seens, k, val, where.data(), cached, seen_to, span, head_dim, scale, scores.data());
         else
-          attend_rows<TILE>(count, qs, outs, seens, k, val, where.data(), cached, total, padded, head_dim, scale, scores.data());
+          attend_rows<TILE>(count, qs, outs, seens, k, val, where.data(), cached, seen_to, span, head_dim, scale, scores.data());
       }
     }
   }
