@@ -11,26 +11,33 @@ from router import messages
 from router.cost_model import CostModel
 from router.drafters import DrafterService
 from router.drafting import DRAFT_DEADLINE_FLOOR_S, DraftCall, Drafting
-from router.request import RequestSpec, RequestState
 from router.rounds import PREFILL_TOKENS_PER_S, RoundContext, SchedulerConfig
 from router.speculation import SpeculationController
-from specfleet.sampling import SamplingParams
+from tests.router.test_lookup import _state
 
 
 class Chunked:
-    """A drafter service's replica that prefills a long prompt in chunks: its first `chunks` answers say
-    `prefilling`; it records each call's deadline."""
+    """A replica, of a drafter service or of the verifier, that prefills a long prompt in chunks: its first `chunks`
+    answers say `prefilling`, then it drafts or verifies one token; it records each call's deadline."""
 
-    name = "drafters-0"
+    name = address = "replica"
 
     def __init__(self, chunks: int):
         self.chunks, self.deadlines = chunks, []
 
-    async def draft(self, sessions, timeout_s):
+    def _prefilling(self, timeout_s: float) -> bool:
         self.deadlines.append(timeout_s)
-        prefilling = len(self.deadlines) <= self.chunks
+        return len(self.deadlines) <= self.chunks
+
+    async def draft(self, sessions, timeout_s):
+        prefilling = self._prefilling(timeout_s)
         replies = [messages.DraftedSession(True, prefilling=prefilling, token_ids=[] if prefilling else [7]) for _ in sessions]
         return messages.DraftResponse(replies, compute_ms=1.0)
+
+    async def verify(self, sessions, timeout_s):
+        prefilling = self._prefilling(timeout_s)
+        replies = [messages.VerifiedSession(True, prefilling=prefilling, token_ids=[] if prefilling else [5]) for _ in sessions]
+        return messages.VerifyResponse(replies, compute_ms=1.0, batch_size=len(sessions), passes=1)
 
 
 def test_a_draft_call_that_goes_on_prefilling_a_prompt_in_chunks_has_the_deadline_of_its_prefill():
@@ -46,10 +53,7 @@ def test_a_draft_call_that_goes_on_prefilling_a_prompt_in_chunks_has_the_deadlin
         SchedulerConfig(), {"d": DrafterService("drafters", [replica])}, SimpleNamespace(model_free=frozenset()), SpeculationController(cost)
     )
     drafting = Drafting(context, in_background=lambda coroutine: coroutine.close())
-    prompt = list(range(1, 1281))  # 20 s of prefill at PREFILL_TOKENS_PER_S
-    spec = RequestSpec("long", "long", prompt, 32, SamplingParams(), [], True, 4, "")
-    tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens: " ".join(map(str, ids)))
-    state = RequestState(spec=spec, tokenizer=tokenizer, eos_token_id=0, max_context=4096, deadline=None)
+    state = _state("long", 4, prompt=list(range(1, 1281)), max_context=4096)  # 20 s of prefill at PREFILL_TOKENS_PER_S
     drafted = [asyncio.run(drafting._calls([DraftCall(state, "d", list(state.tokens), 3)])) for _ in range(4)]
     floor = DRAFT_DEADLINE_FLOOR_S
     assert replica.deadlines[:3] == pytest.approx([floor + 1280 / PREFILL_TOKENS_PER_S] * 3)

@@ -19,10 +19,10 @@ from tests.router.test_drafter_choice import cost
 from router.speculation import SpeculationController
 
 
-def _state(name: str, max_draft_tokens: int) -> RequestState:
-    spec = RequestSpec(name, name, [1, 2, 3], 32, SamplingParams(), [], True, max_draft_tokens, "")
+def _state(name: str, max_draft_tokens: int, prompt: list[int] | None = None, max_context: int = 512) -> RequestState:
+    spec = RequestSpec(name, name, prompt or [1, 2, 3], 32, SamplingParams(), [], True, max_draft_tokens, "")
     tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens: " ".join(map(str, ids)))
-    state = RequestState(spec=spec, tokenizer=tokenizer, eos_token_id=0, max_context=512, deadline=None)
+    state = RequestState(spec=spec, tokenizer=tokenizer, eos_token_id=0, max_context=max_context, deadline=None)
     state.rounds = 1
     return state
 

@@ -4,18 +4,16 @@ too (a prompt prefilled beside the last of another call's plain steps: specfleet
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 import pytest
 
 from router import messages
 from router.cost_model import CostModel
 from router.rounds import PREFILL_TOKENS_PER_S, RequestPlan, RoundContext, RoundPlan, SchedulerConfig
-from router.request import RequestSpec, RequestState
 from router.speculation import SpeculationController
 from router.verifiers import VerifierPool
 from router.verifying import VERIFY_DEADLINE_FLOOR_S, Verifying
-from specfleet.sampling import SamplingParams
+from tests.router.test_drafting import Chunked
 from tests.router.test_lookup import _state
 
 
@@ -69,22 +67,6 @@ def test_a_call_that_prefills_a_prompt_teaches_the_cost_model_nothing():
     assert cost.verify_scale > 1.0, "a call of one token a session moves it (1 ms against 0.75 modelled)"
 
 
-class Chunked:
-    """A verifier replica that prefills a long prompt in chunks: its first `chunks` answers say `prefilling`; it
-    records each call's deadline."""
-
-    address = "replica"
-
-    def __init__(self, chunks: int):
-        self.chunks, self.deadlines = chunks, []
-
-    async def verify(self, sessions, timeout_s):
-        self.deadlines.append(timeout_s)
-        prefilling = len(self.deadlines) <= self.chunks
-        replies = [messages.VerifiedSession(True, prefilling=prefilling, token_ids=[] if prefilling else [5]) for _ in sessions]
-        return messages.VerifyResponse(replies, compute_ms=1.0, batch_size=len(sessions), passes=1)
-
-
 def test_a_call_that_goes_on_prefilling_a_prompt_in_chunks_has_the_deadline_of_its_prefill():
     """A prompt prefilled in chunks: the calls after the first send no new tokens, yet each may prefill a chunk of
     the prompt at any length of it. Their deadline allows for the rest of the prompt as the first call's did for all
@@ -93,10 +75,7 @@ def test_a_call_that_goes_on_prefilling_a_prompt_in_chunks_has_the_deadline_of_i
     replica = Chunked(chunks=2)
     cost = CostModel(verify_base=0.5, verify_per_session=0.0, verify_per_token=0.25, verify_call=0.0)
     verifying = Verifying(RoundContext(SchedulerConfig(), {}, None, SpeculationController(cost)), VerifierPool([replica], wait_s=60))
-    prompt = list(range(1, 1281))  # 20 s of prefill at PREFILL_TOKENS_PER_S
-    spec = RequestSpec("long", "long", prompt, 32, SamplingParams(), [], True, 4, "")
-    tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens: " ".join(map(str, ids)))
-    state = RequestState(spec=spec, tokenizer=tokenizer, eos_token_id=0, max_context=4096, deadline=None)
+    state = _state("long", 4, prompt=list(range(1, 1281)), max_context=4096)  # 20 s of prefill at PREFILL_TOKENS_PER_S
     for _ in range(4):
         asyncio.run(verifying.verify(RoundPlan([RequestPlan(state)]), {}))
     floor = VERIFY_DEADLINE_FLOOR_S

@@ -117,9 +117,10 @@ inline vec vmax(vec a, vec b) { return a > b ? a : b; }
 
 // Attention of `count` (at most T) query rows over the same positions of one key head, whose keys and values start
 // at k and val: row u's query at qs[u], its result at outs[u], the new positions it sees marked by seens[u] (or all
-// where null), none at or past `total`; padded is total rounded up to LANES, and scores holds T * padded floats. The rows are a session's query heads of one key head (grouped-query
-// attention) and its new tokens: each key and value is read once for all of them, each row's arithmetic the same
-// as alone. T = 1 keeps a single row's loops free of the tile's.
+// where null), none at or past `total`; padded is total rounded up to LANES, and scores holds T * padded floats.
+// The rows are a session's new tokens times the query heads of one key head (grouped-query attention): each key and
+// value is read once for all of them, each row's arithmetic the same as alone. T = 1 keeps a single row's loops free
+// of the tile's.
 template <int64_t T>
 void attend_rows(int64_t count, const float* const* qs, float* const* outs, const uint8_t* const* seens, const float* k, const float* val,
                  const int64_t* where, int64_t cached, int64_t total, int64_t padded, int64_t head_dim, float scale, float* scores) {
