@@ -139,10 +139,11 @@ def propose(drafting: list[Drafting], step: int) -> None:
         logits, global_ids = next_token_logits(first.loaded, sessions), first.loaded.global_ids
     else:
         logits, global_ids = first.stack.next_token_logits(sessions, [d.model.member for d in drafting])
+    params = [d.item.sampling for d in drafting]
     tokens, proposals, confidences = shaping.propose(
         global_ids,
-        logits,
-        [d.item.sampling for d in drafting],
+        shaping.biased(params, logits, global_ids),
+        params,
         [d.committed + step for d in drafting],
         [d.model.stream for d in drafting],
         first.proposal_top_k,

@@ -101,8 +101,8 @@ class DrafterCore:
             return f"session {sid}: sync.new_token_ids has ids outside the vocabulary [0, {loaded.vocab_size})"
         if item.prefix_length + len(item.new_token_ids) + item.num_draft_tokens > loaded.max_context:
             return f"session {sid}: context plus drafts exceeds the draft model's {loaded.max_context} positions"
-        if item.sampling.problem():
-            return f"session {sid}: {item.sampling.problem()}"
+        if item.sampling.problem(loaded.vocab_size):
+            return f"session {sid}: {item.sampling.problem(loaded.vocab_size)}"
         if not 0 <= item.stop_below_confidence <= 1:
             return f"session {sid}: stop_below_confidence must be in [0, 1], got {item.stop_below_confidence}"
         return None

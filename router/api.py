@@ -20,7 +20,7 @@ class SpeculationOptions:
 
 @dataclass
 class GenerationParams:
-    """One generation request, before validation (router.frontdoor.validate checks every field)."""
+    """One generation request, before validation (router.validation.validate checks every field)."""
 
     prompt: str = ""  # text to complete; or
     prompt_token_ids: list[int] = field(default_factory=list)  # exactly one of the two is set
@@ -36,6 +36,7 @@ class GenerationParams:
     request_id: str = ""  # the client's label; "": the router makes one
     logprobs: bool = False  # each output token's log-probability under the target's raw distribution
     top_logprobs: int = 0  # and this many most likely alternatives (needs logprobs)
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id: added to its logit at every position
 
 
 @dataclass

@@ -55,6 +55,7 @@ def params_of(req: generation_pb2.GenerateRequest) -> GenerationParams:
         request_id=req.request_id,
         logprobs=req.logprobs,
         top_logprobs=req.top_logprobs,
+        logit_bias=dict(req.logit_bias),
     )
 
 

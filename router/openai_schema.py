@@ -165,8 +165,7 @@ def refuse_unsupported(body: Sampling) -> None:
             raise unsupported(name, "only 0 is supported (penalties would change the target's distribution)")
     if body.repetition_penalty != 1:
         raise unsupported("repetition_penalty", "only 1 is supported (a penalty would change the target's distribution)")
-    if body.logit_bias:
-        raise unsupported("logit_bias")
+    logit_bias_of(body)  # keys that are not token ids: a 400 before anything is submitted
     if isinstance(body, CompletionRequest):
         if body.echo:
             raise unsupported("echo")
@@ -178,6 +177,19 @@ def refuse_unsupported(body: Sampling) -> None:
         raise ApiError(400, f"seed: must be between 0 and 2**63 - 1, got {body.seed}", param="seed")
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options: only allowed with stream: true", param="stream_options")
+
+
+def logit_bias_of(body: Sampling) -> dict[int, float]:
+    """The request's logit_bias as token id: bias. OpenAI's keys are token ids written as strings; the ids and values
+    are checked where every API's are (router/frontdoor.py)."""
+    bias = {}
+    for key, value in (body.logit_bias or {}).items():
+        if not (isinstance(key, str) and key.strip().lstrip("-").isdigit()):
+            raise ApiError(400, f"logit_bias: keys must be token ids (integers written as strings), got {key!r}", param="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ApiError(400, f"logit_bias: the bias of token {key} must be a number, got {value!r}", param="logit_bias")
+        bias[int(key)] = float(value)
+    return bias
 
 
 def completion_prompts(body: CompletionRequest) -> list[str | list[int]]:
@@ -209,6 +221,7 @@ def params_of(body: Sampling, max_tokens: int | None, prompt: str | list[int], i
         stop_at_eos=not body.ignore_eos,
         domain=body.domain,
         request_id=f"{body.request_id}-{index}" if body.request_id else "",
+        logit_bias=logit_bias_of(body),
     )
     if isinstance(prompt, str):
         params.prompt = prompt

@@ -68,6 +68,7 @@ def sampling_message(params: SamplingParams) -> common_pb2.SamplingParams:
             top_k=params.top_k,
             seed=params.seed,
             drafter_invariant=params.drafter_invariant,
+            logit_bias=dict(params.logit_bias),
         )
     return message
 

@@ -19,6 +19,8 @@ STREAM_RACE = 2
 
 # Temperatures below this sample greedily (see SamplingParams.greedy).
 GREEDY_BELOW = 1e-5
+# A logit bias is within [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (OpenAI's range: -100 bans a token, 100 all but forces it).
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,9 @@ class SamplingParams:
     # The seed alone fixes the output: every token is the winner of the exponential race
     # keyed by (seed, position), whatever was drafted (verification.py, obligation 6).
     drafter_invariant: bool = False
+    # (token id, bias) pairs in id order, added to the logits before temperature, top-k and top-p at every
+    # position, on both sides: the target's p and a drafter's q are those of the biased logits.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -37,7 +42,7 @@ class SamplingParams:
         # distribution is a point mass on the argmax for any practical purpose (as vLLM does).
         return self.temperature < GREEDY_BELOW
 
-    def problem(self) -> str | None:
+    def problem(self, vocab_size: int) -> str | None:
         """What makes these parameters unusable, naming the field, or None. NaN fails every check."""
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             return f"sampling.temperature must be a finite number >= 0, got {self.temperature}"
@@ -45,6 +50,11 @@ class SamplingParams:
             return f"sampling.top_p must be in (0, 1], got {self.top_p}"
         if self.top_k < 0:
             return f"sampling.top_k must be >= 0, got {self.top_k}"
+        for token, bias in self.logit_bias:
+            if not 0 <= token < vocab_size:
+                return f"sampling.logit_bias has an id outside the vocabulary [0, {vocab_size}): {token}"
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                return f"sampling.logit_bias[{token}] must be between -{MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}, got {bias}"
         return None
 
     @property
@@ -55,4 +65,4 @@ class SamplingParams:
     @classmethod
     def from_proto(cls, msg) -> "SamplingParams":
         """From the contract's specfleet.v1.SamplingParams (validated by the caller)."""
-        return cls(msg.temperature, msg.top_p, msg.top_k, msg.seed, msg.drafter_invariant)
+        return cls(msg.temperature, msg.top_p, msg.top_k, msg.seed, msg.drafter_invariant, tuple(sorted(msg.logit_bias.items())))

@@ -130,7 +130,7 @@ def validate_item(item: VerifyItem, vocab_size: int, max_context: int) -> None:
         raise ValueError(f"session {item.session_id}: a new session needs at least one token")
     if not 0 <= item.top_logprobs <= MAX_TOP_LOGPROBS:
         raise ValueError(f"session {item.session_id}: top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {item.top_logprobs}")
-    problem = item.sampling.problem()
+    problem = item.sampling.problem(vocab_size)
     if problem:
         raise ValueError(f"session {item.session_id}: {problem}")
 
@@ -336,9 +336,11 @@ class Verifier:
         prefill(self.loaded, sessions, keep_last=1)
         started = time.perf_counter()
         scored = tree_pass(self.loaded, [(session, item.tree_tokens, item.tree_parents) for _, item, session in live])
-        logits = scored.logits  # [B, 1 + N, V] on the model's device
-
         params = [item.sampling for _, item, _ in live]
+        # [B, 1 + N, V] on the model's device; p is that of the biased logits, logprobs those of the raw ones.
+        raw = scored.logits
+        logits = shaping.biased(params, raw)
+
         # Greedy and raced sessions have a fixed target token at every row: the greedy walk
         # decides them (obligations 5 and 6); the rest take rejection sampling.
         fixed = [b for b, p in enumerate(params) if p.greedy or p.raced]
@@ -378,7 +380,7 @@ class Verifier:
                 result.lookup_accepted = len(path)
                 self.lookup.acceptance.observe(item.lookup_confidences, len(path))
             if item.logprobs:
-                result.logprobs, result.top_token_ids, result.top_logprobs = shaping.token_logprobs(logits[b, rows], tokens, item.top_logprobs)
+                result.logprobs, result.top_token_ids, result.top_logprobs = shaping.token_logprobs(raw[b, rows], tokens, item.top_logprobs)
             results.append(result)
         rows = sum(1 + len(item.tree_tokens) for _, item, _ in live)
         looked_up = any(item.lookup_confidences for _, item, _ in live)

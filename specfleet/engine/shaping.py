@@ -29,6 +29,31 @@ from specfleet.engine.sampling import (
 from specfleet.sampling import STREAM_VERIFY, SamplingParams
 
 
+def biased(params: list[SamplingParams], logits: torch.Tensor, global_ids: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """logits [B, ..., V] with each session's logit bias added to every one of its rows, before anything reads them:
+    the argmax of greedy sessions, the race's and rejection sampling's p, a drafter's q. The same tensor where no
+    session has a bias. `global_ids` (a drafter's, `propose`'s) turns positions along a row into vocabulary ids, for a
+    model whose output layer covers part of the vocabulary: a biased id it lacks changes nothing."""
+    rows = [b for b, p in enumerate(params) if p.logit_bias]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    width = logits.shape[-1]
+    ids_of = None if global_ids is None else global_ids(torch.arange(width).expand(len(params), width)).cpu()
+    for b in rows:
+        ids = torch.tensor([token for token, _ in params[b].logit_bias])
+        values = torch.tensor([value for _, value in params[b].logit_bias], dtype=logits.dtype)
+        if ids_of is None:
+            at = ids
+        else:  # the positions whose vocabulary id is biased, each with its id's value
+            table = torch.zeros(max(int(ids.max()), int(ids_of[b].max())) + 1, dtype=logits.dtype)
+            table[ids] = values
+            at = torch.isin(ids_of[b], ids).nonzero().squeeze(1)
+            values = table[ids_of[b, at]]
+        logits[b, ..., at.to(logits.device)] += values.to(logits.device)
+    return logits
+
+
 def shape(params: list[SamplingParams], logits: torch.Tensor) -> torch.Tensor:
     """p [B, W, V] as each session asked (temperature, top-k, top-p), from logits [B, W, V]."""
     batch, width, vocab = logits.shape

@@ -31,7 +31,8 @@ from router.api import (
     DrafterStats,
     TokenLogprobs,
 )
-from router.frontdoor import FrontDoor, interleave, validate
+from router.frontdoor import FrontDoor, interleave
+from router.validation import validate
 from router.request import Limits
 from specfleet.config import RequestLimitsConfig
 from specfleet.tokenizer import load_tokenizer

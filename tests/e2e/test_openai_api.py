@@ -17,6 +17,7 @@ import urllib.request
 import urllib.error
 import openai
 import pytest
+import torch
 
 from router.openai_api import ApiError, render_chat
 from specfleet.tokenizer import load_tokenizer
@@ -190,7 +191,10 @@ REFUSED = [
     ("chat", {"top_logprobs": 2}, "top_logprobs"),
     ("completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
     ("chat", {"presence_penalty": 1.0}, "presence_penalty"),
-    ("completions", {"logit_bias": {"5": 10}}, "logit_bias"),
+    ("completions", {"logit_bias": {"five": 10}}, "logit_bias"),
+    ("completions", {"logit_bias": {"5": "ten"}}, "logit_bias"),
+    ("completions", {"logit_bias": {"5": 100.5}}, "logit_bias"),
+    ("chat", {"logit_bias": {"999999": 1}}, "logit_bias"),
     ("completions", {"extra_body": {"repetition_penalty": 1.2}}, "repetition_penalty"),
     ("completions", {"echo": True}, "echo"),
     ("completions", {"suffix": "end"}, "suffix"),
@@ -468,6 +472,39 @@ def _check_against_target(path, prompt_ids, ids, logprobs, tops: list[dict] | No
 
 
 SAMPLED = {"temperature": 0.7, "top_p": 0.9, "seed": 5}
+
+
+def test_logit_bias_gives_the_target_s_output_under_the_same_bias_and_drafters_bias_alike(api, client, tokenizer, target_with_template):
+    """Greedy with drafting on: with the target's own first token banned and another token raised, the output is
+    transformers' greedy `generate` with the same bias (`sequence_bias`), unary, streaming and over gRPC; a bias of 100 makes a
+    token the output at every position and the drafters, biased alike, propose it: their drafts are accepted."""
+    from tests.helpers import load_target
+
+    prompt = PROMPTS[1]
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    plain = target_greedy(str(target_with_template), prompt, MAX_TOKENS)
+    bias = {plain[0]: -100.0, plain[3]: 2.5}
+    model, _ = load_target(str(target_with_template))
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=tokenizer.eos_token_id,
+            sequence_bias={(t,): v for t, v in bias.items()},
+        )  # fmt: skip
+    expected = out[0, len(prompt_ids) :].tolist()
+    assert expected != plain
+    args = greedy(return_tokens_as_token_ids=True, ignore_eos=True)
+    sent = {str(t): v for t, v in bias.items()}
+    reply = client.completions.create(model="random-target", prompt=prompt, logprobs=0, logit_bias=sent, **args)
+    assert _ids(reply.choices[0].logprobs.tokens) == expected[: len(reply.choices[0].logprobs.tokens)]
+    streamed = [t for chunk in client.completions.create(model="random-target", prompt=prompt, logprobs=0, logit_bias=sent, stream=True, **args)
+                if chunk.choices and chunk.choices[0].logprobs for t in chunk.choices[0].logprobs.tokens]  # fmt: skip
+    assert streamed == reply.choices[0].logprobs.tokens
+    with api.channel() as channel:
+        request = greedy_request(prompt, MAX_TOKENS, 4, stop_at_eos=False, logit_bias=bias)
+        assert list(generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=120).token_ids) == _ids(reply.choices[0].logprobs.tokens)
+    forced = client.completions.create(model="random-target", prompt=prompt, logprobs=0, logit_bias={"77": 100}, **args)
+    assert _ids(forced.choices[0].logprobs.tokens) == [77] * MAX_TOKENS
+    assert forced.model_extra["speculation"][0]["accepted_tokens"] > 0
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "sampled"])

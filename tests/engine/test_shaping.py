@@ -51,3 +51,33 @@ def test_the_target_s_tokens_are_the_argmax_or_the_race_keyed_by_the_position_ea
         probs = shaping.shape([params[b]] * rows, logits[b, :rows].unsqueeze(1)).squeeze(1)
         keys = race_keys([params[b].seed] * rows, filled[b])
         assert torch.equal(wanted[b, :rows], race(probs, race_noise(keys, torch.arange(vocab))))
+
+
+def test_a_logit_bias_moves_every_row_of_its_session_and_no_other():
+    """`biased` adds a session's bias at its ids on each of its rows (the verifier's [B, W, V] logits), leaves the other
+    sessions' rows and the logits it was given as they were, and hands back the same tensor where nobody has a bias."""
+    logits = torch.randn(2, 3, 40, generator=torch.Generator().manual_seed(4))
+    params = [SamplingParams(logit_bias=((5, 100.0), (7, -2.5))), SamplingParams()]
+    before = logits.clone()
+    out = shaping.biased(params, logits.to(DEVICE)).cpu()
+    assert torch.equal(logits, before)
+    expected = before.clone()
+    expected[0, :, 5] += 100.0
+    expected[0, :, 7] -= 2.5
+    assert torch.equal(out, expected)
+    assert (out[0].argmax(dim=-1) == 5).all() and torch.equal(out[1], before[1])
+    plain = [SamplingParams(), SamplingParams(temperature=1.0)]
+    assert shaping.biased(plain, logits) is logits
+
+
+def test_a_drafter_biases_the_positions_its_token_map_gives_the_biased_ids():
+    """A drafter whose output layer covers part of the vocabulary (a token map: position i is id map[i]) biases the
+    positions of the biased ids it has, and a biased id it lacks changes nothing; its proposals then follow the
+    biased logits: a bias of 100 all but forces the token, greedy and sampled."""
+    token_map = torch.tensor([3, 9, 20, 21, 40])
+    logits = torch.zeros(2, 5)
+    params = [SamplingParams(logit_bias=((20, 100.0), (77, 100.0))), SamplingParams(temperature=1.0, seed=1, logit_bias=((9, 100.0), (40, -1.0)))]
+    out = shaping.biased(params, logits, lambda local: token_map[local])
+    assert torch.equal(out, torch.tensor([[0.0, 0.0, 100.0, 0.0, 0.0], [0.0, 100.0, 0.0, 0.0, -1.0]]))
+    tokens, proposals, _ = shaping.propose(lambda local: token_map[local], out, params, [4, 4], [1, 1], 3)
+    assert tokens == [20, 9] and proposals[0] == ([20], [1.0])

@@ -1,0 +1,139 @@
+"""A generation request checked field by field before the front door admits it (router/frontdoor.py): `validate` turns
+a `GenerationParams` into the `RequestSpec` the scheduler runs, or raises a GenerationError (INVALID_ARGUMENT) whose
+message names the first bad field, whichever API the request came through."""
+
+from __future__ import annotations
+
+import math
+import secrets
+import struct
+import uuid
+
+from router.api import GenerationParams, invalid
+from router.request import Limits, RequestSpec
+from specfleet.sampling import MAX_LOGIT_BIAS, SamplingParams
+
+MAX_STOP_STRINGS = 16
+MAX_LABEL_CHARS = 128
+MAX_TOP_LOGPROBS = 20
+# The verifier and drafters take top_k as an int32 and a seed as a uint64.
+MAX_TOP_K = 2**31 - 1
+MAX_SEED = 2**64 - 1
+# Tokens one request may bias: each is added to every row's logits at the verifier and each drafter.
+MAX_BIASED_TOKENS = 1024
+
+
+def _float32(x: float) -> float:
+    """x as the float32 the verifier and drafters are sent (an overflow is infinite): what the router checks is what they get."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
+def validate(params: GenerationParams, tokenizer, limits: Limits) -> RequestSpec:
+    """The request `params` asks for, checked against `limits`; a GenerationError (INVALID_ARGUMENT) names the first bad field."""
+    for name, value, longest in (("request_id", params.request_id, MAX_LABEL_CHARS), ("domain", params.domain, MAX_LABEL_CHARS)):
+        # Labels end up in logs and metrics: no control characters (a newline would forge a log line).
+        if len(value) > longest or not value.isprintable():
+            raise invalid(name, f"at most {longest} printable characters, got {len(value)} characters")
+    prompt_ids = _prompt_ids(params, tokenizer, limits)
+    max_tokens = _max_tokens(params, len(prompt_ids), limits)
+    sampling = _sampling(params, limits.vocab_size)
+    if len(params.stop) > MAX_STOP_STRINGS or any(not s for s in params.stop):
+        raise invalid("stop", f"at most {MAX_STOP_STRINGS} non-empty strings")
+    spec_opts = params.speculation
+    if not 0 <= spec_opts.max_draft_tokens <= limits.requests.max_draft_tokens:
+        raise invalid("speculation.max_draft_tokens", f"must be between 0 and {limits.requests.max_draft_tokens}, got {spec_opts.max_draft_tokens}")
+    if not 0 <= params.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise invalid("top_logprobs", f"must be between 0 and {MAX_TOP_LOGPROBS}, got {params.top_logprobs}")
+    if params.top_logprobs and not params.logprobs:
+        raise invalid("top_logprobs", "needs logprobs set")
+    return RequestSpec(
+        request_id=params.request_id or uuid.uuid4().hex,
+        session_id=secrets.token_hex(16),
+        prompt_ids=prompt_ids,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        stop=list(params.stop),
+        stop_at_eos=params.stop_at_eos,
+        max_draft_tokens=0 if spec_opts.disabled else (spec_opts.max_draft_tokens or limits.requests.num_draft_tokens),
+        domain=params.domain,
+        logprobs=params.logprobs,
+        top_logprobs=params.top_logprobs,
+    )
+
+
+def _prompt_ids(params: GenerationParams, tokenizer, limits: Limits) -> list[int]:
+    if params.prompt and params.prompt_token_ids:
+        raise invalid("prompt", "set either prompt or prompt_token_ids, not both")
+    if params.prompt_token_ids:
+        prompt_ids = list(params.prompt_token_ids)
+        bad = [t for t in prompt_ids if not 0 <= t < limits.vocab_size]
+        if bad:
+            raise invalid("prompt_token_ids", f"ids outside the vocabulary [0, {limits.vocab_size}): {bad[:5]}")
+    else:
+        if not params.prompt:
+            raise invalid("prompt", "must not be empty (or set prompt_token_ids)")
+        if len(params.prompt) > limits.max_prompt_chars:
+            raise invalid("prompt", f"{len(params.prompt)} characters cannot fit the model's context of {limits.max_context} tokens; shorten it")
+        prompt_ids = tokenizer.encode(params.prompt, add_special_tokens=False)
+        if not prompt_ids:
+            raise invalid("prompt", "encodes to no tokens")
+    if len(prompt_ids) >= limits.max_context:
+        raise invalid("prompt", f"{len(prompt_ids)} tokens leaves no room in the model's context of {limits.max_context} tokens; shorten it")
+    return prompt_ids
+
+
+def _max_tokens(params: GenerationParams, prompt_tokens: int, limits: Limits) -> int:
+    max_tokens = params.max_tokens if params.max_tokens is not None else limits.requests.default_max_tokens
+    if not 1 <= max_tokens <= limits.requests.max_tokens_limit:
+        raise invalid("max_tokens", f"must be between 1 and {limits.requests.max_tokens_limit}, got {max_tokens}")
+    room = limits.max_context - prompt_tokens
+    if max_tokens > room:
+        if params.max_tokens is not None:
+            # Generation would stop at the context's end with less than was asked: say so now.
+            raise invalid(
+                "max_tokens",
+                f"{max_tokens} new tokens after a prompt of {prompt_tokens} exceed the model's context of "
+                f"{limits.max_context} tokens; ask for at most {room}",
+            )
+        max_tokens = room  # the server's default, not the client's request: fit it to the context
+    return max_tokens
+
+
+def _sampling(params: GenerationParams, vocab_size: int) -> SamplingParams:
+    temperature, top_p = _float32(params.temperature), _float32(params.top_p)
+    if not math.isfinite(temperature) or temperature < 0:
+        raise invalid("temperature", f"must be >= 0 (0 is greedy), got {temperature}")
+    if not (0 < top_p <= 1):
+        raise invalid("top_p", f"must be in (0, 1], got {top_p}")
+    if params.top_k < 0:
+        raise invalid("top_k", f"must be >= 0 (0 disables it), got {params.top_k}")
+    if params.top_k > MAX_TOP_K:
+        raise invalid("top_k", f"must be at most {MAX_TOP_K}, got {params.top_k}")
+    if params.seed is not None and not 0 <= params.seed <= MAX_SEED:
+        raise invalid("seed", f"must be between 0 and 2**64 - 1, got {params.seed}")
+    # A client's seed must fix the output whatever is drafted, batched or learned: such a request
+    # samples by the seeded exponential race (verification.py, obligation 6). Without one,
+    # rejection sampling accepts more drafts.
+    seeded = params.seed is not None
+    seed = params.seed if seeded else secrets.randbits(63)
+    bias = _logit_bias(params.logit_bias, vocab_size)
+    return SamplingParams(temperature=temperature, top_p=top_p, top_k=params.top_k, seed=seed, drafter_invariant=seeded, logit_bias=bias)
+
+
+def _logit_bias(bias: dict[int, float], vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """A request's logit bias as SamplingParams holds it (id order, float32 values, zeros left out: they change nothing)."""
+    if len(bias) > MAX_BIASED_TOKENS:
+        raise invalid("logit_bias", f"at most {MAX_BIASED_TOKENS} tokens, got {len(bias)}")
+    out = []
+    for token, value in sorted(bias.items()):
+        if not 0 <= token < vocab_size:
+            raise invalid("logit_bias", f"token id {token} is outside the vocabulary [0, {vocab_size})")
+        value = _float32(value)
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise invalid("logit_bias", f"the bias of token {token} must be between -{MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}, got {value}")
+        if value:
+            out.append((token, value))
+    return tuple(out)
