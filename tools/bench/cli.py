@@ -95,6 +95,7 @@ import contextlib
 import json
 import os
 import pathlib
+import statistics
 import shlex
 import sys
 import time
@@ -484,8 +485,9 @@ def _results(args, command: str, family, settings, source: str, requests: list, 
             "workload": args.workload,
             "workload_source": source,
             "requests": len(requests),
-            "prompt_tokens": args.prompt_tokens,
-            "max_tokens": args.max_tokens,
+            # What the systems were sent (a workload's rows may set their own lengths): the median over the requests.
+            "prompt_tokens": int(statistics.median(len(r.prompt_ids) for r in requests)),
+            "max_tokens": int(statistics.median(r.max_tokens for r in requests)),
             "ignore_eos": settings.ignore_eos,
             "seed": args.seed,
             "temperature": settings.temperature,

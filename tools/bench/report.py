@@ -193,7 +193,7 @@ def markdown(results: dict, plots: dict[str, str] | None = None, heading: str = 
         "",
         f"Models: {cfg['models']} (target `{_rel(cfg['target'])}`, drafter `{cfg['drafter']}`). "
         f"Workload: {cfg['workload']} ({cfg['requests']} requests per load point, {cfg['prompt_tokens']} prompt tokens, "
-        f"{cfg['max_tokens']} new tokens, {'EOS ignored' if cfg['ignore_eos'] else 'stop at EOS'}, "
+        f"{cfg['max_tokens']} new tokens (medians), {'EOS ignored' if cfg['ignore_eos'] else 'stop at EOS'}, "
         f"{'temperature ' + str(cfg['temperature']) if cfg.get('temperature') else 'greedy'}, seed {cfg['seed']}, "
         f"{cfg['warmup']} warm-up requests). Every system: {cfg['threads']} thread(s), cores {cfg['cpus'] or 'unpinned'}, "
         f"at most k = {cfg['k']} draft tokens per round (specfleet's adaptive speculation may draft fewer).",
