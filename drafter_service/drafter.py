@@ -142,7 +142,7 @@ def propose(drafting: list[Drafting], step: int) -> None:
     params = [d.item.sampling for d in drafting]
     tokens, proposals, confidences = shaping.propose(
         global_ids,
-        shaping.biased(params, logits, global_ids),
+        shaping.adjusted(params, logits, [(d.session.token_ids, [[]]) for d in drafting], global_ids),
         params,
         [d.committed + step for d in drafting],
         [d.model.stream for d in drafting],

@@ -37,6 +37,9 @@ class GenerationParams:
     logprobs: bool = False  # each output token's log-probability under the target's raw distribution
     top_logprobs: int = 0  # and this many most likely alternatives (needs logprobs)
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id: added to its logit at every position
+    presence_penalty: float = 0.0  # OpenAI's, on the output's tokens; 0: none
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's, on the prompt's and output's tokens; 1: none
 
 
 @dataclass

@@ -56,6 +56,9 @@ def params_of(req: generation_pb2.GenerateRequest) -> GenerationParams:
         logprobs=req.logprobs,
         top_logprobs=req.top_logprobs,
         logit_bias=dict(req.logit_bias),
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty if req.HasField("repetition_penalty") else 1.0,
     )
 
 

@@ -86,7 +86,7 @@ class Sampling(BaseModel):
     presence_penalty: float = 0.0
     logit_bias: dict | None = None
     # vLLM's extra sampling fields, and specfleet's.
-    repetition_penalty: float = 1.0  # only its neutral value (`vllm bench serve` sends it)
+    repetition_penalty: float = 1.0  # vLLM's
     top_k: int = 0
     ignore_eos: bool = False
     # Name logprobs' tokens "token_id:<id>" (vLLM's option): exact where a token's text is not.
@@ -160,11 +160,6 @@ def refuse_unsupported(body: Sampling) -> None:
         raise unsupported(unknown[0])
     if not 1 <= body.n <= MAX_N:
         raise ApiError(400, f"n: must be between 1 and {MAX_N}, got {body.n}", param="n")
-    for name in ("frequency_penalty", "presence_penalty"):
-        if getattr(body, name) != 0:
-            raise unsupported(name, "only 0 is supported (penalties would change the target's distribution)")
-    if body.repetition_penalty != 1:
-        raise unsupported("repetition_penalty", "only 1 is supported (a penalty would change the target's distribution)")
     logit_bias_of(body)  # keys that are not token ids: a 400 before anything is submitted
     if isinstance(body, CompletionRequest):
         if body.echo:
@@ -222,6 +217,9 @@ def params_of(body: Sampling, max_tokens: int | None, prompt: str | list[int], i
         domain=body.domain,
         request_id=f"{body.request_id}-{index}" if body.request_id else "",
         logit_bias=logit_bias_of(body),
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
     )
     if isinstance(prompt, str):
         params.prompt = prompt

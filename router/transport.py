@@ -69,6 +69,10 @@ def sampling_message(params: SamplingParams) -> common_pb2.SamplingParams:
             seed=params.seed,
             drafter_invariant=params.drafter_invariant,
             logit_bias=dict(params.logit_bias),
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            repetition_penalty=params.repetition_penalty,
+            output_start=params.output_start,
         )
     return message
 

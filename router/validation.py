@@ -11,7 +11,7 @@ import uuid
 
 from router.api import GenerationParams, invalid
 from router.request import Limits, RequestSpec
-from specfleet.sampling import MAX_LOGIT_BIAS, SamplingParams
+from specfleet.sampling import MAX_LOGIT_BIAS, MAX_PENALTY, MAX_REPETITION_PENALTY, SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_LABEL_CHARS = 128
@@ -39,7 +39,7 @@ def validate(params: GenerationParams, tokenizer, limits: Limits) -> RequestSpec
             raise invalid(name, f"at most {longest} printable characters, got {len(value)} characters")
     prompt_ids = _prompt_ids(params, tokenizer, limits)
     max_tokens = _max_tokens(params, len(prompt_ids), limits)
-    sampling = _sampling(params, limits.vocab_size)
+    sampling = _sampling(params, limits.vocab_size, len(prompt_ids))
     if len(params.stop) > MAX_STOP_STRINGS or any(not s for s in params.stop):
         raise invalid("stop", f"at most {MAX_STOP_STRINGS} non-empty strings")
     spec_opts = params.speculation
@@ -102,7 +102,7 @@ def _max_tokens(params: GenerationParams, prompt_tokens: int, limits: Limits) ->
     return max_tokens
 
 
-def _sampling(params: GenerationParams, vocab_size: int) -> SamplingParams:
+def _sampling(params: GenerationParams, vocab_size: int, prompt_tokens: int) -> SamplingParams:
     temperature, top_p = _float32(params.temperature), _float32(params.top_p)
     if not math.isfinite(temperature) or temperature < 0:
         raise invalid("temperature", f"must be >= 0 (0 is greedy), got {temperature}")
@@ -120,7 +120,25 @@ def _sampling(params: GenerationParams, vocab_size: int) -> SamplingParams:
     seeded = params.seed is not None
     seed = params.seed if seeded else secrets.randbits(63)
     bias = _logit_bias(params.logit_bias, vocab_size)
-    return SamplingParams(temperature=temperature, top_p=top_p, top_k=params.top_k, seed=seed, drafter_invariant=seeded, logit_bias=bias)
+    presence, frequency, repetition = (_float32(params.presence_penalty), _float32(params.frequency_penalty), _float32(params.repetition_penalty))
+    for name, value in (("presence_penalty", presence), ("frequency_penalty", frequency)):
+        if not -MAX_PENALTY <= value <= MAX_PENALTY:
+            raise invalid(name, f"must be between -{MAX_PENALTY:g} and {MAX_PENALTY:g} (0: none), got {value}")
+    if not 0 < repetition <= MAX_REPETITION_PENALTY:
+        raise invalid("repetition_penalty", f"must be in (0, {MAX_REPETITION_PENALTY:g}] (1: none), got {repetition}")
+    return SamplingParams(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=params.top_k,
+        seed=seed,
+        drafter_invariant=seeded,
+        logit_bias=bias,
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+        repetition_penalty=repetition,
+        # Where presence and frequency start counting; left at 0 where no penalty reads it.
+        output_start=prompt_tokens if (presence or frequency or repetition != 1) else 0,
+    )
 
 
 def _logit_bias(bias: dict[int, float], vocab_size: int) -> tuple[tuple[int, float], ...]:

@@ -21,6 +21,10 @@ STREAM_RACE = 2
 GREEDY_BELOW = 1e-5
 # A logit bias is within [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (OpenAI's range: -100 bans a token, 100 all but forces it).
 MAX_LOGIT_BIAS = 100.0
+# Presence and frequency penalties are within [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range), a repetition penalty in
+# (0, MAX_REPETITION_PENALTY].
+MAX_PENALTY = 2.0
+MAX_REPETITION_PENALTY = 10.0
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,16 @@ class SamplingParams:
     # (token id, bias) pairs in id order, added to the logits before temperature, top-k and top-p at every
     # position, on both sides: the target's p and a drafter's q are those of the biased logits.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Penalties on the tokens a row's context holds, after the bias, on both sides alike (vLLM's order and meaning):
+    # the repetition penalty divides a positive logit by its value and multiplies a negative one, for each token of
+    # the prompt or output; frequency subtracts its value times the token's count in the output, presence its value
+    # once for each token the output holds.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # Where the request's output starts in its sessions' tokens (its prompt's length): where presence and frequency
+    # start counting.
+    output_start: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -55,7 +69,19 @@ class SamplingParams:
                 return f"sampling.logit_bias has an id outside the vocabulary [0, {vocab_size}): {token}"
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 return f"sampling.logit_bias[{token}] must be between -{MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}, got {bias}"
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                return f"sampling.{name} must be between -{MAX_PENALTY:g} and {MAX_PENALTY:g}, got {getattr(self, name)}"
+        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            return f"sampling.repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}"
+        if self.output_start < 0:
+            return f"sampling.output_start must be >= 0, got {self.output_start}"
         return None
+
+    @property
+    def penalized(self) -> bool:
+        """Some penalty changes the logits: each row's depends on the tokens before it."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def raced(self) -> bool:
@@ -65,4 +91,15 @@ class SamplingParams:
     @classmethod
     def from_proto(cls, msg) -> "SamplingParams":
         """From the contract's specfleet.v1.SamplingParams (validated by the caller)."""
-        return cls(msg.temperature, msg.top_p, msg.top_k, msg.seed, msg.drafter_invariant, tuple(sorted(msg.logit_bias.items())))
+        return cls(
+            msg.temperature,
+            msg.top_p,
+            msg.top_k,
+            msg.seed,
+            msg.drafter_invariant,
+            tuple(sorted(msg.logit_bias.items())),
+            msg.presence_penalty,
+            msg.frequency_penalty,
+            msg.repetition_penalty or 1.0,  # unset on the wire: none
+            msg.output_start,
+        )

@@ -339,7 +339,11 @@ class Verifier:
         params = [item.sampling for _, item, _ in live]
         # [B, 1 + N, V] on the model's device; p is that of the biased logits, logprobs those of the raw ones.
         raw = scored.logits
-        logits = shaping.biased(params, raw)
+        contexts = [
+            (session.token_ids, shaping.tree_paths(item.tree_tokens, item.tree_parents)) if item.sampling.penalized else None
+            for _, item, session in live
+        ]
+        logits = shaping.adjusted(params, raw, contexts)
 
         # Greedy and raced sessions have a fixed target token at every row: the greedy walk
         # decides them (obligations 5 and 6); the rest take rejection sampling.

@@ -29,29 +29,82 @@ from specfleet.engine.sampling import (
 from specfleet.sampling import STREAM_VERIFY, SamplingParams
 
 
-def biased(params: list[SamplingParams], logits: torch.Tensor, global_ids: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-    """logits [B, ..., V] with each session's logit bias added to every one of its rows, before anything reads them:
-    the argmax of greedy sessions, the race's and rejection sampling's p, a drafter's q. The same tensor where no
-    session has a bias. `global_ids` (a drafter's, `propose`'s) turns positions along a row into vocabulary ids, for a
-    model whose output layer covers part of the vocabulary: a biased id it lacks changes nothing."""
-    rows = [b for b, p in enumerate(params) if p.logit_bias]
-    if not rows:
+# A session's context for its penalties: its tokens (prompt and output so far) and, per row of its pass, the tokens
+# after them that the row sees (a tree's path from the root to the row's node; [] for the root's row).
+Context = tuple[list[int], list[list[int]]]
+
+
+def adjusted(
+    params: list[SamplingParams],
+    logits: torch.Tensor,
+    contexts: list[Context | None] | None = None,
+    global_ids: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """logits [B, W, V] (or [B, V]: one row a session) as each session asked before temperature: its logit bias added,
+    then its penalties applied on what each row's context holds (`contexts[b]`, needed for penalized sessions), in
+    vLLM's order. Everything reads these: the argmax of greedy sessions, the race's and rejection sampling's p, a
+    drafter's q. The same tensor where nobody asked for either. `global_ids` (a drafter's, `propose`'s) turns
+    positions along a row into vocabulary ids, for a model whose output layer covers part of the vocabulary: a biased
+    or penalized id it lacks changes nothing."""
+    sessions = [b for b, p in enumerate(params) if p.logit_bias or p.penalized]
+    if not sessions:
         return logits
     logits = logits.clone()
-    width = logits.shape[-1]
+    rows = logits if logits.dim() == 3 else logits.unsqueeze(1)  # a view: writes reach `logits`
+    width = rows.shape[-1]
     ids_of = None if global_ids is None else global_ids(torch.arange(width).expand(len(params), width)).cpu()
-    for b in rows:
-        ids = torch.tensor([token for token, _ in params[b].logit_bias])
-        values = torch.tensor([value for _, value in params[b].logit_bias], dtype=logits.dtype)
-        if ids_of is None:
-            at = ids
-        else:  # the positions whose vocabulary id is biased, each with its id's value
-            table = torch.zeros(max(int(ids.max()), int(ids_of[b].max())) + 1, dtype=logits.dtype)
-            table[ids] = values
-            at = torch.isin(ids_of[b], ids).nonzero().squeeze(1)
-            values = table[ids_of[b, at]]
-        logits[b, ..., at.to(logits.device)] += values.to(logits.device)
+    for b in sessions:
+        ids = None if ids_of is None else ids_of[b]
+        if params[b].logit_bias:
+            _bias(rows[b], params[b].logit_bias, ids)
+        if params[b].penalized:
+            _penalize(rows[b], params[b], *contexts[b], ids)
     return logits
+
+
+def _bias(rows: torch.Tensor, bias: tuple[tuple[int, float], ...], ids_of: torch.Tensor | None) -> None:
+    """Each (id, value) of `bias` added to every row of rows [W, V'] in place; ids_of[j]: position j's vocabulary id."""
+    ids = torch.tensor([token for token, _ in bias])
+    values = torch.tensor([value for _, value in bias], dtype=rows.dtype)
+    if ids_of is None:
+        at = ids
+    else:  # the positions whose vocabulary id is biased, each with its id's value
+        table = torch.zeros(max(int(ids.max()), int(ids_of.max())) + 1, dtype=rows.dtype)
+        table[ids] = values
+        at = torch.isin(ids_of, ids).nonzero().squeeze(1)
+        values = table[ids_of[at]]
+    rows[:, at.to(rows.device)] += values.to(rows.device)
+
+
+def _penalize(rows: torch.Tensor, params: SamplingParams, tokens: list[int], paths: list[list[int]], ids_of: torch.Tensor | None) -> None:
+    """The penalties applied in place to rows [W, V'] of one session, row r seeing `tokens` then paths[r] (rows past
+    the paths are padding, left as they are). Counts are taken over vocabulary ids, then read at each position's."""
+    history = torch.tensor(tokens, dtype=torch.long)
+    seen_ids = [int(history.max()) if len(tokens) else 0, *(max(path) for path in paths if path)]
+    size = rows.shape[-1] if ids_of is None else max(int(ids_of.max()), *seen_ids) + 1
+    output = torch.bincount(history[params.output_start :], minlength=size).to(rows.dtype)
+    counts = output.expand(len(paths), size).clone()  # [R, size]: the output's counts with each row's path
+    for r, path in enumerate(paths):
+        if path:
+            counts[r].index_add_(0, torch.tensor(path), torch.ones(len(path), dtype=rows.dtype))
+    seen = counts > 0
+    seen |= torch.zeros(size, dtype=torch.bool).index_fill_(0, history[: params.output_start], True)
+    if ids_of is not None:
+        counts, seen = counts[:, ids_of], seen[:, ids_of]
+    counts, seen = counts.to(rows.device), seen.to(rows.device)
+    block = rows[: len(paths)]
+    if params.repetition_penalty != 1:
+        block = torch.where(seen, torch.where(block > 0, block / params.repetition_penalty, block * params.repetition_penalty), block)
+    block = block - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).to(block.dtype)
+    rows[: len(paths)] = block
+
+
+def tree_paths(tokens: list[int], parents: list[int]) -> list[list[int]]:
+    """Per row of a tree's pass (the root's, then each node's), the tokens from the root to the row's node."""
+    paths = [[]]
+    for token, parent in zip(tokens, parents):
+        paths.append(paths[parent + 1] + [token])
+    return paths
 
 
 def shape(params: list[SamplingParams], logits: torch.Tensor) -> torch.Tensor:

@@ -189,13 +189,13 @@ REFUSED = [
     ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     # OpenAI's rule: alternatives only with logprobs.
     ("chat", {"top_logprobs": 2}, "top_logprobs"),
-    ("completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
-    ("chat", {"presence_penalty": 1.0}, "presence_penalty"),
+    ("completions", {"frequency_penalty": 2.5}, "frequency_penalty"),
+    ("chat", {"presence_penalty": -3}, "presence_penalty"),
     ("completions", {"logit_bias": {"five": 10}}, "logit_bias"),
     ("completions", {"logit_bias": {"5": "ten"}}, "logit_bias"),
     ("completions", {"logit_bias": {"5": 100.5}}, "logit_bias"),
     ("chat", {"logit_bias": {"999999": 1}}, "logit_bias"),
-    ("completions", {"extra_body": {"repetition_penalty": 1.2}}, "repetition_penalty"),
+    ("completions", {"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
     ("completions", {"echo": True}, "echo"),
     ("completions", {"suffix": "end"}, "suffix"),
     ("completions", {"best_of": 2}, "best_of"),
@@ -472,6 +472,34 @@ def _check_against_target(path, prompt_ids, ids, logprobs, tops: list[dict] | No
 
 
 SAMPLED = {"temperature": 0.7, "top_p": 0.9, "seed": 5}
+
+
+def test_penalties_give_transformers_output_under_the_same_penalties_over_http_and_grpc(api, client, tokenizer, target_with_template):
+    """Greedy with drafting on, presence, frequency and repetition penalties: the output is transformers' `generate` with
+    the same penalties (tests/verifier_service/test_penalties.py `reference`), unary, streaming and over gRPC; presence
+    and frequency count the output's tokens, not the prompt's."""
+    from tests.verifier_service.test_penalties import PENALTIES, reference
+
+    prompt = PROMPTS[2]
+    expected = reference(str(target_with_template), tokenizer.encode(prompt, add_special_tokens=False), MAX_TOKENS)
+    args = greedy(return_tokens_as_token_ids=True, ignore_eos=True, repetition_penalty=PENALTIES["repetition_penalty"])
+    penalties = dict(presence_penalty=PENALTIES["presence_penalty"], frequency_penalty=PENALTIES["frequency_penalty"])
+    reply = client.completions.create(model="random-target", prompt=prompt, logprobs=0, **penalties, **args)
+    assert _ids(reply.choices[0].logprobs.tokens) == expected
+    streamed = [t for chunk in client.completions.create(model="random-target", prompt=prompt, logprobs=0, stream=True, **penalties, **args)
+                if chunk.choices and chunk.choices[0].logprobs for t in chunk.choices[0].logprobs.tokens]  # fmt: skip
+    assert streamed == reply.choices[0].logprobs.tokens
+    with api.channel() as channel:
+        request = greedy_request(prompt, MAX_TOKENS, 4, stop_at_eos=False, repetition_penalty=PENALTIES["repetition_penalty"], **penalties)
+        assert list(generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=120).token_ids) == expected
+    # Presence counts the output alone: after a prompt that ends with the target's own continuation, which it would
+    # go on repeating, the prompt's tokens are not penalized.
+    looped = tokenizer.encode(prompt, add_special_tokens=False) + target_greedy(str(target_with_template), prompt, MAX_TOKENS)
+    assert reference(str(target_with_template), looped, 1, None)[0] in looped, "the target goes on with a token of its prompt"
+    expected = reference(str(target_with_template), looped, 8, dict(presence_penalty=2.0))
+    args = {**greedy(return_tokens_as_token_ids=True, ignore_eos=True), "max_tokens": 8}
+    reply = client.completions.create(model="random-target", prompt=looped, logprobs=0, presence_penalty=2.0, **args)
+    assert _ids(reply.choices[0].logprobs.tokens) == expected
 
 
 def test_logit_bias_gives_the_target_s_output_under_the_same_bias_and_drafters_bias_alike(api, client, tokenizer, target_with_template):

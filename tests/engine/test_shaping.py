@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from specfleet.engine import shaping
@@ -59,7 +60,7 @@ def test_a_logit_bias_moves_every_row_of_its_session_and_no_other():
     logits = torch.randn(2, 3, 40, generator=torch.Generator().manual_seed(4))
     params = [SamplingParams(logit_bias=((5, 100.0), (7, -2.5))), SamplingParams()]
     before = logits.clone()
-    out = shaping.biased(params, logits.to(DEVICE)).cpu()
+    out = shaping.adjusted(params, logits.to(DEVICE)).cpu()
     assert torch.equal(logits, before)
     expected = before.clone()
     expected[0, :, 5] += 100.0
@@ -67,7 +68,7 @@ def test_a_logit_bias_moves_every_row_of_its_session_and_no_other():
     assert torch.equal(out, expected)
     assert (out[0].argmax(dim=-1) == 5).all() and torch.equal(out[1], before[1])
     plain = [SamplingParams(), SamplingParams(temperature=1.0)]
-    assert shaping.biased(plain, logits) is logits
+    assert shaping.adjusted(plain, logits) is logits
 
 
 def test_a_drafter_biases_the_positions_its_token_map_gives_the_biased_ids():
@@ -77,7 +78,50 @@ def test_a_drafter_biases_the_positions_its_token_map_gives_the_biased_ids():
     token_map = torch.tensor([3, 9, 20, 21, 40])
     logits = torch.zeros(2, 5)
     params = [SamplingParams(logit_bias=((20, 100.0), (77, 100.0))), SamplingParams(temperature=1.0, seed=1, logit_bias=((9, 100.0), (40, -1.0)))]
-    out = shaping.biased(params, logits, lambda local: token_map[local])
+    out = shaping.adjusted(params, logits, global_ids=lambda local: token_map[local])
     assert torch.equal(out, torch.tensor([[0.0, 0.0, 100.0, 0.0, 0.0], [0.0, 100.0, 0.0, 0.0, -1.0]]))
     tokens, proposals, _ = shaping.propose(lambda local: token_map[local], out, params, [4, 4], [1, 1], 3)
     assert tokens == [20, 9] and proposals[0] == ([20], [1.0])
+
+
+def _penalized_by_hand(row: list[float], seen: list[int], output: list[int], p: SamplingParams) -> list[float]:
+    """vLLM's penalties on one row, token by token: repetition on what the prompt or output holds, then frequency and
+    presence on what the output holds."""
+    out = []
+    for v, x in enumerate(row):
+        if v in seen or v in output:
+            x = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
+        out.append(x - p.frequency_penalty * output.count(v) - p.presence_penalty * (v in output))
+    return out
+
+
+def test_penalties_read_what_each_row_of_a_tree_sees():
+    """Row r of a session's pass sees its tokens (prompt, then output from output_start) and the path to its node:
+    its penalties count them, nothing else; a bias comes first; an unpenalized session of the batch is left alone;
+    a drafter's token map reads each position's id."""
+    gen = torch.Generator().manual_seed(6)
+    logits = torch.randn(2, 4, 12, generator=gen) * 2
+    p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.5, output_start=3, logit_bias=((2, 1.0),))
+    tokens, paths = [1, 2, 3, 4, 4, 5], shaping.tree_paths([6, 4, 7], [-1, 0, 0])
+    assert paths == [[], [6], [6, 4], [6, 7]]
+    out = shaping.adjusted([p, SamplingParams()], logits.to(DEVICE), [(tokens, paths), None]).cpu()
+    for r, path in enumerate(paths):
+        row = logits[0, r].tolist()
+        row[2] += 1.0
+        expected = _penalized_by_hand(row, tokens[:3], tokens[3:] + path, p)
+        assert out[0, r].tolist() == pytest.approx(expected, abs=1e-5), r
+    assert torch.equal(out[1], logits[1])
+    # A drafter's row over ids [9, 4, 1, 11] (its token map) sees the same context: each position as its id.
+    token_map = torch.tensor([9, 4, 1, 11])
+    row = logits[0, 0, :4]
+    drafted = shaping.adjusted([p], row.unsqueeze(0), [(tokens, [[6]])], global_ids=lambda local: token_map[local])[0]
+    assert drafted.tolist() == pytest.approx(_penalized_by_hand_at(row.tolist(), token_map.tolist(), tokens[:3], tokens[3:] + [6], p), abs=1e-5)
+
+
+def _penalized_by_hand_at(row: list[float], ids: list[int], seen: list[int], output: list[int], p: SamplingParams) -> list[float]:
+    """`_penalized_by_hand` for a row whose position j holds vocabulary id ids[j] (no bias on those ids)."""
+    full = [0.0] * (max(ids) + 1)
+    for j, v in enumerate(ids):
+        full[v] = row[j]
+    penalized = _penalized_by_hand(full, seen, output, p)
+    return [penalized[v] for v in ids]

@@ -25,7 +25,18 @@ def _every_field_set(message) -> list[str]:
     return unset
 
 
-SAMPLING = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=123, drafter_invariant=True, logit_bias=((4, -100.0), (9, 2.5)))
+SAMPLING = SamplingParams(
+    temperature=0.7,
+    top_p=0.9,
+    top_k=5,
+    seed=123,
+    drafter_invariant=True,
+    logit_bias=((4, -100.0), (9, 2.5)),
+    presence_penalty=0.5,
+    frequency_penalty=-0.25,
+    repetition_penalty=1.25,
+    output_start=3,
+)
 
 
 def test_draft_and_verify_records_carry_every_field_of_the_contract():
@@ -45,7 +56,13 @@ def test_draft_and_verify_records_carry_every_field_of_the_contract():
     assert abs(sent.stop_below_confidence - 0.25) < 1e-7
     got = SamplingParams.from_proto(sent.sampling)
     assert (round(got.temperature, 6), round(got.top_p, 6), got.top_k, got.seed, got.drafter_invariant) == (0.7, 0.9, 5, 123, True)
-    assert got.logit_bias == SAMPLING.logit_bias
+    assert (got.logit_bias, got.presence_penalty, got.frequency_penalty, got.repetition_penalty, got.output_start) == (
+        SAMPLING.logit_bias,
+        0.5,
+        -0.25,
+        1.25,
+        3,
+    )
 
     proposal = transport.point_mass(7)
     tree = messages.TokenTree(token_ids=[7, 8], parents=[-1, 0], proposals=[proposal, proposal])
