@@ -9,7 +9,7 @@ samples 5 tokens; the router's per-request draft length is fixed at 4.
 
 The statistic is exact for any number of tokens: for every sample and position j, with
 p_j = p(. | prompt, x_<j) the target's shaped conditional (a plain `transformers`
-forward pass; temperature, top-k and top-p written out here, not taken from specfleet),
+forward pass; a logit bias and penalties, temperature, top-k and top-p written out here, not taken from specfleet),
 tokens ranked by descending p_j and U uniform,
     u_j = P_j(token ranked before x_j) + U * p_j(x_j)
 (the randomised probability integral transform). If the output is the target's, the u_j
@@ -24,7 +24,10 @@ most FALSE_FAILURE. A token with p_j = 0 is a failure outright. The statistic is
 only to mass moved between tokens of nearly equal p_j (neighbours in the ranking); the
 mutants in tests/mutants/lossless.yaml (wrong acceptance, wrong residual, a proposal
 other than the one drawn from, p shaped without temperature, top-p or top-k) all move
-mass between likely and unlikely tokens, and each is caught.
+mass between likely and unlikely tokens, and each is caught. The bias-and-penalties setting
+uses negative penalties (the output's tokens made likelier), so that a row's p depends
+strongly on the tree path above it: a verifier penalizing every row as the root's
+(tests/mutants/sampling.yaml: tree-rows-ignore-their-paths) fails it at 1.6-2 times the threshold.
 
 Requests without a seed take the router's random seed; seeded ones (seeds 0..n-1, one a
 sample) may take another lossless path (noise shared by drafters and verifier per seed
@@ -68,6 +71,12 @@ SETTINGS = {
     "t0.7-top_p0.9": (0.7, 0.9, 0),
     "t1.0": (1.0, 1.0, 0),
     "t1.0-top_k8": (1.0, 1.0, 8),
+    "t1.0-bias-penalties": (1.0, 1.0, 0),
+}
+# What a setting asks of the logits before temperature (GenerateRequest fields): a logit bias, then penalties on
+# the tokens each position's context holds, which differ from row to row of a draft tree.
+ADJUSTMENTS = {
+    "t1.0-bias-penalties": dict(logit_bias={5: 2.0, 17: -1.0}, presence_penalty=-2.0, frequency_penalty=-2.0, repetition_penalty=0.5),
 }
 CASES = [(setting, seeded) for seeded in (False, True) for setting in SETTINGS]
 # A target split over two ranks (tensor parallelism): one setting, without a seed and with one.
@@ -165,6 +174,7 @@ def sample(cluster: Cluster, setting: str, seeded: bool, samples: int = SAMPLES)
             top_k=top_k,
             stop_at_eos=False,
             speculation=generation_pb2.SpeculationOptions(max_draft_tokens=DRAFT_TOKENS),
+            **ADJUSTMENTS.get(setting, {}),
         )
         if seeded:
             request.seed = i
@@ -210,6 +220,27 @@ def shape(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, sl
         keep[..., 0] = True
         probs = ordered.masked_fill(~keep, float("-inf")).softmax(dim=-1)
     return torch.zeros_like(probs).scatter_(-1, order, probs)
+
+
+def adjust(logits: torch.Tensor, prompt_ids: list[int], x: torch.Tensor, asked: dict) -> torch.Tensor:
+    """logits [m, J, V] after each sample's prompt and x_<j, as `asked` (ADJUSTMENTS) changes them, written out here:
+    the bias added; then for each token the prompt or x_<j holds, a positive logit divided by the repetition penalty
+    and a negative one multiplied by it; then frequency times the token's count in x_<j and presence once for each
+    token x_<j holds subtracted."""
+    if not asked:
+        return logits
+    logits = logits.double().clone()
+    for token, value in asked["logit_bias"].items():
+        logits[..., token] += value
+    vocab = logits.shape[-1]
+    for j in range(logits.shape[1]):
+        counts = torch.zeros(len(x), vocab, dtype=torch.float64).scatter_add_(1, x[:, :j], torch.ones(len(x), j, dtype=torch.float64))
+        seen = counts > 0
+        seen[:, prompt_ids] = True
+        row, penalty = logits[:, j], asked["repetition_penalty"]
+        row = torch.where(seen, torch.where(row > 0, row / penalty, row * penalty), row)
+        logits[:, j] = row - asked["frequency_penalty"] * counts - asked["presence_penalty"] * (counts > 0)
+    return logits
 
 
 @dataclass
@@ -258,6 +289,7 @@ def exact_pit(family, samples: Samples, setting: str, seed: int) -> Verdict:
         context = torch.cat([torch.tensor(prompt_ids).expand(len(rows), -1), x], dim=1)
         with torch.inference_mode():
             logits = model(context).logits[:, len(prompt_ids) - 1 : -1]  # [m, J, V]: p(. | prompt, x_<j)
+        logits = adjust(logits, prompt_ids, x, ADJUSTMENTS.get(setting, {}))
         p = shape(logits, temperature, top_p, top_k)
         p_x = p.gather(-1, x.unsqueeze(-1))  # [m, J, 1]
         ids = torch.arange(p.shape[-1])
