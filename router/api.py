@@ -40,6 +40,8 @@ class GenerationParams:
     presence_penalty: float = 0.0  # OpenAI's, on the output's tokens; 0: none
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # vLLM's, on the prompt's and output's tokens; 1: none
+    stop_token_ids: list[int] = field(default_factory=list)  # vLLM's: the output ends after the first of these
+    min_tokens: int = 0  # vLLM's: end of sequence and stop_token_ids held back until the output has this many
 
 
 @dataclass

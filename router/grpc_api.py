@@ -59,6 +59,8 @@ def params_of(req: generation_pb2.GenerateRequest) -> GenerationParams:
         presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty if req.HasField("repetition_penalty") else 1.0,
+        stop_token_ids=list(req.stop_token_ids),
+        min_tokens=req.min_tokens,
     )
 
 

@@ -87,6 +87,8 @@ class Sampling(BaseModel):
     logit_bias: dict | None = None
     # vLLM's extra sampling fields, and specfleet's.
     repetition_penalty: float = 1.0  # vLLM's
+    stop_token_ids: list[int] | None = None  # vLLM's
+    min_tokens: int = 0  # vLLM's
     top_k: int = 0
     ignore_eos: bool = False
     # Name logprobs' tokens "token_id:<id>" (vLLM's option): exact where a token's text is not.
@@ -220,6 +222,8 @@ def params_of(body: Sampling, max_tokens: int | None, prompt: str | list[int], i
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty,
+        stop_token_ids=list(body.stop_token_ids or []),
+        min_tokens=body.min_tokens,
     )
     if isinstance(prompt, str):
         params.prompt = prompt

@@ -21,6 +21,8 @@ class Limits:
     max_context: int
     # Longer prompts (in characters) cannot fit the context: refused before tokenizing (`prompt_chars_bound`).
     max_prompt_chars: int = 1 << 62
+    # The target's end-of-sequence token: what `min_tokens` holds back besides a request's stop_token_ids.
+    eos_token_id: int = -1
 
 
 def prompt_chars_bound(tokenizer, max_context: int) -> int:
@@ -48,6 +50,7 @@ class RequestSpec:
     domain: str  # the client's domain hint, or ""
     logprobs: bool = False  # return each output token's log-probability (the target's raw distribution)
     top_logprobs: int = 0  # and this many alternatives each
+    stop_token_ids: list[int] = field(default_factory=list)  # output ends after the first of these (it is kept)
 
 
 class SessionMirror:
@@ -172,6 +175,10 @@ class RequestState:
         if self.spec.stop_at_eos and self.eos_token_id in new_tokens:
             new_tokens = new_tokens[: new_tokens.index(self.eos_token_id) + 1]
             self.finish_reason = "eos"
+        stops = [i for i, t in enumerate(new_tokens) if t in self.spec.stop_token_ids]
+        if stops:
+            new_tokens = new_tokens[: stops[0] + 1]
+            self.finish_reason = "stop"
         start = len(self.tokens)
         self.tokens.extend(new_tokens)
         if not self.finish_reason and self.remaining() <= 0:

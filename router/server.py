@@ -90,7 +90,7 @@ async def build(cfg: config_mod.Config, verifiers: list | None = None, drafters:
         await profile_costs(pool.first, served, controller.cost, target.eos_token_id, target.max_context, verify_limits)
     depth = pipeline_depth(rcfg.scheduling.pipeline_depth, target, served)
     scheduler = Scheduler(SchedulerConfig(rcfg.scheduling, depth, verify_limits, draft_limits), pool, served, drafter_router, controller)
-    limits = Limits(rcfg.requests, target.vocab_size, target.max_context, prompt_chars_bound(tokenizer, target.max_context))
+    limits = Limits(rcfg.requests, target.vocab_size, target.max_context, prompt_chars_bound(tokenizer, target.max_context), target.eos_token_id)
     front_door = FrontDoor(scheduler, tokenizer, limits, target.eos_token_id, target)
     return front_door, scheduler, [*verifiers, *(t for service in services.values() for t in service.replicas)]
 

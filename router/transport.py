@@ -73,6 +73,8 @@ def sampling_message(params: SamplingParams) -> common_pb2.SamplingParams:
             frequency_penalty=params.frequency_penalty,
             repetition_penalty=params.repetition_penalty,
             output_start=params.output_start,
+            min_tokens=params.min_tokens,
+            held_back=params.held_back,
         )
     return message
 

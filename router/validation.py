@@ -21,6 +21,7 @@ MAX_TOP_K = 2**31 - 1
 MAX_SEED = 2**64 - 1
 # Tokens one request may bias: each is added to every row's logits at the verifier and each drafter.
 MAX_BIASED_TOKENS = 1024
+MAX_STOP_TOKEN_IDS = 64
 
 
 def _float32(x: float) -> float:
@@ -39,7 +40,7 @@ def validate(params: GenerationParams, tokenizer, limits: Limits) -> RequestSpec
             raise invalid(name, f"at most {longest} printable characters, got {len(value)} characters")
     prompt_ids = _prompt_ids(params, tokenizer, limits)
     max_tokens = _max_tokens(params, len(prompt_ids), limits)
-    sampling = _sampling(params, limits.vocab_size, len(prompt_ids))
+    sampling = _sampling(params, limits, len(prompt_ids), max_tokens)
     if len(params.stop) > MAX_STOP_STRINGS or any(not s for s in params.stop):
         raise invalid("stop", f"at most {MAX_STOP_STRINGS} non-empty strings")
     spec_opts = params.speculation
@@ -61,6 +62,7 @@ def validate(params: GenerationParams, tokenizer, limits: Limits) -> RequestSpec
         domain=params.domain,
         logprobs=params.logprobs,
         top_logprobs=params.top_logprobs,
+        stop_token_ids=list(params.stop_token_ids),
     )
 
 
@@ -102,7 +104,7 @@ def _max_tokens(params: GenerationParams, prompt_tokens: int, limits: Limits) ->
     return max_tokens
 
 
-def _sampling(params: GenerationParams, vocab_size: int, prompt_tokens: int) -> SamplingParams:
+def _sampling(params: GenerationParams, limits: Limits, prompt_tokens: int, max_tokens: int) -> SamplingParams:
     temperature, top_p = _float32(params.temperature), _float32(params.top_p)
     if not math.isfinite(temperature) or temperature < 0:
         raise invalid("temperature", f"must be >= 0 (0 is greedy), got {temperature}")
@@ -119,7 +121,8 @@ def _sampling(params: GenerationParams, vocab_size: int, prompt_tokens: int) -> 
     # rejection sampling accepts more drafts.
     seeded = params.seed is not None
     seed = params.seed if seeded else secrets.randbits(63)
-    bias = _logit_bias(params.logit_bias, vocab_size)
+    held_back = _held_back(params, limits, max_tokens)
+    bias = _logit_bias(params.logit_bias, limits.vocab_size)
     presence, frequency, repetition = (_float32(params.presence_penalty), _float32(params.frequency_penalty), _float32(params.repetition_penalty))
     for name, value in (("presence_penalty", presence), ("frequency_penalty", frequency)):
         if not -MAX_PENALTY <= value <= MAX_PENALTY:
@@ -136,9 +139,25 @@ def _sampling(params: GenerationParams, vocab_size: int, prompt_tokens: int) -> 
         presence_penalty=presence,
         frequency_penalty=frequency,
         repetition_penalty=repetition,
-        # Where presence and frequency start counting; left at 0 where no penalty reads it.
-        output_start=prompt_tokens if (presence or frequency or repetition != 1) else 0,
+        # Where presence, frequency and min_tokens start counting; left at 0 where nothing reads it.
+        output_start=prompt_tokens if (presence or frequency or repetition != 1 or held_back) else 0,
+        min_tokens=params.min_tokens if held_back else 0,
+        held_back=held_back,
     )
+
+
+def _held_back(params: GenerationParams, limits: Limits, max_tokens: int) -> tuple[int, ...]:
+    """The tokens `min_tokens` holds back (end of sequence where the output stops there, and the stop tokens), or ()
+    where it holds back nothing; stop_token_ids and min_tokens checked."""
+    if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise invalid("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} tokens, got {len(params.stop_token_ids)}")
+    bad = [t for t in params.stop_token_ids if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise invalid("stop_token_ids", f"ids outside the vocabulary [0, {limits.vocab_size}): {bad[:5]}")
+    if not 0 <= params.min_tokens <= max_tokens:
+        raise invalid("min_tokens", f"must be between 0 and max_tokens ({max_tokens}), got {params.min_tokens}")
+    ends = set(params.stop_token_ids) | ({limits.eos_token_id} if params.stop_at_eos and limits.eos_token_id >= 0 else set())
+    return tuple(sorted(ends)) if params.min_tokens > 0 else ()
 
 
 def _logit_bias(bias: dict[int, float], vocab_size: int) -> tuple[tuple[int, float], ...]:

@@ -47,8 +47,12 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     # Where the request's output starts in its sessions' tokens (its prompt's length): where presence and frequency
-    # start counting.
+    # start counting, and min_tokens.
     output_start: int = 0
+    # Rows filling a position before output_start + min_tokens give the `held_back` tokens (end of sequence and the
+    # request's stop tokens) probability 0, on both sides: the output cannot end before min_tokens tokens.
+    min_tokens: int = 0
+    held_back: tuple[int, ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -76,12 +80,21 @@ class SamplingParams:
             return f"sampling.repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}"
         if self.output_start < 0:
             return f"sampling.output_start must be >= 0, got {self.output_start}"
+        if self.min_tokens < 0:
+            return f"sampling.min_tokens must be >= 0, got {self.min_tokens}"
+        if any(not 0 <= token < vocab_size for token in self.held_back):
+            return f"sampling.held_back has ids outside the vocabulary [0, {vocab_size})"
         return None
 
     @property
     def penalized(self) -> bool:
         """Some penalty changes the logits: each row's depends on the tokens before it."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def reads_context(self) -> bool:
+        """Each row's distribution depends on the tokens before it (penalties) or on its position (min_tokens)."""
+        return self.penalized or (self.min_tokens > 0 and bool(self.held_back))
 
     @property
     def raced(self) -> bool:
@@ -102,4 +115,6 @@ class SamplingParams:
             msg.frequency_penalty,
             msg.repetition_penalty or 1.0,  # unset on the wire: none
             msg.output_start,
+            msg.min_tokens,
+            tuple(msg.held_back),
         )

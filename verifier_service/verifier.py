@@ -340,7 +340,7 @@ class Verifier:
         # [B, 1 + N, V] on the model's device; p is that of the biased logits, logprobs those of the raw ones.
         raw = scored.logits
         contexts = [
-            (session.token_ids, shaping.tree_paths(item.tree_tokens, item.tree_parents)) if item.sampling.penalized else None
+            (session.token_ids, shaping.tree_paths(item.tree_tokens, item.tree_parents)) if item.sampling.reads_context else None
             for _, item, session in live
         ]
         logits = shaping.adjusted(params, raw, contexts)

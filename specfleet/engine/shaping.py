@@ -41,12 +41,13 @@ def adjusted(
     global_ids: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """logits [B, W, V] (or [B, V]: one row a session) as each session asked before temperature: its logit bias added,
-    then its penalties applied on what each row's context holds (`contexts[b]`, needed for penalized sessions), in
-    vLLM's order. Everything reads these: the argmax of greedy sessions, the race's and rejection sampling's p, a
-    drafter's q. The same tensor where nobody asked for either. `global_ids` (a drafter's, `propose`'s) turns
-    positions along a row into vocabulary ids, for a model whose output layer covers part of the vocabulary: a biased
-    or penalized id it lacks changes nothing."""
-    sessions = [b for b, p in enumerate(params) if p.logit_bias or p.penalized]
+    then its penalties applied on what each row's context holds, in vLLM's order, and the tokens min_tokens holds back
+    given no chance at rows before the output's min_tokens-th token (`contexts[b]` is needed for sessions that read
+    their context). Everything reads these: the argmax of greedy sessions, the race's and rejection sampling's p, a
+    drafter's q. The same tensor where nobody asked for any. `global_ids` (a drafter's, `propose`'s) turns positions
+    along a row into vocabulary ids, for a model whose output layer covers part of the vocabulary: an id it lacks
+    changes nothing."""
+    sessions = [b for b, p in enumerate(params) if p.logit_bias or p.reads_context]
     if not sessions:
         return logits
     logits = logits.clone()
@@ -59,7 +60,20 @@ def adjusted(
             _bias(rows[b], params[b].logit_bias, ids)
         if params[b].penalized:
             _penalize(rows[b], params[b], *contexts[b], ids)
+        if params[b].min_tokens and params[b].held_back:
+            _hold_back(rows[b], params[b], *contexts[b], ids)
     return logits
+
+
+def _hold_back(rows: torch.Tensor, params: SamplingParams, tokens: list[int], paths: list[list[int]], ids_of: torch.Tensor | None) -> None:
+    """The held-back tokens given no chance (logit -inf) in place at each row of rows [W, V'] whose position (the
+    session's length, plus its path's) comes before the output's min_tokens-th token."""
+    early = [r for r, path in enumerate(paths) if len(tokens) + len(path) - params.output_start < params.min_tokens]
+    if not early:
+        return
+    held = torch.tensor(params.held_back)
+    at = held if ids_of is None else torch.isin(ids_of, held).nonzero().squeeze(1)
+    rows[torch.tensor(early, device=rows.device).unsqueeze(1), at.to(rows.device).unsqueeze(0)] = float("-inf")
 
 
 def _bias(rows: torch.Tensor, bias: tuple[tuple[int, float], ...], ids_of: torch.Tensor | None) -> None:

@@ -19,7 +19,7 @@ SESSION_UNKNOWN: SessionStatus
 SESSION_PREFILLING: SessionStatus
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed", "drafter_invariant", "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "output_start")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "drafter_invariant", "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "output_start", "min_tokens", "held_back")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,8 @@ class SamplingParams(_message.Message):
     FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
     REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_START_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HELD_BACK_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -47,7 +49,9 @@ class SamplingParams(_message.Message):
     frequency_penalty: float
     repetition_penalty: float
     output_start: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., drafter_invariant: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., output_start: _Optional[int] = ...) -> None: ...
+    min_tokens: int
+    held_back: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., drafter_invariant: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., output_start: _Optional[int] = ..., min_tokens: _Optional[int] = ..., held_back: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SessionSync(_message.Message):
     __slots__ = ("session_id", "prefix_length", "new_token_ids")

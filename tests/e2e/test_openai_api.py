@@ -196,6 +196,8 @@ REFUSED = [
     ("completions", {"logit_bias": {"5": 100.5}}, "logit_bias"),
     ("chat", {"logit_bias": {"999999": 1}}, "logit_bias"),
     ("completions", {"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
+    ("completions", {"extra_body": {"min_tokens": 5}}, "min_tokens"),  # beyond max_tokens (4)
+    ("chat", {"extra_body": {"stop_token_ids": [999999]}}, "stop_token_ids"),
     ("completions", {"echo": True}, "echo"),
     ("completions", {"suffix": "end"}, "suffix"),
     ("completions", {"best_of": 2}, "best_of"),
@@ -472,6 +474,26 @@ def _check_against_target(path, prompt_ids, ids, logprobs, tops: list[dict] | No
 
 
 SAMPLED = {"temperature": 0.7, "top_p": 0.9, "seed": 5}
+
+
+def test_stop_token_ids_end_the_output_and_min_tokens_holds_them_back(api, client, tokenizer, target_with_template):
+    """Greedy with drafting on: the output ends after the first of stop_token_ids (kept, finish reason "stop"); with
+    end of sequence raised by 100 the output is min_tokens other tokens and then it, over HTTP and gRPC."""
+    prompt = PROMPTS[1]
+    plain = target_greedy(str(target_with_template), prompt, MAX_TOKENS)
+    stop = plain[5]
+    args = greedy(return_tokens_as_token_ids=True, ignore_eos=True, stop_token_ids=[stop, 999 % len(tokenizer)])
+    reply = client.completions.create(model="random-target", prompt=prompt, logprobs=0, **args)
+    assert _ids(reply.choices[0].logprobs.tokens) == plain[: plain.index(stop) + 1]
+    assert reply.choices[0].finish_reason == "stop"
+    eos = tokenizer.eos_token_id
+    held = greedy(return_tokens_as_token_ids=True, min_tokens=6)
+    forced = client.completions.create(model="random-target", prompt=prompt, logprobs=0, logit_bias={str(eos): 100}, **held)
+    ids = _ids(forced.choices[0].logprobs.tokens)
+    assert len(ids) == 7 and eos not in ids[:6] and ids[6] == eos and forced.choices[0].finish_reason == "stop"
+    with api.channel() as channel:
+        request = greedy_request(prompt, MAX_TOKENS, 4, logit_bias={eos: 100.0}, min_tokens=6)
+        assert list(generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=120).token_ids) == ids
 
 
 def test_penalties_give_transformers_output_under_the_same_penalties_over_http_and_grpc(api, client, tokenizer, target_with_template):

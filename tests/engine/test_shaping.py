@@ -125,3 +125,18 @@ def _penalized_by_hand_at(row: list[float], ids: list[int], seen: list[int], out
         full[v] = row[j]
     penalized = _penalized_by_hand(full, seen, output, p)
     return [penalized[v] for v in ids]
+
+
+def test_min_tokens_holds_back_its_tokens_at_the_rows_before_the_output_s_last_held_position():
+    """Rows filling a position before output_start + min_tokens (the session's length plus the row's path) give the
+    held-back tokens no chance; later rows, and a drafter's positions for them, are left as they were."""
+    logits = torch.randn(1, 4, 10, generator=torch.Generator().manual_seed(2))
+    p = SamplingParams(output_start=3, min_tokens=5, held_back=(0, 4))
+    tokens, paths = [1, 2, 3, 5, 6, 7], shaping.tree_paths([8, 9, 8], [-1, 0, 1])  # outputs of 3, then 4, 5, 6
+    out = shaping.adjusted([p], logits.to(DEVICE), [(tokens, paths)]).cpu()
+    assert (out[0, :2, [0, 4]] == float("-inf")).all() and torch.equal(out[0, 2:], logits[0, 2:])
+    kept = [v for v in range(10) if v not in (0, 4)]
+    assert torch.equal(out[0, :2, kept], logits[0, :2, kept])
+    token_map = torch.tensor([4, 9, 0, 1])
+    drafted = shaping.adjusted([p], logits[:, 0, :4], [(tokens, [[]])], global_ids=lambda local: token_map[local])[0]
+    assert drafted[0] == drafted[2] == float("-inf") and torch.equal(drafted[[1, 3]], logits[0, 0, [1, 3]])

@@ -36,6 +36,8 @@ SAMPLING = SamplingParams(
     frequency_penalty=-0.25,
     repetition_penalty=1.25,
     output_start=3,
+    min_tokens=2,
+    held_back=(0, 7),
 )
 
 
@@ -56,13 +58,16 @@ def test_draft_and_verify_records_carry_every_field_of_the_contract():
     assert abs(sent.stop_below_confidence - 0.25) < 1e-7
     got = SamplingParams.from_proto(sent.sampling)
     assert (round(got.temperature, 6), round(got.top_p, 6), got.top_k, got.seed, got.drafter_invariant) == (0.7, 0.9, 5, 123, True)
-    assert (got.logit_bias, got.presence_penalty, got.frequency_penalty, got.repetition_penalty, got.output_start) == (
-        SAMPLING.logit_bias,
-        0.5,
-        -0.25,
-        1.25,
-        3,
+    adjustments = (
+        got.logit_bias,
+        got.presence_penalty,
+        got.frequency_penalty,
+        got.repetition_penalty,
+        got.output_start,
+        got.min_tokens,
+        got.held_back,
     )
+    assert adjustments == (SAMPLING.logit_bias, 0.5, -0.25, 1.25, 3, 2, (0, 7))
 
     proposal = transport.point_mass(7)
     tree = messages.TokenTree(token_ids=[7, 8], parents=[-1, 0], proposals=[proposal, proposal])

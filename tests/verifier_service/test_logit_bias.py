@@ -1,6 +1,7 @@
-"""verifier_service/verifier.py with a request's logit bias (`SamplingParams.logit_bias`): the target's distribution is
-that of its biased logits, greedy, sampled and raced, in plain steps and trees; its logprobs stay the raw ones; a
-session's bias moves no other session of the batch; a bias that is out of range or names an id outside the
+"""verifier_service/verifier.py with a request's logit bias (`SamplingParams.logit_bias`) and min_tokens: the target's
+distribution is that of its biased logits, greedy, sampled and raced, in plain steps and trees; its logprobs stay the
+raw ones; a session's bias moves no other session of the batch; the tokens min_tokens holds back have no chance before
+the output is long enough, at each row by its own position; a bias that is out of range or names an id outside the
 vocabulary is refused naming the field."""
 
 from __future__ import annotations
@@ -79,3 +80,18 @@ def test_a_tree_of_the_biased_token_is_accepted_whole_and_a_banned_argmax_never_
 def test_a_bias_out_of_range_or_outside_the_vocabulary_is_refused_naming_the_field(bias, message):
     with pytest.raises(ValueError, match=message):
         validate_item(VerifyItem("s", 0, [1, 2, 3], SamplingParams(logit_bias=bias)), vocab_size=300, max_context=64)
+
+
+def test_min_tokens_holds_end_of_sequence_back_until_the_output_is_long_enough(random_family):
+    """End of sequence raised by 100 is every position's token, except at the positions before min_tokens, where it is
+    held back: plain steps emit four other tokens, then it; a chain of four tokens the target would emit there is
+    accepted whole and end of sequence follows."""
+    prompt = _prompt()
+    verifier = Verifier(load_model("target", str(random_family["target"])), SessionStore(1 << 30, 100))
+    eos = verifier.loaded.eos_token_id
+    sampling = SamplingParams(logit_bias=((eos, 100.0),), output_start=len(prompt), min_tokens=4, held_back=(eos,))
+    (stepped,) = verifier.verify_batch([VerifyItem("s", 0, prompt, sampling, plain_steps=8)])
+    assert len(stepped.token_ids) == 5 and eos not in stepped.token_ids[:4] and stepped.token_ids[4] == eos
+    chain = dict(tree_tokens=stepped.token_ids[:4], tree_parents=[-1, 0, 1, 2], proposals=[([t], [1.0]) for t in stepped.token_ids[:4]])
+    (tree,) = _verifier(random_family).verify_batch([VerifyItem("t", 0, prompt, sampling, **chain)])
+    assert tree.accepted_nodes == [0, 1, 2, 3] and tree.token_ids == stepped.token_ids
