@@ -51,6 +51,7 @@ class RequestSpec:
     logprobs: bool = False  # return each output token's log-probability (the target's raw distribution)
     top_logprobs: int = 0  # and this many alternatives each
     stop_token_ids: list[int] = field(default_factory=list)  # output ends after the first of these (it is kept)
+    min_tokens: int = 0  # stop strings are looked for once the output holds this many tokens (vLLM's min_tokens)
 
 
 class SessionMirror:
@@ -184,7 +185,7 @@ class RequestState:
         if not self.finish_reason and self.remaining() <= 0:
             self.finish_reason = "length"
         self._detokenize()
-        if self.spec.stop:
+        if self.spec.stop and len(self.output_ids) >= self.spec.min_tokens:
             self._apply_stop(start)
         del self.logprobs[len(self.output_ids) :]  # what the end of sequence or a stop string cut
 
@@ -205,16 +206,18 @@ class RequestState:
 
     def _apply_stop(self, start: int) -> None:
         search_from = max(0, self.sent_text - max(len(s) for s in self.spec.stop))
-        hits = [i for i in (self.text.find(s, search_from) for s in self.spec.stop) if i >= 0]
+        # A stop string counts where it ends past the text of the output's first min_tokens tokens (vLLM's order).
+        floor = len(self.tokenizer.decode(self.output_ids[: self.spec.min_tokens], skip_special_tokens=True)) if self.spec.min_tokens else 0
+        hits = [i for i in (self.text.find(s, max(search_from, floor - len(s) + 1)) for s in self.spec.stop) if i >= 0]
         if not hits:
             return
         cut = min(hits)
         self.text = self.text[:cut]
         # Keep the tokens up to the one that completed the stop string.
         prompt_len = len(self.spec.prompt_ids)
-        for end in range(max(start, prompt_len) + 1, len(self.tokens) + 1):
+        for end in range(max(start, prompt_len + self.spec.min_tokens) + 1, len(self.tokens) + 1):
             decoded = self.tokenizer.decode(self.tokens[prompt_len:end], skip_special_tokens=True)
-            if any(s in decoded for s in self.spec.stop):
+            if any(decoded.find(s, max(0, floor - len(s) + 1)) >= 0 for s in self.spec.stop):
                 del self.tokens[end:]
                 break
         self.finish_reason = "stop"

@@ -63,6 +63,7 @@ def validate(params: GenerationParams, tokenizer, limits: Limits) -> RequestSpec
         logprobs=params.logprobs,
         top_logprobs=params.top_logprobs,
         stop_token_ids=list(params.stop_token_ids),
+        min_tokens=params.min_tokens,
     )
 
 

@@ -478,7 +478,8 @@ SAMPLED = {"temperature": 0.7, "top_p": 0.9, "seed": 5}
 
 def test_stop_token_ids_end_the_output_and_min_tokens_holds_them_back(api, client, tokenizer, target_with_template):
     """Greedy with drafting on: the output ends after the first of stop_token_ids (kept, finish reason "stop"); with
-    end of sequence raised by 100 the output is min_tokens other tokens and then it, over HTTP and gRPC."""
+    end of sequence raised by 100 the output is min_tokens other tokens and then it, over HTTP and gRPC; stop strings
+    wait for min_tokens too."""
     prompt = PROMPTS[1]
     plain = target_greedy(str(target_with_template), prompt, MAX_TOKENS)
     stop = plain[5]
@@ -494,6 +495,12 @@ def test_stop_token_ids_end_the_output_and_min_tokens_holds_them_back(api, clien
     with api.channel() as channel:
         request = greedy_request(prompt, MAX_TOKENS, 4, logit_bias={eos: 100.0}, min_tokens=6)
         assert list(generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=120).token_ids) == ids
+    # A stop string is looked for once the output holds min_tokens tokens (vLLM's order): its first token's text, which
+    # ends the output at once without min_tokens, does not before.
+    first = tokenizer.decode(plain[:1]).strip() or tokenizer.decode(plain[:1])
+    early = client.completions.create(model="random-target", prompt=prompt, stop=[first], **greedy(ignore_eos=True))
+    held = client.completions.create(model="random-target", prompt=prompt, stop=[first], **greedy(ignore_eos=True, min_tokens=6))
+    assert early.usage.completion_tokens < 6 <= held.usage.completion_tokens
 
 
 def test_penalties_give_transformers_output_under_the_same_penalties_over_http_and_grpc(api, client, tokenizer, target_with_template):
