@@ -100,6 +100,24 @@ def test_a_stop_string_cuts_the_text_and_tokens(random_family):
     assert "return" in tokenizer.decode(state.output_ids) and "return" not in tokenizer.decode(state.output_ids[:-1])
 
 
+@pytest.mark.parametrize("step", [1, 8, 1000], ids=["token by token", "8 a commit", "all at once"])
+def test_a_stop_string_counts_only_past_the_first_min_tokens_tokens(random_family, step):
+    """With min_tokens, a stop string in the output's first min_tokens tokens does not end it, however the tokens
+    arrive (a commit of several passes' tokens may cross min_tokens); its next occurrence does, and the tokens are
+    cut after the one that completed it."""
+    tokenizer = _tokenizers(random_family)[0]
+    ids = tokenizer.encode(TEXT + TEXT, add_special_tokens=False)
+    state = _state(tokenizer, ids[:3], stop=["return"])
+    first = next(n for n in range(1, len(ids)) if "return" in tokenizer.decode(ids[3 : 3 + n]))
+    state.spec.min_tokens = first + 2
+    for i in range(3, len(ids), step):
+        state.commit(ids[i : i + step])
+        if state.finish_reason:
+            break
+    assert state.finish_reason == "stop" and state.text.count("return") == 1
+    assert tokenizer.decode(state.output_ids).count("return") == 2 and tokenizer.decode(state.output_ids[:-1]).count("return") == 1
+
+
 def test_the_mirror_sends_what_the_server_lacks():
     mirror = SessionMirror()
     assert mirror.diff([1, 2, 3]) == (0, [1, 2, 3])
