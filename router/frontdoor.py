@@ -166,6 +166,14 @@ class FrontDoor:
         if self.draining:
             raise GenerationError(ErrorKind.SHUTTING_DOWN, SHUTTING_DOWN)
 
+    async def tokenize(self, text: str) -> list[int]:
+        """text's token ids as a prompt is encoded (no special tokens added), on the tokenizer's thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, lambda: self.tokenizer.encode(text, add_special_tokens=False))
+
+    async def detokenize(self, ids: list[int]) -> str:
+        """ids' text, special tokens included, on the tokenizer's thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, lambda: self.tokenizer.decode(ids, skip_special_tokens=False))
+
     def _validate(self, params: GenerationParams) -> tuple[RequestSpec, str]:
         """The validated request and its prompt text (the routing classifier reads it)."""
         spec = validate(params, self.tokenizer, self.limits)

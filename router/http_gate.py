@@ -1,7 +1,7 @@
 """The HTTP API's gate: what a request must pass before its body is read (an ASGI app around the FastAPI one).
 
 A body is read into memory and parsed on the event loop the gRPC streams share, so the gate refuses what
-it can before reading a byte of it: without the API key (on /v1) with 401, and a declared Content-Length
+it can before reading a byte of it: without the API key (on /v1, /tokenize and /detokenize) with 401, and a declared Content-Length
 over `router.max_request_bytes` with 413. A body without a declared length (chunked) is read up to that
 limit and refused with 413 past it. The body read is handed to the app as it arrived, one message, and
 the client's later messages (its disconnect) after it, so a handler still sees its client go away.
@@ -16,6 +16,8 @@ from fastapi.responses import JSONResponse
 
 from router.openai_schema import ApiError
 
+# The paths that need the API key: the OpenAI API's and vLLM's tokenizer routes (router/tokens_api.py).
+KEYED = ("/v1", "/tokenize", "/detokenize")
 KEY_HINT = "invalid API key: send Authorization: Bearer <the key given to --api-key or SPECFLEET_API_KEY>"
 
 
@@ -27,7 +29,7 @@ class BodyGate:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self.api_key and scope["path"].startswith("/v1") and not self._key_ok(headers.get(b"authorization", b"")):
+        if self.api_key and scope["path"].startswith(KEYED) and not self._key_ok(headers.get(b"authorization", b"")):
             return await _refuse(scope, receive, send, ApiError(401, KEY_HINT, code="invalid_api_key"))
         declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_request_bytes):

@@ -37,6 +37,7 @@ from starlette.exceptions import HTTPException
 from router.api import Finished, GenerationError, GenerationParams
 from router.frontdoor import FrontDoor, Generation, interleave
 from router.http_gate import BodyGate, error_response
+from router.tokens_api import token_routes
 from router.openai_schema import (
     FINISH_REASONS,
     ApiError,
@@ -250,7 +251,7 @@ async def _run_unary(generations: list[Generation], request: Request) -> None:
 
 
 # What an unknown route's 404 lists.
-ROUTES = "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /version"
+ROUTES = "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET /version"
 
 
 # An HTTP refusal's gRPC status name: the label it counts under in specfleet:request_failure_total.
@@ -319,12 +320,13 @@ def _v1(server: OpenAIServer) -> APIRouter:
 
 
 def create_app(front_door: FrontDoor, model_name: str, api_key: str = "", max_request_bytes: int = 4 * 1024 * 1024) -> BodyGate:
-    """The ASGI app over `front_door`, behind its gate. api_key: when set, /v1/* needs it; a body over
+    """The ASGI app over `front_door`, behind its gate. api_key: when set, /v1/*, /tokenize and /detokenize need it; a body over
     max_request_bytes is refused (both before the body is read). /health answers 503 once the front door drains."""
     app = FastAPI(title="specfleet", docs_url=None, redoc_url=None, openapi_url=None)
     _add_error_handlers(app, front_door)
     _add_health(app, front_door)
     app.include_router(_v1(OpenAIServer(front_door, model_name)))
+    app.include_router(token_routes(front_door, model_name))
     return BodyGate(app, max_request_bytes, api_key)
 
 

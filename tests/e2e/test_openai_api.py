@@ -292,6 +292,34 @@ def test_what_http_refuses_itself_counts_as_a_failure_by_status(api, client):
     assert moved == {"INVALID_ARGUMENT": 2, "NOT_FOUND": 1}, moved
 
 
+def test_tokenize_counts_a_prompt_as_generation_does_and_detokenize_gives_its_text(api, client, tokenizer):
+    """vLLM's /tokenize: a prompt's ids as the completions endpoint sends them, chat messages through the template, each
+    count the usage a request reports; /detokenize: ids' text; both refuse bad input naming the field, and need the key."""
+    conn = http.client.HTTPConnection("127.0.0.1", api.config["router"]["http_port"], timeout=60)
+    ids = tokenizer.encode(PROMPTS[0], add_special_tokens=False)
+    expected = {"count": len(ids), "max_model_len": 1024, "tokens": ids}
+    assert _post(conn, "/tokenize", {"model": "random-target", "prompt": PROMPTS[0]}) == (200, expected)
+    assert client.completions.create(model="random-target", prompt=PROMPTS[0], max_tokens=1, temperature=0).usage.prompt_tokens == len(ids)
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    status, chat = _post(conn, "/tokenize", {"model": "random-target", "messages": messages})
+    reply = client.chat.completions.create(model="random-target", messages=messages, max_tokens=1, temperature=0)
+    assert status == 200 and chat["count"] == reply.usage.prompt_tokens == len(chat["tokens"])
+    assert _post(conn, "/detokenize", {"model": "random-target", "tokens": ids}) == (200, {"prompt": tokenizer.decode(ids)})
+    for path, body, param in [
+        ("/tokenize", {"model": "random-target", "prompt": "hi", "messages": messages}, "prompt"),
+        ("/tokenize", {"model": "random-target", "prompt": "a\ud800"}, "prompt"),
+        ("/detokenize", {"model": "random-target", "tokens": [5, 10**6]}, "tokens"),
+        ("/detokenize", {"model": "gpt-4", "tokens": [5]}, "model"),
+    ]:
+        status, error = _post(conn, path, body)
+        assert status == (404 if param == "model" else 400) and error["error"]["param"] == param, (path, body, error)
+    assert _post(conn, "/tokenize", {"model": "random-target", "prompt": "hi", "add_bos": True})[0] == 400
+    conn.close()
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(urllib.request.Request(api.base_url + "/tokenize", data=b"{}", method="POST"), timeout=10)
+    assert err.value.code == 401
+
+
 def test_unknown_routes_are_a_404_in_openai_s_shape(api):
     for method, path in (("GET", "/v1/nothing"), ("POST", "/completions")):
         request = urllib.request.Request(api.base_url + path, method=method, headers={"Authorization": f"Bearer {API_KEY}"})

@@ -1,0 +1,72 @@
+"""vLLM's `POST /tokenize` and `POST /detokenize` beside the OpenAI API (router/openai_api.py), behind the same gate.
+
+/tokenize gives a prompt's token ids exactly as the completions and chat endpoints send them to the model (the
+prompt encoded without special tokens; chat messages rendered by the tokenizer's chat template first), so `count`
+is the `usage.prompt_tokens` a request with that prompt reports, beside `max_model_len`, the context it must fit.
+/detokenize gives token ids' text, special tokens included.
+
+    curl -s localhost:8000/tokenize -d '{"model": "target", "prompt": "def fibonacci(n):"}'
+    {"count": 5, "max_model_len": 512, "tokens": [...]}
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from pydantic import BaseModel, ConfigDict, Field
+
+from router.api import GenerationError
+from router.frontdoor import FrontDoor
+from router.openai_schema import ApiError, refuse_lone_surrogates, render_chat
+
+ROUTES = ("/tokenize", "/detokenize")
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    prompt: str | None = None  # or
+    messages: list[dict] | None = Field(None, min_length=1)
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    tokens: list[int]
+
+
+def token_routes(front_door: FrontDoor, model_name: str) -> APIRouter:
+    routes = APIRouter()
+
+    def check(model: str) -> None:
+        try:
+            front_door.check_open()
+        except GenerationError as err:
+            raise ApiError.of(err) from None
+        if model != model_name:
+            raise ApiError(
+                404, f"model {model!r} does not exist; this server serves {model_name!r} (GET /v1/models)", param="model", code="model_not_found"
+            )
+
+    @routes.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        check(body.model)
+        refuse_lone_surrogates(body)
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "prompt: set either prompt or messages", param="prompt")
+        text = body.prompt if body.prompt is not None else render_chat(front_door.tokenizer, body.messages)
+        limits = front_door.limits
+        if len(text) > limits.max_prompt_chars:
+            raise ApiError(400, f"prompt: {len(text)} characters cannot fit the model's context of {limits.max_context} tokens", param="prompt")
+        ids = await front_door.tokenize(text)
+        return {"count": len(ids), "max_model_len": limits.max_context, "tokens": ids}
+
+    @routes.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        check(body.model)
+        vocab = front_door.limits.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(400, f"tokens: ids outside the vocabulary [0, {vocab}): {bad[:5]}", param="tokens")
+        return {"prompt": await front_door.detokenize(body.tokens)}
+
+    return routes
