@@ -8,28 +8,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessorList
 
 from drafter_service.drafter import DraftItem, DraftModel, draft_batch
 from specfleet.engine import SessionStore, load_model
 from specfleet.sampling import SamplingParams
 from tests.helpers import load_target
+from tools.bench.systems import OutputPenalties
 from verifier_service.verifier import Verifier, VerifyItem, validate_item
 
 STEPS = 6
 # Strong enough to change the random models' greedy tokens (their logits are small), within the allowed ranges.
 PENALTIES = dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3)
-
-
-class OutputPenalties(LogitsProcessor):
-    """OpenAI's presence and frequency penalties on the tokens after the prompt (transformers has none built in)."""
-
-    def __init__(self, start: int, presence: float, frequency: float):
-        self.start, self.presence, self.frequency = start, presence, frequency
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        counts = torch.bincount(input_ids[0, self.start :], minlength=scores.shape[-1]).to(scores.dtype)
-        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
 
 
 def reference(path: str, prompt: list[int], steps: int, penalties: dict | None = PENALTIES) -> list[int]:

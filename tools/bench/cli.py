@@ -69,7 +69,8 @@ Fairness
 
 Checks
   At temperature 0 every output's token ids are compared with the target alone (transformers
-  greedy generate on the same ids); with --temperature > 0 outputs are sampled (seeded per
+  greedy generate on the same ids, with the same --presence-penalty, --frequency-penalty and
+  --repetition-penalty, which every system is sent); with --temperature > 0 outputs are sampled (seeded per
   request, or with --unseeded not: rejection sampling) and not checked token by token (the
   lossless tests check the distribution). Any mismatch is shown in the table and makes the exit
   code 3 unless --allow-mismatch. Failed requests or systems exit 1.
@@ -224,6 +225,8 @@ def add_run_options(p: argparse.ArgumentParser, preset: str) -> None:
         help="sampled requests to specfleet carry no seed: rejection sampling, as clients that send none get (default: a seed per "
         "request, the exponential race)",
     )
+    for name, neutral in (("presence-penalty", 0.0), ("frequency-penalty", 0.0), ("repetition-penalty", 1.0)):
+        w.add_argument(f"--{name}", type=float, default=neutral, help=f"every system's {name.replace('-', '_')} (default %(default)s: none)")
     w.add_argument("--stop-at-eos", action="store_true", help="let systems stop at end of sequence (default: ignore EOS, fixed output length)")
     w.add_argument("--concurrency", default=d["concurrency"], help="closed-loop client counts, comma separated (default %(default)s)")
     w.add_argument("--rates", default=d["rates"], help="open-loop Poisson rates in requests/s, comma separated, or 'file' (default none)")
@@ -465,6 +468,15 @@ def _settings(args, out_dir: pathlib.Path):
         temperature=args.temperature,
         seeded=not args.unseeded,
         drafter_cpus=_cpus(args.drafter_cpus),
+        penalties={
+            name: value
+            for name, value, neutral in (
+                ("presence_penalty", args.presence_penalty, 0.0),
+                ("frequency_penalty", args.frequency_penalty, 0.0),
+                ("repetition_penalty", args.repetition_penalty, 1.0),
+            )
+            if value != neutral
+        },
     )
 
 
@@ -491,6 +503,7 @@ def _results(args, command: str, family, settings, source: str, requests: list, 
             "ignore_eos": settings.ignore_eos,
             "seed": args.seed,
             "temperature": settings.temperature,
+            "penalties": settings.penalties,
             "seeded": settings.seeded,
             "device": settings.device,
             "warmup": len(warmup),

@@ -114,6 +114,9 @@ class Settings:
     # other specfleet systems their one service to all of them; None leaves them where `serve` puts them.
     drafter_cpus: list[int] | None = None
     vllm_args: list[str] = field(default_factory=list)
+    # Every system's penalties on repeated tokens, as OpenAI and vLLM mean them (presence_penalty, frequency_penalty,
+    # repetition_penalty), the neutral ones left out; the greedy reference applies them too.
+    penalties: dict[str, float] = field(default_factory=dict)
 
 
 class System:
@@ -162,6 +165,20 @@ class _Timer:
         pass
 
 
+class OutputPenalties:
+    """OpenAI's presence and frequency penalties on the tokens after the prompt, as a transformers logits processor
+    (transformers has none built in; its repetition_penalty is vLLM's)."""
+
+    def __init__(self, start: int, presence: float, frequency: float):
+        self.start, self.presence, self.frequency = start, presence, frequency
+
+    def __call__(self, input_ids, scores):
+        import torch
+
+        counts = torch.stack([torch.bincount(row[self.start :], minlength=scores.shape[-1]) for row in input_ids]).to(scores.dtype)
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
+
+
 class HFTarget(System):
     name = "hf-target"
     description = "transformers generate, target alone, in process, one thread"
@@ -200,7 +217,13 @@ class HFTarget(System):
             kw = {"do_sample": True, "temperature": self.settings.temperature, "top_k": 0, "top_p": 1.0}
         if self.settings.ignore_eos:
             kw["eos_token_id"] = None
+        if "repetition_penalty" in self.settings.penalties:
+            kw["repetition_penalty"] = self.settings.penalties["repetition_penalty"]
         return kw
+
+    def _processors(self, prompt_tokens: int) -> list:
+        presence, frequency = self.settings.penalties.get("presence_penalty", 0.0), self.settings.penalties.get("frequency_penalty", 0.0)
+        return [OutputPenalties(prompt_tokens, presence, frequency)] if presence or frequency else []
 
     def _pad_id(self) -> int:
         eos = self.model.config.eos_token_id
@@ -220,6 +243,7 @@ class HFTarget(System):
                 min_new_tokens=0,
                 streamer=timer,
                 pad_token_id=self._pad_id(),
+                logits_processor=self._processors(ids.shape[1]),
                 **self._kwargs(),
             )
         t_done = time.perf_counter()
@@ -419,6 +443,7 @@ class Specfleet(System):
             request_id=req.id.replace("#", "-") + f"-{time.monotonic_ns()}",
             speculation=generation_pb2.SpeculationOptions(disabled=self.disabled, max_draft_tokens=0 if self.disabled else self.settings.k),
             **self._domain_hint(req),
+            **self.settings.penalties,
         )
 
     def _domain_hint(self, req: Request) -> dict:

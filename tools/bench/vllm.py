@@ -194,6 +194,7 @@ class VLLMTarget(System):
             "stream": True,
             "return_token_ids": True,
             "seed": 0,
+            **self.settings.penalties,
         }
         t_submit = time.perf_counter()
         t_first, ids, text_seen = None, [], False
