@@ -42,6 +42,7 @@ class GenerationParams:
     repetition_penalty: float = 1.0  # vLLM's, on the prompt's and output's tokens; 1: none
     stop_token_ids: list[int] = field(default_factory=list)  # vLLM's: the output ends after the first of these
     min_tokens: int = 0  # vLLM's: end of sequence and stop_token_ids held back until the output has this many
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's log-probability past the first, this many alternatives
 
 
 @dataclass
@@ -52,11 +53,12 @@ class TokenLogprob:
 
 @dataclass
 class TokenLogprobs:
-    """One output token's log-probability, and the most likely tokens at its position (most likely first)."""
+    """One token's log-probability, and the most likely tokens at its position (most likely first)."""
 
     token_id: int
     logprob: float
     top: list[TokenLogprob] = field(default_factory=list)
+    rank: int = 0  # its rank in the distribution (1: the most likely); prompt tokens only, 0 for output tokens
 
 
 @dataclass
@@ -106,6 +108,7 @@ class Delta:
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] | None = None  # when asked: in the first event, one per prompt token past the first
 
 
 @dataclass
@@ -128,6 +131,7 @@ class Completion:
     usage: Usage
     speculation: SpeculationStats
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token id, when asked
+    prompt_logprobs: list[TokenLogprobs] | None = None  # when asked: one per prompt token past the first
 
 
 class ErrorKind(enum.Enum):

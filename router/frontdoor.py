@@ -66,6 +66,10 @@ class Generation:
     def request_id(self) -> str:
         return self.state.spec.request_id
 
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.state.spec.prompt_ids
+
     async def events(self) -> AsyncIterator[Delta | Finished]:
         """Delta events as rounds commit output, then one Finished; a request that fails raises GenerationError.
         A consumer that stops reading does not stop the request: `cancel` does (FrontDoor.generate and
@@ -78,7 +82,7 @@ class Generation:
                 raise GenerationError(_FAILURES.get(getattr(code, "name", ""), ErrorKind.INTERNAL), message)
             logprobs = _typed_logprobs(update.logprobs)
             if not update.final:
-                yield Delta(update.text, list(update.token_ids), logprobs)
+                yield Delta(update.text, list(update.token_ids), logprobs, update.prompt_logprobs)
                 continue
             log.info(
                 "request %s finished (%s): %d tokens in %d rounds, %d/%d drafts accepted, %.0f ms",
@@ -90,7 +94,9 @@ class Generation:
                 state.draft_tokens,
                 (time.monotonic() - state.admitted_at) * 1e3,
             )
-            yield Finished(update.text, list(update.token_ids), logprobs, state.finish_reason, self.usage(), self.speculation())
+            yield Finished(
+                update.text, list(update.token_ids), logprobs, update.prompt_logprobs, state.finish_reason, self.usage(), self.speculation()
+            )
             return
 
     async def complete(self) -> Completion:
@@ -110,6 +116,7 @@ class Generation:
             usage=self.usage(),
             speculation=self.speculation(),
             logprobs=_typed_logprobs(state.logprobs),
+            prompt_logprobs=state.prompt_logprobs,
         )
 
     def usage(self) -> Usage:

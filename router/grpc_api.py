@@ -61,15 +61,19 @@ def params_of(req: generation_pb2.GenerateRequest) -> GenerationParams:
         repetition_penalty=req.repetition_penalty if req.HasField("repetition_penalty") else 1.0,
         stop_token_ids=list(req.stop_token_ids),
         min_tokens=req.min_tokens,
+        prompt_logprobs=req.prompt_logprobs if req.HasField("prompt_logprobs") else None,
     )
 
 
 def logprobs_proto(logprobs: list[TokenLogprobs]) -> list[generation_pb2.TokenLogprobs]:
     return [
         generation_pb2.TokenLogprobs(
-            token_id=lp.token_id, logprob=lp.logprob, top=[generation_pb2.TokenLogprob(token_id=t.token_id, logprob=t.logprob) for t in lp.top]
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top=[generation_pb2.TokenLogprob(token_id=t.token_id, logprob=t.logprob) for t in lp.top],
+            rank=lp.rank,
         )
-        for lp in logprobs
+        for lp in logprobs or []
     ]
 
 
@@ -106,12 +110,19 @@ def response_of(result: Completion) -> generation_pb2.GenerateResponse:
         usage=usage_proto(result.usage),
         speculation=speculation_proto(result.speculation),
         logprobs=logprobs_proto(result.logprobs),
+        prompt_logprobs=logprobs_proto(result.prompt_logprobs),
     )
 
 
 def chunk_of(request_id: str, event: Delta) -> generation_pb2.GenerateChunk:
     """A streamed chunk; the last (Finished) carries finish_reason, usage and speculation."""
-    msg = generation_pb2.GenerateChunk(request_id=request_id, text=event.text, token_ids=event.token_ids, logprobs=logprobs_proto(event.logprobs))
+    msg = generation_pb2.GenerateChunk(
+        request_id=request_id,
+        text=event.text,
+        token_ids=event.token_ids,
+        logprobs=logprobs_proto(event.logprobs),
+        prompt_logprobs=logprobs_proto(event.prompt_logprobs),
+    )
     if isinstance(event, Finished):
         msg.finish_reason = event.finish_reason
         msg.usage.CopyFrom(usage_proto(event.usage))

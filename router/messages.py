@@ -75,9 +75,21 @@ class VerifySession:
     sampling: SamplingParams
     logprobs: bool = False
     top_logprobs: int = 0
+    prompt_logprobs: bool = False  # the context's log-probabilities, answered once (verifier.proto)
+    prompt_top_logprobs: int = 0
     plain_steps: int = 1  # with an empty tree: tokens to decode plainly in this call, one pass each at most
     lookup_tokens: int = 0  # tokens each plain pass may draft by n-gram lookup at the verifier (0: none)
     max_tokens: int = 0  # tokens the call may emit beyond the tree's accepted ones (0: its passes bound them)
+
+
+@dataclass
+class PromptLogprobs:
+    """A context's log-probabilities, one entry per token past its first (verifier.proto's PromptLogprobs)."""
+
+    logprobs: list[float]
+    ranks: list[int]
+    top_token_ids: list[int]  # top a token, flat
+    top_logprobs: list[float]
 
 
 @dataclass
@@ -91,6 +103,7 @@ class VerifiedSession:
     top_logprobs: list[float] = field(default_factory=list)
     lookup_proposed: int = 0  # tokens the verifier's lookup drafted in the call's plain passes
     lookup_accepted: int = 0  # of which the target accepted
+    prompt_logprobs: PromptLogprobs | None = None  # when the session asked for them, once
 
 
 @dataclass

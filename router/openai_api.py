@@ -48,7 +48,9 @@ from router.openai_schema import (
     chat_max_tokens,
     completion_logprobs,
     completion_prompts,
+    echo_logprobs,
     params_of,
+    prompt_logprobs_json,
     refuse_unsupported,
     render_chat,
     speculation_json,
@@ -135,12 +137,23 @@ class OpenAIServer:
         generations = await self._submit(params, request)
         name = self._name(body)
         offsets = [0] * len(generations)  # text_offset of each choice's next streamed token
+        # echo: each choice's prompt (text, ids) until its first event carries it, ahead of the output.
+        texts = [p if isinstance(p, str) else self.front_door.tokenizer.decode(p) for p in prompts for _ in range(n)]
+        echo = [(text, g.prompt_ids) for text, g in zip(texts, generations)]
+        echo = echo if body.echo else [None] * len(generations)
 
-        def choice(index: int, text: str, logprobs: list, finish: str | None) -> dict:
+        def choice(index: int, text: str, logprobs: list, finish: str | None, prompt: list | None = None) -> dict:
             lp = None
+            if echo[index] is not None:
+                (prompt_text, prompt_ids), echo[index] = echo[index], None
+                text = prompt_text + text
+                if body.logprobs is not None:
+                    lp = echo_logprobs(name, prompt_ids, prompt or [], body.logprobs)
+                    offsets[index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
             if body.logprobs is not None:
-                lp = completion_logprobs(name, logprobs, offsets[index])
-                offsets[index] += sum(len(t) for t in lp["tokens"])
+                out = completion_logprobs(name, logprobs, offsets[index])
+                offsets[index] += sum(len(t) for t in out["tokens"])
+                lp = {key: lp[key] + out[key] for key in out} if lp else out
             return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
 
         if body.stream:
@@ -149,7 +162,13 @@ class OpenAIServer:
         results = [g.completion() for g in generations]
         return {
             **self._envelope("cmpl", "text_completion"),
-            "choices": [choice(i, r.text, r.logprobs, FINISH_REASONS.get(r.finish_reason)) for i, r in enumerate(results)],
+            "choices": [
+                {
+                    **choice(i, r.text, r.logprobs, FINISH_REASONS.get(r.finish_reason), r.prompt_logprobs),
+                    **self._prompt_logprobs(body, name, r.prompt_logprobs),
+                }
+                for i, r in enumerate(results)
+            ],
             "usage": usage_json([r.usage for r in results]),
             "speculation": [speculation_json(r.speculation) for r in results],
         }
@@ -168,7 +187,7 @@ class OpenAIServer:
 
         if body.stream:
 
-            def choice(index: int, text: str, logprobs: list, finish: str | None) -> dict:
+            def choice(index: int, text: str, logprobs: list, finish: str | None, prompt: list | None = None) -> dict:
                 return {"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs_of(logprobs), "finish_reason": finish}
 
             first = [{"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None} for c in range(body.n)]
@@ -188,7 +207,13 @@ class OpenAIServer:
             ],
             "usage": usage_json([r.usage for r in results]),
             "speculation": [speculation_json(r.speculation) for r in results],
+            **self._prompt_logprobs(body, name, results[0].prompt_logprobs),
         }
+
+    @staticmethod
+    def _prompt_logprobs(body: Sampling, name, prompt: list | None) -> dict:
+        """vLLM's prompt_logprobs field, where the request asked for it."""
+        return {} if body.prompt_logprobs is None else {"prompt_logprobs": prompt_logprobs_json(name, prompt, body.prompt_logprobs)}
 
     def _envelope(self, prefix: str, kind: str) -> dict:
         return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()), "model": self.model_name}
@@ -210,9 +235,10 @@ class OpenAIServer:
                 async with contextlib.aclosing(interleave(generations, GONE)) as updates:
                     async for index, update in updates:
                         final = isinstance(update, Finished)
-                        if not update.text and not final and not update.logprobs:
+                        if not update.text and not final and not update.logprobs and update.prompt_logprobs is None:
                             continue
-                        c = choice(index, update.text, update.logprobs, FINISH_REASONS.get(update.finish_reason) if final else None)
+                        finish = FINISH_REASONS.get(update.finish_reason) if final else None
+                        c = choice(index, update.text, update.logprobs, finish, update.prompt_logprobs)
                         if final:
                             c["speculation"] = speculation_json(update.speculation)
                         yield event([c])

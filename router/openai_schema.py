@@ -93,6 +93,8 @@ class Sampling(BaseModel):
     ignore_eos: bool = False
     # Name logprobs' tokens "token_id:<id>" (vLLM's option): exact where a token's text is not.
     return_tokens_as_token_ids: bool = False
+    # vLLM's: each prompt token's log-probability past the first, with this many alternatives (not with stream).
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
     speculation: Speculation | None = None
     domain: str = ""
     request_id: str = ""
@@ -164,14 +166,14 @@ def refuse_unsupported(body: Sampling) -> None:
         raise ApiError(400, f"n: must be between 1 and {MAX_N}, got {body.n}", param="n")
     logit_bias_of(body)  # keys that are not token ids: a 400 before anything is submitted
     if isinstance(body, CompletionRequest):
-        if body.echo:
-            raise unsupported("echo")
         if body.best_of not in (None, 1):
             raise unsupported("best_of", "only 1 is supported")
         if body.suffix:
             raise unsupported("suffix")
     if body.seed is not None and not 0 <= body.seed < 2**63:
         raise ApiError(400, f"seed: must be between 0 and 2**63 - 1, got {body.seed}", param="seed")
+    if body.prompt_logprobs is not None and body.stream:
+        raise ApiError(400, "prompt_logprobs: not available with stream: true (as in vLLM)", param="prompt_logprobs")
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options: only allowed with stream: true", param="stream_options")
 
@@ -224,6 +226,7 @@ def params_of(body: Sampling, max_tokens: int | None, prompt: str | list[int], i
         repetition_penalty=body.repetition_penalty,
         stop_token_ids=list(body.stop_token_ids or []),
         min_tokens=body.min_tokens,
+        prompt_logprobs=body.prompt_logprobs,
     )
     if isinstance(prompt, str):
         params.prompt = prompt
@@ -231,6 +234,8 @@ def params_of(body: Sampling, max_tokens: int | None, prompt: str | list[int], i
         params.prompt_token_ids = list(prompt)
     if isinstance(body, CompletionRequest) and body.logprobs is not None:
         params.logprobs, params.top_logprobs = True, body.logprobs
+        if body.echo:  # the echoed prompt's tokens have theirs too
+            params.prompt_logprobs = max(body.logprobs, body.prompt_logprobs or 0)
     if isinstance(body, ChatRequest):
         params.logprobs, params.top_logprobs = body.logprobs, body.top_logprobs or 0
     if body.speculation is not None:
@@ -339,6 +344,40 @@ def completion_logprobs(name, logprobs: list[TokenLogprobs], offset: int) -> dic
         "top_logprobs": [{name(t.token_id): t.logprob for t in [*lp.top, lp]} for lp in logprobs],
         "text_offset": offsets,
     }
+
+
+def echo_logprobs(name, prompt_ids: list[int], prompt: list[TokenLogprobs], top_n: int) -> dict:
+    """The completions API's logprobs object for an echoed prompt (`prompt`: its tokens' past the first, which has none:
+    nothing precedes it), `top_n` alternatives each; text_offset counts from 0."""
+    logprobs = completion_logprobs(name, [TokenLogprobs(lp.token_id, lp.logprob, lp.top[:top_n]) for lp in prompt], 0)
+    first = name(prompt_ids[0])
+    return {
+        "tokens": [first, *logprobs["tokens"]],
+        "token_logprobs": [None, *logprobs["token_logprobs"]],
+        "top_logprobs": [None, *logprobs["top_logprobs"]],
+        "text_offset": [0, *(offset + len(first) for offset in logprobs["text_offset"])],
+    }
+
+
+def prompt_logprobs_json(name, prompt: list[TokenLogprobs] | None, top_n: int) -> list | None:
+    """vLLM's prompt_logprobs: None for the first prompt token, then per token {token id: {logprob, rank, decoded_token}}
+    for it and its position's `top_n` most likely tokens."""
+    if prompt is None:
+        return None
+
+    def entry(logprob: float, rank: int, token_id: int) -> dict:
+        return {"logprob": logprob, "rank": rank, "decoded_token": name(token_id)}
+
+    return [
+        None,
+        *(
+            {
+                **{str(t.token_id): entry(t.logprob, rank, t.token_id) for rank, t in enumerate(lp.top[:top_n], start=1)},
+                str(lp.token_id): entry(lp.logprob, lp.rank, lp.token_id),
+            }
+            for lp in prompt
+        ),
+    ]
 
 
 def chat_logprobs(name, logprobs: list[TokenLogprobs]) -> dict:

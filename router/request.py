@@ -52,6 +52,7 @@ class RequestSpec:
     top_logprobs: int = 0  # and this many alternatives each
     stop_token_ids: list[int] = field(default_factory=list)  # output ends after the first of these (it is kept)
     min_tokens: int = 0  # stop strings are looked for once the output holds this many tokens (vLLM's min_tokens)
+    prompt_logprobs: int | None = None  # the prompt's log-probabilities with this many alternatives (None: not asked)
 
 
 class SessionMirror:
@@ -99,6 +100,7 @@ class Chunk:
     token_ids: list[int]
     final: bool = False
     logprobs: list = field(default_factory=list)  # the verifier's log-probabilities per token id, when asked (router/verifying.py)
+    prompt_logprobs: list | None = None  # in the first chunk after they came, when asked (router.api.TokenLogprobs)
 
 
 # Tokens decoded before the new ones when detokenizing incrementally (RequestState._detokenize).
@@ -139,6 +141,8 @@ class RequestState:
     # Where its rounds' time went, summed over rounds (router/api.py, SpeculationStats, says what each is).
     timing_ms: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIMINGS, 0.0))
     logprobs: list = field(default_factory=list)  # the verifier's log-probabilities per output token, when asked
+    prompt_logprobs: list | None = None  # the prompt's (router.api.TokenLogprobs), once the verifier answered them
+    sent_prompt_logprobs: bool = False
     text: str = ""  # output text so far (stop strings removed)
     sent_text: int = 0  # characters of text already streamed
     sent_tokens: int = 0
@@ -243,4 +247,7 @@ class RequestState:
         logprobs = self.logprobs[self.sent_tokens : self.sent_tokens + len(new_ids)]
         self.sent_text += len(new_text)
         self.sent_tokens += len(new_ids)
-        return Chunk(text=new_text, token_ids=new_ids, final=self.finished, logprobs=logprobs)
+        prompt_logprobs = None
+        if self.prompt_logprobs is not None and not self.sent_prompt_logprobs:
+            prompt_logprobs, self.sent_prompt_logprobs = self.prompt_logprobs, True
+        return Chunk(text=new_text, token_ids=new_ids, final=self.finished, logprobs=logprobs, prompt_logprobs=prompt_logprobs)

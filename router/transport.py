@@ -133,6 +133,8 @@ def verify_request(sessions: list[messages.VerifySession]) -> verifier_pb2.Verif
                 sampling=sampling_message(s.sampling),
                 logprobs=s.logprobs,
                 top_logprobs=s.top_logprobs,
+                prompt_logprobs=s.prompt_logprobs,
+                prompt_top_logprobs=s.prompt_top_logprobs,
                 plain_steps=s.plain_steps,
                 lookup_tokens=s.lookup_tokens,
                 max_tokens=s.max_tokens,
@@ -140,6 +142,10 @@ def verify_request(sessions: list[messages.VerifySession]) -> verifier_pb2.Verif
             for s in sessions
         ]
     )
+
+
+def _prompt_logprobs(m: verifier_pb2.PromptLogprobs) -> messages.PromptLogprobs:
+    return messages.PromptLogprobs(list(m.logprobs), list(m.ranks), list(m.top_token_ids), list(m.top_logprobs))
 
 
 def verify_response(reply: verifier_pb2.VerifyResponse) -> messages.VerifyResponse:
@@ -155,6 +161,7 @@ def verify_response(reply: verifier_pb2.VerifyResponse) -> messages.VerifyRespon
                 top_logprobs=list(s.top_logprobs),
                 lookup_proposed=s.lookup_proposed,
                 lookup_accepted=s.lookup_accepted,
+                prompt_logprobs=_prompt_logprobs(s.prompt_logprobs) if s.HasField("prompt_logprobs") else None,
             )
             for s in reply.sessions
         ],

@@ -50,6 +50,8 @@ def validate(params: GenerationParams, tokenizer, limits: Limits) -> RequestSpec
         raise invalid("top_logprobs", f"must be between 0 and {MAX_TOP_LOGPROBS}, got {params.top_logprobs}")
     if params.top_logprobs and not params.logprobs:
         raise invalid("top_logprobs", "needs logprobs set")
+    if params.prompt_logprobs is not None and not 0 <= params.prompt_logprobs <= MAX_TOP_LOGPROBS:
+        raise invalid("prompt_logprobs", f"must be between 0 and {MAX_TOP_LOGPROBS}, got {params.prompt_logprobs}")
     return RequestSpec(
         request_id=params.request_id or uuid.uuid4().hex,
         session_id=secrets.token_hex(16),
@@ -64,6 +66,7 @@ def validate(params: GenerationParams, tokenizer, limits: Limits) -> RequestSpec
         top_logprobs=params.top_logprobs,
         stop_token_ids=list(params.stop_token_ids),
         min_tokens=params.min_tokens,
+        prompt_logprobs=params.prompt_logprobs,
     )
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from router import messages
+from router import api, messages
 from router.request import DrafterCounts
 from router.rounds import PREFILL_TOKENS_PER_S, RequestPlan, RoundContext, RoundPlan, concurrently
 from router.transport import TransportError
@@ -84,6 +84,23 @@ def token_logprobs(verified: messages.VerifiedSession) -> list[generation_pb2.To
     ]
 
 
+def prompt_logprobs(verified: messages.PromptLogprobs, prompt_ids: list[int]) -> list[api.TokenLogprobs]:
+    """The verifier's log-probabilities of a context (its tokens past the first), one TokenLogprobs per prompt token past
+    the first: the context may hold output too, where the verifier was sent the request again after losing it."""
+    n = len(prompt_ids) - 1
+    top = len(verified.top_token_ids) // len(verified.logprobs) if verified.logprobs else 0
+    ids, lps = verified.top_token_ids, verified.top_logprobs
+    return [
+        api.TokenLogprobs(
+            token_id=prompt_ids[i + 1],
+            logprob=verified.logprobs[i],
+            top=[api.TokenLogprob(t, lp) for t, lp in zip(ids[i * top : (i + 1) * top], lps[i * top : (i + 1) * top])],
+            rank=verified.ranks[i],
+        )
+        for i in range(n)
+    ]
+
+
 class Verifying:
     def __init__(self, context: RoundContext, verifiers: VerifierPool):
         self.context = context
@@ -131,6 +148,9 @@ class Verifying:
                 sampling=state.spec.sampling,
                 logprobs=state.spec.logprobs,
                 top_logprobs=state.spec.top_logprobs,
+                # Asked until answered (once): the verifier computes them as it prefills the whole context.
+                prompt_logprobs=state.spec.prompt_logprobs is not None and state.prompt_logprobs is None,
+                prompt_top_logprobs=state.spec.prompt_logprobs or 0,
                 plain_steps=request.plain_steps,
                 lookup_tokens=lookup,
                 # Chains' tokens past what the request keeps would be cut: the call stops there.
@@ -200,6 +220,8 @@ class Verifying:
                 self._learn(call.request, call.tree, verified.accepted_nodes, verified.token_ids)
             if verified.lookup_proposed:
                 self._looked_up(state, verified.lookup_proposed, verified.lookup_accepted)
+            if verified.prompt_logprobs is not None and call.session.prompt_logprobs:
+                state.prompt_logprobs = prompt_logprobs(verified.prompt_logprobs, state.spec.prompt_ids)
             state.commit(verified.token_ids, token_logprobs(verified) if state.spec.logprobs else None)
             state.verifier_mirror.held = list(state.tokens)
             state.verifier_mirror.unfilled = 0

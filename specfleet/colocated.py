@@ -44,6 +44,11 @@ class _RecordCore:
         return self.core.info()
 
 
+def _prompt_logprobs(prompt) -> messages.PromptLogprobs:
+    """The verifier's record of a context's log-probabilities (`specfleet.engine.prompt_logprobs`) as the router's."""
+    return messages.PromptLogprobs(prompt.logprobs, prompt.ranks, prompt.top_token_ids, prompt.top_logprobs)
+
+
 class RecordVerifier(_RecordCore):
     """The verifier's core (`verifier_service.server.VerifierCore`) in the router's records: the router's
     sessions become the verifier's items, and its results the router's, field by field, with the checks and
@@ -67,6 +72,7 @@ class RecordVerifier(_RecordCore):
                 top_logprobs=r.top_logprobs,
                 lookup_proposed=r.lookup_proposed,
                 lookup_accepted=r.lookup_accepted,
+                prompt_logprobs=None if r.prompt is None else _prompt_logprobs(r.prompt),
             )
             for r in results
         ]

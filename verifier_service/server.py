@@ -37,9 +37,19 @@ def session_item(s, sampling: SamplingParams) -> VerifyItem:
         proposals=[(list(p.token_ids), list(p.probs)) for p in s.tree.proposals],
         logprobs=s.logprobs,
         top_logprobs=s.top_logprobs,
+        prompt_logprobs=s.prompt_top_logprobs if s.prompt_logprobs else -1,
         plain_steps=s.plain_steps or 1,
         lookup_tokens=s.lookup_tokens,
         max_tokens=s.max_tokens,
+    )
+
+
+def prompt_message(prompt) -> verifier_pb2.PromptLogprobs | None:
+    """A result's prompt log-probabilities (`specfleet.engine.prompt_logprobs.PromptLogprobs`) as the contract's message."""
+    if prompt is None:
+        return None
+    return verifier_pb2.PromptLogprobs(
+        logprobs=prompt.logprobs, ranks=prompt.ranks, top_token_ids=prompt.top_token_ids, top_logprobs=prompt.top_logprobs
     )
 
 
@@ -103,6 +113,7 @@ class VerifierCore:
                     top_logprobs=r.top_logprobs,
                     lookup_proposed=r.lookup_proposed,
                     lookup_accepted=r.lookup_accepted,
+                    prompt_logprobs=prompt_message(r.prompt),
                 )
                 for r in results
             ],

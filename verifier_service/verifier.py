@@ -1,23 +1,18 @@
 """The verifier: checks many sessions' token trees against the target model in one forward pass.
 
-Per session and round: sync the session's tokens (the client sends only what
-changed), feed the last committed token followed by the tree's nodes with
-tree attention, shape the target's logits into p as the request asked (the model-execution
-layer, `specfleet.engine`, runs the pass and shapes), run
-`verification.verify_trees` (rejection sampling), or, for greedy and
-drafter-invariant sessions, `verify_trees_greedy` on the target's fixed token at
-every row (the argmax, or the winner of the seeded exponential race), keep the
-KV of the accepted path only, and append the accepted tokens and the next token
-to the session. A session may ask for several passes in one call (`plain_steps`): its
-tree, if it has one, is verified in the first, and each further pass decodes one token
-plainly, all such sessions of the batch together, each pass exactly the one a round of
-its own would run on the tokens emitted so far, until each has its passes, ends its
-sequence, or another call waits for the model (`waiting`), so that no caller waits
-behind them for more than one pass. A session may also ask the verifier to draft in its
-plain passes (`lookup_tokens`): each such pass first looks the session's own context up for
-a continuation (n-gram lookup, `specfleet.engine.ngram`, as vLLM's prompt lookup does) and
-verifies that chain in the same pass, so repeating text advances several tokens a pass with
-no drafter and no round trip; a pass with no chain is a plain pass.
+Per session and round: sync the session's tokens (the client sends only what changed), feed the last committed token
+followed by the tree's nodes with tree attention, shape the target's logits into p as the request asked (the
+model-execution layer, `specfleet.engine`, runs the pass and shapes), run `verification.verify_trees` (rejection
+sampling), or, for greedy and drafter-invariant sessions, `verify_trees_greedy` on the target's fixed token at every
+row (the argmax, or the winner of the seeded exponential race), keep the KV of the accepted path only, and append the
+accepted tokens and the next token to the session. A session may ask for several passes in one call (`plain_steps`):
+its tree, if it has one, is verified in the first, and each further pass decodes one token plainly, all such sessions
+of the batch together, each pass exactly the one a round of its own would run on the tokens emitted so far, until each
+has its passes, ends its sequence, or another call waits for the model (`waiting`), so that no caller waits behind
+them for more than one pass. A session may also ask the verifier to draft in its plain passes (`lookup_tokens`): each
+such pass first looks the session's own context up for a continuation (n-gram lookup, `specfleet.engine.ngram`, as
+vLLM's prompt lookup does) and verifies that chain in the same pass, so repeating text advances several tokens a pass
+with no drafter and no round trip; a pass with no chain is a plain pass.
 """
 
 from __future__ import annotations
@@ -32,6 +27,7 @@ from dataclasses import dataclass, field
 
 from specfleet.engine import LoadedModel, SessionStore, UnknownSession, prefill, prefill_shares, shaping, tree_pass
 from specfleet.engine.ngram import lookup_chain, next_token_counts
+from specfleet.engine.prompt_logprobs import PromptLogprobs
 from specfleet.sampling import STREAM_DRAFT, SamplingParams
 from verifier_service.lookup import LookupPolicy
 from verifier_service.verification import verify_trees, verify_trees_greedy
@@ -52,6 +48,8 @@ class VerifyItem:
     # Return the emitted tokens' log-probabilities, and this many alternatives each.
     logprobs: bool = False
     top_logprobs: int = 0
+    # >= 0: return the context's log-probabilities (vLLM's prompt_logprobs) with this many alternatives each.
+    prompt_logprobs: int = -1
     # Forward passes for this session in this call: the first verifies its tree (an empty tree: decodes a token), each
     # further one decodes a token plainly (1: the tree's pass alone).
     plain_steps: int = 1
@@ -75,6 +73,7 @@ class VerifyResult:
     logprobs: list[float] = field(default_factory=list)
     top_token_ids: list[int] = field(default_factory=list)  # top_logprobs per token, flattened
     top_logprobs: list[float] = field(default_factory=list)
+    prompt: PromptLogprobs | None = None  # when the item asked for prompt_logprobs: its context's, tokens 1..
     steps: int = 0  # forward passes that emitted this session's tokens
     # Tokens the verifier's lookup drafted in this call's plain passes, and how many of them the target accepted.
     lookup_proposed: int = 0
@@ -128,8 +127,9 @@ def validate_item(item: VerifyItem, vocab_size: int, max_context: int) -> None:
         raise ValueError(f"session {item.session_id}: context plus {what} exceeds the model's {max_context} positions")
     if item.prefix_length == 0 and not item.new_token_ids:
         raise ValueError(f"session {item.session_id}: a new session needs at least one token")
-    if not 0 <= item.top_logprobs <= MAX_TOP_LOGPROBS:
-        raise ValueError(f"session {item.session_id}: top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {item.top_logprobs}")
+    for name, top in [("top_logprobs", item.top_logprobs), ("prompt_top_logprobs", max(0, item.prompt_logprobs))]:
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"session {item.session_id}: {name} must be between 0 and {MAX_TOP_LOGPROBS}, got {top}")
     problem = item.sampling.problem(vocab_size)
     if problem:
         raise ValueError(f"session {item.session_id}: {problem}")
@@ -190,6 +190,10 @@ class Verifier:
             except UnknownSession:
                 results[idx] = VerifyResult(item.session_id, known=False)
                 continue
+            owed = session.prompt_logprobs
+            if item.prompt_logprobs >= 0 and (owed is None or owed.top != item.prompt_logprobs):
+                session.prompt_logprobs = PromptLogprobs(item.prompt_logprobs)
+                session.crop_kv(0)  # its prefill computes every position's logits, none from the cache
             live.append((idx, item, session))
         live = self._chunk(live, results)
         self.sessions_verified += len(live)
@@ -316,7 +320,8 @@ class Verifier:
         for _, _, session in live:
             end = len(session.token_ids) - 1
             session.crop_kv(end)
-            session.reuse_prefix(self.loaded.pool, end)
+            if session.prompt_logprobs is None:
+                session.reuse_prefix(self.loaded.pool, end)
             needs.append(end - session.kv_len)
         shares = prefill_shares(needs, self.max_prefill_tokens)
         ready, todo = [], []
@@ -375,8 +380,10 @@ class Verifier:
             rows = [0] + [node + 1 for node in path]  # the row whose distribution each emitted token was drawn from
             session.commit(rows)
             tokens = [item.tree_tokens[node] for node in path] + [next_token[b]]
-            session.token_ids.extend(tokens)
             result = VerifyResult(item.session_id, known=True, accepted_nodes=path, token_ids=tokens, steps=1)
+            if session.prompt_logprobs is not None and session.prompt_logprobs.complete(len(session.token_ids)):
+                result.prompt, session.prompt_logprobs = session.prompt_logprobs, None
+            session.token_ids.extend(tokens)
             if item.lookup_confidences:
                 # The tree was the verifier's own lookup: its nodes are no client's to learn from, but the lookup's.
                 result.accepted_nodes = []

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specfleet.engine.llama import LlamaModel
+from specfleet.engine.prompt_logprobs import PromptLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -272,6 +273,8 @@ class Session:
     # model's session never takes another's cached blocks.
     namespace: bytes = b""
     used_at: float = 0.0  # time.monotonic() of the last call that synced it (SessionStore.expire_idle)
+    # While a verifier owes its client the prompt's log-probabilities: prefill records them and skips the prefix cache.
+    prompt_logprobs: PromptLogprobs | None = None
 
     def place(self) -> int | torch.Tensor:
         """Where the cache lies on the pool's token axis: its first position's index when its blocks are

@@ -157,18 +157,20 @@ def prefill(
     for i, session in enumerate(sessions):
         end = len(session.token_ids) - keep_last if ends is None else ends[i]
         session.crop_kv(end)
-        if reuse and not score:  # a scored prefill needs every position's logits
+        if reuse and not score and session.prompt_logprobs is None:  # these need every position's logits
             session.reuse_prefix(loaded.pool, end)
         if session.kv_len < end:
             todo.append((i, session, session.kv_len, end))
-    todo.sort(key=lambda t: t[3] - t[2])
+    # Sessions that record their prompt's log-probabilities pass apart: only their passes project to the vocabulary.
+    todo.sort(key=lambda t: (t[1].prompt_logprobs is not None, t[3] - t[2]))
     passes: list[list] = []
     rows = 0  # real (unpadded) rows of the last pass
     for t in todo:
         n = t[3] - t[2]
         # Sorted by length, so n is the widest of the pass: with t, its padded rows are (len + 1) * n.
         padded = (len(passes[-1]) + 1) * n if passes else 0
-        if passes and padded <= 1.25 * (rows + n) and padded <= _PREFILL_ROWS:
+        apart = passes and (passes[-1][0][1].prompt_logprobs is None) != (t[1].prompt_logprobs is None)
+        if passes and not apart and padded <= 1.25 * (rows + n) and padded <= _PREFILL_ROWS:
             passes[-1].append(t)
             rows += n
         else:
@@ -180,9 +182,12 @@ def prefill(
             group.sort(key=lambda t: members[t[0]])
             runs = llama.Runs.of([members[t[0]] for t in group], loaded.model.device)
         items = [ForwardItem(session, session.token_ids[start:end], list(range(start, end))) for _, session, start, end in group]
-        logits = forward_batch(loaded, items, logits=score, runs=runs)
+        recording = group[0][1].prompt_logprobs is not None
+        logits = forward_batch(loaded, items, logits=score or recording, runs=runs)
         for b, (i, session, start, end) in enumerate(group):
             session.commit(list(range(end - start)))
+            if recording:
+                session.prompt_logprobs.record(start, logits[b, : end - start], session.token_ids[start + 1 : end + 1])
             if session.pool.prefix_caching:  # its blocks are cached now, for the sessions of the next call
                 session.pool.register(session)
             if score:

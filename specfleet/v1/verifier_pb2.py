@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specfleet.v1 import common_pb2 as specfleet_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecfleet/v1/verifier.proto\x12\x0cspecfleet.v1\x1a\x19specfleet/v1/common.proto\"d\n\tTokenTree\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\x33\n\tproposals\x18\x03 \x03(\x0b\x32 .specfleet.v1.SparseDistribution\"\xf7\x01\n\rVerifySession\x12\'\n\x04sync\x18\x01 \x01(\x0b\x32\x19.specfleet.v1.SessionSync\x12%\n\x04tree\x18\x02 \x01(\x0b\x32\x17.specfleet.v1.TokenTree\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specfleet.v1.SamplingParams\x12\x10\n\x08logprobs\x18\x04 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x05 \x01(\x05\x12\x13\n\x0bplain_steps\x18\x06 \x01(\x05\x12\x15\n\rlookup_tokens\x18\x07 \x01(\x05\x12\x12\n\nmax_tokens\x18\x08 \x01(\x05\">\n\rVerifyRequest\x12-\n\x08sessions\x18\x01 \x03(\x0b\x32\x1b.specfleet.v1.VerifySession\"\xee\x01\n\x0fVerifiedSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12+\n\x06status\x18\x02 \x01(\x0e\x32\x1b.specfleet.v1.SessionStatus\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x03 \x03(\x05\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x15\n\rtop_token_ids\x18\x06 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x07 \x03(\x02\x12\x17\n\x0flookup_proposed\x18\x08 \x01(\x05\x12\x17\n\x0flookup_accepted\x18\t \x01(\x05\"\x9e\x01\n\x0eVerifyResponse\x12/\n\x08sessions\x18\x01 \x03(\x0b\x32\x1d.specfleet.v1.VerifiedSession\x12\x12\n\ncompute_ms\x18\x02 \x01(\x02\x12\x12\n\nbatch_size\x18\x03 \x01(\x05\x12\x10\n\x08queue_ms\x18\x04 \x01(\x02\x12\x0e\n\x06passes\x18\x05 \x01(\x05\x12\x11\n\tshared_ms\x18\x06 \x01(\x02\"+\n\x14VerifierServiceStats\x12\x13\n\x0bsession_ids\x18\x01 \x03(\t2\xa9\x02\n\x08Verifier\x12\x43\n\x06Verify\x12\x1b.specfleet.v1.VerifyRequest\x1a\x1c.specfleet.v1.VerifyResponse\x12N\n\x0fReleaseSessions\x12\x1c.specfleet.v1.ReleaseRequest\x1a\x1d.specfleet.v1.ReleaseResponse\x12=\n\x07GetInfo\x12\x19.specfleet.v1.InfoRequest\x1a\x17.specfleet.v1.ModelInfo\x12I\n\x08GetStats\x12\x19.specfleet.v1.InfoRequest\x1a\".specfleet.v1.VerifierServiceStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecfleet/v1/verifier.proto\x12\x0cspecfleet.v1\x1a\x19specfleet/v1/common.proto\"d\n\tTokenTree\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\x33\n\tproposals\x18\x03 \x03(\x0b\x32 .specfleet.v1.SparseDistribution\"\xad\x02\n\rVerifySession\x12\'\n\x04sync\x18\x01 \x01(\x0b\x32\x19.specfleet.v1.SessionSync\x12%\n\x04tree\x18\x02 \x01(\x0b\x32\x17.specfleet.v1.TokenTree\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specfleet.v1.SamplingParams\x12\x10\n\x08logprobs\x18\x04 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x05 \x01(\x05\x12\x13\n\x0bplain_steps\x18\x06 \x01(\x05\x12\x15\n\rlookup_tokens\x18\x07 \x01(\x05\x12\x12\n\nmax_tokens\x18\x08 \x01(\x05\x12\x17\n\x0fprompt_logprobs\x18\t \x01(\x08\x12\x1b\n\x13prompt_top_logprobs\x18\n \x01(\x05\"^\n\x0ePromptLogprobs\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\x12\r\n\x05ranks\x18\x02 \x03(\x05\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\">\n\rVerifyRequest\x12-\n\x08sessions\x18\x01 \x03(\x0b\x32\x1b.specfleet.v1.VerifySession\"\xa5\x02\n\x0fVerifiedSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12+\n\x06status\x18\x02 \x01(\x0e\x32\x1b.specfleet.v1.SessionStatus\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x03 \x03(\x05\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x15\n\rtop_token_ids\x18\x06 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x07 \x03(\x02\x12\x17\n\x0flookup_proposed\x18\x08 \x01(\x05\x12\x17\n\x0flookup_accepted\x18\t \x01(\x05\x12\x35\n\x0fprompt_logprobs\x18\n \x01(\x0b\x32\x1c.specfleet.v1.PromptLogprobs\"\x9e\x01\n\x0eVerifyResponse\x12/\n\x08sessions\x18\x01 \x03(\x0b\x32\x1d.specfleet.v1.VerifiedSession\x12\x12\n\ncompute_ms\x18\x02 \x01(\x02\x12\x12\n\nbatch_size\x18\x03 \x01(\x05\x12\x10\n\x08queue_ms\x18\x04 \x01(\x02\x12\x0e\n\x06passes\x18\x05 \x01(\x05\x12\x11\n\tshared_ms\x18\x06 \x01(\x02\"+\n\x14VerifierServiceStats\x12\x13\n\x0bsession_ids\x18\x01 \x03(\t2\xa9\x02\n\x08Verifier\x12\x43\n\x06Verify\x12\x1b.specfleet.v1.VerifyRequest\x1a\x1c.specfleet.v1.VerifyResponse\x12N\n\x0fReleaseSessions\x12\x1c.specfleet.v1.ReleaseRequest\x1a\x1d.specfleet.v1.ReleaseResponse\x12=\n\x07GetInfo\x12\x19.specfleet.v1.InfoRequest\x1a\x17.specfleet.v1.ModelInfo\x12I\n\x08GetStats\x12\x19.specfleet.v1.InfoRequest\x1a\".specfleet.v1.VerifierServiceStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,15 +35,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENTREE']._serialized_start=72
   _globals['_TOKENTREE']._serialized_end=172
   _globals['_VERIFYSESSION']._serialized_start=175
-  _globals['_VERIFYSESSION']._serialized_end=422
-  _globals['_VERIFYREQUEST']._serialized_start=424
-  _globals['_VERIFYREQUEST']._serialized_end=486
-  _globals['_VERIFIEDSESSION']._serialized_start=489
-  _globals['_VERIFIEDSESSION']._serialized_end=727
-  _globals['_VERIFYRESPONSE']._serialized_start=730
-  _globals['_VERIFYRESPONSE']._serialized_end=888
-  _globals['_VERIFIERSERVICESTATS']._serialized_start=890
-  _globals['_VERIFIERSERVICESTATS']._serialized_end=933
-  _globals['_VERIFIER']._serialized_start=936
-  _globals['_VERIFIER']._serialized_end=1233
+  _globals['_VERIFYSESSION']._serialized_end=476
+  _globals['_PROMPTLOGPROBS']._serialized_start=478
+  _globals['_PROMPTLOGPROBS']._serialized_end=572
+  _globals['_VERIFYREQUEST']._serialized_start=574
+  _globals['_VERIFYREQUEST']._serialized_end=636
+  _globals['_VERIFIEDSESSION']._serialized_start=639
+  _globals['_VERIFIEDSESSION']._serialized_end=932
+  _globals['_VERIFYRESPONSE']._serialized_start=935
+  _globals['_VERIFYRESPONSE']._serialized_end=1093
+  _globals['_VERIFIERSERVICESTATS']._serialized_start=1095
+  _globals['_VERIFIERSERVICESTATS']._serialized_end=1138
+  _globals['_VERIFIER']._serialized_start=1141
+  _globals['_VERIFIER']._serialized_end=1438
 # @@protoc_insertion_point(module_scope)

@@ -18,7 +18,7 @@ class TokenTree(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., proposals: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ...) -> None: ...
 
 class VerifySession(_message.Message):
-    __slots__ = ("sync", "tree", "sampling", "logprobs", "top_logprobs", "plain_steps", "lookup_tokens", "max_tokens")
+    __slots__ = ("sync", "tree", "sampling", "logprobs", "top_logprobs", "plain_steps", "lookup_tokens", "max_tokens", "prompt_logprobs", "prompt_top_logprobs")
     SYNC_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,8 @@ class VerifySession(_message.Message):
     PLAIN_STEPS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     sync: _common_pb2.SessionSync
     tree: TokenTree
     sampling: _common_pb2.SamplingParams
@@ -35,7 +37,21 @@ class VerifySession(_message.Message):
     plain_steps: int
     lookup_tokens: int
     max_tokens: int
-    def __init__(self, sync: _Optional[_Union[_common_pb2.SessionSync, _Mapping]] = ..., tree: _Optional[_Union[TokenTree, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., plain_steps: _Optional[int] = ..., lookup_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: bool
+    prompt_top_logprobs: int
+    def __init__(self, sync: _Optional[_Union[_common_pb2.SessionSync, _Mapping]] = ..., tree: _Optional[_Union[TokenTree, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., plain_steps: _Optional[int] = ..., lookup_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., prompt_top_logprobs: _Optional[int] = ...) -> None: ...
+
+class PromptLogprobs(_message.Message):
+    __slots__ = ("logprobs", "ranks", "top_token_ids", "top_logprobs")
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logprobs: _Optional[_Iterable[float]] = ..., ranks: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("sessions",)
@@ -44,7 +60,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, sessions: _Optional[_Iterable[_Union[VerifySession, _Mapping]]] = ...) -> None: ...
 
 class VerifiedSession(_message.Message):
-    __slots__ = ("session_id", "status", "accepted_nodes", "token_ids", "logprobs", "top_token_ids", "top_logprobs", "lookup_proposed", "lookup_accepted")
+    __slots__ = ("session_id", "status", "accepted_nodes", "token_ids", "logprobs", "top_token_ids", "top_logprobs", "lookup_proposed", "lookup_accepted", "prompt_logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_NODES_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +70,7 @@ class VerifiedSession(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_PROPOSED_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     status: _common_pb2.SessionStatus
     accepted_nodes: _containers.RepeatedScalarFieldContainer[int]
@@ -63,7 +80,8 @@ class VerifiedSession(_message.Message):
     top_logprobs: _containers.RepeatedScalarFieldContainer[float]
     lookup_proposed: int
     lookup_accepted: int
-    def __init__(self, session_id: _Optional[str] = ..., status: _Optional[_Union[_common_pb2.SessionStatus, str]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., lookup_proposed: _Optional[int] = ..., lookup_accepted: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: PromptLogprobs
+    def __init__(self, session_id: _Optional[str] = ..., status: _Optional[_Union[_common_pb2.SessionStatus, str]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., lookup_proposed: _Optional[int] = ..., lookup_accepted: _Optional[int] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("sessions", "compute_ms", "batch_size", "queue_ms", "passes", "shared_ms")

@@ -11,7 +11,8 @@ import pytest
 from specfleet.config import SchedulingConfig
 from specfleet.v1 import common_pb2, drafter_pb2_grpc, generation_pb2, generation_pb2_grpc, verifier_pb2_grpc
 from tests.harness import Cluster, cluster_config
-from tests.helpers import PROMPTS, greedy_request, target_greedy
+from specfleet.tokenizer import load_tokenizer
+from tests.helpers import PROMPTS, greedy_request, target_greedy, target_logprobs
 
 MAX_TOKENS = 64
 
@@ -54,6 +55,20 @@ def test_speculation_disabled_is_plain_decoding(stub, reference):
     # The first round decodes the first token, each later one up to plain_steps (router/rounds.py `plain_steps`).
     steps = SchedulingConfig().plain_steps
     assert steps > 1 and reply.speculation.rounds == 1 + math.ceil((len(reply.token_ids) - 1) / steps)
+
+
+def test_prompt_logprobs_travel_from_a_verifier_of_its_own(stub, reference, random_family):
+    """The verifier in a process of its own answers a prompt's log-probabilities over gRPC (verifier.proto's
+    PromptLogprobs), as the one in the router's process does (tests/e2e/test_openai_api.py); the output is unchanged."""
+    prompt = PROMPTS[0]
+    reply = stub.Generate(greedy_request(prompt, MAX_TOKENS, 4, prompt_logprobs=2), timeout=300)
+    assert list(reply.token_ids) == reference[prompt]
+    prompt_ids = load_tokenizer(str(random_family["target"])).encode(prompt, add_special_tokens=False)
+    chosen, _, best_values = target_logprobs(str(random_family["target"]), prompt_ids[:1], prompt_ids[1:], 2)
+    assert [lp.token_id for lp in reply.prompt_logprobs] == prompt_ids[1:]
+    assert [lp.logprob for lp in reply.prompt_logprobs] == pytest.approx(chosen, abs=1e-3)
+    assert [[t.logprob for t in lp.top] for lp in reply.prompt_logprobs] == [pytest.approx(v, abs=1e-3) for v in best_values]
+    assert all(lp.rank >= 1 for lp in reply.prompt_logprobs)
 
 
 def test_stream_delivers_the_same_tokens_and_text(stub, reference):

@@ -198,7 +198,9 @@ REFUSED = [
     ("completions", {"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
     ("completions", {"extra_body": {"min_tokens": 5}}, "min_tokens"),  # beyond max_tokens (4)
     ("chat", {"extra_body": {"stop_token_ids": [999999]}}, "stop_token_ids"),
-    ("completions", {"echo": True}, "echo"),
+    ("chat", {"extra_body": {"echo": True}}, "echo"),
+    ("completions", {"extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs"),
+    ("chat", {"stream": True, "extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
     ("completions", {"suffix": "end"}, "suffix"),
     ("completions", {"best_of": 2}, "best_of"),
     ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
@@ -751,3 +753,78 @@ def test_a_prompt_that_starts_like_an_earlier_one_reuses_its_cached_prefix(api, 
     assert prompt_tokens > 64
     assert _metric(verifier_metrics, "specfleet:prefix_cache_hits_total") - hits >= prompt_tokens - 16
     assert _metric(verifier_metrics, "specfleet:prefix_cache_queries_total") - queries >= 2 * (prompt_tokens - 1)
+
+
+def _prompt_reference(path: str, prompt_ids: list[int], top: int):
+    """The target's own log-probabilities of the prompt's tokens past the first, and each position's `top` best."""
+    return target_logprobs(path, prompt_ids[:1], prompt_ids[1:], top)
+
+
+def test_completions_echo_the_prompt_with_the_target_s_logprobs_unary_and_streaming(client, tokenizer, target_with_template):
+    """echo: the text is the prompt's followed by the output; with logprobs, the prompt's tokens come first, the first
+    with none (nothing precedes it), the others with the target's log-probabilities and alternatives; streamed, the
+    first chunk carries the prompt."""
+    prompt = PROMPTS[2]
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    args = greedy(return_tokens_as_token_ids=True)
+    plain = client.completions.create(model="random-target", prompt=prompt, logprobs=2, **args).choices[0]
+    echoed = client.completions.create(model="random-target", prompt=prompt, logprobs=2, echo=True, **args).choices[0]
+    assert echoed.text == prompt + plain.text
+    lp = echoed.logprobs
+    n = len(prompt_ids)
+    assert _ids(lp.tokens) == prompt_ids + _ids(plain.logprobs.tokens)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[n:] == pytest.approx(plain.logprobs.token_logprobs, abs=LOGPROB_TOLERANCE)
+    chosen, best_ids, best_values = _prompt_reference(str(target_with_template), prompt_ids, 2)
+    assert lp.token_logprobs[1:n] == pytest.approx(chosen, abs=LOGPROB_TOLERANCE)
+    for position in range(1, n):
+        expected = {f"token_id:{t}": v for t, v in zip(best_ids[position - 1], best_values[position - 1])}
+        expected[f"token_id:{prompt_ids[position]}"] = chosen[position - 1]
+        assert set(lp.top_logprobs[position]) == set(expected), position
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+
+    streamed_text, streamed_tokens = "", []
+    for chunk in client.completions.create(model="random-target", prompt=prompt, logprobs=2, echo=True, stream=True, **args):
+        if chunk.choices:
+            streamed_text += chunk.choices[0].text
+            streamed_tokens += chunk.choices[0].logprobs.tokens if chunk.choices[0].logprobs else []
+    assert streamed_text == echoed.text and streamed_tokens == lp.tokens
+    # Without logprobs: the text alone; several prompts each echo their own.
+    reply = client.completions.create(model="random-target", prompt=PROMPTS[:2], echo=True, **greedy())
+    texts = [c.text for c in sorted(reply.choices, key=lambda c: c.index)]
+    assert all(text.startswith(p) and c.logprobs is None for text, p, c in zip(texts, PROMPTS[:2], reply.choices))
+
+
+def test_prompt_logprobs_are_the_target_s_over_http_and_grpc(api, client, tokenizer, target_with_template):
+    """vLLM's prompt_logprobs: None for the first prompt token, then the token and its position's best, each with the
+    target's log-probability, its rank and its text; the same over gRPC (GenerateResponse.prompt_logprobs, and the
+    first chunk of a stream); without the field, none."""
+    prompt = PROMPTS[1]
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    chosen, best_ids, best_values = _prompt_reference(str(target_with_template), prompt_ids, 2)
+    reply = client.completions.create(model="random-target", prompt=prompt, **greedy(prompt_logprobs=2))
+    entries = reply.choices[0].model_extra["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(prompt_ids)
+    for position, entry in enumerate(entries[1:]):
+        token = str(prompt_ids[position + 1])
+        assert entry[token]["logprob"] == pytest.approx(chosen[position], abs=LOGPROB_TOLERANCE)
+        assert entry[token]["decoded_token"] == tokenizer.decode([prompt_ids[position + 1]])
+        assert {str(t) for t in best_ids[position]} <= set(entry) and len(entry) in (2, 3)
+        assert [entry[str(t)]["rank"] for t in best_ids[position]] == [1, 2]
+        assert entry[token]["rank"] >= 1 + sum(v > chosen[position] + LOGPROB_TOLERANCE for v in best_values[position])
+        assert (entry[token]["rank"] == 1) == (prompt_ids[position + 1] == best_ids[position][0])
+    messages = [{"role": "user", "content": prompt}]
+    chat = client.chat.completions.create(model="random-target", messages=messages, **greedy(prompt_logprobs=0))
+    chat_ids = tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False)
+    assert [list(e)[0] if e else None for e in chat.model_extra["prompt_logprobs"]] == [None] + [str(t) for t in chat_ids[1:]]
+    assert "prompt_logprobs" not in client.completions.create(model="random-target", prompt=prompt, **greedy()).choices[0].model_extra
+
+    with api.channel() as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        grpc_reply = stub.Generate(greedy_request(prompt, MAX_TOKENS, 4, prompt_logprobs=1), timeout=120)
+        assert [lp.token_id for lp in grpc_reply.prompt_logprobs] == prompt_ids[1:]
+        assert [lp.logprob for lp in grpc_reply.prompt_logprobs] == pytest.approx(chosen, abs=LOGPROB_TOLERANCE)
+        assert all(len(lp.top) == 1 and lp.rank >= 1 for lp in grpc_reply.prompt_logprobs)
+        chunks = list(stub.GenerateStream(greedy_request(prompt, MAX_TOKENS, 4, prompt_logprobs=0), timeout=120))
+        assert [lp.token_id for lp in chunks[0].prompt_logprobs] == prompt_ids[1:] and not any(c.prompt_logprobs for c in chunks[1:])
+        assert not stub.Generate(greedy_request(prompt, MAX_TOKENS, 4), timeout=120).prompt_logprobs

@@ -77,6 +77,8 @@ def test_draft_and_verify_records_carry_every_field_of_the_contract():
         sampling=SAMPLING,
         logprobs=True,
         top_logprobs=2,
+        prompt_logprobs=True,
+        prompt_top_logprobs=4,
         plain_steps=5,
         lookup_tokens=3,
         max_tokens=9,
@@ -85,6 +87,7 @@ def test_draft_and_verify_records_carry_every_field_of_the_contract():
     assert not _every_field_set(sent), _every_field_set(sent)
     assert (list(sent.tree.token_ids), list(sent.tree.parents), list(sent.tree.proposals)) == ([7, 8], [-1, 0], [proposal, proposal])
     assert (sent.logprobs, sent.top_logprobs, sent.plain_steps, sent.lookup_tokens, sent.max_tokens) == (True, 2, 5, 3, 9)
+    assert (sent.prompt_logprobs, sent.prompt_top_logprobs) == (True, 4)
 
 
 def test_replies_become_records():
@@ -114,6 +117,7 @@ def test_replies_become_records():
         top_logprobs=[-0.5, -1.0],
         lookup_proposed=4,
         lookup_accepted=1,
+        prompt_logprobs=verifier_pb2.PromptLogprobs(logprobs=[-2.0], ranks=[3], top_token_ids=[1], top_logprobs=[-0.25]),
     )
     reply = transport.verify_response(verifier_pb2.VerifyResponse(sessions=[verified], compute_ms=3.0, batch_size=5, passes=3, shared_ms=0.5))
     (got,) = reply.sessions
@@ -122,6 +126,8 @@ def test_replies_become_records():
     assert transport.verify_response(verifier_pb2.VerifyResponse(compute_ms=1.0)).passes == 1, "a server that does not say ran one pass"
     assert (got.logprobs, got.top_token_ids, got.top_logprobs) == ([-0.5, -1.0], [4, 6], [-0.5, -1.0])
     assert (got.lookup_proposed, got.lookup_accepted) == (4, 1)
+    assert got.prompt_logprobs == messages.PromptLogprobs([-2.0], [3], [1], [-0.25])
+    assert transport.verify_response(verifier_pb2.VerifyResponse(sessions=[verifier_pb2.VerifiedSession()])).sessions[0].prompt_logprobs is None
 
 
 def test_a_requests_sampling_message_is_built_once_and_goes_with_it():

@@ -78,6 +78,7 @@ def test_the_record_path_carries_every_field_both_ways():
     import dataclasses
 
     from specfleet.batching import BatchStats
+    from specfleet.engine.prompt_logprobs import PromptLogprobs
     from verifier_service.verifier import VerifyItem, VerifyResult
 
     class Core:  # the core's record methods, recording what reaches its batch queue
@@ -89,7 +90,8 @@ def test_the_record_path_carries_every_field_both_ways():
 
         async def verify_items(self, items):
             self.items = items
-            result = VerifyResult("s", True, False, [0], [7, 8], [-0.5, -0.25], [7, 3], [-0.5, -1.5], lookup_proposed=3, lookup_accepted=2)
+            prompt = PromptLogprobs(1, [-2.0], [3], [1], [-0.25])
+            result = VerifyResult("s", True, False, [0], [7, 8], [-0.5, -0.25], [7, 3], [-0.5, -1.5], prompt, lookup_proposed=3, lookup_accepted=2)
             return [result], BatchStats(compute_ms=3.0, batch_size=4, queue_ms=0.5, passes=2, shared_ms=1.25)
 
     sampling = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=123, drafter_invariant=True)
@@ -100,6 +102,8 @@ def test_the_record_path_carries_every_field_both_ways():
         sampling=sampling,
         logprobs=True,
         top_logprobs=1,
+        prompt_logprobs=True,
+        prompt_top_logprobs=4,
         plain_steps=2,  # with a tree the verifier refuses it (`validated`); this core only records what reaches it
         lookup_tokens=3,
         max_tokens=7,
@@ -110,9 +114,10 @@ def test_the_record_path_carries_every_field_both_ways():
     assert core.size == (1, 3 + 2 + 1)
     own = {"lookup_confidences"}  # set by the verifier on its own lookup's passes, never by a caller
     assert all(getattr(item, f.name) != VerifyItem.__dataclass_fields__[f.name].default for f in dataclasses.fields(VerifyItem) if f.name not in own)
-    assert item == VerifyItem("s", 3, [1, 2], sampling, [7], [-1], [([7, 9], [0.75, 0.25])], True, 1, 2, 3, 7)
+    assert item == VerifyItem("s", 3, [1, 2], sampling, [7], [-1], [([7, 9], [0.75, 0.25])], True, 1, 4, 2, 3, 7)
     (verified,) = reply.sessions
-    assert verified == messages.VerifiedSession(True, False, [0], [7, 8], [-0.5, -0.25], [7, 3], [-0.5, -1.5], lookup_proposed=3, lookup_accepted=2)
+    prompt = messages.PromptLogprobs([-2.0], [3], [1], [-0.25])
+    assert verified == messages.VerifiedSession(True, False, [0], [7, 8], [-0.5, -0.25], [7, 3], [-0.5, -1.5], 3, 2, prompt)
     assert (reply.compute_ms, reply.batch_size, reply.queue_ms, reply.passes, reply.shared_ms) == (3.0, 4, 0.5, 2, 1.25)
 
 
