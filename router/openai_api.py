@@ -34,28 +34,24 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from router.api import Finished, GenerationError, GenerationParams
+from router.api import Finished, GenerationError, GenerationParams, Usage
 from router.frontdoor import FrontDoor, Generation, interleave
 from router.http_gate import BodyGate, error_response
 from router.tokens_api import token_routes
+from router.openai_logprobs import chat_logprobs, completion_logprobs, echo_logprobs, prompt_logprobs_json, token_text
 from router.openai_schema import (
     FINISH_REASONS,
     ApiError,
     ChatRequest,
     CompletionRequest,
     Sampling,
-    chat_logprobs,
     chat_max_tokens,
-    completion_logprobs,
     completion_prompts,
-    echo_logprobs,
     params_of,
-    prompt_logprobs_json,
     refuse_unsupported,
     render_chat,
     speculation_json,
     sse,
-    token_text,
     usage_json,
 )
 
@@ -157,7 +153,7 @@ class OpenAIServer:
             return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
 
         if body.stream:
-            return self._stream(generations, "text_completion", choice, body.include_usage)
+            return self._stream(generations, "text_completion", choice, body)
         await _run_unary(generations, request)
         results = [g.completion() for g in generations]
         return {
@@ -191,7 +187,7 @@ class OpenAIServer:
                 return {"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs_of(logprobs), "finish_reason": finish}
 
             first = [{"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None} for c in range(body.n)]
-            return self._stream(generations, "chat.completion.chunk", choice, body.include_usage, first)
+            return self._stream(generations, "chat.completion.chunk", choice, body, first)
         await _run_unary(generations, request)
         results = [g.completion() for g in generations]
         return {
@@ -218,13 +214,18 @@ class OpenAIServer:
     def _envelope(self, prefix: str, kind: str) -> dict:
         return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()), "model": self.model_name}
 
-    def _stream(self, generations: list[Generation], kind: str, choice, include_usage: bool, first: list[dict] | None = None) -> StreamingResponse:
+    def _stream(self, generations: list[Generation], kind: str, choice, body: Sampling, first: list[dict] | None = None) -> StreamingResponse:
         """Server-sent events of `kind` (text_completion or chat.completion.chunk), ending with [DONE].
 
-        choice(index, text, logprobs, finish_reason): one choice's JSON; `first`: choices sent before any output."""
+        choice(index, text, logprobs, finish_reason, prompt_logprobs): one choice's JSON; `first`: choices sent before
+        any output. With continuous usage (vLLM's), each event with a choice carries that choice's usage so far."""
         head = self._envelope("chatcmpl" if kind.startswith("chat") else "cmpl", kind)
+        streamed = [0] * len(generations)  # tokens each choice has sent
 
         def event(choices: list[dict], **extra) -> str:
+            if body.continuous_usage and len(choices) == 1:
+                index = choices[0]["index"]
+                extra["usage"] = usage_json([Usage(len(generations[index].prompt_ids), streamed[index])])
             return sse({**head, "choices": choices, **extra})
 
         async def events():
@@ -234,6 +235,7 @@ class OpenAIServer:
                 # Closed however this ends (a client gone closes this generator): its unfinished requests are cancelled.
                 async with contextlib.aclosing(interleave(generations, GONE)) as updates:
                     async for index, update in updates:
+                        streamed[index] += len(update.token_ids)
                         final = isinstance(update, Finished)
                         if not update.text and not final and not update.logprobs and update.prompt_logprobs is None:
                             continue
@@ -242,7 +244,7 @@ class OpenAIServer:
                         if final:
                             c["speculation"] = speculation_json(update.speculation)
                         yield event([c])
-                if include_usage:
+                if body.include_usage:
                     yield event([], usage=usage_json([g.usage() for g in generations]))
             except GenerationError as err:
                 # The status line is already sent: the error travels as an event, as vLLM does.

@@ -128,6 +128,34 @@ def test_completions_stream_with_usage(client, tokenizer, target_with_template):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected_ids)
 
 
+def test_continuous_usage_stats_give_each_chunk_its_choice_s_usage_so_far(client, tokenizer, target_with_template):
+    """vLLM's stream_options.continuous_usage_stats: every chunk with a choice carries that choice's prompt tokens and
+    the tokens it has streamed so far, the last of them its whole output; the usage chunk still comes last."""
+    prompt_tokens = len(tokenizer.encode(PROMPTS[0], add_special_tokens=False))
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(client.completions.create(model="random-target", prompt=PROMPTS[0], stream=True, stream_options=options, n=2, **greedy()))
+    total = chunks[-1].usage.completion_tokens
+    assert chunks[-1].choices == []
+    by_choice = {0: [], 1: []}
+    for chunk in chunks[:-1]:
+        assert chunk.usage.prompt_tokens == prompt_tokens
+        by_choice[chunk.choices[0].index].append(chunk.usage.completion_tokens)
+    expected = len(target_greedy(str(target_with_template), PROMPTS[0], MAX_TOKENS))
+    assert all(counts == sorted(counts) and counts[-1] == expected for counts in by_choice.values())
+    assert total == 2 * expected
+    # Without it, the chunks carry no usage.
+    plain = list(client.completions.create(model="random-target", prompt=PROMPTS[0], stream=True, stream_options={"include_usage": True}, **greedy()))
+    assert all(c.usage is None for c in plain[:-1])
+
+
+def test_response_format_text_is_plain_output(client):
+    """OpenAI's default format, sent explicitly, changes nothing (other formats are refused: REFUSED above)."""
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    plain = client.chat.completions.create(model="random-target", messages=messages, **greedy())
+    text = client.chat.completions.create(model="random-target", messages=messages, response_format={"type": "text"}, **greedy())
+    assert text.choices[0].message.content == plain.choices[0].message.content
+
+
 def test_chat_renders_the_template_unary_and_streaming(client, tokenizer, target_with_template):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def fibonacci(n):"}]
     prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
