@@ -134,9 +134,10 @@ class OpenAIServer:
         name = self._name(body)
         offsets = [0] * len(generations)  # text_offset of each choice's next streamed token
         # echo: each choice's prompt (text, ids) until its first event carries it, ahead of the output.
-        texts = [p if isinstance(p, str) else self.front_door.tokenizer.decode(p) for p in prompts for _ in range(n)]
-        echo = [(text, g.prompt_ids) for text, g in zip(texts, generations)]
-        echo = echo if body.echo else [None] * len(generations)
+        echo = [None] * len(generations)
+        if body.echo:
+            texts = [p if isinstance(p, str) else self.front_door.tokenizer.decode(p) for p in prompts for _ in range(n)]
+            echo = [(text, g.prompt_ids) for text, g in zip(texts, generations)]
 
         def choice(index: int, text: str, logprobs: list, finish: str | None, prompt: list | None = None) -> dict:
             lp = None

@@ -37,7 +37,7 @@ def session_item(s, sampling: SamplingParams) -> VerifyItem:
         proposals=[(list(p.token_ids), list(p.probs)) for p in s.tree.proposals],
         logprobs=s.logprobs,
         top_logprobs=s.top_logprobs,
-        prompt_logprobs=s.prompt_top_logprobs if s.prompt_logprobs else -1,
+        prompt_logprobs=s.prompt_top_logprobs if s.prompt_logprobs else None,
         plain_steps=s.plain_steps or 1,
         lookup_tokens=s.lookup_tokens,
         max_tokens=s.max_tokens,

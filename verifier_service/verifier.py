@@ -48,8 +48,8 @@ class VerifyItem:
     # Return the emitted tokens' log-probabilities, and this many alternatives each.
     logprobs: bool = False
     top_logprobs: int = 0
-    # >= 0: return the context's log-probabilities (vLLM's prompt_logprobs) with this many alternatives each.
-    prompt_logprobs: int = -1
+    # Set: return the context's log-probabilities (vLLM's prompt_logprobs) with this many alternatives each.
+    prompt_logprobs: int | None = None
     # Forward passes for this session in this call: the first verifies its tree (an empty tree: decodes a token), each
     # further one decodes a token plainly (1: the tree's pass alone).
     plain_steps: int = 1
@@ -127,7 +127,7 @@ def validate_item(item: VerifyItem, vocab_size: int, max_context: int) -> None:
         raise ValueError(f"session {item.session_id}: context plus {what} exceeds the model's {max_context} positions")
     if item.prefix_length == 0 and not item.new_token_ids:
         raise ValueError(f"session {item.session_id}: a new session needs at least one token")
-    for name, top in [("top_logprobs", item.top_logprobs), ("prompt_top_logprobs", max(0, item.prompt_logprobs))]:
+    for name, top in [("top_logprobs", item.top_logprobs), ("prompt_top_logprobs", item.prompt_logprobs or 0)]:
         if not 0 <= top <= MAX_TOP_LOGPROBS:
             raise ValueError(f"session {item.session_id}: {name} must be between 0 and {MAX_TOP_LOGPROBS}, got {top}")
     problem = item.sampling.problem(vocab_size)
@@ -191,7 +191,7 @@ class Verifier:
                 results[idx] = VerifyResult(item.session_id, known=False)
                 continue
             owed = session.prompt_logprobs
-            if item.prompt_logprobs >= 0 and (owed is None or owed.top != item.prompt_logprobs):
+            if item.prompt_logprobs is not None and (owed is None or owed.top != item.prompt_logprobs):
                 session.prompt_logprobs = PromptLogprobs(item.prompt_logprobs)
                 session.crop_kv(0)  # its prefill computes every position's logits, none from the cache
             live.append((idx, item, session))

@@ -97,7 +97,7 @@ def test_a_one_token_prompt_has_no_entries(random_family):
     assert result.prompt is not None and result.prompt.logprobs == [] and result.prompt.top_token_ids == []
 
 
-@pytest.mark.parametrize("value", [21, 100])
+@pytest.mark.parametrize("value", [-1, 21, 100])
 def test_too_many_alternatives_are_refused_naming_the_field(value):
     with pytest.raises(ValueError, match=f"prompt_top_logprobs must be between 0 and 20, got {value}"):
         validate_item(VerifyItem("s", 0, [1, 2, 3], SamplingParams(), prompt_logprobs=value), vocab_size=300, max_context=64)
