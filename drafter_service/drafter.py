@@ -31,15 +31,21 @@ races agree.
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import threading
 import zlib
 from dataclasses import dataclass, field
 
 from specfleet.engine import LoadedModel, Session, SessionStore, UnknownSession, next_token_logits, prefill, prefill_shares, shaping
+from specfleet.engine.guides import GuideState, session_guide
 from specfleet.engine.stack import Stack, stack_models
 from specfleet.fusion import lead
+from specfleet.guides import GuideError
 from specfleet.sampling import STREAM_DRAFT, SamplingParams
 from drafter_service.ngram import NgramModel
+
+log = logging.getLogger(__name__)
 
 # Catch-ups up to this many tokens ride in the first draft step: a separate pass for them cost
 # about a fifth of a draft call, and padding a step to this width costs a small model little.
@@ -142,7 +148,7 @@ def propose(drafting: list[Drafting], step: int) -> None:
     params = [d.item.sampling for d in drafting]
     tokens, proposals, confidences = shaping.propose(
         global_ids,
-        shaping.adjusted(params, logits, [(d.session.token_ids, [[]]) for d in drafting], global_ids),
+        shaping.adjusted(params, logits, [(d.session.token_ids, [[]]) for d in drafting], global_ids, [_guide(d) for d in drafting]),
         params,
         [d.committed + step for d in drafting],
         [d.model.stream for d in drafting],
@@ -152,6 +158,21 @@ def propose(drafting: list[Drafting], step: int) -> None:
         d.result.token_ids.append(token)
         d.result.proposals.append(proposal)
         d.result.confidences.append(confidence)
+
+
+def _guide(d: Drafting) -> GuideState | None:
+    """The session's guide state, or None where it has none or its guide cannot be compiled here (xgrammar missing):
+    such a session drafts unguided, which the verification keeps lossless (drafts the guide disallows get p = 0)."""
+    try:
+        return session_guide(d.session, d.item.sampling.guide, d.model.loaded.guides)
+    except GuideError as err:
+        _warn_unguided(str(err))
+        return None
+
+
+@functools.cache
+def _warn_unguided(reason: str) -> None:
+    log.warning("drafting guided sessions unguided: %s", reason)
 
 
 @dataclass

@@ -11,6 +11,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from specfleet.guides import Guide
+
 
 @dataclass
 class SpeculationOptions:
@@ -43,6 +45,7 @@ class GenerationParams:
     stop_token_ids: list[int] = field(default_factory=list)  # vLLM's: the output ends after the first of these
     min_tokens: int = 0  # vLLM's: end of sequence and stop_token_ids held back until the output has this many
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's log-probability past the first, this many alternatives
+    guide: Guide | None = None  # structured output: the JSON schema, regex, choice or grammar the output follows
 
 
 @dataclass

@@ -38,6 +38,7 @@ from router.api import (
 from router.request import Limits, RequestSpec, RequestState
 from router.scheduler import Overloaded, Scheduler
 from router.validation import validate
+from specfleet.guides import GuideCompiler
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +166,8 @@ class FrontDoor:
         self.limits = limits
         self.eos_token_id = eos_token_id
         self.target = target
+        # Structured output's grammars for the target's tokenizer: a request's guide is compiled once on admission.
+        self.guides = GuideCompiler(tokenizer, limits.vocab_size, eos_token_id)
         self.draining = False
         self._tokenizing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
@@ -183,7 +186,7 @@ class FrontDoor:
 
     def _validate(self, params: GenerationParams) -> tuple[RequestSpec, str]:
         """The validated request and its prompt text (the routing classifier reads it)."""
-        spec = validate(params, self.tokenizer, self.limits)
+        spec = validate(params, self.tokenizer, self.limits, self.guides)
         return spec, params.prompt or self.tokenizer.decode(spec.prompt_ids)
 
     def refused(self, code: str) -> None:

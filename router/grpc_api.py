@@ -26,6 +26,7 @@ from router.api import (
     Usage,
 )
 from router.frontdoor import FrontDoor, Generation
+from specfleet.guides import Guide
 from specfleet.v1 import generation_pb2, generation_pb2_grpc
 
 STATUS = {
@@ -62,6 +63,7 @@ def params_of(req: generation_pb2.GenerateRequest) -> GenerationParams:
         stop_token_ids=list(req.stop_token_ids),
         min_tokens=req.min_tokens,
         prompt_logprobs=req.prompt_logprobs if req.HasField("prompt_logprobs") else None,
+        guide=Guide(req.guide.kind, req.guide.spec, req.guide.compact) if req.HasField("guide") else None,
     )
 
 

@@ -16,6 +16,7 @@ import struct
 from pydantic import BaseModel, ConfigDict, Field
 
 from router.api import ErrorKind, GenerationError, GenerationParams, SpeculationOptions, SpeculationStats, Usage
+from specfleet.guides import Guide
 
 # Choices per request at most: each is a request of its own to the scheduler.
 MAX_N = 16
@@ -100,8 +101,11 @@ class Sampling(BaseModel):
     domain: str = ""
     request_id: str = ""
 
-    # OpenAI's plain text, the only format specfleet produces: structured output is refused by name.
+    # Structured output (router/openai_guides.py): OpenAI's response_format ({"type": "text"}, the default;
+    # "json_object"; "json_schema" with json_schema.schema) or vLLM's structured_outputs (one of json, regex, choice,
+    # grammar, json_object).
     response_format: dict | None = None
+    structured_outputs: dict | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -180,12 +184,54 @@ def refuse_unsupported(body: Sampling) -> None:
             raise unsupported("suffix")
     if body.seed is not None and not 0 <= body.seed < 2**63:
         raise ApiError(400, f"seed: must be between 0 and 2**63 - 1, got {body.seed}", param="seed")
-    if body.response_format not in (None, {"type": "text"}):
-        raise unsupported("response_format", 'only {"type": "text"} is supported: specfleet has no structured output')
+    guide_of(body)  # a malformed response_format or structured_outputs: a 400 before anything is submitted
     if body.prompt_logprobs is not None and body.stream:
         raise ApiError(400, "prompt_logprobs: not available with stream: true (as in vLLM)", param="prompt_logprobs")
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options: only allowed with stream: true", param="stream_options")
+
+
+# vLLM's structured_outputs keys specfleet serves, each naming a guide kind (specfleet/guides.py).
+STRUCTURED_KINDS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar", "json_object": "json"}
+# vLLM's structured_outputs options besides the guide: kept apart from the kinds.
+STRUCTURED_OPTIONS = ("disable_any_whitespace",)
+ANY_OBJECT = json.dumps({"type": "object"})
+
+
+def guide_of(body: Sampling) -> Guide | None:
+    """The guide a request's response_format or structured_outputs asks for (not both), or None; a 400 names the
+    field that is malformed. Whether the guide compiles is checked on admission (router/validation.py)."""
+    structured = body.structured_outputs or {}
+    compact = bool(structured.get("disable_any_whitespace"))
+    asked = [key for key, value in structured.items() if value not in (None, False) and key not in STRUCTURED_OPTIONS]
+    fmt = body.response_format if body.response_format != {"type": "text"} else None
+    if asked and fmt is not None:
+        raise ApiError(400, "structured_outputs: set it or response_format, not both", param="structured_outputs")
+    if asked:
+        others = [key for key in asked if key not in STRUCTURED_KINDS]
+        if others:
+            raise unsupported(f"structured_outputs.{others[0]}", f"specfleet serves one of {', '.join(STRUCTURED_KINDS)}")
+        if len(asked) != 1:
+            raise ApiError(400, f"structured_outputs: set exactly one of {', '.join(STRUCTURED_KINDS)}", param="structured_outputs")
+        key, value = asked[0], structured[asked[0]]
+        if key in ("json", "json_object"):
+            return Guide("json", ANY_OBJECT if key == "json_object" else value if isinstance(value, str) else json.dumps(value), compact)
+        if key == "choice":
+            return Guide("choice", json.dumps(value))
+        if not isinstance(value, str):
+            raise ApiError(400, f"structured_outputs.{key}: must be a string", param=f"structured_outputs.{key}")
+        return Guide(key, value)
+    if fmt is None:
+        return None
+    kind = fmt.get("type")
+    if kind == "json_object":
+        return Guide("json", ANY_OBJECT, compact)
+    if kind != "json_schema":
+        raise ApiError(400, f"response_format.type: one of text, json_object, json_schema, got {kind!r}", param="response_format")
+    schema = fmt["json_schema"].get("schema") if isinstance(fmt.get("json_schema"), dict) else None
+    if not isinstance(schema, dict):
+        raise ApiError(400, "response_format.json_schema.schema: a JSON schema (an object) is required", param="response_format")
+    return Guide("json", json.dumps(schema), compact)
 
 
 def logit_bias_of(body: Sampling) -> dict[int, float]:
@@ -237,6 +283,7 @@ def params_of(body: Sampling, max_tokens: int | None, prompt: str | list[int], i
         stop_token_ids=list(body.stop_token_ids or []),
         min_tokens=body.min_tokens,
         prompt_logprobs=body.prompt_logprobs,
+        guide=guide_of(body),
     )
     if isinstance(prompt, str):
         params.prompt = prompt

@@ -75,6 +75,7 @@ def sampling_message(params: SamplingParams) -> common_pb2.SamplingParams:
             output_start=params.output_start,
             min_tokens=params.min_tokens,
             held_back=params.held_back,
+            guide=common_pb2.Guide(kind=params.guide.kind, spec=params.guide.spec, compact=params.guide.compact) if params.guide else None,
         )
     return message
 

@@ -11,6 +11,7 @@ import uuid
 
 from router.api import GenerationParams, invalid
 from router.request import Limits, RequestSpec
+from specfleet.guides import Guide, GuideCompiler, GuideError
 from specfleet.sampling import MAX_LOGIT_BIAS, MAX_PENALTY, MAX_REPETITION_PENALTY, SamplingParams
 
 MAX_STOP_STRINGS = 16
@@ -32,15 +33,16 @@ def _float32(x: float) -> float:
         return math.copysign(math.inf, x)
 
 
-def validate(params: GenerationParams, tokenizer, limits: Limits) -> RequestSpec:
-    """The request `params` asks for, checked against `limits`; a GenerationError (INVALID_ARGUMENT) names the first bad field."""
+def validate(params: GenerationParams, tokenizer, limits: Limits, guides: GuideCompiler | None = None) -> RequestSpec:
+    """The request `params` asks for, checked against `limits`; a GenerationError (INVALID_ARGUMENT) names the first bad field.
+    A guide is compiled by `guides` (the target's tokenizer's), so one that does not compile is refused here."""
     for name, value, longest in (("request_id", params.request_id, MAX_LABEL_CHARS), ("domain", params.domain, MAX_LABEL_CHARS)):
         # Labels end up in logs and metrics: no control characters (a newline would forge a log line).
         if len(value) > longest or not value.isprintable():
             raise invalid(name, f"at most {longest} printable characters, got {len(value)} characters")
     prompt_ids = _prompt_ids(params, tokenizer, limits)
     max_tokens = _max_tokens(params, len(prompt_ids), limits)
-    sampling = _sampling(params, limits, len(prompt_ids), max_tokens)
+    sampling = _sampling(params, limits, len(prompt_ids), max_tokens, _guide(params.guide, guides))
     if len(params.stop) > MAX_STOP_STRINGS or any(not s for s in params.stop):
         raise invalid("stop", f"at most {MAX_STOP_STRINGS} non-empty strings")
     spec_opts = params.speculation
@@ -108,7 +110,21 @@ def _max_tokens(params: GenerationParams, prompt_tokens: int, limits: Limits) ->
     return max_tokens
 
 
-def _sampling(params: GenerationParams, limits: Limits, prompt_tokens: int, max_tokens: int) -> SamplingParams:
+def _guide(guide: Guide | None, guides: GuideCompiler | None) -> Guide | None:
+    if guide is None:
+        return None
+    try:
+        problem = guide.problem()
+        if problem:
+            raise GuideError(problem)
+        if guides is not None:
+            guides.compile(guide)
+    except GuideError as err:
+        raise invalid("guide", str(err)) from None
+    return guide
+
+
+def _sampling(params: GenerationParams, limits: Limits, prompt_tokens: int, max_tokens: int, guide: Guide | None) -> SamplingParams:
     temperature, top_p = _float32(params.temperature), _float32(params.top_p)
     if not math.isfinite(temperature) or temperature < 0:
         raise invalid("temperature", f"must be >= 0 (0 is greedy), got {temperature}")
@@ -143,10 +159,11 @@ def _sampling(params: GenerationParams, limits: Limits, prompt_tokens: int, max_
         presence_penalty=presence,
         frequency_penalty=frequency,
         repetition_penalty=repetition,
-        # Where presence, frequency and min_tokens start counting; left at 0 where nothing reads it.
-        output_start=prompt_tokens if (presence or frequency or repetition != 1 or held_back) else 0,
+        # Where presence, frequency, min_tokens and a guide start reading the output; left at 0 where nothing reads it.
+        output_start=prompt_tokens if (presence or frequency or repetition != 1 or held_back or guide) else 0,
         min_tokens=params.min_tokens if held_back else 0,
         held_back=held_back,
+        guide=guide,
     )
 
 

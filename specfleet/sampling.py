@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from specfleet.guides import Guide
+
 # Streams keep the drafter's and the verifier's draws independent of each other.
 STREAM_VERIFY = 0
 STREAM_DRAFT = 1
@@ -53,6 +55,9 @@ class SamplingParams:
     # request's stop tokens) probability 0, on both sides: the output cannot end before min_tokens tokens.
     min_tokens: int = 0
     held_back: tuple[int, ...] = ()
+    # Structured output (specfleet/guides.py): every row allows only the tokens the guide's grammar allows after the
+    # output (from output_start) and the row's path, on both sides, after the penalties and min_tokens.
+    guide: Guide | None = None
 
     @property
     def greedy(self) -> bool:
@@ -84,6 +89,10 @@ class SamplingParams:
             return f"sampling.min_tokens must be >= 0, got {self.min_tokens}"
         if any(not 0 <= token < vocab_size for token in self.held_back):
             return f"sampling.held_back has ids outside the vocabulary [0, {vocab_size})"
+        if self.guide is not None:
+            problem = self.guide.problem()
+            if problem:
+                return f"sampling.guide: {problem}"
         return None
 
     @property
@@ -93,8 +102,8 @@ class SamplingParams:
 
     @property
     def reads_context(self) -> bool:
-        """Each row's distribution depends on the tokens before it (penalties) or on its position (min_tokens)."""
-        return self.penalized or (self.min_tokens > 0 and bool(self.held_back))
+        """Each row's distribution depends on the tokens before it (penalties, a guide) or on its position (min_tokens)."""
+        return self.penalized or (self.min_tokens > 0 and bool(self.held_back)) or self.guide is not None
 
     @property
     def raced(self) -> bool:
@@ -117,4 +126,5 @@ class SamplingParams:
             msg.output_start,
             msg.min_tokens,
             tuple(msg.held_back),
+            Guide(msg.guide.kind, msg.guide.spec, msg.guide.compact) if msg.HasField("guide") else None,
         )

@@ -16,6 +16,7 @@ from specfleet import placement, service_shell
 from specfleet.metrics import PassTelemetry
 from specfleet.engine import SessionStore, configure_torch, load_model, ray_ranks
 from specfleet.sampling import SamplingParams
+from specfleet.guides import GuideError
 from specfleet.service_shell import CoreServicer, InvalidArgument, Section, ServiceSpec
 from specfleet.batching import BatchQueue, BatchStats, housekeeping_every
 from specfleet.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
@@ -86,6 +87,11 @@ class VerifierCore:
                 if item.session_id in seen:
                     raise ValueError(f"session {item.session_id} appears twice in one call")
                 validate_item(item, loaded.vocab_size, loaded.max_context)
+                if item.sampling.guide is not None:
+                    try:
+                        loaded.guides.compile(item.sampling.guide)
+                    except GuideError as err:
+                        raise ValueError(f"session {item.session_id}: {err}") from None
             except ValueError as err:
                 raise InvalidArgument(str(err)) from None
             seen.add(item.session_id)

@@ -17,15 +17,14 @@ with no drafter and no round trip; a pass with no chain is a plain pass.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from specfleet.engine import LoadedModel, SessionStore, UnknownSession, prefill, prefill_shares, shaping, tree_pass
+from specfleet.engine import LoadedModel, SessionStore, UnknownSession, prefill, prefill_shares, session_guide, shaping, tree_pass
 from specfleet.engine.ngram import lookup_chain, next_token_counts
 from specfleet.engine.prompt_logprobs import PromptLogprobs
 from specfleet.sampling import STREAM_DRAFT, SamplingParams
@@ -145,7 +144,7 @@ def _left(item: VerifyItem, done: VerifyResult | None) -> int:
 
 def _plain(item: VerifyItem) -> VerifyItem:
     """The item a pass after its tree's runs: the same session and sampling, an empty tree."""
-    return dataclasses.replace(item, tree_tokens=[], tree_parents=[], proposals=[], lookup_confidences=[]) if item.tree_tokens else item
+    return replace(item, tree_tokens=[], tree_parents=[], proposals=[], lookup_confidences=[]) if item.tree_tokens else item
 
 
 class Verifier:
@@ -259,7 +258,7 @@ class Verifier:
             )
             if chain:
                 parents = list(range(-1, len(chain) - 1))
-                item = dataclasses.replace(item, tree_tokens=chain, tree_parents=parents, proposals=proposals, lookup_confidences=confidences)
+                item = replace(item, tree_tokens=chain, tree_parents=parents, proposals=proposals, lookup_confidences=confidences)
                 out[at] = (idx, item, session)
         return out
 
@@ -348,7 +347,8 @@ class Verifier:
             (session.token_ids, shaping.tree_paths(item.tree_tokens, item.tree_parents)) if item.sampling.reads_context else None
             for _, item, session in live
         ]
-        logits = shaping.adjusted(params, raw, contexts)
+        guides = [session_guide(session, item.sampling.guide, self.loaded.guides) for _, item, session in live]
+        logits = shaping.adjusted(params, raw, contexts, guides=guides)
 
         # Greedy and raced sessions have a fixed target token at every row: the greedy walk
         # decides them (obligations 5 and 6); the rest take rejection sampling.

@@ -14,9 +14,11 @@ ids, probabilities or proposals; they create no tensors of their own.
     parallel.py  tensor parallelism: a model split over ranks, rank 0 starting and driving the others (`rank.py`),
                  their messages and CPU collectives through shared memory (`shared_memory.py`)
     shaping.py   logits to what is sent: target tokens, shaped p and its noise, draft proposals
+    guides.py    structured output: a session's grammar matcher and each row's allowed tokens (`GuideState`)
     sampling.py  the tensor math of sampling: shaping logits, seeded generators, the exponential race
 """
 
+from specfleet.engine.guides import GuideState, session_guide
 from specfleet.engine.kv import KVPool, Session
 from specfleet.engine.sessions import SessionStore, UnknownSession
 from specfleet.engine.loading import (
@@ -35,6 +37,7 @@ __all__ = [
     "DTYPES",
     "TOKEN_MAP_FILE",
     "ForwardItem",
+    "GuideState",
     "KVPool",
     "LoadedModel",
     "Session",
@@ -48,6 +51,7 @@ __all__ = [
     "next_token_logits",
     "prefill",
     "prefill_shares",
+    "session_guide",
     "read_token_map",
     "resolve_device",
     "tree_pass",

@@ -275,6 +275,8 @@ class Session:
     used_at: float = 0.0  # time.monotonic() of the last call that synced it (SessionStore.expire_idle)
     # While a verifier owes its client the prompt's log-probabilities: prefill records them and skips the prefix cache.
     prompt_logprobs: PromptLogprobs | None = None
+    # A guided session's grammar matcher after its output (specfleet/engine/guides.py `session_guide`).
+    guide_state: object | None = None
 
     def place(self) -> int | torch.Tensor:
         """Where the cache lies on the pool's token axis: its first position's index when its blocks are

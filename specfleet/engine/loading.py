@@ -23,6 +23,7 @@ from specfleet.engine import checkpoint, cpu_kernels, cpu_linear, cpu_pass, kv, 
 from specfleet.engine.attention import ATTENTION_MODES, kernel_attends
 from specfleet.engine.kv import KVPool
 from specfleet.engine.llama import LlamaModel, check_supported, from_weights
+from specfleet.guides import GuideCompiler
 from specfleet.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ class LoadedModel:
     local_index: torch.Tensor | None = None  # [vocab] int64: position in token_map, -1 if absent
     # The KV memory of this model's sessions: blocks of kv_block_size positions on the model's device.
     pool: KVPool = field(init=False)
+    guides: GuideCompiler = field(init=False)
     kv_block_size: int = kv.BLOCK_SIZE
     # Whether sessions share the cached blocks their tokens start with (`kv.KVPool`).
     prefix_caching: bool = False
@@ -81,6 +83,8 @@ class LoadedModel:
     linear: str = "plain"
 
     def __post_init__(self):
+        # Structured output's grammars, compiled for this model's tokenizer and vocabulary on first use.
+        self.guides = GuideCompiler(self.tokenizer, self.vocab_size, self.eos_token_id)
         self.pool = KVPool(self.model, self.kv_block_size, prefix_caching=self.prefix_caching)
         if self.model.parallel is not None and self.model.parallel.rank == 0:
             self.pool.log = []  # the other ranks replay its copies (`parallel.py`)

@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from specfleet.engine.guides import GuideState, mask_rows
 from specfleet.engine.sampling import (
     generator_for,
     probs_from_logits,
@@ -39,11 +40,13 @@ def adjusted(
     logits: torch.Tensor,
     contexts: list[Context | None] | None = None,
     global_ids: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    guides: list[GuideState | None] | None = None,
 ) -> torch.Tensor:
     """logits [B, W, V] (or [B, V]: one row a session) as each session asked before temperature: its logit bias added,
     then its penalties applied on what each row's context holds, in vLLM's order, and the tokens min_tokens holds back
-    given no chance at rows before the output's min_tokens-th token (`contexts[b]` is needed for sessions that read
-    their context). Everything reads these: the argmax of greedy sessions, the race's and rejection sampling's p, a
+    given no chance at rows before the output's min_tokens-th token, then every token its guide disallows at a row
+    given none (`guides[b]`, the session's `GuideState`; `contexts[b]` is needed for sessions that read their
+    context). Everything reads these: the argmax of greedy sessions, the race's and rejection sampling's p, a
     drafter's q. The same tensor where nobody asked for any. `global_ids` (a drafter's, `propose`'s) turns positions
     along a row into vocabulary ids, for a model whose output layer covers part of the vocabulary: an id it lacks
     changes nothing."""
@@ -62,7 +65,17 @@ def adjusted(
             _penalize(rows[b], params[b], *contexts[b], ids)
         if params[b].min_tokens and params[b].held_back:
             _hold_back(rows[b], params[b], *contexts[b], ids)
+        if params[b].guide is not None and guides is not None and guides[b] is not None:
+            _guide(rows[b], params[b], guides[b], *contexts[b], ids)
     return logits
+
+
+def _guide(rows: torch.Tensor, params: SamplingParams, state: GuideState, tokens: list[int], paths: list[list[int]], ids_of) -> None:
+    """Every token the guide disallows at row r of rows [W, V'] given no chance (logit -inf) in place, row r after the
+    session's output (its tokens from output_start) and paths[r]."""
+    bitmask = state.bitmask(tokens[params.output_start :], paths)
+    if bitmask is not None:
+        mask_rows(rows[: len(paths)], bitmask, ids_of)
 
 
 def _hold_back(rows: torch.Tensor, params: SamplingParams, tokens: list[int], paths: list[list[int]], ids_of: torch.Tensor | None) -> None:

@@ -3,7 +3,7 @@ from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -19,7 +19,7 @@ SESSION_UNKNOWN: SessionStatus
 SESSION_PREFILLING: SessionStatus
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed", "drafter_invariant", "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "output_start", "min_tokens", "held_back")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "drafter_invariant", "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "output_start", "min_tokens", "held_back", "guide")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class SamplingParams(_message.Message):
     OUTPUT_START_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HELD_BACK_FIELD_NUMBER: _ClassVar[int]
+    GUIDE_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -51,7 +52,18 @@ class SamplingParams(_message.Message):
     output_start: int
     min_tokens: int
     held_back: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., drafter_invariant: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., output_start: _Optional[int] = ..., min_tokens: _Optional[int] = ..., held_back: _Optional[_Iterable[int]] = ...) -> None: ...
+    guide: Guide
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., drafter_invariant: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., output_start: _Optional[int] = ..., min_tokens: _Optional[int] = ..., held_back: _Optional[_Iterable[int]] = ..., guide: _Optional[_Union[Guide, _Mapping]] = ...) -> None: ...
+
+class Guide(_message.Message):
+    __slots__ = ("kind", "spec", "compact")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    COMPACT_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    spec: str
+    compact: bool
+    def __init__(self, kind: _Optional[str] = ..., spec: _Optional[str] = ..., compact: _Optional[bool] = ...) -> None: ...
 
 class SessionSync(_message.Message):
     __slots__ = ("session_id", "prefix_length", "new_token_ids")

@@ -22,9 +22,10 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from specfleet.v1 import common_pb2 as specfleet_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspecfleet/v1/generation.proto\x12\x0cspecfleet.v1\"@\n\x12SpeculationOptions\x12\x10\n\x08\x64isabled\x18\x01 \x01(\x08\x12\x18\n\x10max_draft_tokens\x18\x02 \x01(\x05\"\xbb\x05\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x17\n\nmax_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x06 \x01(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nrequest_id\x18\t \x01(\t\x12\x35\n\x0bspeculation\x18\n \x01(\x0b\x32 .specfleet.v1.SpeculationOptions\x12\x18\n\x0bstop_at_eos\x18\x0b \x01(\x08H\x03\x88\x01\x01\x12\x0e\n\x06\x64omain\x18\x0c \x01(\t\x12\x10\n\x08logprobs\x18\r \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0e \x01(\x05\x12@\n\nlogit_bias\x18\x0f \x03(\x0b\x32,.specfleet.v1.GenerateRequest.LogitBiasEntry\x12\x18\n\x10presence_penalty\x18\x10 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x11 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x12 \x01(\x02H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x13 \x03(\x05\x12\x12\n\nmin_tokens\x18\x14 \x01(\x05\x12\x1c\n\x0fprompt_logprobs\x18\x15 \x01(\x05H\x05\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x0e\n\x0c_stop_at_eosB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobs\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"i\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\'\n\x03top\x18\x03 \x03(\x0b\x32\x1a.specfleet.v1.TokenLogprob\x12\x0c\n\x04rank\x18\x04 \x01(\x05\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"^\n\x0c\x44rafterStats\x12\x0f\n\x07\x64rafter\x18\x01 \x01(\t\x12\x0e\n\x06rounds\x18\x02 \x01(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\x05\"\xb7\x02\n\x10SpeculationStats\x12\x0e\n\x06rounds\x18\x01 \x01(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x05\x12,\n\x08\x64rafters\x18\x04 \x03(\x0b\x32\x1a.specfleet.v1.DrafterStats\x12\x0e\n\x06\x64omain\x18\t \x01(\t\x12\x15\n\rdraft_wall_ms\x18\x05 \x01(\x02\x12\x18\n\x10\x64raft_compute_ms\x18\x06 \x01(\x02\x12\x16\n\x0everify_wall_ms\x18\x07 \x01(\x02\x12\x19\n\x11verify_compute_ms\x18\x08 \x01(\x02\x12\x16\n\x0e\x64raft_queue_ms\x18\n \x01(\x02\x12\x17\n\x0fverify_queue_ms\x18\x0b \x01(\x02\x12\x11\n\trouter_ms\x18\x0c \x01(\x02\"\x9c\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.specfleet.v1.Usage\x12\x33\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1e.specfleet.v1.SpeculationStats\x12-\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1b.specfleet.v1.TokenLogprobs\x12\x34\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1b.specfleet.v1.TokenLogprobs\"\x99\x02\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.specfleet.v1.Usage\x12\x33\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1e.specfleet.v1.SpeculationStats\x12-\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1b.specfleet.v1.TokenLogprobs\x12\x34\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1b.specfleet.v1.TokenLogprobs2\xa7\x01\n\nGeneration\x12I\n\x08Generate\x12\x1d.specfleet.v1.GenerateRequest\x1a\x1e.specfleet.v1.GenerateResponse\x12N\n\x0eGenerateStream\x12\x1d.specfleet.v1.GenerateRequest\x1a\x1b.specfleet.v1.GenerateChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspecfleet/v1/generation.proto\x12\x0cspecfleet.v1\x1a\x19specfleet/v1/common.proto\"@\n\x12SpeculationOptions\x12\x10\n\x08\x64isabled\x18\x01 \x01(\x08\x12\x18\n\x10max_draft_tokens\x18\x02 \x01(\x05\"\xdf\x05\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x17\n\nmax_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x06 \x01(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nrequest_id\x18\t \x01(\t\x12\x35\n\x0bspeculation\x18\n \x01(\x0b\x32 .specfleet.v1.SpeculationOptions\x12\x18\n\x0bstop_at_eos\x18\x0b \x01(\x08H\x03\x88\x01\x01\x12\x0e\n\x06\x64omain\x18\x0c \x01(\t\x12\x10\n\x08logprobs\x18\r \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0e \x01(\x05\x12@\n\nlogit_bias\x18\x0f \x03(\x0b\x32,.specfleet.v1.GenerateRequest.LogitBiasEntry\x12\x18\n\x10presence_penalty\x18\x10 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x11 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x12 \x01(\x02H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x13 \x03(\x05\x12\x12\n\nmin_tokens\x18\x14 \x01(\x05\x12\x1c\n\x0fprompt_logprobs\x18\x15 \x01(\x05H\x05\x88\x01\x01\x12\"\n\x05guide\x18\x16 \x01(\x0b\x32\x13.specfleet.v1.Guide\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x0e\n\x0c_stop_at_eosB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobs\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"i\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\'\n\x03top\x18\x03 \x03(\x0b\x32\x1a.specfleet.v1.TokenLogprob\x12\x0c\n\x04rank\x18\x04 \x01(\x05\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"^\n\x0c\x44rafterStats\x12\x0f\n\x07\x64rafter\x18\x01 \x01(\t\x12\x0e\n\x06rounds\x18\x02 \x01(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\x05\"\xb7\x02\n\x10SpeculationStats\x12\x0e\n\x06rounds\x18\x01 \x01(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x05\x12,\n\x08\x64rafters\x18\x04 \x03(\x0b\x32\x1a.specfleet.v1.DrafterStats\x12\x0e\n\x06\x64omain\x18\t \x01(\t\x12\x15\n\rdraft_wall_ms\x18\x05 \x01(\x02\x12\x18\n\x10\x64raft_compute_ms\x18\x06 \x01(\x02\x12\x16\n\x0everify_wall_ms\x18\x07 \x01(\x02\x12\x19\n\x11verify_compute_ms\x18\x08 \x01(\x02\x12\x16\n\x0e\x64raft_queue_ms\x18\n \x01(\x02\x12\x17\n\x0fverify_queue_ms\x18\x0b \x01(\x02\x12\x11\n\trouter_ms\x18\x0c \x01(\x02\"\x9c\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.specfleet.v1.Usage\x12\x33\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1e.specfleet.v1.SpeculationStats\x12-\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1b.specfleet.v1.TokenLogprobs\x12\x34\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1b.specfleet.v1.TokenLogprobs\"\x99\x02\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.specfleet.v1.Usage\x12\x33\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1e.specfleet.v1.SpeculationStats\x12-\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1b.specfleet.v1.TokenLogprobs\x12\x34\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1b.specfleet.v1.TokenLogprobs2\xa7\x01\n\nGeneration\x12I\n\x08Generate\x12\x1d.specfleet.v1.GenerateRequest\x1a\x1e.specfleet.v1.GenerateResponse\x12N\n\x0eGenerateStream\x12\x1d.specfleet.v1.GenerateRequest\x1a\x1b.specfleet.v1.GenerateChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,26 +34,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_SPECULATIONOPTIONS']._serialized_start=47
-  _globals['_SPECULATIONOPTIONS']._serialized_end=111
-  _globals['_GENERATEREQUEST']._serialized_start=114
-  _globals['_GENERATEREQUEST']._serialized_end=813
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=672
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=720
-  _globals['_TOKENLOGPROB']._serialized_start=815
-  _globals['_TOKENLOGPROB']._serialized_end=864
-  _globals['_TOKENLOGPROBS']._serialized_start=866
-  _globals['_TOKENLOGPROBS']._serialized_end=971
-  _globals['_USAGE']._serialized_start=973
-  _globals['_USAGE']._serialized_end=1030
-  _globals['_DRAFTERSTATS']._serialized_start=1032
-  _globals['_DRAFTERSTATS']._serialized_end=1126
-  _globals['_SPECULATIONSTATS']._serialized_start=1129
-  _globals['_SPECULATIONSTATS']._serialized_end=1440
-  _globals['_GENERATERESPONSE']._serialized_start=1443
-  _globals['_GENERATERESPONSE']._serialized_end=1727
-  _globals['_GENERATECHUNK']._serialized_start=1730
-  _globals['_GENERATECHUNK']._serialized_end=2011
-  _globals['_GENERATION']._serialized_start=2014
-  _globals['_GENERATION']._serialized_end=2181
+  _globals['_SPECULATIONOPTIONS']._serialized_start=74
+  _globals['_SPECULATIONOPTIONS']._serialized_end=138
+  _globals['_GENERATEREQUEST']._serialized_start=141
+  _globals['_GENERATEREQUEST']._serialized_end=876
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=735
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=783
+  _globals['_TOKENLOGPROB']._serialized_start=878
+  _globals['_TOKENLOGPROB']._serialized_end=927
+  _globals['_TOKENLOGPROBS']._serialized_start=929
+  _globals['_TOKENLOGPROBS']._serialized_end=1034
+  _globals['_USAGE']._serialized_start=1036
+  _globals['_USAGE']._serialized_end=1093
+  _globals['_DRAFTERSTATS']._serialized_start=1095
+  _globals['_DRAFTERSTATS']._serialized_end=1189
+  _globals['_SPECULATIONSTATS']._serialized_start=1192
+  _globals['_SPECULATIONSTATS']._serialized_end=1503
+  _globals['_GENERATERESPONSE']._serialized_start=1506
+  _globals['_GENERATERESPONSE']._serialized_end=1790
+  _globals['_GENERATECHUNK']._serialized_start=1793
+  _globals['_GENERATECHUNK']._serialized_end=2074
+  _globals['_GENERATION']._serialized_start=2077
+  _globals['_GENERATION']._serialized_end=2244
 # @@protoc_insertion_point(module_scope)

@@ -28,6 +28,8 @@ mass between likely and unlikely tokens, and each is caught. The bias-and-penalt
 uses negative penalties (the output's tokens made likelier), so that a row's p depends
 strongly on the tree path above it: a verifier penalizing every row as the root's
 (tests/mutants/sampling.yaml: tree-rows-ignore-their-paths) fails it at 1.6-2 times the threshold.
+The guided setting (structured output: a regular expression of lowercase letters and spaces) gives the
+tokens outside it p_j = 0 on both sides; a verifier that ignores the guide emits them.
 
 Requests without a seed take the router's random seed; seeded ones (seeds 0..n-1, one a
 sample) may take another lossless path (noise shared by drafters and verifier per seed
@@ -42,13 +44,14 @@ of the tree in which the verifier accepts every draft unchecked on the path the 
 from __future__ import annotations
 
 import math
+import re
 import time
 from dataclasses import dataclass
 
 import pytest
 import torch
 
-from specfleet.v1 import generation_pb2, generation_pb2_grpc
+from specfleet.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.harness import NGRAM, Cluster, cluster_config, split_drafters, with_ngram
 from tests.helpers import PROMPTS, load_target
 from tests.mutation import mutated_copy
@@ -72,11 +75,17 @@ SETTINGS = {
     "t1.0": (1.0, 1.0, 0),
     "t1.0-top_k8": (1.0, 1.0, 8),
     "t1.0-bias-penalties": (1.0, 1.0, 0),
+    "t1.0-guided": (1.0, 1.0, 0),
 }
 # What a setting asks of the logits before temperature (GenerateRequest fields): a logit bias, then penalties on
-# the tokens each position's context holds, which differ from row to row of a draft tree.
+# the tokens each position's context holds, which differ from row to row of a draft tree; or a guide.
+GUIDE_CHARS = "[a-z ]"
+GUIDE_REGEX = GUIDE_CHARS + "{60,}"
 ADJUSTMENTS = {
     "t1.0-bias-penalties": dict(logit_bias={5: 2.0, 17: -1.0}, presence_penalty=-2.0, frequency_penalty=-2.0, repetition_penalty=0.5),
+    # Structured output: lowercase letters and spaces, at least 60 characters (more than MAX_TOKENS tokens spell), so
+    # that every position allows exactly the tokens spelt with those characters alone (`adjust`).
+    "t1.0-guided": dict(guide=common_pb2.Guide(kind="regex", spec=GUIDE_REGEX)),
 }
 CASES = [(setting, seeded) for seeded in (False, True) for setting in SETTINGS]
 # A target split over two ranks (tensor parallelism): one setting, without a seed and with one.
@@ -222,14 +231,17 @@ def shape(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, sl
     return torch.zeros_like(probs).scatter_(-1, order, probs)
 
 
-def adjust(logits: torch.Tensor, prompt_ids: list[int], x: torch.Tensor, asked: dict) -> torch.Tensor:
+def adjust(logits: torch.Tensor, prompt_ids: list[int], x: torch.Tensor, asked: dict, tokenizer) -> torch.Tensor:
     """logits [m, J, V] after each sample's prompt and x_<j, as `asked` (ADJUSTMENTS) changes them, written out here:
     the bias added; then for each token the prompt or x_<j holds, a positive logit divided by the repetition penalty
     and a negative one multiplied by it; then frequency times the token's count in x_<j and presence once for each
-    token x_<j holds subtracted."""
+    token x_<j holds subtracted. A guide (GUIDE_REGEX) leaves the tokens whose text is lowercase letters and spaces."""
     if not asked:
         return logits
     logits = logits.double().clone()
+    if "guide" in asked:
+        spelt = [re.fullmatch(GUIDE_CHARS + "+", tokenizer.decode([t])) is not None for t in range(logits.shape[-1])]
+        return logits.masked_fill(~torch.tensor(spelt), float("-inf"))
     for token, value in asked["logit_bias"].items():
         logits[..., token] += value
     vocab = logits.shape[-1]
@@ -289,7 +301,7 @@ def exact_pit(family, samples: Samples, setting: str, seed: int) -> Verdict:
         context = torch.cat([torch.tensor(prompt_ids).expand(len(rows), -1), x], dim=1)
         with torch.inference_mode():
             logits = model(context).logits[:, len(prompt_ids) - 1 : -1]  # [m, J, V]: p(. | prompt, x_<j)
-        logits = adjust(logits, prompt_ids, x, ADJUSTMENTS.get(setting, {}))
+        logits = adjust(logits, prompt_ids, x, ADJUSTMENTS.get(setting, {}), tokenizer)
         p = shape(logits, temperature, top_p, top_k)
         p_x = p.gather(-1, x.unsqueeze(-1))  # [m, J, 1]
         ids = torch.arange(p.shape[-1])

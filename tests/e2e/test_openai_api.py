@@ -20,8 +20,9 @@ import pytest
 import torch
 
 from router.openai_api import ApiError, render_chat
+from specfleet.guides import Guide
 from specfleet.tokenizer import load_tokenizer
-from specfleet.v1 import generation_pb2_grpc
+from specfleet.v1 import common_pb2, generation_pb2_grpc
 from tests.harness import Cluster, cluster_config, free_port
 from tests.helpers import greedy_request, target_greedy, target_logprobs
 from tests.operations import host_pid, metrics, service_pid, without_model_name
@@ -231,7 +232,12 @@ REFUSED = [
     ("chat", {"stream": True, "extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
     ("completions", {"suffix": "end"}, "suffix"),
     ("completions", {"best_of": 2}, "best_of"),
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"response_format": {"type": "xml"}}, "response_format"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ("completions", {"extra_body": {"structured_outputs": {"regex": "(ab"}}}, "guide"),
+    ("completions", {"extra_body": {"structured_outputs": {"json": {"type": "nope"}}}}, "guide"),
+    ("completions", {"extra_body": {"structured_outputs": {"regex": "a", "choice": ["b"]}}}, "structured_outputs"),
+    ("completions", {"extra_body": {"structured_outputs": {"structural_tag": "{}"}}}, "structured_outputs.structural_tag"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
     ("completions", {"extra_body": {"min_p": 0.1}}, "min_p"),
     ("completions", {"seed": -1}, "seed"),
@@ -856,3 +862,72 @@ def test_prompt_logprobs_are_the_target_s_over_http_and_grpc(api, client, tokeni
         chunks = list(stub.GenerateStream(greedy_request(prompt, MAX_TOKENS, 4, prompt_logprobs=0), timeout=120))
         assert [lp.token_id for lp in chunks[0].prompt_logprobs] == prompt_ids[1:] and not any(c.prompt_logprobs for c in chunks[1:])
         assert not stub.Generate(greedy_request(prompt, MAX_TOKENS, 4), timeout=120).prompt_logprobs
+
+
+GUIDED = [
+    ("choice", {"structured_outputs": {"choice": ["the cat sat", "a dog ran far", "no"]}}),
+    ("regex", {"structured_outputs": {"regex": "[a-f]{3} [0-9]{1,3}\\."}}),
+    ("grammar", {"structured_outputs": {"grammar": 'root ::= "yes" | "no" | ("maybe " [0-9])'}}),
+]
+
+
+@pytest.mark.parametrize("kind, body", GUIDED, ids=[k for k, _ in GUIDED])
+def test_structured_output_follows_the_guide_and_is_the_target_s_guided_output_with_drafting_on_or_off(
+    api, client, tokenizer, target_with_template, kind, body
+):
+    """vLLM's structured_outputs, greedy: the text follows the guide and ends with end of sequence; the tokens are
+    transformers' `generate` with xgrammar's mask (tests/verifier_service/test_guides.py `reference`), with drafting
+    on and off, unary, streaming and over gRPC."""
+    from tests.verifier_service.test_guides import reference
+
+    prompt = PROMPTS[1]
+    spec = body["structured_outputs"][kind]
+    guide = Guide(kind, json.dumps(spec) if kind == "choice" else spec)
+    expected = reference(str(target_with_template), tokenizer.encode(prompt, add_special_tokens=False), guide, steps=MAX_TOKENS)
+    assert expected[-1] == tokenizer.eos_token_id, "the guided output completes within MAX_TOKENS"
+    text = tokenizer.decode(expected[:-1])
+    if kind == "choice":
+        assert text in body["structured_outputs"]["choice"]
+    elif kind == "regex":
+        assert re.fullmatch(body["structured_outputs"]["regex"], text)
+    for k in (4, 0):
+        args = {"temperature": 0, "max_tokens": MAX_TOKENS, "extra_body": {"speculation": {"max_draft_tokens": k, "disabled": k == 0}, **body}}
+        reply = client.completions.create(model="random-target", prompt=prompt, **args)
+        assert (reply.choices[0].text, reply.choices[0].finish_reason) == (text, "stop"), k
+        chunks = client.completions.create(model="random-target", prompt=prompt, stream=True, **args)
+        streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert streamed == text
+    with api.channel() as channel:
+        request = greedy_request(prompt, MAX_TOKENS, 4, guide=common_pb2.Guide(kind=guide.kind, spec=guide.spec))
+        assert list(generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=120).token_ids) == expected
+
+
+def test_response_format_json_schema_and_json_object_give_json_that_parses(client):
+    """OpenAI's response_format on chat: a json_schema's output parses and has the schema's required key with a value
+    of its type (exactly the JSON without whitespace under vLLM's disable_any_whitespace); json_object's parses as an
+    object (or is cut by max_tokens, as with vLLM, where it has not closed)."""
+    answer = {"type": "string", "enum": ["yes", "no"]}
+    schema = {"type": "object", "properties": {"answer": answer}, "required": ["answer"], "additionalProperties": False}
+    messages = [{"role": "user", "content": "Is the sky blue? Answer in JSON."}]
+    reply = client.chat.completions.create(
+        model="random-target", messages=messages, temperature=0, max_tokens=64,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}},
+    )  # fmt: skip
+    choice = reply.choices[0]
+    if choice.finish_reason == "stop":
+        assert json.loads(choice.message.content)["answer"] in ("yes", "no")
+    else:
+        assert choice.message.content.lstrip().startswith("{"), choice.message.content
+    # vLLM's disable_any_whitespace: no whitespace but a space after each colon and comma (xgrammar's compact form).
+    compact = client.chat.completions.create(
+        model="random-target", messages=messages, temperature=0, max_tokens=64,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
+        extra_body={"structured_outputs": {"disable_any_whitespace": True}},
+    )  # fmt: skip
+    assert compact.choices[0].message.content in ('{"answer": "yes"}', '{"answer": "no"}'), compact.choices[0].message.content
+    seeded = client.chat.completions.create(model="random-target", messages=messages, seed=3, max_tokens=64, response_format={"type": "json_object"})
+    content = seeded.choices[0].message.content
+    if seeded.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(content), dict)
+    else:
+        assert content.lstrip().startswith("{"), content

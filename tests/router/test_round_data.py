@@ -9,6 +9,7 @@ from router.planning import _depths
 from router.rounds import plain_steps
 from router.request import RequestSpec, RequestState
 from router.rounds import RecentLoad, RequestPlan, RoundPlan
+from specfleet.guides import Guide
 from specfleet.sampling import SamplingParams
 from specfleet.v1 import common_pb2, drafter_pb2, verifier_pb2
 
@@ -38,6 +39,7 @@ SAMPLING = SamplingParams(
     output_start=3,
     min_tokens=2,
     held_back=(0, 7),
+    guide=Guide("json", "{}", compact=True),
 )
 
 
@@ -66,8 +68,9 @@ def test_draft_and_verify_records_carry_every_field_of_the_contract():
         got.output_start,
         got.min_tokens,
         got.held_back,
+        got.guide,
     )
-    assert adjustments == (SAMPLING.logit_bias, 0.5, -0.25, 1.25, 3, 2, (0, 7))
+    assert adjustments == (SAMPLING.logit_bias, 0.5, -0.25, 1.25, 3, 2, (0, 7), Guide("json", "{}", compact=True))
 
     proposal = transport.point_mass(7)
     tree = messages.TokenTree(token_ids=[7, 8], parents=[-1, 0], proposals=[proposal, proposal])

@@ -1,0 +1,110 @@
+"""The tokens a guide (specfleet/guides.py) allows at each row of a pass, for one session.
+
+`GuideState` is a session's grammar matcher after its output so far. Each pass it catches up with the session's
+output (rolling back what the router rolled back), then walks each row's path (the tree's tokens from the root to the
+row's node), reads the allowed tokens there and rolls the path back: row r's mask is the grammar's after the output and
+paths[r], as the row's logits are the model's after them. A row whose path leaves the grammar (a draft token it does
+not allow, which the verification then rejects with p = 0) or follows a completed one is left unmasked: no emitted
+token is drawn from it. Once the output itself has left the grammar (past end of sequence, where a request ignores it),
+nothing is masked.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specfleet.guides import Guide, GuideCompiler
+
+
+class GuideState:
+    """One session's matcher under one guide, and the output tokens it has accepted."""
+
+    def __init__(self, guide: Guide, compiled, vocab_size: int):
+        import xgrammar
+
+        self.guide, self.vocab_size = guide, vocab_size
+        self._xgr = xgrammar
+        self._compiled = compiled
+        self._matcher = xgrammar.GrammarMatcher(compiled)
+        self._accepted: list[int] = []
+        self._left = False  # the accepted output left the grammar: nothing is masked
+
+    def _sync(self, output: list[int]) -> None:
+        """Catch the matcher up with `output`: roll back past the first token that differs, accept the rest."""
+        same = 0
+        for mine, theirs in zip(self._accepted, output):
+            if mine != theirs:
+                break
+            same += 1
+        back = len(self._accepted) - same
+        if back and self._left:
+            self._matcher, self._accepted, self._left, same = self._xgr.GrammarMatcher(self._compiled), [], False, 0
+        elif back:
+            self._matcher.rollback(back)
+            del self._accepted[same:]
+        for token in output[same:]:
+            if not self._left and not self._matcher.accept_token(token):
+                self._left = True
+            self._accepted.append(token)
+
+    def allowed(self, output: list[int], paths: list[list[int]]) -> torch.Tensor | None:
+        """[len(paths), vocab_size] bool on the CPU: the tokens the guide allows at row r, after `output` (the session's
+        output so far) then paths[r]; a row no emitted token can come from allows every token. None: nothing masked."""
+        bitmask = self.bitmask(output, paths)
+        return None if bitmask is None else unpack(bitmask, self.vocab_size)
+
+    def bitmask(self, output: list[int], paths: list[list[int]]) -> torch.Tensor | None:
+        """`allowed` as xgrammar's bitmask: int32 [len(paths), ceil(vocab_size / 32)] on the CPU, bit j of word w set
+        where token 32 w + j is allowed."""
+        self._sync(output)
+        if self._left or self._matcher.is_terminated():
+            return None
+        vocab_size = self.vocab_size
+        words = (vocab_size + 31) // 32
+        bitmask = torch.full((len(paths), words), -1, dtype=torch.int32)
+        for r, path in enumerate(paths):
+            walked = 0
+            for token in path:
+                if self._matcher.is_terminated() or not self._matcher.accept_token(token):
+                    break
+                walked += 1
+            if walked == len(path) and not self._matcher.is_terminated():
+                self._matcher.fill_next_token_bitmask(bitmask, r)
+            if walked:
+                self._matcher.rollback(walked)
+        return bitmask
+
+
+def unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[R, vocab_size] bool from xgrammar's bitmask [R, words] (on its device)."""
+    bits = (bitmask.unsqueeze(-1) >> _SHIFTS.to(bitmask.device)) & 1
+    return bits.reshape(len(bitmask), -1)[:, :vocab_size].bool()
+
+
+def mask_rows(rows: torch.Tensor, bitmask: torch.Tensor, ids_of: torch.Tensor | None) -> None:
+    """Every token the bitmask disallows given no chance (logit -inf) in place, at rows [R, V'] (ids_of[j]: position j's
+    vocabulary id; None: position j is id j). Float32 rows on the CPU take xgrammar's kernel, which reads the bits in
+    place; others unpack them."""
+    if ids_of is None and rows.device.type == "cpu" and rows.dtype == torch.float32 and rows.is_contiguous():
+        import xgrammar
+
+        xgrammar.apply_token_bitmask_inplace(rows, bitmask, vocab_size=rows.shape[-1])
+        return
+    allowed = unpack(bitmask.to(rows.device), rows.shape[-1] if ids_of is None else int(ids_of.max()) + 1)
+    allowed = allowed if ids_of is None else allowed[:, ids_of.to(rows.device)]
+    rows.masked_fill_(~allowed, float("-inf"))
+
+
+# Bit j of a bitmask word.
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def session_guide(session, guide: Guide | None, compiler: GuideCompiler) -> GuideState | None:
+    """The session's GuideState for `guide` (kept on the session as `guide_state`), made on its first guided pass."""
+    if guide is None:
+        return None
+    state = getattr(session, "guide_state", None)
+    if state is None or state.guide != guide:
+        state = GuideState(guide, compiler.compile(guide), compiler.vocab_size)
+        session.guide_state = state
+    return state

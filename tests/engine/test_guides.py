@@ -1,0 +1,85 @@
+"""specfleet/engine/guides.py: a session's matcher follows its output as the router rolls it forward and back, and
+gives each row the mask of the grammar after the output and the row's own path; specfleet/guides.py compiles for
+specfleet's own tokenizer as for transformers'."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specfleet.engine.guides import GuideState, mask_rows
+from specfleet.guides import Guide, GuideCompiler
+from specfleet.tokenizer import load_tokenizer
+
+GUIDE = Guide("choice", json.dumps(["the cat sat", "the dog ran", "a bird"]))
+
+
+@pytest.fixture(scope="module")
+def compiler(random_family) -> GuideCompiler:
+    tokenizer = load_tokenizer(str(random_family["target"]))
+    return GuideCompiler(tokenizer, len(tokenizer), tokenizer.eos_token_id)
+
+
+def _encode(compiler: GuideCompiler, text: str) -> list[int]:
+    return compiler.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _fresh(compiler: GuideCompiler, output: list[int], paths: list[list[int]]) -> torch.Tensor:
+    return GuideState(GUIDE, compiler.compile(GUIDE), compiler.vocab_size).allowed(output, paths)
+
+
+def test_the_mask_after_a_rollback_is_that_of_a_matcher_fed_only_what_is_left(compiler):
+    cat, dog = _encode(compiler, "the cat sat"), _encode(compiler, "the dog ran")
+    state = GuideState(GUIDE, compiler.compile(GUIDE), compiler.vocab_size)
+    state.allowed(cat[:-1], [[]])
+    for output in (dog[:2], dog[:1], cat[:2], dog[:-1], []):
+        assert torch.equal(state.allowed(output, [[]]), _fresh(compiler, output, [[]])), output
+
+
+def test_each_row_is_masked_after_its_own_path_and_a_row_past_a_disallowed_token_allows_everything(compiler):
+    cat = _encode(compiler, "the cat sat")
+    state = GuideState(GUIDE, compiler.compile(GUIDE), compiler.vocab_size)
+    paths = [[], cat[:1], cat[:2], [cat[0], _encode(compiler, "z")[0]]]
+    allowed = state.allowed([], paths)
+    for r, path in enumerate(paths[:3]):
+        assert torch.equal(allowed[r], _fresh(compiler, path, [[]])[0]), path
+    assert allowed[3].all(), "no emitted token comes from a row whose path the grammar disallows"
+    assert allowed[0].sum() < compiler.vocab_size and allowed[1].sum() < allowed[0].sum() + compiler.vocab_size
+
+
+def test_an_output_that_left_the_grammar_is_unmasked_until_rolled_back_into_it(compiler):
+    cat = _encode(compiler, "the cat sat")
+    eos = compiler.eos_token_id
+    state = GuideState(GUIDE, compiler.compile(GUIDE), compiler.vocab_size)
+    assert state.allowed(cat + [eos], [[]]) is None, "a completed grammar masks nothing (past end of sequence)"
+    assert state.allowed(cat + [eos, 5], [[]]) is None
+    assert torch.equal(state.allowed(cat[:1], [[]]), _fresh(compiler, cat[:1], [[]]))
+
+
+def test_specfleet_s_tokenizer_and_transformers_compile_the_same_grammar(random_family, compiler):
+    from transformers import AutoTokenizer
+
+    theirs = AutoTokenizer.from_pretrained(str(random_family["target"]))
+    other = GuideCompiler(theirs, compiler.vocab_size, compiler.eos_token_id)
+    cat = _encode(compiler, "the cat sat")
+    for output in ([], cat[:1], cat[:2]):
+        mine = GuideState(GUIDE, compiler.compile(GUIDE), compiler.vocab_size).allowed(output, [[]])
+        assert torch.equal(mine, GuideState(GUIDE, other.compile(GUIDE), other.vocab_size).allowed(output, [[]]))
+
+
+def test_a_token_mapped_row_is_masked_as_the_full_row_read_at_its_ids_and_both_kernels_agree(compiler):
+    """mask_rows on a drafter's rows over part of the vocabulary (ids_of: each position's id) masks what the full row
+    masks at those ids; xgrammar's kernel (float32 on the CPU) and the unpacked bits (any other row) agree."""
+    cat = _encode(compiler, "the cat sat")
+    bitmask = GuideState(GUIDE, compiler.compile(GUIDE), compiler.vocab_size).bitmask([], [[], cat[:1], cat[:2]])
+    full = torch.randn(3, compiler.vocab_size, generator=torch.Generator().manual_seed(0))
+    fast, slow = full.clone(), full.double()
+    mask_rows(fast, bitmask, None)
+    mask_rows(slow, bitmask, None)
+    assert torch.equal(fast.double(), slow) and bool(torch.isinf(fast).any()) and bool(torch.isfinite(fast).any(dim=1).all())
+    ids_of = torch.randperm(compiler.vocab_size, generator=torch.Generator().manual_seed(1))[: compiler.vocab_size // 2]
+    mapped = full[:, ids_of].clone()
+    mask_rows(mapped, bitmask, ids_of)
+    assert torch.equal(mapped, fast[:, ids_of])
