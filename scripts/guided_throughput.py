@@ -6,7 +6,7 @@ token (the same outputs: what guiding costs) and with a `json_schema` without wh
 `disable_any_whitespace`: whether drafting pays under it), each with speculation on (the default) and off. Prints
 per pass each way's completion tokens per second of wall time and accepted draft tokens per verification round (the
 `speculation` extra field), then per way the median over passes of its ratio to the unguided requests and to the
-same way with speculation off, in the same pass.
+same way with speculation off, in the same pass, and the verifier's compute per output token.
 
     .venv/bin/python scripts/guided_throughput.py --cpus 0 --repeat 5
 """
@@ -71,10 +71,10 @@ def wait_ready(url: str, timeout_s: float) -> None:
     raise SystemExit(f"specfleet serve did not answer {url}/health in {timeout_s:.0f}s")
 
 
-def one_pass(client: openai.OpenAI, way: dict, max_tokens: int) -> tuple[float, float, int]:
-    """(completion tokens per second, accepted tokens per round, replies that are complete JSON) over PROMPTS, one
-    request at a time."""
-    tokens = accepted = rounds = parsed = 0
+def one_pass(client: openai.OpenAI, way: dict, max_tokens: int) -> tuple[float, float, int, float]:
+    """(completion tokens per second, accepted tokens per round, replies that are complete JSON, the verifier's
+    compute per token in ms) over PROMPTS, one request at a time."""
+    tokens = accepted = rounds = parsed = compute_ms = 0
     started = time.perf_counter()
     for prompt in PROMPTS:
         reply = client.chat.completions.create(
@@ -85,7 +85,8 @@ def one_pass(client: openai.OpenAI, way: dict, max_tokens: int) -> tuple[float, 
         for stats in reply.model_extra["speculation"]:
             accepted += stats.get("accepted_tokens", 0)
             rounds += stats.get("rounds", 0)
-    return tokens / (time.perf_counter() - started), accepted / max(1, rounds), parsed
+            compute_ms += stats.get("verify_compute_ms", 0)
+    return tokens / (time.perf_counter() - started), accepted / max(1, rounds), parsed, compute_ms / tokens
 
 
 def _parses(text: str) -> bool:
@@ -124,7 +125,8 @@ def main() -> None:
             print(
                 f"{name}: tok/s {' / '.join(f'{r[0]:.0f}' for r in runs)}, accepted/round "
                 f"{' / '.join(f'{r[1]:.2f}' for r in runs)}, x unguided (median of passes) {statistics.median(ratios):.2f}{versus_off}; "
-                f"complete JSON {runs[-1][2]} of {len(PROMPTS)}"
+                f"complete JSON {runs[-1][2]} of {len(PROMPTS)}; verifier compute "
+                f"{statistics.median(r[3] for r in runs):.3f} ms a token (median)"
             )
     finally:
         server.terminate()

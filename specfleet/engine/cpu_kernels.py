@@ -11,6 +11,9 @@ transformers bound. Where a weight is not exactly bfloat16, `pack_bf16` declines
 the tensor form's dozen [rows, V] temporaries and V logarithms took a sixth of the verifier's time serving four
 seeded sampled clients.
 
+`mask_bits` (csrc/bitmask.cpp): structured output's grammar mask applied to a row's logits in one pass, where
+unpacking the bits with torch takes a handful of small operations a row.
+
 `rope_write`, `attend`, `add_rms_norm` and `silu_mul` (csrc/attention.cpp): a layer's queries and keys rotated
 and its new keys and values written into the KV pool, its attention for every session of a pass, RMSNorm with
 the residual add before it, and the MLP's gate, one call each. A pass of a few rows spends more on dispatching
@@ -122,6 +125,8 @@ def library() -> ctypes.CDLL | None:
     lib.specfleet_layers.restype = None
     lib.specfleet_race.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
     lib.specfleet_race.restype = None
+    lib.specfleet_mask_bits.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+    lib.specfleet_mask_bits.restype = None
     return lib
 
 
@@ -132,6 +137,13 @@ def race(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     winners = torch.empty(probs.shape[0], dtype=torch.long)
     library().specfleet_race(probs.data_ptr(), probs.shape[0], probs.shape[1], keys.data_ptr(), winners.data_ptr())
     return winners
+
+
+def mask_bits(rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Every token whose bit is clear in bitmask [R, words] int32 given logit -inf in rows [R, V] float32 (contiguous,
+    on the CPU), in place (csrc/bitmask.cpp)."""
+    bitmask = bitmask.contiguous()
+    library().specfleet_mask_bits(rows.data_ptr(), rows.shape[0], rows.shape[1], bitmask.data_ptr(), bitmask.shape[1])
 
 
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor | None:

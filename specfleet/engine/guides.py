@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from specfleet.engine import cpu_kernels
 from specfleet.guides import Guide, GuideCompiler
 
 
@@ -28,14 +29,14 @@ class GuideState:
         self._matcher = xgrammar.GrammarMatcher(compiled)
         self._accepted: list[int] = []
         self._left = False  # the accepted output left the grammar: nothing is masked
+        self._bitmask = torch.empty((0, 0), dtype=torch.int32)
 
     def _sync(self, output: list[int]) -> None:
         """Catch the matcher up with `output`: roll back past the first token that differs, accept the rest."""
-        same = 0
-        for mine, theirs in zip(self._accepted, output):
-            if mine != theirs:
-                break
-            same += 1
+        same = len(self._accepted)
+        if output[:same] != self._accepted:  # rolled back: keep what the two share
+            parted = (i for i, (mine, theirs) in enumerate(zip(self._accepted, output)) if mine != theirs)
+            same = next(parted, min(len(self._accepted), len(output)))
         back = len(self._accepted) - same
         if back and self._left:
             self._matcher, self._accepted, self._left, same = self._xgr.GrammarMatcher(self._compiled), [], False, 0
@@ -59,9 +60,9 @@ class GuideState:
         self._sync(output)
         if self._left or self._matcher.is_terminated():
             return None
-        vocab_size = self.vocab_size
-        words = (vocab_size + 31) // 32
-        bitmask = torch.full((len(paths), words), -1, dtype=torch.int32)
+        if len(self._bitmask) < len(paths):  # kept from pass to pass: each row is written whole below
+            self._bitmask = torch.empty((len(paths), (self.vocab_size + 31) // 32), dtype=torch.int32)
+        bitmask = self._bitmask[: len(paths)]
         for r, path in enumerate(paths):
             walked = 0
             for token in path:
@@ -70,6 +71,8 @@ class GuideState:
                 walked += 1
             if walked == len(path) and not self._matcher.is_terminated():
                 self._matcher.fill_next_token_bitmask(bitmask, r)
+            else:
+                bitmask[r] = -1
             if walked:
                 self._matcher.rollback(walked)
         return bitmask
@@ -83,12 +86,10 @@ def unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 def mask_rows(rows: torch.Tensor, bitmask: torch.Tensor, ids_of: torch.Tensor | None) -> None:
     """Every token the bitmask disallows given no chance (logit -inf) in place, at rows [R, V'] (ids_of[j]: position j's
-    vocabulary id; None: position j is id j). Float32 rows on the CPU take xgrammar's kernel, which reads the bits in
-    place; others unpack them."""
-    if ids_of is None and rows.device.type == "cpu" and rows.dtype == torch.float32 and rows.is_contiguous():
-        import xgrammar
-
-        xgrammar.apply_token_bitmask_inplace(rows, bitmask, vocab_size=rows.shape[-1])
+    vocabulary id; None: position j is id j). Float32 rows on the CPU take csrc/bitmask.cpp's loop, which reads the
+    bits in place; others unpack them."""
+    if ids_of is None and rows.device.type == "cpu" and rows.dtype == torch.float32 and rows.is_contiguous() and cpu_kernels.library():
+        cpu_kernels.mask_bits(rows, bitmask)
         return
     allowed = unpack(bitmask.to(rows.device), rows.shape[-1] if ids_of is None else int(ids_of.max()) + 1)
     allowed = allowed if ids_of is None else allowed[:, ids_of.to(rows.device)]
