@@ -3,17 +3,14 @@
     POST /v1/completions        POST /v1/chat/completions
     GET  /v1/models             GET  /health             GET /version
 
-An adapter over router.frontdoor, as the gRPC servicer is: a request body
-becomes router.api.GenerationParams (router/openai_schema.py: the OpenAI
-fields, chat messages, the fields specfleet refuses), one per choice, and
-enters `FrontDoor.submit_all`: the same validation, queue and scheduler as the
-gRPC `Generate`, in this process, with no network hop. The events that come
-back become OpenAI's JSON or server-sent events; a client that goes away
-cancels its requests.
+An adapter over router.frontdoor, as the gRPC servicer is: a request body becomes router.api.GenerationParams
+(router/openai_schema.py: the OpenAI fields, chat messages, the fields specfleet refuses; openai_guides.py and
+openai_tools.py: structured output and tool calls), one per choice, and enters `FrontDoor.submit_all`: the same
+validation, queue and scheduler as the gRPC `Generate`, in this process, with no network hop. The events that come
+back become OpenAI's JSON or server-sent events; a client that goes away cancels its requests.
 
-`logprobs` are the target's, computed by the verifier from the logits it
-verified with: the raw distribution (log-softmax before temperature, top-k and
-top-p), as vLLM reports them by default.
+`logprobs` are the target's, computed by the verifier from the logits it verified with: the raw distribution
+(log-softmax before temperature, top-k and top-p), as vLLM reports them by default.
 
 Errors use OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`,
 and status codes: 400 bad input, 401 bad key, 404 unknown model or route, 429
@@ -39,6 +36,7 @@ from router.frontdoor import FrontDoor, Generation, interleave
 from router.http_gate import BodyGate, error_response
 from router.tokens_api import token_routes
 from router.openai_logprobs import chat_logprobs, completion_logprobs, echo_logprobs, prompt_logprobs_json, token_text
+from router.openai_tools import chosen, tool_calls
 from router.openai_schema import (
     FINISH_REASONS,
     ApiError,
@@ -174,18 +172,33 @@ class OpenAIServer:
         with self._refusals():
             self._check(body)
             max_tokens = chat_max_tokens(body)
-            prompt = render_chat(self.front_door.tokenizer, body.messages)
+            prompt = render_chat(self.front_door.tokenizer, body.messages, body.tools)
             params = [params_of(body, max_tokens, prompt, c, c) for c in range(body.n)]
         generations = await self._submit(params, request)
         name = self._name(body)
+        calling = chosen(body.tools, body.tool_choice)[0] != "none"
 
         def logprobs_of(logprobs: list) -> dict | None:
             return chat_logprobs(name, logprobs) if body.logprobs else None
 
-        if body.stream:
+        def message(text: str, finish: str | None) -> tuple[dict, str | None]:
+            """The reply's message and finish reason: tool calls where the tool choice's output is complete."""
+            calls = tool_calls(body.tools, body.tool_choice, text) if calling and finish == "stop" else None
+            return ({"tool_calls": calls}, "tool_calls") if calls else ({"content": text}, finish)
 
-            def choice(index: int, text: str, logprobs: list, finish: str | None, prompt: list | None = None) -> dict:
-                return {"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs_of(logprobs), "finish_reason": finish}
+        if body.stream:
+            held = [""] * body.n  # a tool choice's output, sent as tool calls once it is complete
+
+            def choice(index: int, text: str, logprobs: list, finish: str | None, prompt: list | None = None) -> dict | None:
+                delta = {"content": text} if text else {}
+                if calling:
+                    held[index] += text
+                    if finish is None:
+                        return None
+                    delta, finish = message(held[index], finish)
+                    for i, call in enumerate(delta.get("tool_calls", [])):
+                        call["index"] = i
+                return {"index": index, "delta": delta, "logprobs": logprobs_of(logprobs), "finish_reason": finish}
 
             first = [{"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None} for c in range(body.n)]
             return self._stream(generations, "chat.completion.chunk", choice, body, first)
@@ -196,11 +209,12 @@ class OpenAIServer:
             "choices": [
                 {
                     "index": c,
-                    "message": {"role": "assistant", "content": r.text},
+                    "message": {"role": "assistant", "content": None, **reply},
                     "logprobs": logprobs_of(r.logprobs),
-                    "finish_reason": FINISH_REASONS.get(r.finish_reason),
+                    "finish_reason": finish,
                 }
                 for c, r in enumerate(results)
+                for reply, finish in [message(r.text, FINISH_REASONS.get(r.finish_reason))]
             ],
             "usage": usage_json([r.usage for r in results]),
             "speculation": [speculation_json(r.speculation) for r in results],
@@ -218,8 +232,8 @@ class OpenAIServer:
     def _stream(self, generations: list[Generation], kind: str, choice, body: Sampling, first: list[dict] | None = None) -> StreamingResponse:
         """Server-sent events of `kind` (text_completion or chat.completion.chunk), ending with [DONE].
 
-        choice(index, text, logprobs, finish_reason, prompt_logprobs): one choice's JSON; `first`: choices sent before
-        any output. With continuous usage (vLLM's), each event with a choice carries that choice's usage so far."""
+        choice(index, text, logprobs, finish_reason, prompt_logprobs): one choice's JSON, or None to send nothing for it
+        yet; `first`: choices sent before any output. With continuous usage (vLLM's), each event with a choice carries that choice's usage so far."""
         head = self._envelope("chatcmpl" if kind.startswith("chat") else "cmpl", kind)
         streamed = [0] * len(generations)  # tokens each choice has sent
 
@@ -242,6 +256,8 @@ class OpenAIServer:
                             continue
                         finish = FINISH_REASONS.get(update.finish_reason) if final else None
                         c = choice(index, update.text, update.logprobs, finish, update.prompt_logprobs)
+                        if c is None:  # held back (a tool choice's output until it is complete)
+                            continue
                         if final:
                             c["speculation"] = speculation_json(update.speculation)
                         yield event([c])

@@ -15,44 +15,15 @@ import struct
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from router.api import ErrorKind, GenerationError, GenerationParams, SpeculationOptions, SpeculationStats, Usage
-from specfleet.guides import Guide
+from router.api import GenerationParams, SpeculationOptions, SpeculationStats, Usage
+from router.openai_errors import ApiError, unsupported
+from router.openai_guides import guide_of
 
 # Choices per request at most: each is a request of its own to the scheduler.
 MAX_N = 16
 
 # The router's finish reasons in OpenAI's words: the end-of-sequence token is a natural stop.
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
-
-# What a refused or failed request's kind is over HTTP: its status, and its error's `code`.
-HTTP_STATUS = {
-    ErrorKind.INVALID_ARGUMENT: 400,
-    ErrorKind.OVERLOADED: 429,
-    ErrorKind.SHUTTING_DOWN: 503,
-    ErrorKind.UNAVAILABLE: 503,
-    ErrorKind.DEADLINE_EXCEEDED: 504,
-}
-HTTP_CODE = {ErrorKind.INVALID_ARGUMENT: None, ErrorKind.OVERLOADED: "queue_full"}
-
-# A GenerationParams field in the OpenAI request's words (an error's `param`).
-PARAMS = {"prompt_token_ids": "prompt", "speculation.max_draft_tokens": "speculation"}
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    @classmethod
-    def of(cls, err: GenerationError) -> ApiError:
-        """A GenerationError in HTTP's words."""
-        code = HTTP_CODE.get(err.kind, err.kind.value)
-        return cls(HTTP_STATUS.get(err.kind, 500), err.message, param=PARAMS.get(err.field, err.field), code=code)
-
-    def body(self) -> dict:
-        kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(self.status)
-        kind = kind or ("server_error" if self.status >= 500 else "invalid_request_error")
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
 class StreamOptions(BaseModel):
@@ -130,10 +101,10 @@ class ChatRequest(Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-
-
-def unsupported(field: str, why: str = "not supported by specfleet") -> ApiError:
-    return ApiError(400, f"{field}: {why}", param=field, code="unsupported_field")
+    # Function calling (router/openai_tools.py): a named function or "required" guide the output; "auto" is refused.
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
 
 
 def _lone_surrogate(value, where: str) -> str | None:
@@ -189,49 +160,6 @@ def refuse_unsupported(body: Sampling) -> None:
         raise ApiError(400, "prompt_logprobs: not available with stream: true (as in vLLM)", param="prompt_logprobs")
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options: only allowed with stream: true", param="stream_options")
-
-
-# vLLM's structured_outputs keys specfleet serves, each naming a guide kind (specfleet/guides.py).
-STRUCTURED_KINDS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar", "json_object": "json"}
-# vLLM's structured_outputs options besides the guide: kept apart from the kinds.
-STRUCTURED_OPTIONS = ("disable_any_whitespace",)
-ANY_OBJECT = json.dumps({"type": "object"})
-
-
-def guide_of(body: Sampling) -> Guide | None:
-    """The guide a request's response_format or structured_outputs asks for (not both), or None; a 400 names the
-    field that is malformed. Whether the guide compiles is checked on admission (router/validation.py)."""
-    structured = body.structured_outputs or {}
-    compact = bool(structured.get("disable_any_whitespace"))
-    asked = [key for key, value in structured.items() if value not in (None, False) and key not in STRUCTURED_OPTIONS]
-    fmt = body.response_format if body.response_format != {"type": "text"} else None
-    if asked and fmt is not None:
-        raise ApiError(400, "structured_outputs: set it or response_format, not both", param="structured_outputs")
-    if asked:
-        others = [key for key in asked if key not in STRUCTURED_KINDS]
-        if others:
-            raise unsupported(f"structured_outputs.{others[0]}", f"specfleet serves one of {', '.join(STRUCTURED_KINDS)}")
-        if len(asked) != 1:
-            raise ApiError(400, f"structured_outputs: set exactly one of {', '.join(STRUCTURED_KINDS)}", param="structured_outputs")
-        key, value = asked[0], structured[asked[0]]
-        if key in ("json", "json_object"):
-            return Guide("json", ANY_OBJECT if key == "json_object" else value if isinstance(value, str) else json.dumps(value), compact)
-        if key == "choice":
-            return Guide("choice", json.dumps(value))
-        if not isinstance(value, str):
-            raise ApiError(400, f"structured_outputs.{key}: must be a string", param=f"structured_outputs.{key}")
-        return Guide(key, value)
-    if fmt is None:
-        return None
-    kind = fmt.get("type")
-    if kind == "json_object":
-        return Guide("json", ANY_OBJECT, compact)
-    if kind != "json_schema":
-        raise ApiError(400, f"response_format.type: one of text, json_object, json_schema, got {kind!r}", param="response_format")
-    schema = fmt["json_schema"].get("schema") if isinstance(fmt.get("json_schema"), dict) else None
-    if not isinstance(schema, dict):
-        raise ApiError(400, "response_format.json_schema.schema: a JSON schema (an object) is required", param="response_format")
-    return Guide("json", json.dumps(schema), compact)
 
 
 def logit_bias_of(body: Sampling) -> dict[int, float]:
@@ -300,8 +228,9 @@ def params_of(body: Sampling, max_tokens: int | None, prompt: str | list[int], i
     return params
 
 
-def render_chat(tokenizer, messages: list[dict]) -> str:
-    """The prompt text of `messages` by the tokenizer's chat template (text content only)."""
+def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> str:
+    """The prompt text of `messages` (text content; tool calls and their results) and `tools` by the tokenizer's chat
+    template."""
     if not getattr(tokenizer, "chat_template", None):
         raise ApiError(
             400,
@@ -313,20 +242,22 @@ def render_chat(tokenizer, messages: list[dict]) -> str:
     plain = []
     for i, message in enumerate(messages):
         role, content = message.get("role"), message.get("content")
-        if role not in ("system", "user", "assistant", "developer"):
-            raise ApiError(400, f"messages[{i}].role: must be system, developer, user or assistant, got {role!r}", param="messages")
+        if role not in ("system", "user", "assistant", "developer", "tool"):
+            raise ApiError(400, f"messages[{i}].role: must be system, developer, user, assistant or tool, got {role!r}", param="messages")
+        if content is None and role == "assistant" and message.get("tool_calls"):
+            content = ""  # an assistant turn that called tools and said nothing
         if isinstance(content, list):  # content parts: only text ones
             if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
                 raise ApiError(400, f"messages[{i}].content: only text parts are supported", param="messages")
             content = "".join(p.get("text", "") for p in content)
         if not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content: must be a string or a list of text parts", param="messages")
-        extra = sorted(set(message) - {"role", "content", "name"})
+        extra = sorted(set(message) - {"role", "content", "name", "tool_calls", "tool_call_id"})
         if extra:
             raise ApiError(400, f"messages[{i}].{extra[0]}: not supported by specfleet", param="messages")
-        plain.append({"role": role, "content": content})
+        plain.append({**{k: message[k] for k in ("tool_calls", "tool_call_id") if k in message}, "role": role, "content": content})
     try:
-        return tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True, **({"tools": tools} if tools else {}))
     except Exception as err:  # the template's own checks (e.g. roles must alternate) are the client's to fix
         raise ApiError(400, f"messages: the model's chat template refused them: {err}", param="messages") from None
 

@@ -305,6 +305,9 @@ FORBIDDEN = {
     "router/frontdoor.py": ("grpc", "google.protobuf", "specfleet.v1", "router.grpc_api", "router.openai", "router.server", "fastapi", "pydantic"),
     "router/openai_api.py": ("grpc", "google.protobuf", "specfleet.v1", "router.grpc_api", "router.server"),
     "router/openai_schema.py": ("grpc", "google.protobuf", "specfleet.v1", "router.grpc_api", "router.server"),
+    "router/openai_errors.py": ("grpc", "google.protobuf", "specfleet.v1", "router.grpc_api", "router.server"),
+    "router/openai_guides.py": ("grpc", "google.protobuf", "specfleet.v1", "router.grpc_api", "router.server"),
+    "router/openai_tools.py": ("grpc", "google.protobuf", "specfleet.v1", "router.grpc_api", "router.server", "fastapi", "pydantic"),
     "router/grpc_api.py": ("router.openai", "fastapi", "pydantic", "router.server"),
 }
 

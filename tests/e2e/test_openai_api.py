@@ -238,7 +238,7 @@ REFUSED = [
     ("completions", {"extra_body": {"structured_outputs": {"json": {"type": "nope"}}}}, "guide"),
     ("completions", {"extra_body": {"structured_outputs": {"regex": "a", "choice": ["b"]}}}, "structured_outputs"),
     ("completions", {"extra_body": {"structured_outputs": {"structural_tag": "{}"}}}, "structured_outputs.structural_tag"),
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ("chat", {"functions": [{"name": "f", "parameters": {}}]}, "functions"),
     ("completions", {"extra_body": {"min_p": 0.1}}, "min_p"),
     ("completions", {"seed": -1}, "seed"),
     ("completions", {"temperature": -1}, "temperature"),
@@ -931,3 +931,63 @@ def test_response_format_json_schema_and_json_object_give_json_that_parses(clien
         assert isinstance(json.loads(content), dict)
     else:
         assert content.lstrip().startswith("{"), content
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}, "unit": {"type": "string", "enum": ["C", "F"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}}
+
+
+def test_a_named_tool_choice_and_required_give_tool_calls_whose_arguments_follow_the_schema_unary_and_streaming(client):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    args = dict(model="random-target", messages=messages, temperature=0, max_tokens=128, tools=[WEATHER, TIME])
+    named = client.chat.completions.create(**args, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = named.choices[0]
+    assert (choice.finish_reason, choice.message.content) == ("tool_calls", None)
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("chatcmpl-tool-")
+    arguments = json.loads(call.function.arguments)
+    assert arguments["city"] in ("Paris", "Oslo") and arguments["unit"] in ("C", "F"), arguments
+    # Streamed: nothing until the call is complete, then the call whole, as the unary reply has it.
+    chunks = list(client.chat.completions.create(**args, tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert len(deltas) == 1 and deltas[0].tool_calls[0].function.arguments == call.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    required = client.chat.completions.create(**args, tool_choice="required", parallel_tool_calls=False)
+    (call,) = required.choices[0].message.tool_calls
+    assert call.function.name in ("get_weather", "get_time") and isinstance(json.loads(call.function.arguments), dict)
+    # A conversation that carries a tool call and its result renders and runs.
+    turn = {"role": "assistant", "content": None, "tool_calls": [{"id": call.id, "type": "function", "function": call.function.model_dump()}]}
+    result = {"role": "tool", "tool_call_id": call.id, "content": "18 C"}
+    followed = client.chat.completions.create(
+        model="random-target", messages=[*messages, turn, result], temperature=0, max_tokens=8, tools=[WEATHER], tool_choice="none"
+    )
+    assert followed.choices[0].message.tool_calls is None and followed.choices[0].finish_reason in ("stop", "length")
+
+
+TOOL_REFUSALS = [
+    ({"tools": [WEATHER]}, "tool_choice", '"auto"'),
+    ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice", "parser"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "not among the tools"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools", "tools[0]"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice", "response_format"),
+]
+
+
+@pytest.mark.parametrize("fields, param, says", TOOL_REFUSALS, ids=[str(i) for i in range(len(TOOL_REFUSALS))])
+def test_tool_choices_specfleet_cannot_serve_are_refused_naming_the_field(client, fields, param, says):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="random-target", messages=[{"role": "user", "content": "hi"}], max_tokens=4, **fields)
+    assert err.value.body["param"] == param and says in err.value.body["message"], err.value.body
