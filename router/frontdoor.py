@@ -167,7 +167,9 @@ class FrontDoor:
         self.eos_token_id = eos_token_id
         self.target = target
         # Structured output's grammars for the target's tokenizer: a request's guide is compiled once on admission.
-        self.guides = GuideCompiler(tokenizer, limits.vocab_size, eos_token_id)
+        # None where the verifier cannot compile guides (no xgrammar there): guided requests are refused.
+        guided = target is None or target.structured_output
+        self.guides = GuideCompiler(tokenizer, limits.vocab_size, eos_token_id) if guided else None
         self.draining = False
         self._tokenizing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 

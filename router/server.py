@@ -75,6 +75,8 @@ async def build(cfg: config_mod.Config, verifiers: list | None = None, drafters:
                 f"verifier replica {replica.address} serves {info.path} and {verifiers[0].address} serves {target.path}"
                 f" ({', '.join(differs) or 'path'} differ); every replica must host the same target model"
             )
+    # A guided request may move to any replica: each must compile guides.
+    target.structured_output = all(info.structured_output for info in infos)
     pool = VerifierPool(verifiers, wait_s=rcfg.verifier_wait_s)
     tokenizer = load_tokenizer(rcfg.tokenizer or cfg.verifier.model)
     if tokenizer_fingerprint(tokenizer) != target.tokenizer_fingerprint:

@@ -35,7 +35,8 @@ def _float32(x: float) -> float:
 
 def validate(params: GenerationParams, tokenizer, limits: Limits, guides: GuideCompiler | None = None) -> RequestSpec:
     """The request `params` asks for, checked against `limits`; a GenerationError (INVALID_ARGUMENT) names the first bad field.
-    A guide is compiled by `guides` (the target's tokenizer's), so one that does not compile is refused here."""
+    A guide is compiled by `guides` (the target's tokenizer's), so one that does not compile is refused here; without
+    `guides` (the verifier cannot compile guides) every guided request is."""
     for name, value, longest in (("request_id", params.request_id, MAX_LABEL_CHARS), ("domain", params.domain, MAX_LABEL_CHARS)):
         # Labels end up in logs and metrics: no control characters (a newline would forge a log line).
         if len(value) > longest or not value.isprintable():
@@ -117,8 +118,9 @@ def _guide(guide: Guide | None, guides: GuideCompiler | None) -> Guide | None:
         problem = guide.problem()
         if problem:
             raise GuideError(problem)
-        if guides is not None:
-            guides.compile(guide)
+        if guides is None:
+            raise GuideError("structured output needs the xgrammar package where the verifier runs, which it lacks: pip install xgrammar there")
+        guides.compile(guide)
     except GuideError as err:
         raise invalid("guide", str(err)) from None
     return guide

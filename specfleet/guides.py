@@ -13,6 +13,7 @@ guided requests with a message that says what to install.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import threading
@@ -60,6 +61,11 @@ class Guide:
         return None
 
 
+def available() -> bool:
+    """Whether this process can compile guides (xgrammar is installed), without importing it."""
+    return importlib.util.find_spec("xgrammar") is not None
+
+
 class GuideError(ValueError):
     """A guide that cannot be compiled, or a process that cannot compile guides; the message says which and why."""
 
@@ -85,6 +91,8 @@ def tokenizer_info(tokenizer, vocab_size: int, eos_token_id: int):
     for token, token_id in tokenizer.get_vocab().items():
         if token_id < vocab_size:
             encoded[token_id] = token
+    # xgrammar's own reading of the backend's JSON (its from_huggingface does the same) for the vocabulary's encoding:
+    # specfleet's tokenizer is not transformers', whose import from_huggingface needs costs the router seconds.
     metadata = xgr.TokenizerInfo._detect_metadata_from_hf(backend.to_str())
     return xgr.TokenizerInfo(
         encoded,

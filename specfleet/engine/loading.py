@@ -24,6 +24,7 @@ from specfleet.engine.attention import ATTENTION_MODES, kernel_attends
 from specfleet.engine.kv import KVPool
 from specfleet.engine.llama import LlamaModel, check_supported, from_weights
 from specfleet.guides import GuideCompiler
+from specfleet.guides import available as guides_available
 from specfleet.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
@@ -147,6 +148,7 @@ class LoadedModel:
             device=str(self.model.device),
             dtype=dtype_name(self.model.dtype),
             attention=self.model.attention,
+            structured_output=guides_available(),
         )
 
 

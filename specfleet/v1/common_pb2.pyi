@@ -84,7 +84,7 @@ class SparseDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "path", "vocab_size", "max_context", "eos_token_id", "tokenizer_fingerprint", "parameters", "device", "dtype", "attention", "host", "cpus", "threads")
+    __slots__ = ("name", "path", "vocab_size", "max_context", "eos_token_id", "tokenizer_fingerprint", "parameters", "device", "dtype", "attention", "host", "cpus", "threads", "structured_output")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class ModelInfo(_message.Message):
     HOST_FIELD_NUMBER: _ClassVar[int]
     CPUS_FIELD_NUMBER: _ClassVar[int]
     THREADS_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
     vocab_size: int
@@ -111,7 +112,8 @@ class ModelInfo(_message.Message):
     host: str
     cpus: _containers.RepeatedScalarFieldContainer[int]
     threads: int
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., parameters: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., attention: _Optional[str] = ..., host: _Optional[str] = ..., cpus: _Optional[_Iterable[int]] = ..., threads: _Optional[int] = ...) -> None: ...
+    structured_output: bool
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., parameters: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., attention: _Optional[str] = ..., host: _Optional[str] = ..., cpus: _Optional[_Iterable[int]] = ..., threads: _Optional[int] = ..., structured_output: _Optional[bool] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_ids", "keep_tokens")

@@ -32,6 +32,7 @@ from router.api import (
     TokenLogprobs,
 )
 from router.frontdoor import FrontDoor, interleave
+from specfleet.guides import Guide, GuideCompiler
 from router.validation import validate
 from router.request import Limits
 from specfleet.config import RequestLimitsConfig
@@ -161,6 +162,23 @@ def test_valid_params_become_the_request_asked_for(tokenizer, limits):
     # The server's default max_tokens is cut to what the context holds; a client's is refused (above).
     long_prompt = [5] * 1000
     assert validate(GenerationParams(prompt_token_ids=long_prompt), tokenizer, limits).max_tokens == 24
+
+
+def test_a_guide_is_compiled_on_admission_and_refused_where_the_verifier_cannot_compile_guides(tokenizer, limits):
+    """A guide that does not compile is refused naming it, before anything is submitted; so is every guide where the
+    verifier has no xgrammar (the front door then holds no compiler: ModelInfo.structured_output false)."""
+    guides = GuideCompiler(tokenizer, limits.vocab_size, limits.eos_token_id)
+    spec = validate(GenerationParams(prompt="The quick", guide=Guide("regex", "[a-z]+")), tokenizer, limits, guides)
+    assert spec.sampling.guide == Guide("regex", "[a-z]+") and spec.sampling.output_start == len(spec.prompt_ids)
+    for guides, says in ((guides, "the regex does not compile"), (None, "pip install xgrammar")):
+        with pytest.raises(GenerationError) as err:
+            validate(GenerationParams(prompt="The quick", guide=Guide("regex", "[a-z")), tokenizer, limits, guides)
+        assert err.value.field == "guide" and says in err.value.message, err.value.message
+    from specfleet.v1 import common_pb2
+
+    for can, compiles in ((True, True), (False, False)):
+        door = FrontDoor(None, tokenizer, limits, limits.eos_token_id, common_pb2.ModelInfo(structured_output=can))
+        assert (door.guides is not None) == compiles
 
 
 # --- generation through the front door --------------------------------------------------------------------------
