@@ -4,6 +4,7 @@ time went."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -27,6 +28,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-draft-tokens", type=int, default=0, help="at most this many draft tokens per round (0: the router's router.max_draft_tokens)"
     )
+    guide = parser.add_mutually_exclusive_group()
+    guide.add_argument("--json-schema", help="structured output: the output is JSON following this schema (JSON text)")
+    guide.add_argument("--regex", help="structured output: the whole output matches this regular expression")
+    guide.add_argument("--choice", action="append", help="structured output: the output is one of these strings (repeatable)")
+    guide.add_argument("--grammar", help="structured output: the output derives this EBNF grammar's rule root (xgrammar's dialect)")
     parser.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
     parser.add_argument("--stats", action="store_true", help="print speculation stats to stderr")
     parser.add_argument("--ca", help="TLS: the CA certificate (PEM) that signed the router's (security.tls.ca); turns TLS on")
@@ -67,6 +73,10 @@ def main(argv: list[str]) -> int:
         request.top_p = args.top_p
     if args.seed is not None:
         request.seed = args.seed
+    choice = json.dumps(args.choice) if args.choice else None
+    for kind, spec in (("json", args.json_schema), ("regex", args.regex), ("choice", choice), ("grammar", args.grammar)):
+        if spec is not None:
+            request.guide.kind, request.guide.spec = kind, spec
     try:
         channel = _channel(args)
     except OSError as err:

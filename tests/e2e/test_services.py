@@ -267,6 +267,20 @@ def test_cli_generate_sends_the_domain_it_is_given(cluster):
     assert "domain a-domain-no-prompt-suggests," in cluster.log_path.read_text()
 
 
+def test_cli_generate_follows_a_guide_and_names_one_that_does_not_compile(cluster):
+    """`specfleet generate --choice/--regex`: the output follows the guide; a guide that does not compile is refused
+    with the router's reason and exit code 1."""
+
+    def generate(*flags: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "specfleet.cli", "generate", "--server", cluster.router, "--max-tokens", "16", *flags, PROMPTS[0]]
+        return subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO)
+
+    chose = generate("--choice", "yes", "--choice", "no")
+    assert chose.returncode == 0 and chose.stdout in ("yes\n", "no\n"), (chose.stdout, chose.stderr)
+    bad = generate("--regex", "[a-")
+    assert bad.returncode == 1 and "INVALID_ARGUMENT: guide: the regex does not compile" in bad.stderr, bad.stderr
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_cli_generate_prints_text(cluster, stream):
     """`specfleet generate` prints the completion (streamed or whole) on stdout, its stats on stderr."""
