@@ -20,7 +20,8 @@ from specfleet.guides import GuideError
 from specfleet.service_shell import CoreServicer, InvalidArgument, Section, ServiceSpec
 from specfleet.batching import BatchQueue, BatchStats, housekeeping_every
 from specfleet.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from verifier_service.verifier import Verifier, VerifyItem, VerifyResult, passes, validate_item
+from verifier_service.validation import validate_item
+from verifier_service.verifier import Verifier, VerifyItem, VerifyResult, passes
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,6 @@ with no drafter and no round trip; a pass with no chain is a plain pass.
 from __future__ import annotations
 
 import logging
-import math
 import time
 import zlib
 from collections.abc import Callable
@@ -59,6 +58,9 @@ class VerifyItem:
     max_tokens: int = 0
     # Set by the verifier on a pass whose tree is its own lookup, not the client's: each token's confidence.
     lookup_confidences: list[float] = field(default_factory=list)
+    # Set by the verifier on a pass whose tree is the tokens the session's guide forces (`_forced`): its own, accepted
+    # whole, never learned from.
+    forced: bool = False
 
 
 @dataclass
@@ -84,54 +86,16 @@ def passes(results: list[VerifyResult]) -> int:
     return max((r.steps for r in results), default=0) or 1
 
 
-# Alternatives per token at most (OpenAI's chat API allows 20).
-MAX_TOP_LOGPROBS = 20
-# Plain steps a session may ask for in one call at most.
-MAX_PLAIN_STEPS = 64
 # The verifier's lookup: suffixes of 4 down to 3 tokens, the next tokens of their 16 most recent earlier
 # occurrences. A suffix of 1 or 2 tokens matches more often and is right less often: on the demo workloads the
 # longer suffixes give the most tokens per unit of pass time, batched or not (docs/benchmarks/lookup.md).
 LOOKUP_NGRAM_MAX, LOOKUP_NGRAM_MIN, LOOKUP_MATCHES = 4, 3, 16
+# Tokens a guide forces that one pass verifies at most (`_forced`).
+MAX_FORCED = 16
 # `_left` without a cap.
 NO_CAP = 2**31
 # Its draws' random stream, apart from the verification's and the drafters' (obligation 1's proviso).
 LOOKUP_STREAM = STREAM_DRAFT + zlib.crc32(b"verifier lookup")
-
-
-def validate_item(item: VerifyItem, vocab_size: int, max_context: int) -> None:
-    """Raise ValueError with a message naming the field for a malformed session."""
-    n = len(item.tree_tokens)
-    if len(item.tree_parents) != n or len(item.proposals) != n:
-        raise ValueError(f"session {item.session_id}: tree.token_ids, tree.parents and tree.proposals must have equal lengths")
-    for i, parent in enumerate(item.tree_parents):
-        if not -1 <= parent < i:
-            raise ValueError(f"session {item.session_id}: tree.parents[{i}] = {parent}; a parent must precede its child")
-    for name, ids in [("new_token_ids", item.new_token_ids), ("tree.token_ids", item.tree_tokens)]:
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"session {item.session_id}: {name} has ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
-    for i, (ids, probs) in enumerate(item.proposals):
-        if not ids or len(ids) != len(probs) or any(not 0 <= t < vocab_size for t in ids) or not all(p >= 0 and math.isfinite(p) for p in probs):
-            raise ValueError(f"session {item.session_id}: tree.proposals[{i}] must be a non-empty distribution over vocabulary ids")
-    if item.prefix_length < 0:
-        raise ValueError(f"session {item.session_id}: sync.prefix_length must be >= 0")
-    if not 1 <= item.plain_steps <= MAX_PLAIN_STEPS:
-        raise ValueError(f"session {item.session_id}: plain_steps must be between 1 and {MAX_PLAIN_STEPS}, got {item.plain_steps}")
-    if not 0 <= item.lookup_tokens < MAX_PLAIN_STEPS:
-        raise ValueError(f"session {item.session_id}: lookup_tokens must be between 0 and {MAX_PLAIN_STEPS - 1}, got {item.lookup_tokens}")
-    if item.max_tokens < 0:
-        raise ValueError(f"session {item.session_id}: max_tokens must be >= 0, got {item.max_tokens}")
-    if item.prefix_length + len(item.new_token_ids) + n + item.plain_steps > max_context:
-        what = "tree" if item.plain_steps == 1 else f"{item.plain_steps} passes" + (" and tree" if n else "")
-        raise ValueError(f"session {item.session_id}: context plus {what} exceeds the model's {max_context} positions")
-    if item.prefix_length == 0 and not item.new_token_ids:
-        raise ValueError(f"session {item.session_id}: a new session needs at least one token")
-    for name, top in [("top_logprobs", item.top_logprobs), ("prompt_top_logprobs", item.prompt_logprobs or 0)]:
-        if not 0 <= top <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"session {item.session_id}: {name} must be between 0 and {MAX_TOP_LOGPROBS}, got {top}")
-    problem = item.sampling.problem(vocab_size)
-    if problem:
-        raise ValueError(f"session {item.session_id}: {problem}")
 
 
 def _left(item: VerifyItem, done: VerifyResult | None) -> int:
@@ -144,7 +108,7 @@ def _left(item: VerifyItem, done: VerifyResult | None) -> int:
 
 def _plain(item: VerifyItem) -> VerifyItem:
     """The item a pass after its tree's runs: the same session and sampling, an empty tree."""
-    return replace(item, tree_tokens=[], tree_parents=[], proposals=[], lookup_confidences=[]) if item.tree_tokens else item
+    return replace(item, tree_tokens=[], tree_parents=[], proposals=[], lookup_confidences=[], forced=False) if item.tree_tokens else item
 
 
 class Verifier:
@@ -235,6 +199,8 @@ class Verifier:
         the token the pass emits after it, and as far as its tokens are likely enough to be accepted to pay for
         their rows (`LookupPolicy`). A session without a chain keeps its empty tree: a plain pass."""
         asking = [at for at, (_, item, _) in enumerate(live) if item.lookup_tokens and item.plain_steps > 1 and not item.tree_tokens]
+        live = self._forced(live, asking, results)
+        asking = [at for at in asking if not live[at][1].forced]
         chains = self.lookup.for_pass(len(live)) if asking else None
         if chains is None:
             return live
@@ -259,6 +225,28 @@ class Verifier:
             if chain:
                 parents = list(range(-1, len(chain) - 1))
                 item = replace(item, tree_tokens=chain, tree_parents=parents, proposals=proposals, lookup_confidences=confidences)
+                out[at] = (idx, item, session)
+        return out
+
+    def _forced(self, live: list, asking: list[int], results: list) -> list:
+        """The pass's sessions, each of `asking` whose guide forces what comes next (`GuideState.forced`: a JSON
+        schema's keys and punctuation, the rest of a choice) given those tokens as its tree, a chain of point masses,
+        within the model's context and the call's `max_tokens` with the token the pass emits after them. The target
+        nearly always tokenizes forced text so (where only one token is allowed, always: its guided p is a point mass
+        on it), and verification decides as for any draft: a pass then emits them all, where plain passes emit one
+        each."""
+        out = list(live)
+        for at in asking:
+            idx, item, session = live[at]
+            if item.sampling.guide is None:
+                continue
+            room = min(self.loaded.max_context - len(session.token_ids), _left(item, results[idx]), MAX_FORCED + 1) - 1
+            state = session_guide(session, item.sampling.guide, self.loaded.guides)
+            encode = lambda text: self.loaded.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+            chain = state.forced(session.token_ids[item.sampling.output_start :], room, encode) if room > 0 else []
+            if chain:
+                point_masses = [([token], [1.0]) for token in chain]
+                item = replace(item, tree_tokens=chain, tree_parents=list(range(-1, len(chain) - 1)), proposals=point_masses, forced=True)
                 out[at] = (idx, item, session)
         return out
 
@@ -384,11 +372,12 @@ class Verifier:
             if session.prompt_logprobs is not None and session.prompt_logprobs.complete(len(session.token_ids)):
                 result.prompt, session.prompt_logprobs = session.prompt_logprobs, None
             session.token_ids.extend(tokens)
-            if item.lookup_confidences:
-                # The tree was the verifier's own lookup: its nodes are no client's to learn from, but the lookup's.
+            if item.lookup_confidences or item.forced:
+                # The tree was the verifier's own (lookup, or forced by the guide): no client's to learn from.
                 result.accepted_nodes = []
                 result.lookup_proposed = len(item.tree_tokens)
                 result.lookup_accepted = len(path)
+            if item.lookup_confidences:
                 self.lookup.acceptance.observe(item.lookup_confidences, len(path))
             if item.logprobs:
                 result.logprobs, result.top_token_ids, result.top_logprobs = shaping.token_logprobs(raw[b, rows], tokens, item.top_logprobs)

@@ -77,6 +77,33 @@ class GuideState:
                 self._matcher.rollback(walked)
         return bitmask
 
+    def forced(self, output: list[int], most: int, encode) -> list[int]:
+        """Draft tokens for what the guide forces after `output` (the session's output so far), up to `most`: the text
+        it forces next (xgrammar's jump-forward string: a JSON schema's keys and punctuation, the rest of the one
+        choice left) as `encode` tokenizes it, then while exactly one token is allowed (end of sequence once the
+        grammar is complete), that token. A tokenization the grammar allows but the target would not choose is only
+        a draft the verification rejects; [] where the next token is the model's choice."""
+        self._sync(output)
+        if self._left or self._matcher.is_terminated():
+            return []
+        text = self._matcher.find_jump_forward_string()
+        chain = []
+        for token in encode(text)[:most] if text else []:
+            if not self._matcher.accept_token(token):
+                break
+            chain.append(token)
+        one = torch.empty((1, (self.vocab_size + 31) // 32), dtype=torch.int32)
+        while len(chain) < most and not self._matcher.is_terminated():
+            self._matcher.fill_next_token_bitmask(one, 0)
+            words = one[0].nonzero()
+            word = int(one[0, words[0, 0]]) & 0xFFFFFFFF if len(words) == 1 else 0
+            if not word or word & (word - 1) or not self._matcher.accept_token(token := 32 * int(words[0, 0]) + word.bit_length() - 1):
+                break  # a choice of tokens (or none): the model's
+            chain.append(token)
+        if chain:
+            self._matcher.rollback(len(chain))
+        return chain
+
 
 def unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[R, vocab_size] bool from xgrammar's bitmask [R, words] (on its device)."""

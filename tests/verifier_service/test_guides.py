@@ -167,3 +167,25 @@ def test_a_guide_that_does_not_compile_is_refused_naming_it(random_family, guide
     core.verifier = _verifier(random_family)
     with pytest.raises(InvalidArgument, match=message):
         core.validated([VerifyItem("s", 0, [1, 2, 3], SamplingParams(guide=guide))])
+
+
+def test_tokens_the_guide_forces_are_verified_in_one_pass_and_are_the_tokens_of_plain_passes(random_family):
+    """In a call of plain steps with the lookup on, where the guide forces what comes next (a choice of one string, a
+    JSON schema's punctuation and keys), the verifier drafts it as the pass's tree (`_forced`): the tokens are those
+    of one-token passes (the random target often tokenizes the forced text otherwise: those drafts are rejected), and
+    fewer passes emit them."""
+    prompt = _prompt(random_family)
+    for guide in (Guide("choice", json.dumps(["the quick brown fox jumps"])), Guide("json", GUIDES[2].spec, compact=True)):
+        plain = []
+        verifier = _verifier(random_family)
+        while not plain or (plain[-1] != verifier.loaded.eos_token_id and len(plain) < 24):
+            sync = (len(prompt) + len(plain), []) if plain else (0, prompt)
+            (one,) = verifier.verify_batch([VerifyItem("s", *sync, _guided(prompt, guide))])
+            plain += one.token_ids
+        verifier = _verifier(random_family)
+        verifier.lookup.for_pass = lambda sessions: None  # no n-gram chains: every drafted token is the guide's
+        (chained,) = verifier.verify_batch(
+            [VerifyItem("s", 0, prompt, _guided(prompt, guide), plain_steps=24, lookup_tokens=4, max_tokens=len(plain))]
+        )
+        assert chained.token_ids == plain, guide.kind
+        assert chained.lookup_accepted > 0 and chained.steps < len(plain), (guide.kind, chained.steps, len(plain))

@@ -11,7 +11,8 @@ import torch
 
 from specfleet.engine import SessionStore, load_model
 from specfleet.sampling import SamplingParams
-from verifier_service.verifier import Verifier, VerifyItem, validate_item
+from verifier_service.validation import validate_item
+from verifier_service.verifier import Verifier, VerifyItem
 
 FORCED = 123  # a token the random target seldom picks: a bias of 100 makes it the target's at every position
 

@@ -20,7 +20,8 @@ from specfleet.sampling import SamplingParams
 from specfleet.tokenizer import load_tokenizer
 from verifier_service.lookup import PassChains
 from verifier_service import verifier as verifier_mod
-from verifier_service.verifier import Verifier, VerifyItem, validate_item
+from verifier_service.validation import validate_item
+from verifier_service.verifier import Verifier, VerifyItem
 
 DEMO = pathlib.Path(__file__).resolve().parents[2] / "models" / "demo" / "target"
 # Texts the demo target continues by repeating them, some of their 3-token suffixes with it.

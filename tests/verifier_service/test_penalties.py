@@ -15,7 +15,8 @@ from specfleet.engine import SessionStore, load_model
 from specfleet.sampling import SamplingParams
 from tests.helpers import load_target
 from tools.bench.systems import OutputPenalties
-from verifier_service.verifier import Verifier, VerifyItem, validate_item
+from verifier_service.validation import validate_item
+from verifier_service.verifier import Verifier, VerifyItem
 
 STEPS = 6
 # Strong enough to change the random models' greedy tokens (their logits are small), within the allowed ranges.

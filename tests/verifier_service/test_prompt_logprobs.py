@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM
 
 from specfleet.engine import SessionStore, load_model
 from specfleet.sampling import SamplingParams
-from verifier_service.verifier import Verifier, VerifyItem, validate_item
+from verifier_service.validation import validate_item
+from verifier_service.verifier import Verifier, VerifyItem
 
 TOP = 3
 
