@@ -44,6 +44,9 @@ def validate(params: GenerationParams, tokenizer, limits: Limits, guides: GuideC
     prompt_ids = _prompt_ids(params, tokenizer, limits)
     max_tokens = _max_tokens(params, len(prompt_ids), limits)
     sampling = _sampling(params, limits, len(prompt_ids), max_tokens, _guide(params.guide, guides))
+    if sampling.guide is not None and params.min_tokens:
+        # Where the guide completes before min_tokens, it allows end of sequence alone, which min_tokens holds back.
+        raise invalid("min_tokens", "cannot be combined with structured output: the guide decides where the output ends")
     if len(params.stop) > MAX_STOP_STRINGS or any(not s for s in params.stop):
         raise invalid("stop", f"at most {MAX_STOP_STRINGS} non-empty strings")
     spec_opts = params.speculation

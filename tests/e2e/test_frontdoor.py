@@ -174,6 +174,9 @@ def test_a_guide_is_compiled_on_admission_and_refused_where_the_verifier_cannot_
         with pytest.raises(GenerationError) as err:
             validate(GenerationParams(prompt="The quick", guide=Guide("regex", "[a-z")), tokenizer, limits, guides)
         assert err.value.field == "guide" and says in err.value.message, err.value.message
+    with pytest.raises(GenerationError, match="min_tokens: cannot be combined with structured output"):
+        compiler = GuideCompiler(tokenizer, limits.vocab_size, limits.eos_token_id)
+        validate(GenerationParams(prompt="The quick", guide=Guide("regex", "[a-z]+"), min_tokens=2), tokenizer, limits, compiler)
     from specfleet.v1 import common_pb2
 
     for can, compiles in ((True, True), (False, False)):
