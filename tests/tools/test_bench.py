@@ -331,3 +331,22 @@ def test_sampled_requests_carry_a_seed_each_unless_unseeded(tmp_path):
     seeded = systems.Specfleet(family, systems.Settings(temperature=1.0)).request(req)
     assert seeded.HasField("seed") and seeded.seed == systems.Specfleet(family, systems.Settings(temperature=1.0)).request(req).seed
     assert not systems.Specfleet(family, systems.Settings(temperature=1.0, seeded=False)).request(req).HasField("seed")
+
+
+def test_a_json_schema_run_sends_every_system_the_schema_and_checks_them_against_the_masked_reference(random_family, cluster, tmp_path, capsys):
+    """--json-schema: the greedy reference applies xgrammar's mask, specfleet (attached) is sent the guide, and its
+    outputs match the reference token for token (an unguided output, which is no JSON, would not). Without
+    --stop-at-eos the run is refused saying why."""
+    schema = {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}
+    root = random_family["target"].parent
+    common = ["--models", str(root), "--workload", "mixed", "--requests", "3", "--prompt-tokens", "12", "--max-tokens", "16"]
+    common += ["--warmup", "0", "--concurrency", "1", "--no-progress", "--json-schema", json.dumps(schema), "--json-compact"]
+    with pytest.raises(SystemExit, match="--json-schema needs --stop-at-eos"):
+        bench_main(["run", *common, "--systems", "hf-target", "--out", str(tmp_path / "refused")])
+    out = tmp_path / "out"
+    argv = ["run", *common, "--stop-at-eos", "--systems", "hf-target", "--attach", f"specfleet={cluster.router}", "--out", str(out)]
+    assert bench_main(argv) == 0, capsys.readouterr().err
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["json_schema"] == schema and results["config"]["json_compact"] is True
+    for r in results["runs"]:
+        assert r["status"] == "ok" and r["checked"] == 3 and r["mismatches"] == 0, (r["label"], r.get("mismatch_examples"))

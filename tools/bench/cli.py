@@ -70,7 +70,8 @@ Fairness
 Checks
   At temperature 0 every output's token ids are compared with the target alone (transformers
   greedy generate on the same ids, with the same --presence-penalty, --frequency-penalty and
-  --repetition-penalty, which every system is sent); with --temperature > 0 outputs are sampled (seeded per
+  --repetition-penalty, which every system is sent, and with --json-schema xgrammar's mask of that
+  schema, which every system is sent as structured output); with --temperature > 0 outputs are sampled (seeded per
   request, or with --unseeded not: rejection sampling) and not checked token by token (the
   lossless tests check the distribution). Any mismatch is shown in the table and makes the exit
   code 3 unless --allow-mismatch. Failed requests or systems exit 1.
@@ -227,6 +228,12 @@ def add_run_options(p: argparse.ArgumentParser, preset: str) -> None:
     )
     for name, neutral in (("presence-penalty", 0.0), ("frequency-penalty", 0.0), ("repetition-penalty", 1.0)):
         w.add_argument(f"--{name}", type=float, default=neutral, help=f"every system's {name.replace('-', '_')} (default %(default)s: none)")
+    w.add_argument(
+        "--json-schema",
+        help="structured output: every system's requests ask for JSON following this schema (a file, or JSON text); needs "
+        "--stop-at-eos (past the JSON's end only end of sequence is allowed)",
+    )
+    w.add_argument("--json-compact", action="store_true", help="with --json-schema: no free whitespace (vLLM's disable_any_whitespace)")
     w.add_argument("--stop-at-eos", action="store_true", help="let systems stop at end of sequence (default: ignore EOS, fixed output length)")
     w.add_argument("--concurrency", default=d["concurrency"], help="closed-loop client counts, comma separated (default %(default)s)")
     w.add_argument("--rates", default=d["rates"], help="open-loop Poisson rates in requests/s, comma separated, or 'file' (default none)")
@@ -448,6 +455,19 @@ def load_points(args) -> list:
     return points
 
 
+def _json_schema(args) -> dict | None:
+    """--json-schema's schema (a file's, or the text's), checked against --stop-at-eos."""
+    if args.json_schema is None:
+        return None
+    if not args.stop_at_eos:
+        raise SystemExit("specfleet bench: --json-schema needs --stop-at-eos (past the JSON's end only end of sequence is allowed)")
+    text = pathlib.Path(args.json_schema).read_text() if pathlib.Path(args.json_schema).is_file() else args.json_schema
+    try:
+        return json.loads(text)
+    except ValueError as err:
+        raise SystemExit(f"specfleet bench: --json-schema is neither a file nor JSON: {err}") from None
+
+
 def _settings(args, out_dir: pathlib.Path):
     """What every system of the run shares (tools/bench/systems.py `Settings`), from the command line."""
     from tools.bench.systems import Settings
@@ -457,6 +477,8 @@ def _settings(args, out_dir: pathlib.Path):
         cpus=_cpus(args.cpus),
         k=args.k,
         ignore_eos=not args.stop_at_eos,
+        json_schema=_json_schema(args),
+        json_compact=args.json_compact,
         dtype=args.dtype,
         device=args.device,
         assist_schedule=args.assist_schedule,
@@ -504,6 +526,8 @@ def _results(args, command: str, family, settings, source: str, requests: list, 
             "seed": args.seed,
             "temperature": settings.temperature,
             "penalties": settings.penalties,
+            "json_schema": settings.json_schema,
+            "json_compact": settings.json_compact,
             "seeded": settings.seeded,
             "device": settings.device,
             "warmup": len(warmup),

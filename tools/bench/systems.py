@@ -28,6 +28,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import json
 import os
 import pathlib
 import shlex
@@ -117,6 +118,10 @@ class Settings:
     # Every system's penalties on repeated tokens, as OpenAI and vLLM mean them (presence_penalty, frequency_penalty,
     # repetition_penalty), the neutral ones left out; the greedy reference applies them too.
     penalties: dict[str, float] = field(default_factory=dict)
+    # Structured output: every system's requests ask for JSON following this schema (None: text), without free
+    # whitespace where `json_compact` (vLLM's disable_any_whitespace); the greedy reference applies xgrammar's mask.
+    json_schema: dict | None = None
+    json_compact: bool = False
 
 
 class System:
@@ -179,6 +184,37 @@ class OutputPenalties:
         return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
 
 
+class JsonSchemaMask:
+    """A JSON schema's mask (xgrammar's, the backend vLLM and specfleet use) on each step's scores, as a transformers
+    logits processor for one sequence: the tokens after the prompt fed to a matcher, the scores of every token the
+    grammar disallows next set to -inf."""
+
+    _compiled: dict = {}
+
+    def __init__(self, model_path: pathlib.Path, vocab_size: int, eos: int, schema: dict, compact: bool, prompt_tokens: int):
+        import xgrammar
+        from transformers import AutoTokenizer
+
+        key = (str(model_path), vocab_size, eos, json.dumps(schema, sort_keys=True), compact)
+        if key not in self._compiled:
+            tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+            info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=[eos])
+            self._compiled[key] = xgrammar.GrammarCompiler(info).compile_json_schema(json.dumps(schema), any_whitespace=not compact)
+        self.xgrammar, self.vocab_size = xgrammar, vocab_size
+        self.matcher, self.seen = xgrammar.GrammarMatcher(self._compiled[key]), prompt_tokens
+
+    def __call__(self, input_ids, scores):
+        for token in input_ids[0, self.seen :].tolist():
+            self.matcher.accept_token(token)
+        self.seen = input_ids.shape[1]
+        if self.matcher.is_terminated():
+            return scores
+        bitmask = self.xgrammar.allocate_token_bitmask(1, self.vocab_size)
+        self.matcher.fill_next_token_bitmask(bitmask)
+        self.xgrammar.apply_token_bitmask_inplace(scores, bitmask.to(scores.device))
+        return scores
+
+
 class HFTarget(System):
     name = "hf-target"
     description = "transformers generate, target alone, in process, one thread"
@@ -223,7 +259,11 @@ class HFTarget(System):
 
     def _processors(self, prompt_tokens: int) -> list:
         presence, frequency = self.settings.penalties.get("presence_penalty", 0.0), self.settings.penalties.get("frequency_penalty", 0.0)
-        return [OutputPenalties(prompt_tokens, presence, frequency)] if presence or frequency else []
+        processors = [OutputPenalties(prompt_tokens, presence, frequency)] if presence or frequency else []
+        if self.settings.json_schema is not None:
+            eos, vocab = self._pad_id(), self.model.config.vocab_size
+            processors.append(JsonSchemaMask(self.family.target, vocab, eos, self.settings.json_schema, self.settings.json_compact, prompt_tokens))
+        return processors
 
     def _pad_id(self) -> int:
         eos = self.model.config.eos_token_id
@@ -444,7 +484,15 @@ class Specfleet(System):
             speculation=generation_pb2.SpeculationOptions(disabled=self.disabled, max_draft_tokens=0 if self.disabled else self.settings.k),
             **self._domain_hint(req),
             **self.settings.penalties,
+            **self._guide(),
         )
+
+    def _guide(self) -> dict:
+        if self.settings.json_schema is None:
+            return {}
+        from specfleet.v1 import common_pb2
+
+        return {"guide": common_pb2.Guide(kind="json", spec=json.dumps(self.settings.json_schema), compact=self.settings.json_compact)}
 
     def _domain_hint(self, req: Request) -> dict:
         """The workload's domain label, sent only with --send-domain (a client usually does not know it)."""

@@ -196,6 +196,8 @@ class VLLMTarget(System):
             "seed": 0,
             **self.settings.penalties,
         }
+        if self.settings.json_schema is not None:
+            body["structured_outputs"] = {"json": self.settings.json_schema, "disable_any_whitespace": self.settings.json_compact}
         t_submit = time.perf_counter()
         t_first, ids, text_seen = None, [], False
         try:
