@@ -73,7 +73,7 @@ def tool_guide(tools: list | None, tool_choice, parallel: bool) -> Guide | None:
     """The guide the tool choice asks for, or None (text)."""
     mode, name = chosen(tools, tool_choice)
     by_name = functions(tools)
-    # Arguments are read by programs: JSON in one layout (no free whitespace a small model could fill max_tokens with).
+    # Arguments are read by programs: JSON without whitespace (none a small model could fill max_tokens with).
     if mode == "named":
         return Guide("json", json.dumps(by_name[name].get("parameters", NO_PARAMETERS)), compact=True)
     if mode == "required":

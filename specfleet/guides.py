@@ -34,8 +34,8 @@ CACHED_GRAMMARS = 64
 class Guide:
     kind: str
     spec: str
-    # JSON in one layout, a space after each colon and comma and no other whitespace (vLLM's disable_any_whitespace):
-    # a small model's JSON cannot wander into whitespace it never ends.
+    # JSON without any whitespace between its tokens, separators "," and ":" (vLLM's disable_any_whitespace): a small
+    # model's JSON cannot wander into whitespace it never ends.
     compact: bool = False
 
     def problem(self) -> str | None:
@@ -148,7 +148,8 @@ def _reason(err: Exception) -> str:
 
 def _compile(compiler, guide: Guide):
     if guide.kind == "json":
-        return compiler.compile_json_schema(guide.spec, any_whitespace=not guide.compact)
+        separators = (",", ":") if guide.compact else None
+        return compiler.compile_json_schema(guide.spec, any_whitespace=not guide.compact, separators=separators)
     if guide.kind == "regex":
         return compiler.compile_regex(guide.spec)
     if guide.kind == "choice":

@@ -199,7 +199,9 @@ class JsonSchemaMask:
         if key not in self._compiled:
             tokenizer = AutoTokenizer.from_pretrained(str(model_path))
             info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=[eos])
-            self._compiled[key] = xgrammar.GrammarCompiler(info).compile_json_schema(json.dumps(schema), any_whitespace=not compact)
+            separators = (",", ":") if compact else None  # vLLM's disable_any_whitespace
+            compiler = xgrammar.GrammarCompiler(info)
+            self._compiled[key] = compiler.compile_json_schema(json.dumps(schema), any_whitespace=not compact, separators=separators)
         self.xgrammar, self.vocab_size = xgrammar, vocab_size
         self.matcher, self.seen = xgrammar.GrammarMatcher(self._compiled[key]), prompt_tokens
 
