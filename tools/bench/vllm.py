@@ -146,7 +146,7 @@ class VLLMTarget(System):
         command += list(s.vllm_args)
         if s.json_compact:
             # vLLM reads disable_any_whitespace from its server's structured-output config, not from a request.
-            command += ["--structured-outputs-config", json.dumps({"disable_any_whitespace": True})]
+            command += ["--structured-outputs-config", json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})]
         spec = self.speculative_config()
         if spec:
             command += ["--speculative-config", json.dumps(spec)]
