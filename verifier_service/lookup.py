@@ -179,8 +179,40 @@ class PassChains:
 
 
 @dataclass
+class ForcedAcceptance:
+    """How often the target keeps a guide's forced-text drafts (`Verifier._forced`), by depth in the chain: decayed
+    counts of chains that reached depth d and of those whose first d + 1 tokens were accepted. Forced text is the
+    grammar's, but its tokenization is the tokenizer's: a target that spells it otherwise rejects the rest."""
+
+    tried: list[float] = field(default_factory=list)
+    kept: list[float] = field(default_factory=list)
+
+    def chance(self, depth: int) -> float:
+        """The chance that a chain's first depth + 1 tokens are accepted (one token of prior, accepted)."""
+        tried, kept = (self.tried[depth], self.kept[depth]) if depth < len(self.tried) else (0.0, 0.0)
+        return (kept + 1) / (tried + 1)
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        while len(self.tried) < proposed:
+            self.tried.append(0.0)
+            self.kept.append(0.0)
+        for depth in range(proposed):
+            self.tried[depth] = self.tried[depth] * FORGET + 1
+            self.kept[depth] = self.kept[depth] * FORGET + (depth < accepted)
+
+    def worth(self, length: int, needed: float) -> int:
+        """How many of a chain of `length` forced tokens to draft: as deep as each is likely enough to be accepted
+        to pay for its row (`needed`: LookupPolicy.needed)."""
+        depth = 0
+        while depth < length and self.chance(depth) >= needed:
+            depth += 1
+        return depth
+
+
+@dataclass
 class LookupPolicy:
     acceptance: Acceptance = field(default_factory=Acceptance)
+    forced: ForcedAcceptance = field(default_factory=ForcedAcceptance)
     # Per power of two of sessions in a pass (`int.bit_length`): its plain passes' cost and its passes' with chains.
     plain: dict[int, PassCost] = field(default_factory=dict)
     chained: dict[int, RelativeCost] = field(default_factory=dict)

@@ -231,10 +231,10 @@ class Verifier:
     def _forced(self, live: list, asking: list[int], results: list) -> list:
         """The pass's sessions, each of `asking` whose guide forces what comes next (`GuideState.forced`: a JSON
         schema's keys and punctuation, the rest of a choice) given those tokens as its tree, a chain of point masses,
-        within the model's context and the call's `max_tokens` with the token the pass emits after them. The target
-        nearly always tokenizes forced text so (where only one token is allowed, always: its guided p is a point mass
-        on it), and verification decides as for any draft: a pass then emits them all, where plain passes emit one
-        each."""
+        within the model's context and the call's `max_tokens` with the token the pass emits after them, and as deep as
+        such drafts have been accepted often enough to pay for their rows (`ForcedAcceptance`: a target may tokenize
+        forced text otherwise; where only one token is allowed, its guided p is a point mass on it). Verification
+        decides as for any draft: a pass emits the accepted ones together, where plain passes emit one each."""
         out = list(live)
         for at in asking:
             idx, item, session = live[at]
@@ -244,6 +244,7 @@ class Verifier:
             state = session_guide(session, item.sampling.guide, self.loaded.guides)
             encode = lambda text: self.loaded.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
             chain = state.forced(session.token_ids[item.sampling.output_start :], room, encode) if room > 0 else []
+            chain = chain[: self.lookup.forced.worth(len(chain), self.lookup.needed(len(live)))]
             if chain:
                 point_masses = [([token], [1.0]) for token in chain]
                 item = replace(item, tree_tokens=chain, tree_parents=list(range(-1, len(chain) - 1)), proposals=point_masses, forced=True)
@@ -379,6 +380,8 @@ class Verifier:
                 result.lookup_accepted = len(path)
             if item.lookup_confidences:
                 self.lookup.acceptance.observe(item.lookup_confidences, len(path))
+            if item.forced:
+                self.lookup.forced.observe(len(item.tree_tokens), len(path))
             if item.logprobs:
                 result.logprobs, result.top_token_ids, result.top_logprobs = shaping.token_logprobs(raw[b, rows], tokens, item.top_logprobs)
             results.append(result)

@@ -198,3 +198,14 @@ def test_chains_rest_where_the_passes_that_ran_them_lost_though_the_lines_say_th
     assert _rest(policy) == EXPLORE_EVERY
     policy.observe_pass(4, 7, 3.0 + 1.7, accepted=7)  # 5.25 ms saved for 1.7: the exploration wins it back
     assert policy.gained(4) > 0 and policy.for_pass(4).pays([0.9, 0.9, 0.9])
+
+
+def test_forced_chains_go_as_deep_as_their_tokens_are_accepted_often_enough_to_pay_for_their_rows():
+    from verifier_service.lookup import ForcedAcceptance
+
+    forced = ForcedAcceptance()
+    assert forced.worth(6, 0.9) == 6, "untried: every depth is hoped for"
+    for _ in range(40):  # the target keeps the first two tokens of a chain of five, and rejects the third
+        forced.observe(5, 2)
+    assert forced.chance(1) > 0.95 and forced.chance(2) < 0.05
+    assert forced.worth(5, 0.5) == 2 and forced.worth(5, 0.0) == 5 and forced.worth(1, 0.5) == 1
