@@ -63,18 +63,24 @@ class GuideState:
         if len(self._bitmask) < len(paths):  # kept from pass to pass: each row is written whole below
             self._bitmask = torch.empty((len(paths), (self.vocab_size + 31) // 32), dtype=torch.int32)
         bitmask = self._bitmask[: len(paths)]
+        walked: list[int] = []  # the tokens past the output the matcher holds: rows share their paths' prefixes
         for r, path in enumerate(paths):
-            walked = 0
-            for token in path:
+            shared = 0
+            while shared < min(len(walked), len(path)) and walked[shared] == path[shared]:
+                shared += 1
+            if len(walked) > shared:
+                self._matcher.rollback(len(walked) - shared)
+                del walked[shared:]
+            for token in path[shared:]:
                 if self._matcher.is_terminated() or not self._matcher.accept_token(token):
                     break
-                walked += 1
-            if walked == len(path) and not self._matcher.is_terminated():
+                walked.append(token)
+            if len(walked) == len(path) and not self._matcher.is_terminated():
                 self._matcher.fill_next_token_bitmask(bitmask, r)
             else:
-                bitmask[r] = -1
-            if walked:
-                self._matcher.rollback(walked)
+                bitmask[r] = -1  # a path the grammar disallows, or past its end: no emitted token comes from it
+        if walked:
+            self._matcher.rollback(len(walked))
         return bitmask
 
     def forced(self, output: list[int], most: int, encode) -> list[int]:
