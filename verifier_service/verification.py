@@ -50,7 +50,13 @@ Proof obligations, each checked by tests/verifier_service/test_verification.py:
     `_looked_up`) meet it as a drafter's do: each token is drawn from the
     n-gram q it carries (`specfleet.engine.ngram.choose`), on a random
     stream of its own, given the chain before it; a chain claiming another
-    q would not (lookup-sends-a-flatter-q).
+    q would not (lookup-sends-a-flatter-q). A guided session's forced chains
+    (verifier.py `_forced`) meet it too: each token is a point mass fixed by
+    the grammar's state after the path before it, whatever anything draws. A
+    lookup chain cut where its guide disallows a token is cut by what was
+    drawn, which the proviso forbids: the verifier cuts only chains of
+    sessions whose tokens are fixed (5 and 6 below), which emit the same
+    whatever they are offered.
  2. Greedy equality: when p is a point mass on the target's argmax, a token is
     accepted iff it is the argmax, and the emitted token is the argmax.
  3. Point-mass proposals: q = delta_x accepts x with probability p(x) and

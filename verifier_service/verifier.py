@@ -222,6 +222,12 @@ class Verifier:
             chain, proposals, confidences = lookup_chain(
                 session.token_ids, most, item.sampling, LOOKUP_STREAM, LOOKUP_NGRAM_MAX, LOOKUP_NGRAM_MIN, LOOKUP_MATCHES, chains.worth, first
             )
+            if chain and item.sampling.guide is not None and (item.sampling.greedy or item.sampling.raced):
+                # A token its guide disallows has p = 0 and wastes its row; a session whose tokens are fixed emits the
+                # same whatever it is offered (verification.py, 5 and 6), a sampled one keeps its chain whole (1).
+                state = session_guide(session, item.sampling.guide, self.loaded.guides)
+                keep = state.allows(session.token_ids[item.sampling.output_start :], chain)
+                chain, proposals, confidences = chain[:keep], proposals[:keep], confidences[:keep]
             if chain:
                 parents = list(range(-1, len(chain) - 1))
                 item = replace(item, tree_tokens=chain, tree_parents=parents, proposals=proposals, lookup_confidences=confidences)

@@ -83,6 +83,21 @@ class GuideState:
             self._matcher.rollback(len(walked))
         return bitmask
 
+    def allows(self, output: list[int], tokens: list[int]) -> int:
+        """How many of `tokens`, after `output`, the guide allows in a row (all of them where the output has left
+        the grammar)."""
+        self._sync(output)
+        if self._left:
+            return len(tokens)
+        walked = 0
+        for token in tokens:
+            if self._matcher.is_terminated() or not self._matcher.accept_token(token):
+                break
+            walked += 1
+        if walked:
+            self._matcher.rollback(walked)
+        return walked
+
     def forced(self, output: list[int], most: int, encode) -> list[int]:
         """Draft tokens for what the guide forces after `output` (the session's output so far), up to `most`: the text
         it forces next (xgrammar's jump-forward string: a JSON schema's keys and punctuation, the rest of the one

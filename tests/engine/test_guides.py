@@ -100,3 +100,12 @@ def test_forced_drafts_the_text_the_guide_forces_then_end_of_sequence_once_it_is
     assert GuideState(GUIDE, compiler.compile(GUIDE), compiler.vocab_size).forced([], 32, encode) == []  # "the" or "a"
     # The matcher is where the output left it: the masks after forced() are a fresh state's.
     assert torch.equal(state.allowed(cat[:1], [[]]), GuideState(one, compiler.compile(one), compiler.vocab_size).allowed(cat[:1], [[]]))
+
+
+def test_allows_counts_the_tokens_the_guide_allows_in_a_row_and_leaves_the_matcher_where_it_was(compiler):
+    cat, dog = _encode(compiler, "the cat sat"), _encode(compiler, "the dog ran")
+    state = GuideState(GUIDE, compiler.compile(GUIDE), compiler.vocab_size)
+    assert state.allows([], cat) == len(cat) and state.allows([], cat + [5]) == len(cat)
+    assert state.allows(cat[:1], dog[1:]) == len(dog) - 1 or cat[:1] != dog[:1]
+    assert state.allows([], _encode(compiler, "zebra")) == 0
+    assert torch.equal(state.allowed([], [[]]), _fresh(compiler, [], [[]]))
