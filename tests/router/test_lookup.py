@@ -66,3 +66,14 @@ def test_plain_steps_ask_for_lookup_within_each_request_s_drafts_and_count_what_
     assert plan.lookup_rows == 6
     plan.modelled_ms = 20.0
     assert plan.modelled_with_lookup(0.5) == 23.0
+
+
+def test_a_round_the_measured_check_sent_to_plain_decoding_looks_nothing_up():
+    """The lookup is speculation: a round decoded plainly and unrouted (the measured check's k = 0) asks for none, so
+    that the check weighs speculating, lookup included, against plain decoding as speculation off runs it."""
+    replica = Replica()
+    config = SchedulerConfig(dataclasses.replace(SchedulingConfig(), lookup_tokens=4))
+    verifying = Verifying(RoundContext(config, {}, None, SpeculationController(cost(1.0))), VerifierPool([replica], wait_s=60))
+    state = _state("wide", 16)
+    asyncio.run(verifying.verify(RoundPlan([RequestPlan(state, plain_steps=8)], routed=False), {}))
+    assert [s.lookup_tokens for s in replica.sent] == [0] and state.per_drafter == {}
