@@ -112,7 +112,7 @@ def test_the_record_path_carries_every_field_both_ways():
     reply = asyncio.run(RecordVerifier(core).call([session]))
     (item,) = core.items
     assert core.size == (1, 3 + 2 + 1)
-    own = {"lookup_confidences"}  # set by the verifier on its own lookup's passes, never by a caller
+    own = {"lookup_confidences", "forced"}  # set by the verifier on its own chains (lookup, forced text), never by a caller
     assert all(getattr(item, f.name) != VerifyItem.__dataclass_fields__[f.name].default for f in dataclasses.fields(VerifyItem) if f.name not in own)
     assert item == VerifyItem("s", 3, [1, 2], sampling, [7], [-1], [([7, 9], [0.75, 0.25])], True, 1, 4, 2, 3, 7)
     (verified,) = reply.sessions
