@@ -58,8 +58,8 @@ class VerifyItem:
     max_tokens: int = 0
     # Set by the verifier on a pass whose tree is its own lookup, not the client's: each token's confidence.
     lookup_confidences: list[float] = field(default_factory=list)
-    # Set by the verifier on a pass whose tree is the tokens the session's guide forces (`_forced`): its own, accepted
-    # whole, never learned from.
+    # Set by the verifier on a pass whose tree is the text the session's guide forces (`_forced`): its own, never a
+    # client's to learn from.
     forced: bool = False
 
 
@@ -241,16 +241,17 @@ class Verifier:
         such drafts have been accepted often enough to pay for their rows (`ForcedAcceptance`: a target may tokenize
         forced text otherwise; where only one token is allowed, its guided p is a point mass on it). Verification
         decides as for any draft: a pass emits the accepted ones together, where plain passes emit one each."""
-        out = list(live)
+        out, needed = list(live), self.lookup.needed(len(live))
         for at in asking:
             idx, item, session = live[at]
             if item.sampling.guide is None:
                 continue
             room = min(self.loaded.max_context - len(session.token_ids), _left(item, results[idx]), MAX_FORCED + 1) - 1
+            most = self.lookup.forced.worth(room, needed) if room > 0 else 0
+            if not most:
+                continue
             state = session_guide(session, item.sampling.guide, self.loaded.guides)
-            encode = lambda text: self.loaded.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-            chain = state.forced(session.token_ids[item.sampling.output_start :], room, encode) if room > 0 else []
-            chain = chain[: self.lookup.forced.worth(len(chain), self.lookup.needed(len(live)))]
+            chain = state.forced(session.token_ids[item.sampling.output_start :], most, self.loaded.tokenizer)
             if chain:
                 point_masses = [([token], [1.0]) for token in chain]
                 item = replace(item, tree_tokens=chain, tree_parents=list(range(-1, len(chain) - 1)), proposals=point_masses, forced=True)

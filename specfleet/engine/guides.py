@@ -60,9 +60,7 @@ class GuideState:
         self._sync(output)
         if self._left or self._matcher.is_terminated():
             return None
-        if len(self._bitmask) < len(paths):  # kept from pass to pass: each row is written whole below
-            self._bitmask = torch.empty((len(paths), (self.vocab_size + 31) // 32), dtype=torch.int32)
-        bitmask = self._bitmask[: len(paths)]
+        bitmask = self._rows(len(paths))
         walked: list[int] = []  # the tokens past the output the matcher holds: rows share their paths' prefixes
         for r, path in enumerate(paths):
             shared = 0
@@ -83,6 +81,12 @@ class GuideState:
             self._matcher.rollback(len(walked))
         return bitmask
 
+    def _rows(self, n: int) -> torch.Tensor:
+        """n rows of the bitmask kept from pass to pass (each use writes every row it reads)."""
+        if len(self._bitmask) < n:
+            self._bitmask = torch.empty((n, (self.vocab_size + 31) // 32), dtype=torch.int32)
+        return self._bitmask[:n]
+
     def allows(self, output: list[int], tokens: list[int]) -> int:
         """How many of `tokens`, after `output`, the guide allows in a row (all of them where the output has left
         the grammar)."""
@@ -98,10 +102,10 @@ class GuideState:
             self._matcher.rollback(walked)
         return walked
 
-    def forced(self, output: list[int], most: int, encode) -> list[int]:
+    def forced(self, output: list[int], most: int, tokenizer) -> list[int]:
         """Draft tokens for what the guide forces after `output` (the session's output so far), up to `most`: the text
         it forces next (xgrammar's jump-forward string: a JSON schema's keys and punctuation, the rest of the one
-        choice left) as `encode` tokenizes it, then while exactly one token is allowed (end of sequence once the
+        choice left) as `tokenizer` encodes it, then while exactly one token is allowed (end of sequence once the
         grammar is complete), that token. A tokenization the grammar allows but the target would not choose is only
         a draft the verification rejects; [] where the next token is the model's choice."""
         self._sync(output)
@@ -109,11 +113,11 @@ class GuideState:
             return []
         text = self._matcher.find_jump_forward_string()
         chain = []
-        for token in encode(text)[:most] if text else []:
+        for token in tokenizer.encode(text, add_special_tokens=False)[:most] if text else []:
             if not self._matcher.accept_token(token):
                 break
             chain.append(token)
-        one = torch.empty((1, (self.vocab_size + 31) // 32), dtype=torch.int32)
+        one = self._rows(1)
         while len(chain) < most and not self._matcher.is_terminated():
             self._matcher.fill_next_token_bitmask(one, 0)
             words = one[0].nonzero()
@@ -152,7 +156,7 @@ def session_guide(session, guide: Guide | None, compiler: GuideCompiler) -> Guid
     """The session's GuideState for `guide` (kept on the session as `guide_state`), made on its first guided pass."""
     if guide is None:
         return None
-    state = getattr(session, "guide_state", None)
+    state = session.guide_state
     if state is None or state.guide != guide:
         state = GuideState(guide, compiler.compile(guide), compiler.vocab_size)
         session.guide_state = state

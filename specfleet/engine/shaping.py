@@ -65,7 +65,7 @@ def adjusted(
             _penalize(rows[b], params[b], *contexts[b], ids)
         if params[b].min_tokens and params[b].held_back:
             _hold_back(rows[b], params[b], *contexts[b], ids)
-        if params[b].guide is not None and guides is not None and guides[b] is not None:
+        if guides is not None and guides[b] is not None:
             _guide(rows[b], params[b], guides[b], *contexts[b], ids)
     return logits
 

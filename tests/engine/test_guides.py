@@ -87,17 +87,15 @@ def test_a_token_mapped_row_is_masked_as_the_full_row_read_at_its_ids_and_both_k
 
 def test_forced_drafts_the_text_the_guide_forces_then_end_of_sequence_once_it_is_complete(compiler):
     one = Guide("choice", json.dumps(["the cat sat"]))
-    cat, eos = _encode(compiler, "the cat sat"), compiler.eos_token_id
-
-    def encode(text: str) -> list[int]:
-        return _encode(compiler, text)
+    cat, eos, tokenizer = _encode(compiler, "the cat sat"), compiler.eos_token_id, compiler.tokenizer
+    rest = tokenizer.decode(cat)[len(tokenizer.decode(cat[:1])) :]  # the text after the first token
 
     state = GuideState(one, compiler.compile(one), compiler.vocab_size)
-    assert state.forced([], 32, encode) == cat + [eos]
-    assert state.forced(cat[:1], 32, encode) == encode(compiler.tokenizer.decode(cat)[len(compiler.tokenizer.decode(cat[:1])) :]) + [eos]
-    assert state.forced([], 2, encode) == cat[:2]
-    assert state.forced(cat, 32, encode) == [eos]  # only end of sequence is allowed: a point mass
-    assert GuideState(GUIDE, compiler.compile(GUIDE), compiler.vocab_size).forced([], 32, encode) == []  # "the" or "a"
+    assert state.forced([], 32, tokenizer) == cat + [eos]
+    assert state.forced(cat[:1], 32, tokenizer) == _encode(compiler, rest) + [eos]
+    assert state.forced([], 2, tokenizer) == cat[:2]
+    assert state.forced(cat, 32, tokenizer) == [eos]  # only end of sequence is allowed: a point mass
+    assert GuideState(GUIDE, compiler.compile(GUIDE), compiler.vocab_size).forced([], 32, tokenizer) == []  # "the" or "a"
     # The matcher is where the output left it: the masks after forced() are a fresh state's.
     assert torch.equal(state.allowed(cat[:1], [[]]), GuideState(one, compiler.compile(one), compiler.vocab_size).allowed(cat[:1], [[]]))
 

@@ -20,6 +20,7 @@ from specfleet.guides import Guide
 from specfleet.sampling import SamplingParams
 from tests.helpers import load_target
 from verifier_service.server import InvalidArgument
+from tests.verifier_service.seeded import assert_emits_plain_tokens_whatever_the_tree
 from verifier_service.verifier import Verifier, VerifyItem
 
 STEPS = 8
@@ -129,16 +130,7 @@ def test_a_seeded_guided_session_emits_the_same_tokens_whatever_tree_it_is_offer
     or others, some the guide disallows) emits the tokens of plain steps."""
     prompt = _prompt(random_family)
     sampling = _guided(prompt, GUIDES[1], temperature=1.0, seed=5, drafter_invariant=True)
-    (plain,) = _verifier(random_family).verify_batch([VerifyItem("s", 0, prompt, sampling, plain_steps=4)])
-    for tokens in (plain.token_ids[:3], [7, 7, 7], [plain.token_ids[0], 12, 40]):
-        chain = dict(tree_tokens=tokens, tree_parents=[-1, 0, 1], proposals=[([t], [1.0]) for t in tokens])
-        verifier = _verifier(random_family)
-        (first,) = verifier.verify_batch([VerifyItem("s", 0, prompt, sampling, **chain)])
-        emitted = list(first.token_ids)
-        while len(emitted) < 4:
-            (more,) = verifier.verify_batch([VerifyItem("s", len(prompt) + len(emitted), [], sampling)])
-            emitted += more.token_ids
-        assert emitted[:4] == plain.token_ids, tokens
+    assert_emits_plain_tokens_whatever_the_tree(lambda: _verifier(random_family), prompt, sampling)
 
 
 def test_a_draft_model_s_greedy_chain_under_a_guide_is_its_own_guided_generate(random_family):

@@ -16,6 +16,7 @@ from specfleet.sampling import SamplingParams
 from tests.helpers import load_target
 from tools.bench.systems import OutputPenalties
 from verifier_service.validation import validate_item
+from tests.verifier_service.seeded import assert_emits_plain_tokens_whatever_the_tree
 from verifier_service.verifier import Verifier, VerifyItem
 
 STEPS = 6
@@ -72,16 +73,7 @@ def test_a_seeded_penalized_session_emits_the_same_tokens_whatever_tree_it_is_of
     tokens, or other ones) emits the tokens of plain steps."""
     prompt = _prompt()
     sampling = _penalized(prompt, temperature=1.0, seed=11, drafter_invariant=True)
-    (plain,) = _verifier(random_family).verify_batch([VerifyItem("s", 0, prompt, sampling, plain_steps=4)])
-    for tokens in (plain.token_ids[:3], [7, 7, 7], [plain.token_ids[0], 12, 40]):
-        chain = dict(tree_tokens=tokens, tree_parents=[-1, 0, 1], proposals=[([t], [1.0]) for t in tokens])
-        verifier = _verifier(random_family)
-        (first,) = verifier.verify_batch([VerifyItem("s", 0, prompt, sampling, **chain)])
-        emitted = list(first.token_ids)
-        while len(emitted) < 4:
-            (more,) = verifier.verify_batch([VerifyItem("s", len(prompt) + len(emitted), [], sampling)])
-            emitted += more.token_ids
-        assert emitted[:4] == plain.token_ids, tokens
+    assert_emits_plain_tokens_whatever_the_tree(lambda: _verifier(random_family), prompt, sampling)
 
 
 def test_a_draft_model_s_greedy_chain_under_penalties_is_its_own_generate_s(random_family):
