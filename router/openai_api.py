@@ -36,7 +36,8 @@ from router.frontdoor import FrontDoor, Generation, interleave
 from router.http_gate import BodyGate, error_response
 from router.tokens_api import token_routes
 from router.openai_logprobs import chat_logprobs, completion_logprobs, echo_logprobs, prompt_logprobs_json, token_text
-from router.openai_tools import chosen, tool_calls
+from router.openai_tools import ChatReply
+from router.tool_parsers import parser_for
 from router.openai_schema import (
     FINISH_REASONS,
     ApiError,
@@ -65,9 +66,10 @@ GONE = "its HTTP client went away or a sibling prompt failed"
 class OpenAIServer:
     """The /v1 endpoints over `front_door`, serving `model_name`."""
 
-    def __init__(self, front_door: FrontDoor, model_name: str):
+    def __init__(self, front_door: FrontDoor, model_name: str, tool_call_parser: str = "auto"):
         self.front_door = front_door
         self.model_name = model_name
+        self.tool_parser = parser_for(tool_call_parser, getattr(front_door.tokenizer, "chat_template", None))
         self.created = int(time.time())
 
     @contextlib.contextmanager
@@ -174,30 +176,22 @@ class OpenAIServer:
             max_tokens = chat_max_tokens(body)
             prompt = render_chat(self.front_door.tokenizer, body.messages, body.tools)
             params = [params_of(body, max_tokens, prompt, c, c) for c in range(body.n)]
+            replies = [ChatReply(body.tools, body.tool_choice, body.parallel_tool_calls, self.tool_parser) for _ in range(body.n)]
         generations = await self._submit(params, request)
         name = self._name(body)
-        calling = chosen(body.tools, body.tool_choice)[0] != "none"
 
         def logprobs_of(logprobs: list) -> dict | None:
             return chat_logprobs(name, logprobs) if body.logprobs else None
 
-        def message(text: str, finish: str | None) -> tuple[dict, str | None]:
-            """The reply's message and finish reason: tool calls where the tool choice's output is complete."""
-            calls = tool_calls(body.tools, body.tool_choice, text) if calling and finish == "stop" else None
-            return ({"tool_calls": calls}, "tool_calls") if calls else ({"content": text}, finish)
-
         if body.stream:
-            held = [""] * body.n  # a tool choice's output, sent as tool calls once it is complete
+            held = [[] for _ in range(body.n)]  # log-probabilities of tokens whose text is held back
 
             def choice(index: int, text: str, logprobs: list, finish: str | None, prompt: list | None = None) -> dict | None:
-                delta = {"content": text} if text else {}
-                if calling:
-                    held[index] += text
-                    if finish is None:
-                        return None
-                    delta, finish = message(held[index], finish)
-                    for i, call in enumerate(delta.get("tool_calls", [])):
-                        call["index"] = i
+                out = replies[index].delta(text, finish)
+                if out is None:
+                    held[index] += logprobs
+                    return None
+                (delta, finish), logprobs, held[index] = out, held[index] + logprobs, []
                 return {"index": index, "delta": delta, "logprobs": logprobs_of(logprobs), "finish_reason": finish}
 
             first = [{"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None} for c in range(body.n)]
@@ -214,7 +208,7 @@ class OpenAIServer:
                     "finish_reason": finish,
                 }
                 for c, r in enumerate(results)
-                for reply, finish in [message(r.text, FINISH_REASONS.get(r.finish_reason))]
+                for reply, finish in [replies[c].message(r.text, FINISH_REASONS.get(r.finish_reason))]
             ],
             "usage": usage_json([r.usage for r in results]),
             "speculation": [speculation_json(r.speculation) for r in results],
@@ -364,13 +358,16 @@ def _v1(server: OpenAIServer) -> APIRouter:
     return v1
 
 
-def create_app(front_door: FrontDoor, model_name: str, api_key: str = "", max_request_bytes: int = 4 * 1024 * 1024) -> BodyGate:
+def create_app(
+    front_door: FrontDoor, model_name: str, api_key: str = "", max_request_bytes: int = 4 * 1024 * 1024, tool_call_parser: str = "auto"
+) -> BodyGate:
     """The ASGI app over `front_door`, behind its gate. api_key: when set, /v1/*, /tokenize and /detokenize need it; a body over
-    max_request_bytes is refused (both before the body is read). /health answers 503 once the front door drains."""
+    max_request_bytes is refused (both before the body is read). /health answers 503 once the front door drains.
+    tool_call_parser: router.tool_call_parser."""
     app = FastAPI(title="specfleet", docs_url=None, redoc_url=None, openapi_url=None)
     _add_error_handlers(app, front_door)
     _add_health(app, front_door)
-    app.include_router(_v1(OpenAIServer(front_door, model_name)))
+    app.include_router(_v1(OpenAIServer(front_door, model_name, tool_call_parser)))
     app.include_router(token_routes(front_door, model_name))
     return BodyGate(app, max_request_bytes, api_key)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from router.openai_errors import ApiError, unsupported
-from router.openai_tools import ToolError, tool_guide
+from router.openai_tools import tool_guide
 from specfleet.guides import Guide
 
 # vLLM's structured_outputs keys specfleet serves, each naming a guide kind (specfleet/guides.py).
@@ -63,8 +63,4 @@ def tool_guide_of(body) -> Guide | None:
     """The guide a chat request's tool choice asks for (router/openai_tools.py), or None; a 400 names the field."""
     if not hasattr(body, "tool_choice"):  # a completions request: no tools
         return None
-    try:
-        return tool_guide(body.tools, body.tool_choice, body.parallel_tool_calls)
-    except ToolError as err:
-        param, message = err.args
-        raise ApiError(400, f"{param}: {message}", param=param) from None
+    return tool_guide(body.tools, body.tool_choice, body.parallel_tool_calls)

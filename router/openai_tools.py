@@ -6,8 +6,8 @@ The tools go to the chat template (`tools`), as every template that knows them e
 schema: the whole output is its arguments. `tool_choice: "required"` guides it by a JSON array of at least one call
 (at most one where `parallel_tool_calls` is false), each an object of a tool's `name` and its `parameters`. The
 reply then carries `tool_calls` instead of content. `"none"` decodes text as without tools. `"auto"`, OpenAI's
-default where tools are given, needs a parser of each model family's own tool-call format, which specfleet does not
-have: it is refused by name, saying what to send instead.
+default where tools are given, is not guided: the model decides, and its calls are read from its text in its
+family's format (router/tool_parsers.py).
 """
 
 from __future__ import annotations
@@ -15,14 +15,26 @@ from __future__ import annotations
 import json
 import uuid
 
+from router.openai_errors import ApiError
+from router.tool_parsers import read_all, reader
 from specfleet.guides import Guide
+
+# Why "auto" is refused where no parser reads the target's tool calls (router.tool_call_parser).
+NO_PARSER = (
+    '"auto" (the default where tools are given) reads tool calls from the model\'s text, and no parser knows this '
+    "target's format (its chat template names none): set router.tool_call_parser to hermes or llama3_json, or send "
+    '"required", a named function ({"type": "function", "function": {"name": ...}}) or "none"'
+)
 
 # A function's parameters where it declares none: any object.
 NO_PARAMETERS = {"type": "object", "properties": {}}
 
 
-class ToolError(ValueError):
-    """A tools or tool_choice field specfleet cannot serve; args: (param, message)."""
+class ToolError(ApiError):
+    """A tools or tool_choice field specfleet cannot serve: a 400 naming it."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(400, f"{param}: {message}", param=param)
 
 
 def functions(tools: list | None) -> dict[str, dict]:
@@ -44,7 +56,8 @@ def functions(tools: list | None) -> dict[str, dict]:
 
 
 def chosen(tools: list | None, tool_choice) -> tuple[str, str | None]:
-    """(mode, name): mode "none" (text), "named" (that function's arguments) or "required" (an array of calls)."""
+    """(mode, name): mode "none" (text), "auto" (text the model may write calls in), "named" (that function's
+    arguments) or "required" (an array of calls)."""
     by_name = functions(tools)
     if tool_choice is None:
         tool_choice = "auto" if by_name else "none"
@@ -52,15 +65,8 @@ def chosen(tools: list | None, tool_choice) -> tuple[str, str | None]:
         return "none", None
     if not by_name:
         raise ToolError("tool_choice", f"{json.dumps(tool_choice)} needs tools")
-    if tool_choice == "required":
-        return "required", None
-    if tool_choice == "auto":
-        raise ToolError(
-            "tool_choice",
-            '"auto" (the default where tools are given) needs a parser of the model\'s own tool-call format, which '
-            'specfleet does not have: send "required", a named function ({"type": "function", "function": {"name": ...}}) '
-            'or "none"',
-        )
+    if tool_choice in ("required", "auto"):
+        return tool_choice, None
     name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) and tool_choice.get("type") == "function" else None
     if not isinstance(name, str):
         raise ToolError("tool_choice", 'one of "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
@@ -96,7 +102,7 @@ def tool_calls(tools: list | None, tool_choice, text: str) -> list[dict] | None:
     """The reply's tool_calls from its text, or None where the choice is text or the output does not parse (cut by
     max_tokens before its JSON closed: the text is then the reply's content)."""
     mode, name = chosen(tools, tool_choice)
-    if mode == "none":
+    if mode not in ("named", "required"):
         return None
     try:
         parsed = json.loads(text)
@@ -106,6 +112,64 @@ def tool_calls(tools: list | None, tool_choice, text: str) -> list[dict] | None:
         return None  # not the guide's array (a stop string cut it, say): the text is the reply's content
     # A named function's arguments are the output as generated; each call of an array its parameters re-serialised.
     calls = [(name, text)] if mode == "named" else [(call["name"], json.dumps(call.get("parameters", {}))) for call in parsed]
-    return [
-        {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function", "function": {"name": n, "arguments": arguments}} for n, arguments in calls
-    ]
+    return [call_json(n, arguments) for n, arguments in calls]
+
+
+def call_json(name: str, arguments: str) -> dict:
+    """One tool call as the chat API writes it; `arguments` is JSON text."""
+    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+class ChatReply:
+    """One chat choice's reply read from its output: its text, or tool calls where the tool choice asks for them. A
+    named or required choice's guided output is its calls once complete; "auto" reads calls from the model's text in
+    `parser`'s format (router/tool_parsers.py) as each completes, the text around them streamed as content."""
+
+    def __init__(self, tools: list | None, tool_choice, parallel: bool, parser: str):
+        self.tools, self.tool_choice, self.parallel, self.parser = tools, tool_choice, parallel, parser
+        self.mode = chosen(tools, tool_choice)[0]
+        if self.mode == "auto" and not parser:
+            raise ToolError("tool_choice", NO_PARSER)
+        self.reader = reader(parser) if self.mode == "auto" else None
+        self.held = ""  # a named or required choice's output, sent as calls once it is complete
+        self.sent = 0  # calls streamed so far (each delta's call index)
+
+    def message(self, text: str, finish: str | None) -> tuple[dict, str | None]:
+        """The whole reply's message and finish reason."""
+        if self.mode == "auto":
+            content, calls = read_all(self.parser, text)
+            calls = self._kept(calls)
+            if calls:
+                return {"content": content or None, "tool_calls": [call_json(*c) for c in calls]}, "tool_calls"
+            return {"content": content}, finish
+        calls = tool_calls(self.tools, self.tool_choice, text) if self.mode != "none" and finish == "stop" else None
+        return ({"tool_calls": calls}, "tool_calls") if calls else ({"content": text}, finish)
+
+    def delta(self, text: str, finish: str | None) -> tuple[dict, str | None] | None:
+        """The stream's next delta and finish reason for the next text of the output, or None to send nothing yet."""
+        if self.mode == "none":
+            return ({"content": text} if text else {}), finish
+        if self.mode == "auto":
+            content, calls = self.reader.feed(text)
+            if finish is not None:
+                rest, more = self.reader.finish()
+                content, calls = content + rest, calls + more
+            calls = self._kept(calls)
+            delta = {"content": content} if content else {}
+            if calls:
+                delta["tool_calls"] = [{"index": self.sent + i, **call_json(*c)} for i, c in enumerate(calls)]
+                self.sent += len(calls)
+            if finish is not None and self.sent:
+                finish = "tool_calls"
+            return (delta, finish) if delta or finish is not None else None
+        self.held += text
+        if finish is None:
+            return None
+        delta, finish = self.message(self.held, finish)
+        for i, call in enumerate(delta.get("tool_calls", [])):
+            call["index"] = i
+        return delta, finish
+
+    def _kept(self, calls: list) -> list:
+        """The calls this reply may still send: with parallel_tool_calls false, the first of the reply only."""
+        return calls if self.parallel else calls[: max(0, 1 - self.sent)]

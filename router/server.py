@@ -338,7 +338,7 @@ async def start_http(cfg: config_mod.Config, host: str, front_door: FrontDoor, a
     if sock is None:
         return None
     model_name = config_mod.served_model_name(cfg)
-    app = openai_api.create_app(front_door, model_name, api_key, cfg.router.max_request_bytes)
+    app = openai_api.create_app(front_door, model_name, api_key, cfg.router.max_request_bytes, cfg.router.tool_call_parser)
     started = await openai_api.start(app, sock, **sec.uvicorn_tls())
     address = sock.getsockname()
     log.info(

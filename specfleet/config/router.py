@@ -16,6 +16,7 @@ from specfleet.config.services import CORES, PORT
 
 ROUTING_POLICIES = ("expertise", "fixed", "random", "oracle")
 DOMAIN_PRIORS = ("likelihood", "exemplars")
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "none")
 
 
 @dataclass
@@ -162,6 +163,13 @@ class RouterConfig:
         check=PORT,
     )
     served_model_name: str = knob("", "the model name clients pass as `model` to the HTTP API; empty: the target directory's name")
+    tool_call_parser: str = knob(
+        "auto",
+        'how the HTTP API reads tool calls from the text of a chat whose tool_choice is "auto" (router/tool_parsers.py): '
+        'hermes (<tool_call>{...}</tool_call>: Qwen, Hermes), llama3_json (Llama 3.1 and later), none ("auto" refused), '
+        "auto: the one the target's chat template writes, else none",
+        check=one_of(TOOL_CALL_PARSERS),
+    )
     cpus: list[int] = knob(
         doc="cores `specfleet serve` pins the router to (empty: any)",
         factory=list,

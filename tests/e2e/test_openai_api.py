@@ -28,7 +28,11 @@ from tests.helpers import greedy_request, target_greedy, target_logprobs
 from tests.operations import host_pid, metrics, service_pid, without_model_name
 
 API_KEY = "test-key-123"
-TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+# Tools are rendered, and calls asked for, as the hermes format writes them: router.tool_call_parser "auto" reads it.
+TEMPLATE = (
+    "{% if tools %}<tools>{{ tools | tojson }}</tools> Call one as <tool_call>{...}</tool_call>\n{% endif %}"
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+)
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "name: specfleet\nversion:"]
 MAX_TOKENS = 24
 
@@ -976,9 +980,35 @@ def test_a_named_tool_choice_and_required_give_tool_calls_whose_arguments_follow
     assert followed.choices[0].message.tool_calls is None and followed.choices[0].finish_reason in ("stop", "length")
 
 
+# Where the model writes a call in the hermes format: its output guided to be text, then one call.
+CALLED = r'Checking\.<tool_call>\{"name":"get_weather","arguments":\{"city":"(Paris|Oslo)","unit":"(C|F)"\}\}</tool_call>'
+
+
+def test_auto_tool_choice_reads_the_calls_the_model_writes_and_its_text_as_content_unary_and_streaming(client):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    args = dict(model="random-target", messages=messages, temperature=0, max_tokens=96, tools=[WEATHER, TIME])
+    called = dict(args, extra_body={"structured_outputs": {"regex": CALLED}})
+    reply = client.chat.completions.create(**called)  # tool_choice "auto": OpenAI's default where tools are given
+    choice = reply.choices[0]
+    assert (choice.finish_reason, choice.message.content) == ("tool_calls", "Checking."), choice
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("chatcmpl-tool-")
+    arguments = json.loads(call.function.arguments)
+    assert arguments["city"] in ("Paris", "Oslo") and arguments["unit"] in ("C", "F"), arguments
+    # Streamed: the text as content, never a piece of the call's tag, then the call whole.
+    chunks = list(client.chat.completions.create(**called, tool_choice="auto", stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.content or "" for d in deltas) == "Checking."
+    (streamed,) = [d.tool_calls for d in deltas if d.tool_calls]
+    assert (streamed[0].index, streamed[0].function.name, streamed[0].function.arguments) == (0, "get_weather", call.function.arguments)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # Text without a call is the reply's content, as without tools.
+    plain = client.chat.completions.create(**args, tool_choice="auto", extra_body={"structured_outputs": {"regex": "Paris is (sunny|grey)\\."}})
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content in ("Paris is sunny.", "Paris is grey.")
+    assert plain.choices[0].finish_reason == "stop"
+
+
 TOOL_REFUSALS = [
-    ({"tools": [WEATHER]}, "tool_choice", '"auto"'),
-    ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice", "parser"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "not among the tools"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools", "tools[0]"),

@@ -1,0 +1,152 @@
+"""Tool calls read from the model's own text where a chat request's tool_choice is "auto", as vLLM's tool-call
+parsers read them: no guide, the model decides whether to call, and each family writes calls its own way.
+
+- hermes (Qwen 2.5 and 3, Hermes, and the many templates that copy them): each call is
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; text before the first call is the reply's content.
+- llama3_json (Llama 3.1 and later): output that opens with a JSON object is calls, `{"name": ..., "parameters": {...}}`
+  separated by `;`; any other output is content.
+
+A reader follows one choice's output as it streams (`feed`, then `finish`): content is released as soon as it cannot
+be the start of a call, a call once it is complete. Text that looks like a call and is not (JSON that does not parse,
+no name) stays content, so nothing the model wrote is lost.
+"""
+
+from __future__ import annotations
+
+import json
+
+from specfleet.config.router import TOOL_CALL_PARSERS
+
+# What a chat template says that names its family's format, in the order they are tried.
+TEMPLATE_MARKS = (("<tool_call>", "hermes"), ("<|python_tag|>", "llama3_json"))
+
+
+def parser_for(setting: str, chat_template: str | None) -> str:
+    """The parser `router.tool_call_parser` names ("" where none): "auto" picks it by what the chat template writes."""
+    assert setting in TOOL_CALL_PARSERS, setting
+    if setting != "auto":
+        return "" if setting == "none" else setting
+    return next((name for mark, name in TEMPLATE_MARKS if mark in (chat_template or "")), "")
+
+
+def reader(parser: str):
+    """A new reader of one choice's output in `parser`'s format."""
+    return {"hermes": HermesReader, "llama3_json": Llama3JsonReader}[parser]()
+
+
+def read_all(parser: str, text: str) -> tuple[str, list[tuple[str, str]]]:
+    """(content, calls) of a whole output; each call (name, arguments as JSON)."""
+    r = reader(parser)
+    content, calls = r.feed(text)
+    rest, more = r.finish()
+    return content + rest, calls + more
+
+
+def _call(text: str, keys: tuple[str, ...]) -> tuple[str, str] | None:
+    """(name, arguments JSON) of one call's JSON text, or None where it is not a call."""
+    try:
+        call = json.loads(text)
+    except ValueError:
+        return None
+    if not (isinstance(call, dict) and isinstance(call.get("name"), str) and call["name"]):
+        return None
+    arguments = next((call[k] for k in keys if k in call), {})
+    return (call["name"], json.dumps(arguments)) if isinstance(arguments, dict) else None
+
+
+def _partial_tail(text: str, mark: str) -> int:
+    """How many characters at the end of `text` could begin `mark` (held back until the next text decides)."""
+    for n in range(min(len(mark) - 1, len(text)), 0, -1):
+        if mark.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class HermesReader:
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def __init__(self):
+        self.buffer = ""  # text not yet released: a call being written, or what may begin one
+        self.inside = False  # the buffer is a call's body (its OPEN already read)
+        self.called = False  # a call has been read: text between and after calls is content only if not blank
+        self.blank = ""  # blank text after a call, content only if more text follows it
+
+    def feed(self, text: str) -> tuple[str, list[tuple[str, str]]]:
+        return self._read(text, final=False)
+
+    def finish(self) -> tuple[str, list[tuple[str, str]]]:
+        return self._read("", final=True)
+
+    def _read(self, text: str, final: bool) -> tuple[str, list[tuple[str, str]]]:
+        self.buffer += text
+        content, calls = [], []
+        while True:
+            if self.inside:
+                end = self.buffer.find(self.CLOSE)
+                if end < 0 and not final:
+                    break
+                body = self.buffer if end < 0 else self.buffer[:end]
+                call = _call(body, ("arguments", "parameters"))
+                if call is not None:
+                    calls.append(call)
+                    self.called, self.blank = True, ""
+                else:  # not a call after all: the model's text, as it wrote it
+                    self._content(self.OPEN + body + ("" if end < 0 else self.CLOSE), content)
+                self.buffer = "" if end < 0 else self.buffer[end + len(self.CLOSE) :]
+                self.inside = False
+                continue
+            start = self.buffer.find(self.OPEN)
+            if start < 0:
+                keep = 0 if final else _partial_tail(self.buffer, self.OPEN)
+                self._content(self.buffer[: len(self.buffer) - keep], content)
+                self.buffer = self.buffer[len(self.buffer) - keep :]
+                break
+            self._content(self.buffer[:start], content)
+            self.buffer = self.buffer[start + len(self.OPEN) :]
+            self.inside = True
+        return "".join(content), calls
+
+    def _content(self, text: str, out: list[str]) -> None:
+        # Between and after calls the model writes newlines: not content (vLLM's reply has none either).
+        if self.called:
+            self.blank += text
+            text, self.blank = (self.blank, "") if self.blank.strip() else ("", self.blank)
+        if text:
+            out.append(text)
+
+
+class Llama3JsonReader:
+    def __init__(self):
+        self.head = ""  # the output until its first non-blank character decides what it is
+        self.calls: bool | None = None  # None: undecided; True: the output is calls, buffered whole
+
+    def feed(self, text: str) -> tuple[str, list[tuple[str, str]]]:
+        if self.calls is False:
+            return text, []
+        self.head += text
+        if self.calls is None and self.head.strip():
+            self.calls = self.head.lstrip().startswith("{")
+            if not self.calls:
+                content, self.head = self.head, ""
+                return content, []
+        return "", []
+
+    def finish(self) -> tuple[str, list[tuple[str, str]]]:
+        if not self.calls:
+            content, self.head = self.head, ""
+            return content, []
+        text, self.head = self.head, ""
+        decoder, calls, at = json.JSONDecoder(), [], 0
+        while True:
+            while at < len(text) and (text[at].isspace() or text[at] == ";"):
+                at += 1
+            if at == len(text):
+                return "", calls
+            try:
+                obj, at = decoder.raw_decode(text, at)
+            except ValueError:
+                return text, []  # not calls after all (cut by max_tokens, say): the text is the content
+            call = _call(json.dumps(obj), ("parameters", "arguments"))
+            if call is None:
+                return text, []
+            calls.append(call)
