@@ -963,10 +963,15 @@ def test_a_named_tool_choice_and_required_give_tool_calls_whose_arguments_follow
     assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("chatcmpl-tool-")
     arguments = json.loads(call.function.arguments)
     assert arguments["city"] in ("Paris", "Oslo") and arguments["unit"] in ("C", "F"), arguments
-    # Streamed: nothing until the call is complete, then the call whole, as the unary reply has it.
-    chunks = list(client.chat.completions.create(**args, tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True))
+    # Streamed: nothing until the call is complete, then the call whole, as the unary reply has it, with the
+    # log-probabilities of every token held back until then.
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    chunks = list(client.chat.completions.create(**args, tool_choice=named, stream=True, logprobs=True, stream_options={"include_usage": True}))
     deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].delta.tool_calls]
     assert len(deltas) == 1 and deltas[0].tool_calls[0].function.arguments == call.function.arguments
+    logprobs = [entry for c in chunks if c.choices and c.choices[0].logprobs for entry in c.choices[0].logprobs.content]
+    assert len(logprobs) == chunks[-1].usage.completion_tokens > 0
+    chunks = chunks[:-1]  # the usage chunk
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     required = client.chat.completions.create(**args, tool_choice="required", parallel_tool_calls=False)
     (call,) = required.choices[0].message.tool_calls
