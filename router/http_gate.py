@@ -1,4 +1,5 @@
-"""The HTTP API's gate: what a request must pass before its body is read (an ASGI app around the FastAPI one).
+"""The HTTP API's gate, what a request must pass before its body is read (an ASGI app around the FastAPI one), and
+its server (uvicorn in the router's event loop: `start`, `stop`).
 
 A body is read into memory and parsed on the event loop the gRPC streams share, so the gate refuses what
 it can before reading a byte of it: without the API key (on /v1, /tokenize and /detokenize) with 401, and a declared Content-Length
@@ -9,8 +10,13 @@ the client's later messages (its disconnect) after it, so a handler still sees i
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import json
+import socket
+
+import uvicorn
 
 from fastapi.responses import JSONResponse
 
@@ -81,3 +87,26 @@ def error_response(err: ApiError, headers: dict | None = None) -> JSONResponse:
 async def _refuse(scope, receive, send, err: ApiError) -> None:
     # Closing the connection: the unread body cannot be skipped.
     await error_response(err, {"connection": "close"})(scope, receive, send)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handlers: the router's own serve loop owns SIGINT/SIGTERM."""
+
+    def capture_signals(self):
+        return contextlib.nullcontext()
+
+
+async def start(app: BodyGate, sock: socket.socket, **tls) -> tuple[_Server, asyncio.Task]:
+    """Serve `app` on `sock` in this event loop; stop with `stop`. tls: uvicorn's ssl_* settings (Security.uvicorn_tls)."""
+    server = _Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, timeout_graceful_shutdown=5, **tls))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not task.done():
+        await asyncio.sleep(0.01)
+    if task.done():
+        task.result()  # raises what stopped it
+    return server, task
+
+
+async def stop(server: _Server, task: asyncio.Task) -> None:
+    server.should_exit = True
+    await task

@@ -21,11 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import time
 import uuid
 
-import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -36,7 +34,8 @@ from router.frontdoor import FrontDoor, Generation, interleave
 from router.http_gate import BodyGate, error_response
 from router.tokens_api import token_routes
 from router.openai_logprobs import chat_logprobs, completion_logprobs, echo_logprobs, prompt_logprobs_json, token_text
-from router.openai_tools import ChatReply
+from router.chat_reply import ChatReply
+from router.reasoning import ReasoningReader, thinks
 from router.tool_parsers import parser_for
 from router.openai_schema import (
     FINISH_REASONS,
@@ -48,13 +47,14 @@ from router.openai_schema import (
     completion_prompts,
     params_of,
     refuse_unsupported,
+    chat_prompt,
     render_chat,
     speculation_json,
     sse,
     usage_json,
 )
 
-__all__ = ["ApiError", "create_app", "render_chat", "start", "stop"]
+__all__ = ["ApiError", "create_app", "render_chat"]
 
 # How often a unary request checks that its client is still connected.
 DISCONNECT_POLL_S = 0.25
@@ -66,10 +66,12 @@ GONE = "its HTTP client went away or a sibling prompt failed"
 class OpenAIServer:
     """The /v1 endpoints over `front_door`, serving `model_name`."""
 
-    def __init__(self, front_door: FrontDoor, model_name: str, tool_call_parser: str = "auto"):
+    def __init__(self, front_door: FrontDoor, model_name: str, tool_call_parser: str = "auto", reasoning_parser: str = "auto"):
         self.front_door = front_door
         self.model_name = model_name
-        self.tool_parser = parser_for(tool_call_parser, getattr(front_door.tokenizer, "chat_template", None))
+        template = getattr(front_door.tokenizer, "chat_template", None)
+        self.tool_parser = parser_for(tool_call_parser, template)
+        self.thinks = thinks(reasoning_parser, template)
         self.created = int(time.time())
 
     @contextlib.contextmanager
@@ -174,9 +176,12 @@ class OpenAIServer:
         with self._refusals():
             self._check(body)
             max_tokens = chat_max_tokens(body)
-            prompt = render_chat(self.front_door.tokenizer, body.messages, body.tools)
+            prompt = chat_prompt(self.front_door.tokenizer, body)
             params = [params_of(body, max_tokens, prompt, c, c) for c in range(body.n)]
-            replies = [ChatReply(body.tools, body.tool_choice, body.parallel_tool_calls, self.tool_parser) for _ in range(body.n)]
+            replies = [
+                ChatReply(body.tools, body.tool_choice, body.parallel_tool_calls, self.tool_parser, ReasoningReader(prompt) if self.thinks else None)
+                for _ in range(body.n)
+            ]
         generations = await self._submit(params, request)
         name = self._name(body)
 
@@ -359,37 +364,19 @@ def _v1(server: OpenAIServer) -> APIRouter:
 
 
 def create_app(
-    front_door: FrontDoor, model_name: str, api_key: str = "", max_request_bytes: int = 4 * 1024 * 1024, tool_call_parser: str = "auto"
+    front_door: FrontDoor,
+    model_name: str,
+    api_key: str = "",
+    max_request_bytes: int = 4 * 1024 * 1024,
+    tool_call_parser: str = "auto",
+    reasoning_parser: str = "auto",
 ) -> BodyGate:
     """The ASGI app over `front_door`, behind its gate. api_key: when set, /v1/*, /tokenize and /detokenize need it; a body over
     max_request_bytes is refused (both before the body is read). /health answers 503 once the front door drains.
-    tool_call_parser: router.tool_call_parser."""
+    tool_call_parser, reasoning_parser: router.tool_call_parser, router.reasoning_parser."""
     app = FastAPI(title="specfleet", docs_url=None, redoc_url=None, openapi_url=None)
     _add_error_handlers(app, front_door)
     _add_health(app, front_door)
-    app.include_router(_v1(OpenAIServer(front_door, model_name, tool_call_parser)))
+    app.include_router(_v1(OpenAIServer(front_door, model_name, tool_call_parser, reasoning_parser)))
     app.include_router(token_routes(front_door, model_name))
     return BodyGate(app, max_request_bytes, api_key)
-
-
-class _Server(uvicorn.Server):
-    """uvicorn without its signal handlers: the router's own serve loop owns SIGINT/SIGTERM."""
-
-    def capture_signals(self):
-        return contextlib.nullcontext()
-
-
-async def start(app: BodyGate, sock: socket.socket, **tls) -> tuple[_Server, asyncio.Task]:
-    """Serve `app` on `sock` in this event loop; stop with `stop`. tls: uvicorn's ssl_* settings (Security.uvicorn_tls)."""
-    server = _Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, timeout_graceful_shutdown=5, **tls))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started and not task.done():
-        await asyncio.sleep(0.01)
-    if task.done():
-        task.result()  # raises what stopped it
-    return server, task
-
-
-async def stop(server: _Server, task: asyncio.Task) -> None:
-    server.should_exit = True
-    await task

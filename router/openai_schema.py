@@ -101,10 +101,15 @@ class ChatRequest(Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    # Function calling (router/openai_tools.py): a named function or "required" guide the output; "auto" is refused.
+    # Function calling (router/openai_tools.py): a named function or "required" guide the output; with "auto" the
+    # calls the model writes are read (router/tool_parsers.py).
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
+    # vLLM's: how the chat template renders the prompt (render_chat).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
 
 
 def _lone_surrogate(value, where: str) -> str | None:
@@ -228,9 +233,28 @@ def params_of(body: Sampling, max_tokens: int | None, prompt: str | list[int], i
     return params
 
 
-def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> str:
+# What chat_template_kwargs cannot set: the template's own arguments, each set by a field of its own or by specfleet.
+TEMPLATE_ARGUMENTS = ("messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message")
+TEMPLATE_ARGUMENTS += ("tokenize", "chat_template")
+
+
+def render_chat(
+    tokenizer,
+    messages: list[dict],
+    tools: list[dict] | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    template_kwargs: dict | None = None,
+) -> str:
     """The prompt text of `messages` (text content; tool calls and their results) and `tools` by the tokenizer's chat
-    template."""
+    template, as vLLM renders it: the assistant's turn opened (add_generation_prompt), or the last message left open
+    for the model to go on with (continue_final_message), and `template_kwargs` (chat_template_kwargs, such as
+    `enable_thinking`) passed to the template."""
+    if add_generation_prompt and continue_final_message:
+        raise ApiError(400, "continue_final_message: set it or add_generation_prompt (true by default), not both", param="continue_final_message")
+    taken = sorted(set(template_kwargs or {}) & set(TEMPLATE_ARGUMENTS))
+    if taken:
+        raise ApiError(400, f"chat_template_kwargs.{taken[0]}: set by specfleet or a field of its own", param="chat_template_kwargs")
     if not getattr(tokenizer, "chat_template", None):
         raise ApiError(
             400,
@@ -257,9 +281,22 @@ def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None
             raise ApiError(400, f"messages[{i}].{extra[0]}: not supported by specfleet", param="messages")
         plain.append({**{k: message[k] for k in ("tool_calls", "tool_call_id") if k in message}, "role": role, "content": content})
     try:
-        return tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True, **({"tools": tools} if tools else {}))
+        return tokenizer.apply_chat_template(
+            plain,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **({"tools": tools} if tools else {}),
+            **(template_kwargs or {}),
+        )
     except Exception as err:  # the template's own checks (e.g. roles must alternate) are the client's to fix
         raise ApiError(400, f"messages: the model's chat template refused them: {err}", param="messages") from None
+
+
+def chat_prompt(tokenizer, body) -> str:
+    """The prompt of a chat request (or /tokenize's with messages): its messages, tools and template options."""
+    options = (body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs)
+    return render_chat(tokenizer, body.messages, body.tools, *options)
 
 
 # --- results as OpenAI's JSON ---------------------------------------------------------------------------------------

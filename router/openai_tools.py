@@ -16,7 +16,6 @@ import json
 import uuid
 
 from router.openai_errors import ApiError
-from router.tool_parsers import read_all, reader
 from specfleet.guides import Guide
 
 # Why "auto" is refused where no parser reads the target's tool calls (router.tool_call_parser).
@@ -118,58 +117,3 @@ def tool_calls(tools: list | None, tool_choice, text: str) -> list[dict] | None:
 def call_json(name: str, arguments: str) -> dict:
     """One tool call as the chat API writes it; `arguments` is JSON text."""
     return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function", "function": {"name": name, "arguments": arguments}}
-
-
-class ChatReply:
-    """One chat choice's reply read from its output: its text, or tool calls where the tool choice asks for them. A
-    named or required choice's guided output is its calls once complete; "auto" reads calls from the model's text in
-    `parser`'s format (router/tool_parsers.py) as each completes, the text around them streamed as content."""
-
-    def __init__(self, tools: list | None, tool_choice, parallel: bool, parser: str):
-        self.tools, self.tool_choice, self.parallel, self.parser = tools, tool_choice, parallel, parser
-        self.mode = chosen(tools, tool_choice)[0]
-        if self.mode == "auto" and not parser:
-            raise ToolError("tool_choice", NO_PARSER)
-        self.reader = reader(parser) if self.mode == "auto" else None
-        self.held = ""  # a named or required choice's output, sent as calls once it is complete
-        self.sent = 0  # calls streamed so far (each delta's call index)
-
-    def message(self, text: str, finish: str | None) -> tuple[dict, str | None]:
-        """The whole reply's message and finish reason."""
-        if self.mode == "auto":
-            content, calls = read_all(self.parser, text)
-            calls = self._kept(calls)
-            if calls:
-                return {"content": content or None, "tool_calls": [call_json(*c) for c in calls]}, "tool_calls"
-            return {"content": content}, finish
-        calls = tool_calls(self.tools, self.tool_choice, text) if self.mode != "none" and finish == "stop" else None
-        return ({"tool_calls": calls}, "tool_calls") if calls else ({"content": text}, finish)
-
-    def delta(self, text: str, finish: str | None) -> tuple[dict, str | None] | None:
-        """The stream's next delta and finish reason for the next text of the output, or None to send nothing yet."""
-        if self.mode == "none":
-            return ({"content": text} if text else {}), finish
-        if self.mode == "auto":
-            content, calls = self.reader.feed(text)
-            if finish is not None:
-                rest, more = self.reader.finish()
-                content, calls = content + rest, calls + more
-            calls = self._kept(calls)
-            delta = {"content": content} if content else {}
-            if calls:
-                delta["tool_calls"] = [{"index": self.sent + i, **call_json(*c)} for i, c in enumerate(calls)]
-                self.sent += len(calls)
-            if finish is not None and self.sent:
-                finish = "tool_calls"
-            return (delta, finish) if delta or finish is not None else None
-        self.held += text
-        if finish is None:
-            return None
-        delta, finish = self.message(self.held, finish)
-        for i, call in enumerate(delta.get("tool_calls", [])):
-            call["index"] = i
-        return delta, finish
-
-    def _kept(self, calls: list) -> list:
-        """The calls this reply may still send: with parallel_tool_calls false, the first of the reply only."""
-        return calls if self.parallel else calls[: max(0, 1 - self.sent)]

@@ -307,9 +307,9 @@ async def run(
         )
     finally:
         if http is not None:
-            from router import openai_api
+            from router import http_gate
 
-            await openai_api.stop(*http[1:])
+            await http_gate.stop(*http[1:])
         if metrics_server is not None:
             metrics_server.close()
         await scheduler.stop()
@@ -324,7 +324,7 @@ async def start_http(cfg: config_mod.Config, host: str, front_door: FrontDoor, a
         return None
     try:
         # The HTTP API's packages are optional: a router that does not serve it starts without them.
-        from router import openai_api
+        from router import http_gate, openai_api
     except ImportError as err:
         if cfg.router.http_port is None:
             log.warning("HTTP API off: it needs %s (pip install fastapi uvicorn pydantic); router.http_port: 0 turns it off", err.name)
@@ -338,8 +338,10 @@ async def start_http(cfg: config_mod.Config, host: str, front_door: FrontDoor, a
     if sock is None:
         return None
     model_name = config_mod.served_model_name(cfg)
-    app = openai_api.create_app(front_door, model_name, api_key, cfg.router.max_request_bytes, cfg.router.tool_call_parser)
-    started = await openai_api.start(app, sock, **sec.uvicorn_tls())
+    app = openai_api.create_app(
+        front_door, model_name, api_key, cfg.router.max_request_bytes, cfg.router.tool_call_parser, cfg.router.reasoning_parser
+    )
+    started = await http_gate.start(app, sock, **sec.uvicorn_tls())
     address = sock.getsockname()
     log.info(
         "OpenAI-compatible API on %s://%s:%d/v1 (model %r)%s",

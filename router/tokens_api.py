@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from router.api import GenerationError
 from router.frontdoor import FrontDoor
-from router.openai_schema import ApiError, refuse_lone_surrogates, render_chat
+from router.openai_schema import ApiError, chat_prompt, refuse_lone_surrogates
 
 ROUTES = ("/tokenize", "/detokenize")
 
@@ -26,6 +26,11 @@ class TokenizeRequest(BaseModel):
     model: str
     prompt: str | None = None  # or
     messages: list[dict] | None = Field(None, min_length=1)
+    # With messages, as the chat endpoint takes them (router/openai_schema.py render_chat).
+    tools: list[dict] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
 
 
 class DetokenizeRequest(BaseModel):
@@ -53,7 +58,7 @@ def token_routes(front_door: FrontDoor, model_name: str) -> APIRouter:
         refuse_lone_surrogates(body)
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "prompt: set either prompt or messages", param="prompt")
-        text = body.prompt if body.prompt is not None else render_chat(front_door.tokenizer, body.messages)
+        text = body.prompt if body.prompt is not None else chat_prompt(front_door.tokenizer, body)
         limits = front_door.limits
         if len(text) > limits.max_prompt_chars:
             raise ApiError(400, f"prompt: {len(text)} characters cannot fit the model's context of {limits.max_context} tokens", param="prompt")

@@ -54,7 +54,7 @@ def _call(text: str, keys: tuple[str, ...]) -> tuple[str, str] | None:
     return (call["name"], json.dumps(arguments)) if isinstance(arguments, dict) else None
 
 
-def _partial_tail(text: str, mark: str) -> int:
+def partial_tail(text: str, mark: str) -> int:
     """How many characters at the end of `text` could begin `mark` (held back until the next text decides)."""
     for n in range(min(len(mark) - 1, len(text)), 0, -1):
         if mark.startswith(text[-n:]):
@@ -97,7 +97,7 @@ class HermesReader:
                 continue
             start = self.buffer.find(self.OPEN)
             if start < 0:
-                keep = 0 if final else _partial_tail(self.buffer, self.OPEN)
+                keep = 0 if final else partial_tail(self.buffer, self.OPEN)
                 self._content(self.buffer[: len(self.buffer) - keep], content)
                 self.buffer = self.buffer[len(self.buffer) - keep :]
                 break

@@ -217,8 +217,10 @@ class Tokenizer:
     def chat_template(self, template) -> None:
         self._hf().chat_template = template
 
-    def apply_chat_template(self, messages: list[dict], tokenize: bool = False, add_generation_prompt: bool = True, tools: list | None = None):
-        return self._hf().apply_chat_template(messages, tokenize=tokenize, add_generation_prompt=add_generation_prompt, tools=tools)
+    def apply_chat_template(
+        self, messages: list[dict], tokenize: bool = False, add_generation_prompt: bool = True, tools: list | None = None, **kwargs
+    ):
+        return self._hf().apply_chat_template(messages, tokenize=tokenize, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)
 
 
 def load_fast(path: str | pathlib.Path) -> Tokenizer | None:

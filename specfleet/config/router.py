@@ -17,6 +17,7 @@ from specfleet.config.services import CORES, PORT
 ROUTING_POLICIES = ("expertise", "fixed", "random", "oracle")
 DOMAIN_PRIORS = ("likelihood", "exemplars")
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "none")
+REASONING_PARSERS = ("auto", "think", "none")
 
 
 @dataclass
@@ -169,6 +170,13 @@ class RouterConfig:
         'hermes (<tool_call>{...}</tool_call>: Qwen, Hermes), llama3_json (Llama 3.1 and later), none ("auto" refused), '
         "auto: the one the target's chat template writes, else none",
         check=one_of(TOOL_CALL_PARSERS),
+    )
+    reasoning_parser: str = knob(
+        "auto",
+        "whether the HTTP API tells a reasoning model's thought from its answer (router/reasoning.py): think (the text "
+        "between <think> and </think> is a chat reply's `reasoning`: DeepSeek R1, Qwen 3, QwQ), none, "
+        "auto: think where the target's chat template writes <think>",
+        check=one_of(REASONING_PARSERS),
     )
     cpus: list[int] = knob(
         doc="cores `specfleet serve` pins the router to (empty: any)",

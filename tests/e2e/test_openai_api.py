@@ -28,10 +28,12 @@ from tests.helpers import greedy_request, target_greedy, target_logprobs
 from tests.operations import host_pid, metrics, service_pid, without_model_name
 
 API_KEY = "test-key-123"
-# Tools are rendered, and calls asked for, as the hermes format writes them: router.tool_call_parser "auto" reads it.
+# Tools are rendered, and calls asked for, as the hermes format writes them, and a thought opened where the template's
+# `thinking` is set (chat_template_kwargs): router.tool_call_parser and reasoning_parser "auto" read both.
 TEMPLATE = (
     "{% if tools %}<tools>{{ tools | tojson }}</tools> Call one as <tool_call>{...}</tool_call>\n{% endif %}"
-    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% if thinking %}<think>{% endif %}{% endif %}"
 )
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "name: specfleet\nversion:"]
 MAX_TOKENS = 24
@@ -354,6 +356,13 @@ def test_tokenize_counts_a_prompt_as_generation_does_and_detokenize_gives_its_te
         status, error = _post(conn, path, body)
         assert status == (404 if param == "model" else 400) and error["error"]["param"] == param, (path, body, error)
     assert _post(conn, "/tokenize", {"model": "random-target", "prompt": "hi", "add_bos": True})[0] == 400
+    # The last message left open for the model to go on with, counted alike.
+    messages = [{"role": "user", "content": "The capital?"}, {"role": "assistant", "content": "The capital is"}]
+    open_end = {"add_generation_prompt": False, "continue_final_message": True}
+    status, chat = _post(conn, "/tokenize", {"model": "random-target", "messages": messages, **open_end})
+    reply = client.chat.completions.create(model="random-target", messages=messages, max_tokens=1, temperature=0, extra_body=open_end)
+    expected = tokenizer.encode("<user>The capital?\n<assistant>The capital is", add_special_tokens=False)
+    assert status == 200 and chat["tokens"] == expected and reply.usage.prompt_tokens == len(expected)
     conn.close()
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(urllib.request.Request(api.base_url + "/tokenize", data=b"{}", method="POST"), timeout=10)
@@ -1011,6 +1020,37 @@ def test_auto_tool_choice_reads_the_calls_the_model_writes_and_its_text_as_conte
     plain = client.chat.completions.create(**args, tool_choice="auto", extra_body={"structured_outputs": {"regex": "Paris is (sunny|grey)\\."}})
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content in ("Paris is sunny.", "Paris is grey.")
     assert plain.choices[0].finish_reason == "stop"
+
+
+def test_a_thought_is_the_reply_s_reasoning_and_chat_template_kwargs_reach_the_template(client, tokenizer):
+    messages = [{"role": "user", "content": "Where is Paris?"}]
+    args = dict(model="random-target", messages=messages, temperature=0, max_tokens=64)
+    # The model's output guided to open with a thought, as a reasoning model writes it.
+    thought = {"structured_outputs": {"regex": r"<think>(Paris|Oslo) is a city\.</think>In France\."}}
+    message = client.chat.completions.create(**args, extra_body=thought).choices[0].message
+    assert message.reasoning in ("Paris is a city.", "Oslo is a city.") and message.content == "In France.", message
+    deltas = [c.choices[0].delta for c in client.chat.completions.create(**args, extra_body=thought, stream=True) if c.choices]
+    assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == message.reasoning
+    assert "".join(d.content or "" for d in deltas) == "In France."
+    # chat_template_kwargs reach the template: here it opens the thought, so the output starts inside it.
+    opened = {"chat_template_kwargs": {"thinking": True}, "structured_outputs": {"regex": r"Hmm\.</think>Yes\."}}
+    reply = client.chat.completions.create(**args, extra_body=opened)
+    assert (reply.choices[0].message.reasoning, reply.choices[0].message.content) == ("Hmm.", "Yes.")
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, thinking=True)
+    assert prompt.endswith("<assistant><think>") and reply.usage.prompt_tokens == len(tokenizer.encode(prompt, add_special_tokens=False))
+
+
+TEMPLATE_REFUSALS = [
+    ({"continue_final_message": True}, "continue_final_message"),
+    ({"add_generation_prompt": False, "continue_final_message": True, "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+]
+
+
+@pytest.mark.parametrize("fields, param", TEMPLATE_REFUSALS, ids=["both-prompt-ends", "template-argument"])
+def test_chat_template_options_that_conflict_are_refused_naming_the_field(client, fields, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="random-target", messages=[{"role": "user", "content": "hi"}], max_tokens=4, extra_body=fields)
+    assert err.value.body["param"] == param, err.value.body
 
 
 TOOL_REFUSALS = [

@@ -1,0 +1,66 @@
+"""A reasoning model's thinking told apart from its answer, as vLLM's reasoning parsers tell them: the text between
+`<think>` and `</think>` is a chat reply's `reasoning`, the rest its content (where tool calls are then read).
+
+One reader covers both ways templates start a thought: DeepSeek R1's write `<think>` at the end of the generation
+prompt, so the output opens inside the thought; Qwen 3's leave it to the model, whose output then opens with the tag.
+Output that does neither is all content. A thought that max_tokens cuts before `</think>` is all reasoning.
+"""
+
+from __future__ import annotations
+
+from router.tool_parsers import partial_tail
+from specfleet.config.router import REASONING_PARSERS
+
+OPEN, CLOSE = "<think>", "</think>"
+
+
+def thinks(setting: str, chat_template: str | None) -> bool:
+    """Whether `router.reasoning_parser` reads thoughts: "auto" where the chat template writes the tag."""
+    assert setting in REASONING_PARSERS, setting
+    return setting == "think" or (setting == "auto" and OPEN in (chat_template or ""))
+
+
+class ReasoningReader:
+    """One choice's output, as it streams, split into (reasoning, content); `prompt` is the rendered chat."""
+
+    def __init__(self, prompt: str):
+        # "open": nothing but blanks yet, so the output may still open with the tag; "inside": in the thought.
+        self.state = "inside" if prompt.rstrip().endswith(OPEN) else "open"
+        self.buffer = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        return self._read(text, final=False)
+
+    def finish(self) -> tuple[str, str]:
+        return self._read("", final=True)
+
+    def _read(self, text: str, final: bool) -> tuple[str, str]:
+        if self.state == "content":
+            return "", text
+        self.buffer += text
+        reasoning = ""
+        if self.state == "open":
+            head = self.buffer.lstrip()
+            if head.startswith(OPEN):
+                self.state, self.buffer = "inside", head[len(OPEN) :]
+            elif final or not OPEN.startswith(head):
+                self.state, content, self.buffer = "content", self.buffer, ""
+                return "", content
+            else:
+                return "", ""  # blanks, or the start of the tag: undecided
+        end = self.buffer.find(CLOSE)
+        if end >= 0:
+            reasoning, content = self.buffer[:end], self.buffer[end + len(CLOSE) :]
+            self.state, self.buffer = "content", ""
+            return reasoning, content
+        keep = 0 if final else partial_tail(self.buffer, CLOSE)
+        reasoning, self.buffer = self.buffer[: len(self.buffer) - keep], self.buffer[len(self.buffer) - keep :]
+        return reasoning, ""
+
+
+def split(prompt: str, text: str) -> tuple[str, str]:
+    """(reasoning, content) of a whole output."""
+    r = ReasoningReader(prompt)
+    reasoning, content = r.feed(text)
+    more, rest = r.finish()
+    return reasoning + more, content + rest
