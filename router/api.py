@@ -30,6 +30,7 @@ class GenerationParams:
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
     top_k: int = 0  # 0: off
+    min_p: float = 0.0  # vLLM's: tokens below min_p times the most likely one's probability are never sampled; 0: off
     seed: int | None = None  # set: the seed alone fixes the output
     stop: list[str] = field(default_factory=list)
     stop_at_eos: bool = True

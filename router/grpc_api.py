@@ -48,6 +48,7 @@ def params_of(req: generation_pb2.GenerateRequest) -> GenerationParams:
         temperature=req.temperature,
         top_p=req.top_p if req.HasField("top_p") else 1.0,
         top_k=req.top_k,
+        min_p=req.min_p,
         seed=req.seed if req.HasField("seed") else None,
         stop=list(req.stop),
         stop_at_eos=req.stop_at_eos if req.HasField("stop_at_eos") else True,

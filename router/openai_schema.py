@@ -63,6 +63,7 @@ class Sampling(BaseModel):
     stop_token_ids: list[int] | None = None  # vLLM's
     min_tokens: int = 0  # vLLM's
     top_k: int = 0
+    min_p: float = 0.0  # vLLM's
     ignore_eos: bool = False
     # Name logprobs' tokens "token_id:<id>" (vLLM's option): exact where a token's text is not.
     return_tokens_as_token_ids: bool = False
@@ -203,6 +204,7 @@ def params_of(body: Sampling, max_tokens: int | None, prompt: str | list[int], i
         temperature=body.temperature,
         top_p=body.top_p,
         top_k=body.top_k,
+        min_p=body.min_p,
         # Choice c of n samples with seed + c: each choice differs, and the seed alone still fixes all n.
         seed=None if body.seed is None else body.seed + choice,
         stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),

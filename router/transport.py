@@ -66,6 +66,7 @@ def sampling_message(params: SamplingParams) -> common_pb2.SamplingParams:
             temperature=params.temperature,
             top_p=params.top_p,
             top_k=params.top_k,
+            min_p=params.min_p,
             seed=params.seed,
             drafter_invariant=params.drafter_invariant,
             logit_bias=dict(params.logit_bias),

@@ -139,6 +139,9 @@ def _sampling(params: GenerationParams, limits: Limits, prompt_tokens: int, max_
         raise invalid("top_k", f"must be >= 0 (0 disables it), got {params.top_k}")
     if params.top_k > MAX_TOP_K:
         raise invalid("top_k", f"must be at most {MAX_TOP_K}, got {params.top_k}")
+    min_p = _float32(params.min_p)
+    if not 0 <= min_p <= 1:
+        raise invalid("min_p", f"must be in [0, 1] (0 disables it), got {min_p}")
     if params.seed is not None and not 0 <= params.seed <= MAX_SEED:
         raise invalid("seed", f"must be between 0 and 2**64 - 1, got {params.seed}")
     # A client's seed must fix the output whatever is drafted, batched or learned: such a request
@@ -158,6 +161,7 @@ def _sampling(params: GenerationParams, limits: Limits, prompt_tokens: int, max_
         temperature=temperature,
         top_p=top_p,
         top_k=params.top_k,
+        min_p=min_p,
         seed=seed,
         drafter_invariant=seeded,
         logit_bias=bias,

@@ -19,6 +19,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float)
     parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--min-p", type=float, default=0.0, help="never sample a token below this fraction of the most likely one's probability")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument(
@@ -65,6 +66,7 @@ def main(argv: list[str]) -> int:
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
+        min_p=args.min_p,
         stop=args.stop,
         domain=args.domain,
         speculation=generation_pb2.SpeculationOptions(disabled=args.no_speculation, max_draft_tokens=args.max_draft_tokens),

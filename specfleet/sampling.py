@@ -58,6 +58,9 @@ class SamplingParams:
     # Structured output (specfleet/guides.py): every row allows only the tokens the guide's grammar allows after the
     # output (from output_start) and the row's path, on both sides, after the penalties and min_tokens.
     guide: Guide | None = None
+    # vLLM's min_p: after temperature and before top-k and top-p, a token below min_p times the most likely token's
+    # probability gets probability 0, on both sides. 0: off.
+    min_p: float = 0.0
 
     @property
     def greedy(self) -> bool:
@@ -73,6 +76,8 @@ class SamplingParams:
             return f"sampling.top_p must be in (0, 1], got {self.top_p}"
         if self.top_k < 0:
             return f"sampling.top_k must be >= 0, got {self.top_k}"
+        if not 0 <= self.min_p <= 1:
+            return f"sampling.min_p must be in [0, 1], got {self.min_p}"
         for token, bias in self.logit_bias:
             if not 0 <= token < vocab_size:
                 return f"sampling.logit_bias has an id outside the vocabulary [0, {vocab_size}): {token}"
@@ -127,4 +132,5 @@ class SamplingParams:
             msg.min_tokens,
             tuple(msg.held_back),
             Guide(msg.guide.kind, msg.guide.spec, msg.guide.compact) if msg.HasField("guide") else None,
+            msg.min_p,
         )

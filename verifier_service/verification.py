@@ -11,7 +11,7 @@ deterministically (greedy or confidence-fused tokens), a sparse truncated
 distribution when it sampled. p_0 is the target's distribution after the root,
 p_{i+1} after node i, shaped as the request asked: its logit bias, its
 penalties on the tokens that row's context holds (the session's tokens and the
-path to node i) and min_tokens by the row's position (`shaping.adjusted`), then temperature, top-k and top-p (a point
+path to node i) and min_tokens by the row's position (`shaping.adjusted`), then temperature, min-p, top-k and top-p (a point
 mass on the argmax at temperature 0). Siblings are tried in node order.
 
 The walk (SpecInfer's multi-step speculative sampling; a chain reduces to

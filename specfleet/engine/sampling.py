@@ -35,6 +35,7 @@ def probs_from_logits(
     temperature: torch.Tensor,  # [B]; 0 means greedy
     top_k: torch.Tensor,  # [B] int; 0 means no limit
     top_p: torch.Tensor,  # [B]; 1 means no limit
+    min_p: torch.Tensor | None = None,  # [B]; 0 (or None for all rows) means no limit
 ) -> torch.Tensor:  # [B, V] float32, rows sum to 1
     logits = logits.float()
     batch, vocab = logits.shape
@@ -42,6 +43,11 @@ def probs_from_logits(
     if greedy.all():
         return _one_hot(logits)
     scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(1)
+    if min_p is not None and bool((min_p > 0).any()):
+        # vLLM's order: min-p on the tempered distribution, before top-k and top-p. p_i < min_p * p_max compared as
+        # logits (softmax's normaliser cancels): scaled_i < scaled_max + log(min_p); min_p = 0 keeps every token.
+        floor = scaled.max(dim=1, keepdim=True).values + min_p.clamp(min=1e-30).log().unsqueeze(1)
+        scaled = scaled.masked_fill((scaled < floor) & (min_p > 0).unsqueeze(1), float("-inf"))
     if bool(((top_k <= 0) | (top_k >= vocab)).all() and (top_p >= 1).all()):
         # No truncation asked for: the sort below would change nothing, and it is the costly part.
         probs = scaled.softmax(dim=1)

@@ -135,7 +135,7 @@ def tree_paths(tokens: list[int], parents: list[int]) -> list[list[int]]:
 
 
 def shape(params: list[SamplingParams], logits: torch.Tensor) -> torch.Tensor:
-    """p [B, W, V] as each session asked (temperature, top-k, top-p), from logits [B, W, V]."""
+    """p [B, W, V] as each session asked (temperature, min-p, top-k, top-p), from logits [B, W, V]."""
     batch, width, vocab = logits.shape
     per_row = lambda values, dtype: torch.tensor([v for v in values for _ in range(width)], dtype=dtype, device=logits.device)  # noqa: E731
     return probs_from_logits(
@@ -143,6 +143,7 @@ def shape(params: list[SamplingParams], logits: torch.Tensor) -> torch.Tensor:
         per_row([p.temperature for p in params], torch.float32),
         per_row([p.top_k for p in params], torch.long),
         per_row([p.top_p for p in params], torch.float32),
+        per_row([p.min_p for p in params], torch.float32) if any(p.min_p > 0 for p in params) else None,
     ).reshape(batch, width, vocab)
 
 

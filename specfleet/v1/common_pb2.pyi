@@ -19,7 +19,7 @@ SESSION_UNKNOWN: SessionStatus
 SESSION_PREFILLING: SessionStatus
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed", "drafter_invariant", "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "output_start", "min_tokens", "held_back", "guide")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "drafter_invariant", "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "output_start", "min_tokens", "held_back", "guide", "min_p")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class SamplingParams(_message.Message):
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HELD_BACK_FIELD_NUMBER: _ClassVar[int]
     GUIDE_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -53,7 +54,8 @@ class SamplingParams(_message.Message):
     min_tokens: int
     held_back: _containers.RepeatedScalarFieldContainer[int]
     guide: Guide
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., drafter_invariant: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., output_start: _Optional[int] = ..., min_tokens: _Optional[int] = ..., held_back: _Optional[_Iterable[int]] = ..., guide: _Optional[_Union[Guide, _Mapping]] = ...) -> None: ...
+    min_p: float
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., drafter_invariant: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., output_start: _Optional[int] = ..., min_tokens: _Optional[int] = ..., held_back: _Optional[_Iterable[int]] = ..., guide: _Optional[_Union[Guide, _Mapping]] = ..., min_p: _Optional[float] = ...) -> None: ...
 
 class Guide(_message.Message):
     __slots__ = ("kind", "spec", "compact")

@@ -69,13 +69,14 @@ BATCH = 500  # requests in flight at once (the router queues up to 1024)
 # Prompts of different lengths and styles; sample i uses PROMPTS_USED[i % 4].
 PROMPTS_USED = [PROMPTS[1], PROMPTS[0], PROMPTS[3], PROMPTS[5]]
 
-# (temperature, top_p, top_k), by name.
+# (temperature, top_p, top_k, min_p), by name.
 SETTINGS = {
-    "t0.7-top_p0.9": (0.7, 0.9, 0),
-    "t1.0": (1.0, 1.0, 0),
-    "t1.0-top_k8": (1.0, 1.0, 8),
-    "t1.0-bias-penalties": (1.0, 1.0, 0),
-    "t1.0-guided": (1.0, 1.0, 0),
+    "t0.7-top_p0.9": (0.7, 0.9, 0, 0.0),
+    "t1.0": (1.0, 1.0, 0, 0.0),
+    "t1.0-top_k8": (1.0, 1.0, 8, 0.0),
+    "t1.0-min_p0.1-top_p0.95": (1.0, 0.95, 0, 0.1),
+    "t1.0-bias-penalties": (1.0, 1.0, 0, 0.0),
+    "t1.0-guided": (1.0, 1.0, 0, 0.0),
 }
 # What a setting asks of the logits before temperature (GenerateRequest fields): a logit bias, then penalties on
 # the tokens each position's context holds, which differ from row to row of a draft tree; or a guide.
@@ -172,7 +173,7 @@ class Samples:
 
 
 def sample(cluster: Cluster, setting: str, seeded: bool, samples: int = SAMPLES) -> Samples:
-    temperature, top_p, top_k = SETTINGS[setting]
+    temperature, top_p, top_k, min_p = SETTINGS[setting]
     requests = []
     for i in range(samples):
         request = generation_pb2.GenerateRequest(
@@ -181,6 +182,7 @@ def sample(cluster: Cluster, setting: str, seeded: bool, samples: int = SAMPLES)
             temperature=temperature,
             top_p=top_p,
             top_k=top_k,
+            min_p=min_p,
             stop_at_eos=False,
             speculation=generation_pb2.SpeculationOptions(max_draft_tokens=DRAFT_TOKENS),
             **ADJUSTMENTS.get(setting, {}),
@@ -211,12 +213,15 @@ def sample(cluster: Cluster, setting: str, seeded: bool, samples: int = SAMPLES)
     return out
 
 
-def shape(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, slack: float = 0.0) -> torch.Tensor:
-    """The target's sampling distribution from logits [..., V]: temperature, then top-k, then the
-    smallest most-likely prefix whose mass reaches top_p. slack > 0 widens both cuts (for the hard check)."""
+def shape(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, min_p: float, slack: float = 0.0) -> torch.Tensor:
+    """The target's sampling distribution from logits [..., V]: temperature, then min-p (tokens at least min_p times
+    the most likely one's probability), then top-k, then the smallest most-likely prefix whose mass reaches top_p.
+    slack > 0 widens every cut (for the hard check)."""
     scaled = logits.double() / temperature
     ordered, order = scaled.sort(dim=-1, descending=True, stable=True)
     keep = torch.ones_like(ordered, dtype=torch.bool)
+    if min_p > 0:  # p_i >= min_p * p_max, as logits: the softmax's normaliser cancels
+        keep &= ordered >= ordered[..., :1] + math.log(min_p) - slack
     if top_k > 0:
         if slack > 0:
             keep &= ordered >= ordered[..., top_k - 1 : top_k] - slack
@@ -286,7 +291,7 @@ def ks_distance(u: torch.Tensor) -> float:
 
 def exact_pit(family, samples: Samples, setting: str, seed: int) -> Verdict:
     """u_j for every sample and position, from one `transformers` forward pass per prompt."""
-    temperature, top_p, top_k = SETTINGS[setting]
+    temperature, top_p, top_k, min_p = SETTINGS[setting]
     model, tokenizer = load_target(str(family["target"]))
     noise = torch.Generator().manual_seed(seed)
     tokens = torch.tensor(samples.tokens)  # [S, J]
@@ -302,14 +307,14 @@ def exact_pit(family, samples: Samples, setting: str, seed: int) -> Verdict:
         with torch.inference_mode():
             logits = model(context).logits[:, len(prompt_ids) - 1 : -1]  # [m, J, V]: p(. | prompt, x_<j)
         logits = adjust(logits, prompt_ids, x, ADJUSTMENTS.get(setting, {}), tokenizer)
-        p = shape(logits, temperature, top_p, top_k)
+        p = shape(logits, temperature, top_p, top_k, min_p)
         p_x = p.gather(-1, x.unsqueeze(-1))  # [m, J, 1]
         ids = torch.arange(p.shape[-1])
         # Ranked by descending probability, ties by token id.
         before = (p > p_x) | ((p == p_x) & (ids < x.unsqueeze(-1)))
         mass_before = (p * before).sum(dim=-1)
         u[rows] = mass_before + torch.rand(x.shape, generator=noise, dtype=torch.float64) * p_x.squeeze(-1)
-        possible = shape(logits, temperature, top_p, top_k, slack=BOUNDARY_SLACK).gather(-1, x.unsqueeze(-1)).squeeze(-1) > 0
+        possible = shape(logits, temperature, top_p, top_k, min_p, slack=BOUNDARY_SLACK).gather(-1, x.unsqueeze(-1)).squeeze(-1) > 0
         for r, j in (~possible).nonzero().tolist():
             impossible.append((int(rows[r]), j, int(x[r, j])))
     return Verdict(u, impossible)

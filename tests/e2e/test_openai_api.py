@@ -218,6 +218,7 @@ def test_messages_the_chat_template_refuses_get_its_reason(random_family):
 
 REFUSED = [
     ("completions", {"n": 0}, "n"),
+    ("chat", {"extra_body": {"min_p": 1.5}}, "min_p"),
     ("chat", {"n": 17}, "n"),
     ("completions", {"logprobs": 6}, "logprobs"),
     ("completions", {"extra_body": {"top_logprobs": 2}}, "top_logprobs"),
@@ -245,7 +246,6 @@ REFUSED = [
     ("completions", {"extra_body": {"structured_outputs": {"regex": "a", "choice": ["b"]}}}, "structured_outputs"),
     ("completions", {"extra_body": {"structured_outputs": {"structural_tag": "{}"}}}, "structured_outputs.structural_tag"),
     ("chat", {"functions": [{"name": "f", "parameters": {}}]}, "functions"),
-    ("completions", {"extra_body": {"min_p": 0.1}}, "min_p"),
     ("completions", {"seed": -1}, "seed"),
     ("completions", {"temperature": -1}, "temperature"),
     ("completions", {"top_p": 0}, "top_p"),

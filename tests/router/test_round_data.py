@@ -40,6 +40,7 @@ SAMPLING = SamplingParams(
     min_tokens=2,
     held_back=(0, 7),
     guide=Guide("json", "{}", compact=True),
+    min_p=0.25,
 )
 
 
@@ -69,8 +70,9 @@ def test_draft_and_verify_records_carry_every_field_of_the_contract():
         got.min_tokens,
         got.held_back,
         got.guide,
+        got.min_p,
     )
-    assert adjustments == (SAMPLING.logit_bias, 0.5, -0.25, 1.25, 3, 2, (0, 7), Guide("json", "{}", compact=True))
+    assert adjustments == (SAMPLING.logit_bias, 0.5, -0.25, 1.25, 3, 2, (0, 7), Guide("json", "{}", compact=True), 0.25)
 
     proposal = transport.point_mass(7)
     tree = messages.TokenTree(token_ids=[7, 8], parents=[-1, 0], proposals=[proposal, proposal])

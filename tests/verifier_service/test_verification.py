@@ -224,6 +224,20 @@ def test_a_row_without_top_p_keeps_its_whole_support_whatever_it_is_batched_with
     assert torch.allclose(alone[0], batched[0])
 
 
+def test_min_p_keeps_the_tokens_at_least_min_p_times_the_top_one_before_top_k_and_top_p_and_rows_apart():
+    """vLLM's min_p, on the tempered distribution and before top-k and top-p: p = (0.1, 0.4, 0.2, 0.3); min_p 0.5
+    keeps the tokens >= 0.2 (ids 1, 3, 2), then top_p 0.7 the prefix reaching it within those: 0.4 / 0.9 then 0.3 /
+    0.9 (0.78); a row without min_p batched beside it keeps its whole support."""
+    logits = torch.tensor(P4).log().expand(3, 4).clone()
+    got = probs_from_logits(logits, torch.ones(3), torch.zeros(3, dtype=torch.long), torch.tensor([1.0, 0.7, 1.0]), torch.tensor([0.5, 0.5, 0.0]))
+    np.testing.assert_allclose(got[0].numpy(), [0.0, 4 / 9, 2 / 9, 3 / 9], atol=1e-6)
+    np.testing.assert_allclose(got[1].numpy(), [0.0, 4 / 7, 0.0, 3 / 7], atol=1e-6)
+    np.testing.assert_allclose(got[2].numpy(), P4, atol=1e-6)
+    # At temperature 2 the tempered p is sqrt(P4), renormalised: 0.1's token is then half the top one's, kept at 0.45.
+    hot = probs_from_logits(logits[:1], torch.full((1,), 2.0), torch.zeros(1, dtype=torch.long), torch.ones(1), torch.tensor([0.45]))
+    assert bool((hot[0] > 0).all())
+
+
 # ---------------------------------------------------------------------------------------------
 # The Markov world: target, proposals, trees
 
