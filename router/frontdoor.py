@@ -31,8 +31,6 @@ from router.api import (
     GenerationError,
     GenerationParams,
     SpeculationStats,
-    TokenLogprob,
-    TokenLogprobs,
     Usage,
 )
 from router.request import Limits, RequestSpec, RequestState
@@ -81,7 +79,7 @@ class Generation:
             if isinstance(update, tuple):  # (gRPC status code, message): the scheduler's failure
                 code, message = update
                 raise GenerationError(_FAILURES.get(getattr(code, "name", ""), ErrorKind.INTERNAL), message)
-            logprobs = _typed_logprobs(update.logprobs)
+            logprobs = update.logprobs
             if not update.final:
                 yield Delta(update.text, list(update.token_ids), logprobs, update.prompt_logprobs)
                 continue
@@ -116,7 +114,7 @@ class Generation:
             finish_reason=state.finish_reason,
             usage=self.usage(),
             speculation=self.speculation(),
-            logprobs=_typed_logprobs(state.logprobs),
+            logprobs=list(state.logprobs),
             prompt_logprobs=state.prompt_logprobs,
         )
 
@@ -147,11 +145,6 @@ class Generation:
             return
         log.info("request %s cancelled: %s", state.spec.request_id, why)
         state.cancelled = True
-
-
-def _typed_logprobs(entries: list) -> list[TokenLogprobs]:
-    """The round machinery's per-token log-probabilities (router/verifying.py) as router.api types."""
-    return [TokenLogprobs(e.token_id, e.logprob, [TokenLogprob(t.token_id, t.logprob) for t in e.top]) for e in entries]
 
 
 class FrontDoor:

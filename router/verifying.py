@@ -28,7 +28,6 @@ from router.transport import TransportError
 from router.trees import DraftTree
 from router.verifiers import VerifierPool
 from specfleet import limits
-from specfleet.v1 import generation_pb2
 
 log = logging.getLogger(__name__)
 
@@ -67,38 +66,32 @@ class VerifyCall:
     session: messages.VerifySession
 
 
-def token_logprobs(verified: messages.VerifiedSession) -> list[generation_pb2.TokenLogprobs]:
-    """The verifier's flat log-probabilities of a round's tokens, one TokenLogprobs per token."""
-    n = len(verified.token_ids)
-    top = len(verified.top_token_ids) // n if n else 0
+def _entries(
+    tokens: list[int], logprobs: list[float], top_ids: list[int], top_lps: list[float], ranks: list[int] | None = None
+) -> list[api.TokenLogprobs]:
+    """The verifier's flat log-probabilities (each token's, then `top` alternatives a token) as one TokenLogprobs a token."""
+    top = len(top_ids) // len(logprobs) if logprobs else 0
     return [
-        generation_pb2.TokenLogprobs(
+        api.TokenLogprobs(
             token_id=token,
-            logprob=verified.logprobs[i],
-            top=[
-                generation_pb2.TokenLogprob(token_id=t, logprob=lp)
-                for t, lp in zip(verified.top_token_ids[i * top : (i + 1) * top], verified.top_logprobs[i * top : (i + 1) * top])
-            ],
+            logprob=logprobs[i],
+            top=[api.TokenLogprob(t, lp) for t, lp in zip(top_ids[i * top : (i + 1) * top], top_lps[i * top : (i + 1) * top])],
+            rank=ranks[i] if ranks else 0,
         )
-        for i, token in enumerate(verified.token_ids)
+        for i, token in enumerate(tokens)
     ]
+
+
+def token_logprobs(verified: messages.VerifiedSession) -> list[api.TokenLogprobs]:
+    """The log-probabilities of a round's tokens."""
+    return _entries(verified.token_ids, verified.logprobs, verified.top_token_ids, verified.top_logprobs)
 
 
 def prompt_logprobs(verified: messages.PromptLogprobs, prompt_ids: list[int]) -> list[api.TokenLogprobs]:
-    """The verifier's log-probabilities of a context (its tokens past the first), one TokenLogprobs per prompt token past
-    the first: the context may hold output too, where the verifier was sent the request again after losing it."""
-    n = len(prompt_ids) - 1
-    top = len(verified.top_token_ids) // len(verified.logprobs) if verified.logprobs else 0
-    ids, lps = verified.top_token_ids, verified.top_logprobs
-    return [
-        api.TokenLogprobs(
-            token_id=prompt_ids[i + 1],
-            logprob=verified.logprobs[i],
-            top=[api.TokenLogprob(t, lp) for t, lp in zip(ids[i * top : (i + 1) * top], lps[i * top : (i + 1) * top])],
-            rank=verified.ranks[i],
-        )
-        for i in range(n)
-    ]
+    """The log-probabilities of a context (its tokens past the first), one TokenLogprobs per prompt token past the
+    first: the context may hold output too, where the verifier was sent the request again after losing it."""
+    tokens = prompt_ids[1:]
+    return _entries(tokens, verified.logprobs, verified.top_token_ids, verified.top_logprobs, verified.ranks)
 
 
 class Verifying:

@@ -48,15 +48,11 @@ class GuideState:
                 self._left = True
             self._accepted.append(token)
 
-    def allowed(self, output: list[int], paths: list[list[int]]) -> torch.Tensor | None:
-        """[len(paths), vocab_size] bool on the CPU: the tokens the guide allows at row r, after `output` (the session's
-        output so far) then paths[r]; a row no emitted token can come from allows every token. None: nothing masked."""
-        bitmask = self.bitmask(output, paths)
-        return None if bitmask is None else unpack(bitmask, self.vocab_size)
-
     def bitmask(self, output: list[int], paths: list[list[int]]) -> torch.Tensor | None:
-        """`allowed` as xgrammar's bitmask: int32 [len(paths), ceil(vocab_size / 32)] on the CPU, bit j of word w set
-        where token 32 w + j is allowed."""
+        """The tokens the guide allows at row r, after `output` (the session's output so far) then paths[r], as
+        xgrammar's bitmask: int32 [len(paths), ceil(vocab_size / 32)] on the CPU (rows reused by the next call), bit j
+        of word w set where token 32 w + j is allowed; a row no emitted token can come from allows every token. None:
+        nothing masked."""
         self._sync(output)
         if self._left or self._matcher.is_terminated():
             return None

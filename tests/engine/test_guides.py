@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from specfleet.engine.guides import GuideState, mask_rows
+from specfleet.engine.guides import GuideState, mask_rows, unpack
 from specfleet.guides import Guide, GuideCompiler
 from specfleet.tokenizer import load_tokenizer
 
@@ -26,36 +26,42 @@ def _encode(compiler: GuideCompiler, text: str) -> list[int]:
     return compiler.tokenizer.encode(text, add_special_tokens=False)
 
 
+def allowed(state: GuideState, output: list[int], paths: list[list[int]]) -> torch.Tensor | None:
+    """[len(paths), vocab] bool: the state's bitmask unpacked (None: nothing masked)."""
+    bitmask = state.bitmask(output, paths)
+    return None if bitmask is None else unpack(bitmask, state.vocab_size)
+
+
 def _fresh(compiler: GuideCompiler, output: list[int], paths: list[list[int]]) -> torch.Tensor:
-    return GuideState(GUIDE, compiler.compile(GUIDE), compiler.vocab_size).allowed(output, paths)
+    return allowed(GuideState(GUIDE, compiler.compile(GUIDE), compiler.vocab_size), output, paths)
 
 
 def test_the_mask_after_a_rollback_is_that_of_a_matcher_fed_only_what_is_left(compiler):
     cat, dog = _encode(compiler, "the cat sat"), _encode(compiler, "the dog ran")
     state = GuideState(GUIDE, compiler.compile(GUIDE), compiler.vocab_size)
-    state.allowed(cat[:-1], [[]])
+    allowed(state, cat[:-1], [[]])
     for output in (dog[:2], dog[:1], cat[:2], dog[:-1], []):
-        assert torch.equal(state.allowed(output, [[]]), _fresh(compiler, output, [[]])), output
+        assert torch.equal(allowed(state, output, [[]]), _fresh(compiler, output, [[]])), output
 
 
 def test_each_row_is_masked_after_its_own_path_and_a_row_past_a_disallowed_token_allows_everything(compiler):
     cat = _encode(compiler, "the cat sat")
     state = GuideState(GUIDE, compiler.compile(GUIDE), compiler.vocab_size)
     paths = [[], cat[:1], cat[:2], [cat[0], _encode(compiler, "z")[0]]]
-    allowed = state.allowed([], paths)
+    masks = allowed(state, [], paths)
     for r, path in enumerate(paths[:3]):
-        assert torch.equal(allowed[r], _fresh(compiler, path, [[]])[0]), path
-    assert allowed[3].all(), "no emitted token comes from a row whose path the grammar disallows"
-    assert allowed[0].sum() < compiler.vocab_size and allowed[1].sum() < allowed[0].sum() + compiler.vocab_size
+        assert torch.equal(masks[r], _fresh(compiler, path, [[]])[0]), path
+    assert masks[3].all(), "no emitted token comes from a row whose path the grammar disallows"
+    assert masks[0].sum() < compiler.vocab_size and masks[1].sum() < masks[0].sum() + compiler.vocab_size
 
 
 def test_an_output_that_left_the_grammar_is_unmasked_until_rolled_back_into_it(compiler):
     cat = _encode(compiler, "the cat sat")
     eos = compiler.eos_token_id
     state = GuideState(GUIDE, compiler.compile(GUIDE), compiler.vocab_size)
-    assert state.allowed(cat + [eos], [[]]) is None, "a completed grammar masks nothing (past end of sequence)"
-    assert state.allowed(cat + [eos, 5], [[]]) is None
-    assert torch.equal(state.allowed(cat[:1], [[]]), _fresh(compiler, cat[:1], [[]]))
+    assert allowed(state, cat + [eos], [[]]) is None, "a completed grammar masks nothing (past end of sequence)"
+    assert allowed(state, cat + [eos, 5], [[]]) is None
+    assert torch.equal(allowed(state, cat[:1], [[]]), _fresh(compiler, cat[:1], [[]]))
 
 
 def test_specfleet_s_tokenizer_and_transformers_compile_the_same_grammar(random_family, compiler):
@@ -65,8 +71,8 @@ def test_specfleet_s_tokenizer_and_transformers_compile_the_same_grammar(random_
     other = GuideCompiler(theirs, compiler.vocab_size, compiler.eos_token_id)
     cat = _encode(compiler, "the cat sat")
     for output in ([], cat[:1], cat[:2]):
-        mine = GuideState(GUIDE, compiler.compile(GUIDE), compiler.vocab_size).allowed(output, [[]])
-        assert torch.equal(mine, GuideState(GUIDE, other.compile(GUIDE), other.vocab_size).allowed(output, [[]]))
+        mine = allowed(GuideState(GUIDE, compiler.compile(GUIDE), compiler.vocab_size), output, [[]])
+        assert torch.equal(mine, allowed(GuideState(GUIDE, other.compile(GUIDE), other.vocab_size), output, [[]]))
 
 
 def test_a_token_mapped_row_is_masked_as_the_full_row_read_at_its_ids_and_both_kernels_agree(compiler):
@@ -97,7 +103,7 @@ def test_forced_drafts_the_text_the_guide_forces_then_end_of_sequence_once_it_is
     assert state.forced(cat, 32, tokenizer) == [eos]  # only end of sequence is allowed: a point mass
     assert GuideState(GUIDE, compiler.compile(GUIDE), compiler.vocab_size).forced([], 32, tokenizer) == []  # "the" or "a"
     # The matcher is where the output left it: the masks after forced() are a fresh state's.
-    assert torch.equal(state.allowed(cat[:1], [[]]), GuideState(one, compiler.compile(one), compiler.vocab_size).allowed(cat[:1], [[]]))
+    assert torch.equal(allowed(state, cat[:1], [[]]), allowed(GuideState(one, compiler.compile(one), compiler.vocab_size), cat[:1], [[]]))
 
 
 def test_allows_counts_the_tokens_the_guide_allows_in_a_row_and_leaves_the_matcher_where_it_was(compiler):
@@ -106,4 +112,4 @@ def test_allows_counts_the_tokens_the_guide_allows_in_a_row_and_leaves_the_match
     assert state.allows([], cat) == len(cat) and state.allows([], cat + [5]) == len(cat)
     assert state.allows(cat[:1], dog[1:]) == len(dog) - 1 or cat[:1] != dog[:1]
     assert state.allows([], _encode(compiler, "zebra")) == 0
-    assert torch.equal(state.allowed([], [[]]), _fresh(compiler, [], [[]]))
+    assert torch.equal(allowed(state, [], [[]]), _fresh(compiler, [], [[]]))

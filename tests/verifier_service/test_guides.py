@@ -11,14 +11,14 @@ import re
 
 import pytest
 import torch
-import xgrammar as xgr
-from transformers import AutoTokenizer, LogitsProcessor, LogitsProcessorList
+from transformers import AutoTokenizer, LogitsProcessorList
 
 from drafter_service.drafter import DraftItem, DraftModel, draft_batch
 from specfleet.engine import SessionStore, load_model
 from specfleet.guides import Guide
 from specfleet.sampling import SamplingParams
 from tests.helpers import load_target
+from tools.bench.guide_mask import XgrammarMask
 from verifier_service.server import InvalidArgument
 from tests.verifier_service.seeded import assert_emits_plain_tokens_whatever_the_tree
 from verifier_service.verifier import Verifier, VerifyItem
@@ -31,38 +31,12 @@ GUIDES = [
 ]
 
 
-class XgrammarMask(LogitsProcessor):
-    """xgrammar's own mask on each step's scores, from a matcher fed the tokens generated so far: the reference."""
-
-    def __init__(self, path: str, guide: Guide, vocab_size: int, eos: int, prompt_len: int):
-        info = xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(path), vocab_size=vocab_size, stop_token_ids=[eos])
-        compiler = xgr.GrammarCompiler(info)
-        if guide.kind == "choice":
-            compiled = compiler.compile_grammar(" | ".join(json.dumps(c) for c in json.loads(guide.spec)).join(["root ::= ", ""]))
-        elif guide.kind == "regex":
-            compiled = compiler.compile_regex(guide.spec)
-        elif guide.kind == "grammar":
-            compiled = compiler.compile_grammar(guide.spec)
-        else:
-            compiled = compiler.compile_json_schema(guide.spec)
-        self.matcher, self.seen, self.vocab_size = xgr.GrammarMatcher(compiled), prompt_len, vocab_size
-
-    def __call__(self, input_ids, scores):
-        for token in input_ids[0, self.seen :].tolist():
-            assert self.matcher.accept_token(token)
-        self.seen = input_ids.shape[1]
-        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
-        self.matcher.fill_next_token_bitmask(bitmask)
-        xgr.apply_token_bitmask_inplace(scores, bitmask)
-        return scores
-
-
 def reference(path: str, prompt: list[int], guide: Guide | None, steps: int = STEPS) -> list[int]:
     """transformers' greedy `generate` of the model at `path` with xgrammar's mask (None: unguided), up to and with
     end of sequence."""
     model, tokenizer = load_target(path)
     eos, vocab = tokenizer.eos_token_id, model.config.vocab_size
-    processors = LogitsProcessorList([XgrammarMask(path, guide, vocab, eos, len(prompt))] if guide else [])
+    processors = LogitsProcessorList([XgrammarMask(path, vocab, eos, guide.kind, guide.spec, guide.compact, len(prompt))] if guide else [])
     with torch.inference_mode():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False, logits_processor=processors, pad_token_id=eos)
     return out[0, len(prompt) :].tolist()

@@ -41,6 +41,7 @@ import time
 import zlib
 from dataclasses import dataclass, field
 
+from tools.bench.guide_mask import XgrammarMask
 from tools.bench.workload import Request
 
 REPO = pathlib.Path(__file__).resolve().parent.parent.parent
@@ -184,39 +185,6 @@ class OutputPenalties:
         return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
 
 
-class JsonSchemaMask:
-    """A JSON schema's mask (xgrammar's, the backend vLLM and specfleet use) on each step's scores, as a transformers
-    logits processor for one sequence: the tokens after the prompt fed to a matcher, the scores of every token the
-    grammar disallows next set to -inf."""
-
-    _compiled: dict = {}
-
-    def __init__(self, model_path: pathlib.Path, vocab_size: int, eos: int, schema: dict, compact: bool, prompt_tokens: int):
-        import xgrammar
-        from transformers import AutoTokenizer
-
-        key = (str(model_path), vocab_size, eos, json.dumps(schema, sort_keys=True), compact)
-        if key not in self._compiled:
-            tokenizer = AutoTokenizer.from_pretrained(str(model_path))
-            info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=[eos])
-            separators = (",", ":") if compact else None  # vLLM's disable_any_whitespace
-            compiler = xgrammar.GrammarCompiler(info)
-            self._compiled[key] = compiler.compile_json_schema(json.dumps(schema), any_whitespace=not compact, separators=separators)
-        self.xgrammar, self.vocab_size = xgrammar, vocab_size
-        self.matcher, self.seen = xgrammar.GrammarMatcher(self._compiled[key]), prompt_tokens
-
-    def __call__(self, input_ids, scores):
-        for token in input_ids[0, self.seen :].tolist():
-            self.matcher.accept_token(token)
-        self.seen = input_ids.shape[1]
-        if self.matcher.is_terminated():
-            return scores
-        bitmask = self.xgrammar.allocate_token_bitmask(1, self.vocab_size)
-        self.matcher.fill_next_token_bitmask(bitmask)
-        self.xgrammar.apply_token_bitmask_inplace(scores, bitmask.to(scores.device))
-        return scores
-
-
 class HFTarget(System):
     name = "hf-target"
     description = "transformers generate, target alone, in process, one thread"
@@ -264,7 +232,8 @@ class HFTarget(System):
         processors = [OutputPenalties(prompt_tokens, presence, frequency)] if presence or frequency else []
         if self.settings.json_schema is not None:
             eos, vocab = self._pad_id(), self.model.config.vocab_size
-            processors.append(JsonSchemaMask(self.family.target, vocab, eos, self.settings.json_schema, self.settings.json_compact, prompt_tokens))
+            schema = json.dumps(self.settings.json_schema)
+            processors.append(XgrammarMask(self.family.target, vocab, eos, "json", schema, self.settings.json_compact, prompt_tokens))
         return processors
 
     def _pad_id(self) -> int:
