@@ -73,8 +73,11 @@ def main() -> int:
             row[n] = round(float((q.argmax(-1) == p_arg).float().mean()), 3)
         result[lang] = {"chars": sum(map(len, texts)), "packages": packages, "greedy": row}
         own = row.get(lang)
-        print(f"{lang} ({sum(map(len, texts)):,} chars): own {own} general {row.get('general')} "
-              f"margin {own - row['general']:+.3f}  " + " ".join(f"{n} {v}" for n, v in row.items()), flush=True)
+        print(
+            f"{lang} ({sum(map(len, texts)):,} chars): own {own} general {row.get('general')} "
+            f"margin {own - row['general']:+.3f}  " + " ".join(f"{n} {v}" for n, v in row.items()),
+            flush=True,
+        )
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=1) + "\n")
     return 0

@@ -84,10 +84,18 @@ def main() -> int:
     state = T.train_loop(model, budget, ckpt, T.distill_batch_fn(caches), T.distill_loss, args.domain, log=lambda *a: None, seed=77)
     ckpt.unlink(missing_ok=True)
     after = acceptance(model, sets)
-    print(json.dumps({
-        "trained_on": args.domain, "steps": state["step"], "lr": args.lr,
-        "gain": {k: round(after[k] - before[k], 3) for k in after}, "before": before, "after": after,
-    }))
+    print(
+        json.dumps(
+            {
+                "trained_on": args.domain,
+                "steps": state["step"],
+                "lr": args.lr,
+                "gain": {k: round(after[k] - before[k], 3) for k in after},
+                "before": before,
+                "after": after,
+            }
+        )
+    )
     return 0
 
 

@@ -29,8 +29,10 @@ CASES = {
     "4 requests, general drafter": [("general", r, "") for r in range(4)],
     "4 requests, 4 specialists": [(NAMES[1 + r], r, "") for r in range(4)],
     "4 requests fused: specialist + general": [(NAMES[1 + r], r, f"g{r}") for r in range(4)] + [("general", r, f"g{r}") for r in range(4)],
-    "4 requests fused: 2 specialists each (8 models)": [(NAMES[1 + 2 * r], r, f"g{r}") for r in range(3)] + [("structured", 3, "g3")]
-    + [(NAMES[2 + 2 * r], r, f"g{r}") for r in range(3)] + [("general", 3, "g3")],
+    "4 requests fused: 2 specialists each (8 models)": [(NAMES[1 + 2 * r], r, f"g{r}") for r in range(3)]
+    + [("structured", 3, "g3")]
+    + [(NAMES[2 + 2 * r], r, f"g{r}") for r in range(3)]
+    + [("general", 3, "g3")],
 }
 
 
