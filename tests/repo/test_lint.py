@@ -1,4 +1,4 @@
-"""`ruff check` and `ruff format --check` ([tool.ruff] in pyproject.toml) pass on the runtime packages, the tools and
+"""`ruff check` and `ruff format --check` ([tool.ruff] in pyproject.toml) pass on the runtime packages, the tools, the scripts and
 the tests."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 
 from tests.harness import REPO
 
-CHECKED = ["specfleet", "router", "drafter_service", "verifier_service", "tools", "tests"]
+CHECKED = ["specfleet", "router", "drafter_service", "verifier_service", "tools", "tests", "scripts"]
 
 
 def test_ruff_check_is_clean():
