@@ -47,6 +47,8 @@ class GenerationParams:
     min_tokens: int = 0  # vLLM's: end of sequence and stop_token_ids held back until the output has this many
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's log-probability past the first, this many alternatives
     guide: Guide | None = None  # structured output: the JSON schema, regex, choice or grammar the output follows
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string that ended the output stays in its text
+    skip_special_tokens: bool = True  # vLLM's: special tokens' text left out of the output's
 
 
 @dataclass

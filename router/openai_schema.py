@@ -64,6 +64,8 @@ class Sampling(BaseModel):
     min_tokens: int = 0  # vLLM's
     top_k: int = 0
     min_p: float = 0.0  # vLLM's
+    include_stop_str_in_output: bool = False  # vLLM's
+    skip_special_tokens: bool = True  # vLLM's
     ignore_eos: bool = False
     # Name logprobs' tokens "token_id:<id>" (vLLM's option): exact where a token's text is not.
     return_tokens_as_token_ids: bool = False
@@ -205,6 +207,8 @@ def params_of(body: Sampling, max_tokens: int | None, prompt: str | list[int], i
         top_p=body.top_p,
         top_k=body.top_k,
         min_p=body.min_p,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        skip_special_tokens=body.skip_special_tokens,
         # Choice c of n samples with seed + c: each choice differs, and the seed alone still fixes all n.
         seed=None if body.seed is None else body.seed + choice,
         stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),

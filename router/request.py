@@ -53,6 +53,8 @@ class RequestSpec:
     stop_token_ids: list[int] = field(default_factory=list)  # output ends after the first of these (it is kept)
     min_tokens: int = 0  # stop strings are looked for once the output holds this many tokens (vLLM's min_tokens)
     prompt_logprobs: int | None = None  # the prompt's log-probabilities with this many alternatives (None: not asked)
+    include_stop_str_in_output: bool = False  # the stop string that ended the output stays in its text
+    skip_special_tokens: bool = True  # special tokens' text left out of the output's
 
 
 class SessionMirror:
@@ -199,28 +201,30 @@ class RequestState:
         off the front (a token's leading space, say, decodes by what precedes it); text stays pending until its
         last character is complete."""
         start = max(len(self.spec.prompt_ids), self.decoded_to - DETOKENIZE_CONTEXT)
-        context = self.tokenizer.decode(self.tokens[start : self.decoded_to], skip_special_tokens=True)
-        window = self.tokenizer.decode(self.tokens[start:], skip_special_tokens=True)
+        skip = self.spec.skip_special_tokens
+        context = self.tokenizer.decode(self.tokens[start : self.decoded_to], skip_special_tokens=skip)
+        window = self.tokenizer.decode(self.tokens[start:], skip_special_tokens=skip)
         if window.startswith(context):
             self.text = self.decoded + window[len(context) :]
         else:  # a decoder that rewrites text before the new tokens: decode the whole output
-            self.text = self.tokenizer.decode(self.output_ids, skip_special_tokens=True)
+            self.text = self.tokenizer.decode(self.output_ids, skip_special_tokens=skip)
         if not self.text.endswith("\ufffd"):
             self.decoded, self.decoded_to = self.text, len(self.tokens)
 
     def _apply_stop(self, start: int) -> None:
         search_from = max(0, self.sent_text - max(len(s) for s in self.spec.stop))
         # A stop string counts where it ends past the text of the output's first min_tokens tokens (vLLM's order).
-        floor = len(self.tokenizer.decode(self.output_ids[: self.spec.min_tokens], skip_special_tokens=True)) if self.spec.min_tokens else 0
-        hits = [i for i in (self.text.find(s, max(search_from, floor - len(s) + 1)) for s in self.spec.stop) if i >= 0]
+        skip = self.spec.skip_special_tokens
+        floor = len(self.tokenizer.decode(self.output_ids[: self.spec.min_tokens], skip_special_tokens=skip)) if self.spec.min_tokens else 0
+        hits = [(i, i + len(s)) for s in self.spec.stop for i in [self.text.find(s, max(search_from, floor - len(s) + 1))] if i >= 0]
         if not hits:
             return
-        cut = min(hits)
-        self.text = self.text[:cut]
+        start_at, end_at = min(hits)  # the stop string found first (the shorter where two start at one place)
+        self.text = self.text[: end_at if self.spec.include_stop_str_in_output else start_at]
         # Keep the tokens up to the one that completed the stop string.
         prompt_len = len(self.spec.prompt_ids)
         for end in range(max(start, prompt_len + self.spec.min_tokens) + 1, len(self.tokens) + 1):
-            decoded = self.tokenizer.decode(self.tokens[prompt_len:end], skip_special_tokens=True)
+            decoded = self.tokenizer.decode(self.tokens[prompt_len:end], skip_special_tokens=skip)
             if any(decoded.find(s, max(0, floor - len(s) + 1)) >= 0 for s in self.spec.stop):
                 del self.tokens[end:]
                 break

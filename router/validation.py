@@ -73,6 +73,8 @@ def validate(params: GenerationParams, tokenizer, limits: Limits, guides: GuideC
         stop_token_ids=list(params.stop_token_ids),
         min_tokens=params.min_tokens,
         prompt_logprobs=params.prompt_logprobs,
+        include_stop_str_in_output=params.include_stop_str_in_output,
+        skip_special_tokens=params.skip_special_tokens,
     )
 
 

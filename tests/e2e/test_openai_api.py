@@ -163,6 +163,20 @@ def test_response_format_text_is_plain_output(client):
     assert text.choices[0].message.content == plain.choices[0].message.content
 
 
+def test_the_stop_string_and_special_tokens_text_are_kept_where_asked(client, tokenizer, target_with_template):
+    expected = tokenizer.decode(target_greedy(str(target_with_template), PROMPTS[0], MAX_TOKENS), skip_special_tokens=True)
+    stop = expected[3:6]
+    for include in (False, True):
+        reply = client.completions.create(model="random-target", prompt=PROMPTS[0], stop=[stop], **greedy(include_stop_str_in_output=include))
+        assert reply.choices[0].text == expected[: expected.index(stop) + (len(stop) if include else 0)], include
+    # End of sequence forced by its bias, and not an end (ignore_eos): its text is the output's only where asked.
+    eos = tokenizer.eos_token_id
+    args = dict(model="random-target", prompt=PROMPTS[0], max_tokens=3, temperature=0, logit_bias={str(eos): 100})
+    for skip in (True, False):
+        reply = client.completions.create(**args, extra_body={"ignore_eos": True, "skip_special_tokens": skip})
+        assert reply.choices[0].text == tokenizer.decode([eos] * 3, skip_special_tokens=skip) and (skip or reply.choices[0].text), skip
+
+
 def test_chat_renders_the_template_unary_and_streaming(client, tokenizer, target_with_template):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def fibonacci(n):"}]
     prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -34,6 +34,8 @@ def test_every_generate_request_field_reaches_the_router_s_params():
         min_tokens=2,
         prompt_logprobs=1,
         guide=common_pb2.Guide(kind="regex", spec="a+"),
+        include_stop_str_in_output=True,
+        skip_special_tokens=False,
     )
     params, defaults = params_of(request), GenerationParams()
     unset = [f.name for f in dataclasses.fields(GenerationParams) if getattr(params, f.name) == getattr(defaults, f.name)]

@@ -100,6 +100,37 @@ def test_a_stop_string_cuts_the_text_and_tokens(random_family):
     assert "return" in tokenizer.decode(state.output_ids) and "return" not in tokenizer.decode(state.output_ids[:-1])
 
 
+@pytest.mark.parametrize("step", [1, 1000], ids=["token by token", "all at once"])
+def test_include_stop_str_in_output_keeps_the_stop_string_that_ended_the_text(random_family, step):
+    tokenizer = _tokenizers(random_family)[0]
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    state = _state(tokenizer, ids[:3], stop=["return", "ret", "x  #"])
+    state.spec.include_stop_str_in_output = True
+    for i in range(3, len(ids), step):
+        state.commit(ids[i : i + step])
+        if state.finish_reason:
+            break
+    # "ret" and "return" start at one place: the first found, the shorter, ends the text with it.
+    whole = tokenizer.decode(ids[3:])
+    assert state.finish_reason == "stop" and state.text == whole[: whole.index("ret") + len("ret")]
+
+
+def test_special_tokens_text_is_left_out_unless_asked_for(random_family):
+    tokenizer = _tokenizers(random_family)[0]
+    eos = tokenizer.eos_token_id
+    ids = tokenizer.encode("def f", add_special_tokens=False)
+    texts = {}
+    for skip in (True, False):
+        state = _state(tokenizer, ids[:1], stop=())
+        state.spec.skip_special_tokens = skip
+        state.commit([*ids[1:], eos, *ids[1:]])
+        texts[skip] = state.text
+    special = tokenizer.decode([eos])
+    assert (
+        special and texts[True] == tokenizer.decode(ids[1:] * 2) and texts[False] == tokenizer.decode(ids[1:]) + special + tokenizer.decode(ids[1:])
+    )
+
+
 @pytest.mark.parametrize("step", [1, 8, 1000], ids=["token by token", "8 a commit", "all at once"])
 def test_a_stop_string_counts_only_past_the_first_min_tokens_tokens(random_family, step):
     """With min_tokens, a stop string in the output's first min_tokens tokens does not end it, however the tokens
