@@ -33,6 +33,7 @@ from router.api import Finished, GenerationError, GenerationParams, Usage
 from router.frontdoor import FrontDoor, Generation, interleave
 from router.http_gate import BodyGate, error_response
 from router.tokens_api import token_routes
+from router.metrics_api import metrics_routes
 from router.openai_logprobs import chat_logprobs, completion_logprobs, echo_logprobs, prompt_logprobs_json, token_text
 from router.chat_reply import ChatReply
 from router.reasoning import ReasoningReader, thinks
@@ -370,13 +371,17 @@ def create_app(
     max_request_bytes: int = 4 * 1024 * 1024,
     tool_call_parser: str = "auto",
     reasoning_parser: str = "auto",
+    metrics: tuple | None = None,
 ) -> BodyGate:
     """The ASGI app over `front_door`, behind its gate. api_key: when set, /v1/*, /tokenize and /detokenize need it; a body over
     max_request_bytes is refused (both before the body is read). /health answers 503 once the front door drains.
-    tool_call_parser, reasoning_parser: router.tool_call_parser, router.reasoning_parser."""
+    tool_call_parser, reasoning_parser: router.tool_call_parser, router.reasoning_parser. metrics: (collector, token),
+    the metrics port's, also served at /metrics (router/metrics_api.py)."""
     app = FastAPI(title="specfleet", docs_url=None, redoc_url=None, openapi_url=None)
     _add_error_handlers(app, front_door)
     _add_health(app, front_door)
     app.include_router(_v1(OpenAIServer(front_door, model_name, tool_call_parser, reasoning_parser)))
     app.include_router(token_routes(front_door, model_name))
+    if metrics is not None:
+        app.include_router(metrics_routes(*metrics))
     return BodyGate(app, max_request_bytes, api_key)

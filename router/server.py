@@ -277,13 +277,14 @@ async def run(
         verifiers, drafters = await ray_transport.connect(cfg, ray_address, ray_namespace, cfg.router.startup_timeout_s)
     front_door, scheduler, transports = await build(cfg, verifiers, drafters)
     scheduler.start()
-    metrics_server = None
+    metrics_server = exposed = None
     metrics_sock = listen(host, cfg.router.metrics_port, config_mod.DEFAULT_METRICS_PORTS["router"], "router metrics", "router.metrics_port")
     if metrics_sock is not None:
         scheduler.context.telemetry = RouterTelemetry(scheduler)
         labels = {"model_name": config_mod.served_model_name(cfg)}  # as vLLM's metrics, and the name /v1/models serves
+        exposed = metrics.Labelled(scheduler.context.telemetry.registry, labels)
         metrics_server = await metrics.serve(metrics_sock, scheduler.context.telemetry.registry, labels=labels, **sec.metrics_options())
-    http = await start_http(cfg, host, front_door, api_key, sec)
+    http = await start_http(cfg, host, front_door, api_key, sec, None if exposed is None else (exposed, sec.metrics_token))
 
     on_reload = (lambda: reload(front_door, scheduler, config_path, over_grpc=drafters is None)) if config_path else None
 
@@ -317,9 +318,9 @@ async def run(
             await transport.close()
 
 
-async def start_http(cfg: config_mod.Config, host: str, front_door: FrontDoor, api_key: str, sec: security.Security):
+async def start_http(cfg: config_mod.Config, host: str, front_door: FrontDoor, api_key: str, sec: security.Security, exposed=None):
     """The OpenAI-compatible API on router.http_port (HTTPS when security.tls is set), as (app, server, task),
-    or None when it is off."""
+    or None when it is off; `exposed`: (collector, token) of the router's metrics, served at /metrics too."""
     if cfg.router.http_port == 0:
         return None
     try:
@@ -339,7 +340,7 @@ async def start_http(cfg: config_mod.Config, host: str, front_door: FrontDoor, a
         return None
     model_name = config_mod.served_model_name(cfg)
     app = openai_api.create_app(
-        front_door, model_name, api_key, cfg.router.max_request_bytes, cfg.router.tool_call_parser, cfg.router.reasoning_parser
+        front_door, model_name, api_key, cfg.router.max_request_bytes, cfg.router.tool_call_parser, cfg.router.reasoning_parser, exposed
     )
     started = await http_gate.start(app, sock, **sec.uvicorn_tls())
     address = sock.getsockname()

@@ -90,6 +90,12 @@ async def _read_request(reader: asyncio.StreamReader) -> tuple[str, bytes]:
     raise _BadRequest("431 Request Header Fields Too Large")
 
 
+def bearer_ok(authorization: bytes, token: str) -> bool:
+    """Whether an Authorization header's value is `Bearer token` (the scheme in any case); any value where no token is set."""
+    scheme, _, given = authorization.partition(b" ")
+    return not token or hmac.compare_digest(scheme.lower() + b" " + given.strip(), f"bearer {token}".encode())
+
+
 class Labelled:
     """A registry's samples, each with the same labels added: vLLM labels every metric with the served model's
     `model_name`, and dashboards written for vLLM filter on it."""
@@ -120,7 +126,6 @@ async def serve(
     (specfleet.security.Security.metrics_options gives both).
     """
     exposed = Labelled(registry, labels) if labels else registry
-    expected = f"bearer {token}".encode()
     open_connections = 0
 
     def respond(writer: asyncio.StreamWriter, status: str, body: bytes, ctype: str = "text/plain") -> None:
@@ -147,8 +152,7 @@ async def serve(
             except _BadRequest as err:
                 await refuse(reader, writer, err.status, b"request too large\n")
                 return
-            scheme, _, given = authorization.partition(b" ")
-            authorized = not token or hmac.compare_digest(scheme.lower() + b" " + given.strip(), expected)
+            authorized = bearer_ok(authorization, token)
             parts = request_line.split()
             if not authorized:
                 respond(writer, "401 Unauthorized", b"unauthorized: send Authorization: Bearer <the metrics token>\n")

@@ -348,6 +348,16 @@ def test_what_http_refuses_itself_counts_as_a_failure_by_status(api, client):
     assert moved == {"INVALID_ARGUMENT": 2, "NOT_FOUND": 1}, moved
 
 
+def test_the_router_s_metrics_are_served_beside_v1_as_vllm_serves_them(api):
+    """GET /metrics on the HTTP port, without the API key (as vLLM's): the metrics port's samples, model_name and all."""
+    beside = urllib.request.urlopen(api.base_url + "/metrics", timeout=30)
+    text = beside.read().decode()
+    own = urllib.request.urlopen(f"http://127.0.0.1:{api.config['router']['metrics_port']}/metrics", timeout=30).read().decode()
+    names = lambda page: {line.split("{")[0].split(" ")[0] for line in page.splitlines() if line and not line.startswith("#")}  # noqa: E731
+    assert beside.headers["Content-Type"].startswith("text/plain") and 'model_name="random-target"' in text
+    assert names(text) == names(own) and "specfleet:num_requests_running" in names(text)
+
+
 def test_tokenize_counts_a_prompt_as_generation_does_and_detokenize_gives_its_text(api, client, tokenizer):
     """vLLM's /tokenize: a prompt's ids as the completions endpoint sends them, chat messages through the template, each
     count the usage a request reports; /detokenize: ids' text; both refuse bad input naming the field, and need the key."""

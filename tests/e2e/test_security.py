@@ -246,11 +246,13 @@ def test_router_http_and_metrics_need_their_keys_and_a_client_certificate(secure
         with pytest.raises(requests.exceptions.ConnectionError):
             attempt()
 
+    # The metrics port, and the same metrics beside /v1: each needs the metrics token, not the API key.
+    for metrics in (f"https://127.0.0.1:{secure.config['router']['metrics_port']}/metrics", f"{http}/metrics"):
+        reply = requests.get(metrics, headers={"Authorization": f"Bearer {METRICS_TOKEN}"}, verify=ca, cert=client, timeout=30)
+        assert reply.status_code == 200 and "specfleet:num_requests_running" in reply.text, metrics
+        for headers in ({}, {"Authorization": f"Bearer {TOKEN}"}, key):
+            assert requests.get(metrics, headers=headers, verify=ca, cert=client, timeout=30).status_code == 401, (metrics, headers)
     metrics = f"https://127.0.0.1:{secure.config['router']['metrics_port']}/metrics"
-    reply = requests.get(metrics, headers={"Authorization": f"Bearer {METRICS_TOKEN}"}, verify=ca, cert=client, timeout=30)
-    assert reply.status_code == 200 and "specfleet:num_requests_running" in reply.text
-    for headers in ({}, {"Authorization": f"Bearer {TOKEN}"}):
-        assert requests.get(metrics, headers=headers, verify=ca, cert=client, timeout=30).status_code == 401
     with pytest.raises(requests.exceptions.ConnectionError):
         requests.get(metrics, headers={"Authorization": f"Bearer {METRICS_TOKEN}"}, verify=ca, timeout=30)
 
