@@ -156,8 +156,10 @@ def test_sigterm_lets_in_flight_requests_finish(random_family, tmp_path, monkeyp
     from tests.operations import metrics, paused, service_pid
 
     http_port = free_port()
-    # The verifier in a process of its own: the test pauses it alone.
-    config = cluster_config(random_family, verifier={"colocate": False}, router={"metrics_port": free_port(), "http_port": http_port})
+    # The verifier in a process of its own: the test pauses it alone. One token a request a plain round (not up to
+    # plain_steps): the rounds since a request started then bound the tokens it has made (below).
+    router = {"metrics_port": free_port(), "http_port": http_port, "plain_steps": 1}
+    config = cluster_config(random_family, verifier={"colocate": False}, router=router)
     cluster = Cluster(config, tmp_path, "graceful")
     with monkeypatch.context() as patch:
         # As from a terminal: serve leads its own process group, which Ctrl-C signals as a whole.
