@@ -38,6 +38,7 @@ from router.openai_logprobs import chat_logprobs, completion_logprobs, echo_logp
 from router.chat_reply import ChatReply
 from router.reasoning import ReasoningReader, thinks
 from router.tool_parsers import parser_for
+from specfleet.config import RouterConfig
 from router.openai_schema import (
     FINISH_REASONS,
     ApiError,
@@ -364,24 +365,16 @@ def _v1(server: OpenAIServer) -> APIRouter:
     return v1
 
 
-def create_app(
-    front_door: FrontDoor,
-    model_name: str,
-    api_key: str = "",
-    max_request_bytes: int = 4 * 1024 * 1024,
-    tool_call_parser: str = "auto",
-    reasoning_parser: str = "auto",
-    metrics: tuple | None = None,
-) -> BodyGate:
+def create_app(front_door: FrontDoor, model_name: str, settings: RouterConfig, api_key: str = "", metrics=None, metrics_token: str = "") -> BodyGate:
     """The ASGI app over `front_door`, behind its gate. api_key: when set, /v1/*, /tokenize and /detokenize need it; a body over
-    max_request_bytes is refused (both before the body is read). /health answers 503 once the front door drains.
-    tool_call_parser, reasoning_parser: router.tool_call_parser, router.reasoning_parser. metrics: (collector, token),
-    the metrics port's, also served at /metrics (router/metrics_api.py)."""
+    settings.max_request_bytes is refused (both before the body is read). /health answers 503 once the front door
+    drains. settings: the router's section (its parsers, the largest body). metrics, metrics_token: what the metrics
+    port serves and the token it asks for, also served at /metrics (router/metrics_api.py)."""
     app = FastAPI(title="specfleet", docs_url=None, redoc_url=None, openapi_url=None)
     _add_error_handlers(app, front_door)
     _add_health(app, front_door)
-    app.include_router(_v1(OpenAIServer(front_door, model_name, tool_call_parser, reasoning_parser)))
+    app.include_router(_v1(OpenAIServer(front_door, model_name, settings.tool_call_parser, settings.reasoning_parser)))
     app.include_router(token_routes(front_door, model_name))
     if metrics is not None:
-        app.include_router(metrics_routes(*metrics))
-    return BodyGate(app, max_request_bytes, api_key)
+        app.include_router(metrics_routes(metrics, metrics_token))
+    return BodyGate(app, settings.max_request_bytes, api_key)

@@ -8,7 +8,7 @@ Output that does neither is all content. A thought that max_tokens cuts before `
 
 from __future__ import annotations
 
-from router.tool_parsers import partial_tail
+from router.request import partial_tail
 from specfleet.config.router import REASONING_PARSERS
 
 OPEN, CLOSE = "<think>", "</think>"
@@ -38,7 +38,6 @@ class ReasoningReader:
         if self.state == "content":
             return "", text
         self.buffer += text
-        reasoning = ""
         if self.state == "open":
             head = self.buffer.lstrip()
             if head.startswith(OPEN):
@@ -56,11 +55,3 @@ class ReasoningReader:
         keep = 0 if final else partial_tail(self.buffer, CLOSE)
         reasoning, self.buffer = self.buffer[: len(self.buffer) - keep], self.buffer[len(self.buffer) - keep :]
         return reasoning, ""
-
-
-def split(prompt: str, text: str) -> tuple[str, str]:
-    """(reasoning, content) of a whole output."""
-    r = ReasoningReader(prompt)
-    reasoning, content = r.feed(text)
-    more, rest = r.finish()
-    return reasoning + more, content + rest

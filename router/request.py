@@ -105,6 +105,12 @@ class Chunk:
     prompt_logprobs: list | None = None  # in the first chunk after they came, when asked (router.api.TokenLogprobs)
 
 
+def partial_tail(text: str, mark: str) -> int:
+    """How many characters at the end of `text` could begin `mark`: held back from a stream until the next text
+    decides (a stop string here; a tool call's or a thought's tag in router/tool_parsers.py, router/reasoning.py)."""
+    return next((n for n in range(min(len(mark) - 1, len(text)), 0, -1) if mark.startswith(text[-n:])), 0)
+
+
 # Tokens decoded before the new ones when detokenizing incrementally (RequestState._detokenize).
 DETOKENIZE_CONTEXT = 4
 
@@ -239,10 +245,7 @@ class RequestState:
             while hold > self.sent_text and text[hold - 1] == "\ufffd":
                 hold -= 1
             for s in self.spec.stop:
-                for n in range(min(len(s) - 1, hold - self.sent_text), 0, -1):
-                    if text[hold - n : hold] == s[:n]:
-                        hold -= n
-                        break
+                hold -= partial_tail(text[self.sent_text : hold], s)
             text = text[:hold]
         new_text = text[self.sent_text :]
         new_ids = self.output_ids[self.sent_tokens :]

@@ -283,8 +283,8 @@ async def run(
         scheduler.context.telemetry = RouterTelemetry(scheduler)
         labels = {"model_name": config_mod.served_model_name(cfg)}  # as vLLM's metrics, and the name /v1/models serves
         exposed = metrics.Labelled(scheduler.context.telemetry.registry, labels)
-        metrics_server = await metrics.serve(metrics_sock, scheduler.context.telemetry.registry, labels=labels, **sec.metrics_options())
-    http = await start_http(cfg, host, front_door, api_key, sec, None if exposed is None else (exposed, sec.metrics_token))
+        metrics_server = await metrics.serve(metrics_sock, exposed, **sec.metrics_options())
+    http = await start_http(cfg, host, front_door, api_key, sec, exposed)
 
     on_reload = (lambda: reload(front_door, scheduler, config_path, over_grpc=drafters is None)) if config_path else None
 
@@ -320,7 +320,7 @@ async def run(
 
 async def start_http(cfg: config_mod.Config, host: str, front_door: FrontDoor, api_key: str, sec: security.Security, exposed=None):
     """The OpenAI-compatible API on router.http_port (HTTPS when security.tls is set), as (app, server, task),
-    or None when it is off; `exposed`: (collector, token) of the router's metrics, served at /metrics too."""
+    or None when it is off; `exposed`: what the router's metrics port serves, served at /metrics too (with its token)."""
     if cfg.router.http_port == 0:
         return None
     try:
@@ -339,9 +339,7 @@ async def start_http(cfg: config_mod.Config, host: str, front_door: FrontDoor, a
     if sock is None:
         return None
     model_name = config_mod.served_model_name(cfg)
-    app = openai_api.create_app(
-        front_door, model_name, api_key, cfg.router.max_request_bytes, cfg.router.tool_call_parser, cfg.router.reasoning_parser, exposed
-    )
+    app = openai_api.create_app(front_door, model_name, cfg.router, api_key, exposed, sec.metrics_token)
     started = await http_gate.start(app, sock, **sec.uvicorn_tls())
     address = sock.getsockname()
     log.info(

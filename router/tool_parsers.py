@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 
+from router.request import partial_tail
 from specfleet.config.router import TOOL_CALL_PARSERS
 
 # What a chat template says that names its family's format, in the order they are tried.
@@ -34,14 +35,6 @@ def reader(parser: str):
     return {"hermes": HermesReader, "llama3_json": Llama3JsonReader}[parser]()
 
 
-def read_all(parser: str, text: str) -> tuple[str, list[tuple[str, str]]]:
-    """(content, calls) of a whole output; each call (name, arguments as JSON)."""
-    r = reader(parser)
-    content, calls = r.feed(text)
-    rest, more = r.finish()
-    return content + rest, calls + more
-
-
 def _call(text: str, keys: tuple[str, ...]) -> tuple[str, str] | None:
     """(name, arguments JSON) of one call's JSON text, or None where it is not a call."""
     try:
@@ -52,14 +45,6 @@ def _call(text: str, keys: tuple[str, ...]) -> tuple[str, str] | None:
         return None
     arguments = next((call[k] for k in keys if k in call), {})
     return (call["name"], json.dumps(arguments)) if isinstance(arguments, dict) else None
-
-
-def partial_tail(text: str, mark: str) -> int:
-    """How many characters at the end of `text` could begin `mark` (held back until the next text decides)."""
-    for n in range(min(len(mark) - 1, len(text)), 0, -1):
-        if mark.startswith(text[-n:]):
-            return n
-    return 0
 
 
 class HermesReader:

@@ -113,7 +113,7 @@ class Labelled:
 
 async def serve(
     sock: socket.socket,
-    registry: CollectorRegistry,
+    registry: CollectorRegistry | Labelled,
     ssl_context: ssl.SSLContext | None = None,
     token: str = "",
     deadline_s: float = REQUEST_DEADLINE_S,

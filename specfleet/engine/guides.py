@@ -65,10 +65,7 @@ class GuideState:
             if len(walked) > shared:
                 self._matcher.rollback(len(walked) - shared)
                 del walked[shared:]
-            for token in path[shared:]:
-                if self._matcher.is_terminated() or not self._matcher.accept_token(token):
-                    break
-                walked.append(token)
+            walked += path[shared : shared + self._walk(path[shared:])]
             if len(walked) == len(path) and not self._matcher.is_terminated():
                 self._matcher.fill_next_token_bitmask(bitmask, r)
             else:
@@ -89,14 +86,17 @@ class GuideState:
         self._sync(output)
         if self._left:
             return len(tokens)
-        walked = 0
-        for token in tokens:
-            if self._matcher.is_terminated() or not self._matcher.accept_token(token):
-                break
-            walked += 1
+        walked = self._walk(tokens)
         if walked:
             self._matcher.rollback(walked)
         return walked
+
+    def _walk(self, tokens: list[int]) -> int:
+        """Feed the matcher `tokens` up to the first the grammar disallows (or past its end): how many it took."""
+        for n, token in enumerate(tokens):
+            if self._matcher.is_terminated() or not self._matcher.accept_token(token):
+                return n
+        return len(tokens)
 
     def forced(self, output: list[int], most: int, tokenizer) -> list[int]:
         """Draft tokens for what the guide forces after `output` (the session's output so far), up to `most`: the text
@@ -108,11 +108,8 @@ class GuideState:
         if self._left or self._matcher.is_terminated():
             return []
         text = self._matcher.find_jump_forward_string()
-        chain = []
-        for token in tokenizer.encode(text, add_special_tokens=False)[:most] if text else []:
-            if not self._matcher.accept_token(token):
-                break
-            chain.append(token)
+        encoded = tokenizer.encode(text, add_special_tokens=False)[:most] if text else []
+        chain = encoded[: self._walk(encoded)]
         one = self._rows(1)
         while len(chain) < most and not self._matcher.is_terminated():
             self._matcher.fill_next_token_bitmask(one, 0)

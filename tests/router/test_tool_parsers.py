@@ -7,11 +7,19 @@ import json
 
 import pytest
 
-from router.tool_parsers import parser_for, read_all, reader
+from router.tool_parsers import parser_for, reader
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 HERMES = f'Let me check.\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>{{"name": "get_time", "arguments": {{}}}}</tool_call>\n'
 CALLS = [("get_weather", json.dumps({"city": "Paris"})), ("get_time", "{}")]
+
+
+def read_all(parser: str, text: str) -> tuple[str, list]:
+    """(content, calls) of a whole output, fed at once."""
+    r = reader(parser)
+    content, calls = r.feed(text)
+    rest, more = r.finish()
+    return content + rest, calls + more
 
 
 def streamed(parser: str, text: str, size: int) -> tuple[list[str], list]:
