@@ -49,6 +49,8 @@ class GenerationParams:
     guide: Guide | None = None  # structured output: the JSON schema, regex, choice or grammar the output follows
     include_stop_str_in_output: bool = False  # vLLM's: the stop string that ended the output stays in its text
     skip_special_tokens: bool = True  # vLLM's: special tokens' text left out of the output's
+    allowed_token_ids: list[int] = field(default_factory=list)  # vLLM's: only these are generated; []: all are
+    bad_words: list[str] = field(default_factory=list)  # vLLM's: words never generated (at the start or after a space)
 
 
 @dataclass

@@ -67,6 +67,8 @@ def params_of(req: generation_pb2.GenerateRequest) -> GenerationParams:
         guide=Guide(req.guide.kind, req.guide.spec, req.guide.compact) if req.HasField("guide") else None,
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens if req.HasField("skip_special_tokens") else True,
+        allowed_token_ids=list(req.allowed_token_ids),
+        bad_words=list(req.bad_words),
     )
 
 

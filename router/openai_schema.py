@@ -66,6 +66,8 @@ class Sampling(BaseModel):
     min_p: float = 0.0  # vLLM's
     include_stop_str_in_output: bool = False  # vLLM's
     skip_special_tokens: bool = True  # vLLM's
+    allowed_token_ids: list[int] | None = None  # vLLM's
+    bad_words: str | list[str] | None = None  # vLLM's
     ignore_eos: bool = False
     # Name logprobs' tokens "token_id:<id>" (vLLM's option): exact where a token's text is not.
     return_tokens_as_token_ids: bool = False
@@ -156,6 +158,8 @@ def refuse_unsupported(body: Sampling) -> None:
     if not 1 <= body.n <= MAX_N:
         raise ApiError(400, f"n: must be between 1 and {MAX_N}, got {body.n}", param="n")
     logit_bias_of(body)  # keys that are not token ids: a 400 before anything is submitted
+    if body.allowed_token_ids == []:
+        raise ApiError(400, "allowed_token_ids: must not be empty; leave it out to allow every token", param="allowed_token_ids")
     if isinstance(body, CompletionRequest):
         if body.best_of not in (None, 1):
             raise unsupported("best_of", "only 1 is supported")
@@ -223,6 +227,8 @@ def params_of(body: Sampling, max_tokens: int | None, prompt: str | list[int], i
         min_tokens=body.min_tokens,
         prompt_logprobs=body.prompt_logprobs,
         guide=guide_of(body),
+        allowed_token_ids=list(body.allowed_token_ids or []),
+        bad_words=[body.bad_words] if isinstance(body.bad_words, str) else list(body.bad_words or []),
     )
     if isinstance(prompt, str):
         params.prompt = prompt

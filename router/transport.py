@@ -77,6 +77,8 @@ def sampling_message(params: SamplingParams) -> common_pb2.SamplingParams:
             min_tokens=params.min_tokens,
             held_back=params.held_back,
             guide=common_pb2.Guide(kind=params.guide.kind, spec=params.guide.spec, compact=params.guide.compact) if params.guide else None,
+            allowed_token_ids=params.allowed_token_ids,
+            bad_words=[common_pb2.TokenSequence(token_ids=word) for word in params.bad_words],
         )
     return message
 

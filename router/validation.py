@@ -23,6 +23,10 @@ MAX_SEED = 2**64 - 1
 # Tokens one request may bias: each is added to every row's logits at the verifier and each drafter.
 MAX_BIASED_TOKENS = 1024
 MAX_STOP_TOKEN_IDS = 64
+# allowed_token_ids and bad_words travel in every round's messages to the verifier and each drafter.
+MAX_ALLOWED_TOKEN_IDS = 4096
+MAX_BAD_WORDS = 64
+MAX_BAD_WORD_TOKENS = 32
 
 
 def _float32(x: float) -> float:
@@ -43,10 +47,16 @@ def validate(params: GenerationParams, tokenizer, limits: Limits, guides: GuideC
             raise invalid(name, f"at most {longest} printable characters, got {len(value)} characters")
     prompt_ids = _prompt_ids(params, tokenizer, limits)
     max_tokens = _max_tokens(params, len(prompt_ids), limits)
-    sampling = _sampling(params, limits, len(prompt_ids), max_tokens, _guide(params.guide, guides))
+    bad_words = _bad_words(params.bad_words, tokenizer, limits)
+    sampling = _sampling(params, limits, len(prompt_ids), max_tokens, _guide(params.guide, guides), bad_words)
     if sampling.guide is not None and params.min_tokens:
         # Where the guide completes before min_tokens, it allows end of sequence alone, which min_tokens holds back.
         raise invalid("min_tokens", "cannot be combined with structured output: the guide decides where the output ends")
+    if sampling.allowed_token_ids and sampling.guide is not None:
+        # The guide's tokens and the allowed ones could have none in common at some row.
+        raise invalid("allowed_token_ids", "cannot be combined with structured output: the guide decides which tokens are allowed")
+    if sampling.allowed_token_ids and sampling.held_back and set(sampling.allowed_token_ids) <= set(sampling.held_back):
+        raise invalid("min_tokens", "every allowed token ends the output, which min_tokens holds back: no token could be generated")
     if len(params.stop) > MAX_STOP_STRINGS or any(not s for s in params.stop):
         raise invalid("stop", f"at most {MAX_STOP_STRINGS} non-empty strings")
     spec_opts = params.speculation
@@ -131,7 +141,9 @@ def _guide(guide: Guide | None, guides: GuideCompiler | None) -> Guide | None:
     return guide
 
 
-def _sampling(params: GenerationParams, limits: Limits, prompt_tokens: int, max_tokens: int, guide: Guide | None) -> SamplingParams:
+def _sampling(
+    params: GenerationParams, limits: Limits, prompt_tokens: int, max_tokens: int, guide: Guide | None, bad_words: tuple[tuple[int, ...], ...]
+) -> SamplingParams:
     temperature, top_p = _float32(params.temperature), _float32(params.top_p)
     if not math.isfinite(temperature) or temperature < 0:
         raise invalid("temperature", f"must be >= 0 (0 is greedy), got {temperature}")
@@ -170,11 +182,14 @@ def _sampling(params: GenerationParams, limits: Limits, prompt_tokens: int, max_
         presence_penalty=presence,
         frequency_penalty=frequency,
         repetition_penalty=repetition,
-        # Where presence, frequency, min_tokens and a guide start reading the output; left at 0 where nothing reads it.
-        output_start=prompt_tokens if (presence or frequency or repetition != 1 or held_back or guide) else 0,
+        # Where presence, frequency, min_tokens, a guide and bad words start reading the output; left at 0 where
+        # nothing reads it.
+        output_start=prompt_tokens if (presence or frequency or repetition != 1 or held_back or guide or bad_words) else 0,
         min_tokens=params.min_tokens if held_back else 0,
         held_back=held_back,
         guide=guide,
+        allowed_token_ids=_allowed_token_ids(params.allowed_token_ids, limits.vocab_size),
+        bad_words=bad_words,
     )
 
 
@@ -206,3 +221,38 @@ def _logit_bias(bias: dict[int, float], vocab_size: int) -> tuple[tuple[int, flo
         if value:
             out.append((token, value))
     return tuple(out)
+
+
+def _bad_words(words: list[str], tokenizer, limits: Limits) -> tuple[tuple[int, ...], ...]:
+    """Each bad word's token sequences: the word as the target's tokenizer writes it as the output's first text and
+    after a space. vLLM bans the second only where it has as many tokens as the first, which misses " fox" (one token)
+    after "fox" (two) in byte-level BPE vocabularies; a spelling banned needlessly bans only text holding the word."""
+    if len(words) > MAX_BAD_WORDS:
+        raise invalid("bad_words", f"at most {MAX_BAD_WORDS} words, got {len(words)}")
+    sequences: list[tuple[int, ...]] = []
+    for i, word in enumerate(words):
+        word = word.lstrip()
+        if not word:
+            raise invalid("bad_words", f"word {i} is empty or only whitespace")
+        plain = tuple(tokenizer.encode(word, add_special_tokens=False))
+        if not plain:
+            raise invalid("bad_words", f"word {i} encodes to no tokens")
+        spaced = tuple(tokenizer.encode(" " + word, add_special_tokens=False))
+        for sequence in (plain, spaced):
+            if len(sequence) > MAX_BAD_WORD_TOKENS:
+                raise invalid("bad_words", f"word {i} is {len(sequence)} tokens; at most {MAX_BAD_WORD_TOKENS}")
+            if any(not 0 <= t < limits.vocab_size for t in sequence):
+                raise invalid("bad_words", f"word {i} encodes to ids outside the model's vocabulary [0, {limits.vocab_size})")
+            if sequence not in sequences:
+                sequences.append(sequence)
+    return tuple(sequences)
+
+
+def _allowed_token_ids(ids: list[int], vocab_size: int) -> tuple[int, ...]:
+    allowed = sorted(set(ids))
+    if len(allowed) > MAX_ALLOWED_TOKEN_IDS:
+        raise invalid("allowed_token_ids", f"at most {MAX_ALLOWED_TOKEN_IDS} tokens, got {len(allowed)}")
+    bad = [t for t in allowed if not 0 <= t < vocab_size]
+    if bad:
+        raise invalid("allowed_token_ids", f"ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    return tuple(allowed)

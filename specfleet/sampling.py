@@ -61,6 +61,12 @@ class SamplingParams:
     # vLLM's min_p: after temperature and before top-k and top-p, a token below min_p times the most likely token's
     # probability gets probability 0, on both sides. 0: off.
     min_p: float = 0.0
+    # vLLM's allowed_token_ids: every other token gets probability 0 at every row, on both sides. (): all allowed.
+    allowed_token_ids: tuple[int, ...] = ()
+    # vLLM's bad_words as token sequences: at a row whose output so far (from output_start) and path end with all but
+    # a sequence's last token, that last token gets probability 0, on both sides (a one-token sequence at every row);
+    # except at a row where that would leave no token at all.
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -94,6 +100,10 @@ class SamplingParams:
             return f"sampling.min_tokens must be >= 0, got {self.min_tokens}"
         if any(not 0 <= token < vocab_size for token in self.held_back):
             return f"sampling.held_back has ids outside the vocabulary [0, {vocab_size})"
+        if any(not 0 <= token < vocab_size for token in self.allowed_token_ids):
+            return f"sampling.allowed_token_ids has ids outside the vocabulary [0, {vocab_size})"
+        if any(not word or any(not 0 <= token < vocab_size for token in word) for word in self.bad_words):
+            return f"sampling.bad_words has an empty sequence or ids outside the vocabulary [0, {vocab_size})"
         if self.guide is not None:
             problem = self.guide.problem()
             if problem:
@@ -107,8 +117,9 @@ class SamplingParams:
 
     @property
     def reads_context(self) -> bool:
-        """Each row's distribution depends on the tokens before it (penalties, a guide) or on its position (min_tokens)."""
-        return self.penalized or (self.min_tokens > 0 and bool(self.held_back)) or self.guide is not None
+        """Each row's distribution depends on the tokens before it (penalties, a guide, bad words) or on its position
+        (min_tokens)."""
+        return self.penalized or (self.min_tokens > 0 and bool(self.held_back)) or self.guide is not None or bool(self.bad_words)
 
     @property
     def raced(self) -> bool:
@@ -133,4 +144,6 @@ class SamplingParams:
             tuple(msg.held_back),
             Guide(msg.guide.kind, msg.guide.spec, msg.guide.compact) if msg.HasField("guide") else None,
             msg.min_p,
+            tuple(msg.allowed_token_ids),
+            tuple(tuple(word.token_ids) for word in msg.bad_words),
         )

@@ -43,14 +43,15 @@ def adjusted(
     guides: list[GuideState | None] | None = None,
 ) -> torch.Tensor:
     """logits [B, W, V] (or [B, V]: one row a session) as each session asked before temperature: its logit bias added,
-    then its penalties applied on what each row's context holds, in vLLM's order, and the tokens min_tokens holds back
-    given no chance at rows before the output's min_tokens-th token, then every token its guide disallows at a row
-    given none (`guides[b]`, the session's `GuideState`; `contexts[b]` is needed for sessions that read their
-    context). Everything reads these: the argmax of greedy sessions, the race's and rejection sampling's p, a
-    drafter's q. The same tensor where nobody asked for any. `global_ids` (a drafter's, `propose`'s) turns positions
+    every token outside its allowed_token_ids given no chance, then its penalties applied on what each row's context
+    holds, in vLLM's order, and the tokens min_tokens holds back given no chance at rows before the output's
+    min_tokens-th token, then every token its guide disallows at a row given none (`guides[b]`, the session's
+    `GuideState`), then its bad words' (`contexts[b]` is needed for sessions that read their context). Everything
+    reads these: the argmax of greedy sessions, the race's and rejection sampling's p, a drafter's q. The same tensor
+    where nobody asked for any. `global_ids` (a drafter's, `propose`'s) turns positions
     along a row into vocabulary ids, for a model whose output layer covers part of the vocabulary: an id it lacks
     changes nothing."""
-    sessions = [b for b, p in enumerate(params) if p.logit_bias or p.reads_context]
+    sessions = [b for b, p in enumerate(params) if p.logit_bias or p.allowed_token_ids or p.reads_context]
     if not sessions:
         return logits
     logits = logits.clone()
@@ -61,13 +62,46 @@ def adjusted(
         ids = None if ids_of is None else ids_of[b]
         if params[b].logit_bias:
             _bias(rows[b], params[b].logit_bias, ids)
+        if params[b].allowed_token_ids:
+            _allow(rows[b], params[b].allowed_token_ids, ids)
         if params[b].penalized:
             _penalize(rows[b], params[b], *contexts[b], ids)
         if params[b].min_tokens and params[b].held_back:
             _hold_back(rows[b], params[b], *contexts[b], ids)
         if guides is not None and guides[b] is not None:
             _guide(rows[b], params[b], guides[b], *contexts[b], ids)
+        if params[b].bad_words:
+            _ban_words(rows[b], params[b], *contexts[b], ids)
     return logits
+
+
+def _allow(rows: torch.Tensor, allowed: tuple[int, ...], ids_of: torch.Tensor | None) -> None:
+    """Every token outside `allowed` given no chance (logit -inf) at every row of rows [W, V'] in place. A drafter whose
+    vocabulary holds none of them drafts unmasked: what it proposes then has p = 0 at the target, and is rejected."""
+    at = torch.tensor(allowed) if ids_of is None else torch.isin(ids_of, torch.tensor(allowed)).nonzero().squeeze(1)
+    if len(at) == 0:
+        return
+    keep = torch.zeros(rows.shape[-1], dtype=torch.bool, device=rows.device)
+    keep[at.to(rows.device)] = True
+    rows.masked_fill_(~keep, float("-inf"))
+
+
+def _ban_words(rows: torch.Tensor, params: SamplingParams, tokens: list[int], paths: list[list[int]], ids_of: torch.Tensor | None) -> None:
+    """At row r of rows [W, V'] (after the output, from output_start, and paths[r]), the last token of each bad word
+    whose other tokens end that context given no chance (logit -inf), in place; except at a row they would leave no
+    token at all (allowed_token_ids or the guide's all banned), which keeps its tokens: a distribution needs one."""
+    longest = max(len(word) for word in params.bad_words) - 1
+    tail = tokens[max(params.output_start, len(tokens) - longest) :]
+    for r, path in enumerate(paths):
+        context = (tail + path)[-longest:] if longest else []
+        banned = [word[-1] for word in params.bad_words if len(word) == 1 or context[len(context) - len(word) + 1 :] == list(word[:-1])]
+        if not banned:
+            continue
+        at = torch.tensor(banned) if ids_of is None else torch.isin(ids_of, torch.tensor(banned)).nonzero().squeeze(1)
+        left = torch.isfinite(rows[r])
+        left[at.to(rows.device)] = False
+        if left.any():
+            rows[r, at.to(rows.device)] = float("-inf")
 
 
 def _guide(rows: torch.Tensor, params: SamplingParams, state: GuideState, tokens: list[int], paths: list[list[int]], ids_of) -> None:

@@ -19,7 +19,7 @@ SESSION_UNKNOWN: SessionStatus
 SESSION_PREFILLING: SessionStatus
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed", "drafter_invariant", "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "output_start", "min_tokens", "held_back", "guide", "min_p")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "drafter_invariant", "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "output_start", "min_tokens", "held_back", "guide", "min_p", "allowed_token_ids", "bad_words")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,8 @@ class SamplingParams(_message.Message):
     HELD_BACK_FIELD_NUMBER: _ClassVar[int]
     GUIDE_FIELD_NUMBER: _ClassVar[int]
     MIN_P_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BAD_WORDS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -55,7 +57,15 @@ class SamplingParams(_message.Message):
     held_back: _containers.RepeatedScalarFieldContainer[int]
     guide: Guide
     min_p: float
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., drafter_invariant: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., output_start: _Optional[int] = ..., min_tokens: _Optional[int] = ..., held_back: _Optional[_Iterable[int]] = ..., guide: _Optional[_Union[Guide, _Mapping]] = ..., min_p: _Optional[float] = ...) -> None: ...
+    allowed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    bad_words: _containers.RepeatedCompositeFieldContainer[TokenSequence]
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., drafter_invariant: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., output_start: _Optional[int] = ..., min_tokens: _Optional[int] = ..., held_back: _Optional[_Iterable[int]] = ..., guide: _Optional[_Union[Guide, _Mapping]] = ..., min_p: _Optional[float] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., bad_words: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ...) -> None: ...
+
+class TokenSequence(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Guide(_message.Message):
     __slots__ = ("kind", "spec", "compact")

@@ -133,6 +133,12 @@ REFUSED = [
     (dict(speculation=SpeculationOptions(max_draft_tokens=17)), "speculation.max_draft_tokens"),
     (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
     (dict(top_logprobs=2), "top_logprobs"),
+    (dict(allowed_token_ids=[5, -1]), "allowed_token_ids"),
+    (dict(allowed_token_ids=list(range(4097))), "allowed_token_ids"),
+    (dict(allowed_token_ids=[0], stop_token_ids=[0], min_tokens=2), "min_tokens"),  # every allowed token held back
+    (dict(bad_words=[" "]), "bad_words"),
+    (dict(bad_words=["x"] * 65), "bad_words"),
+    (dict(bad_words=["word " * 40]), "bad_words"),  # more tokens than a bad word may have
 ]
 
 
@@ -165,6 +171,11 @@ def test_valid_params_become_the_request_asked_for(tokenizer, limits):
     # The server's default max_tokens is cut to what the context holds; a client's is refused (above).
     long_prompt = [5] * 1000
     assert validate(GenerationParams(prompt_token_ids=long_prompt), tokenizer, limits).max_tokens == 24
+    # vLLM's allowed_token_ids sorted, each once; a bad word as written first and after a space, read after the prompt.
+    limited = validate(GenerationParams(prompt_token_ids=prompt_ids, allowed_token_ids=[9, 3, 9], bad_words=["fox", " fox"]), tokenizer, limits)
+    words = (tuple(tokenizer.encode("fox", add_special_tokens=False)), tuple(tokenizer.encode(" fox", add_special_tokens=False)))
+    assert limited.sampling.allowed_token_ids == (3, 9) and limited.sampling.bad_words == tuple(dict.fromkeys(words))
+    assert limited.sampling.output_start == len(prompt_ids) and len(words[1]) == 1
 
 
 def test_a_guide_is_compiled_on_admission_and_refused_where_the_verifier_cannot_compile_guides(tokenizer, limits):

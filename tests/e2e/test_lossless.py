@@ -75,15 +75,23 @@ SETTINGS = {
     "t1.0": (1.0, 1.0, 0, 0.0),
     "t1.0-top_k8": (1.0, 1.0, 8, 0.0),
     "t1.0-min_p0.1-top_p0.95": (1.0, 0.95, 0, 0.1),
-    "t1.0-bias-penalties": (1.0, 1.0, 0, 0.0),
+    "t1.0-bias-penalties-limits": (1.0, 1.0, 0, 0.0),
     "t1.0-guided": (1.0, 1.0, 0, 0.0),
 }
-# What a setting asks of the logits before temperature (GenerateRequest fields): a logit bias, then penalties on
-# the tokens each position's context holds, which differ from row to row of a draft tree; or a guide.
+# What a setting asks of the logits before temperature (GenerateRequest fields): a logit bias, allowed tokens, then
+# penalties on the tokens each position's context holds and bad words (the last token of each where the output ends
+# with the rest), which differ from row to row of a draft tree; or a guide.
 GUIDE_CHARS = "[a-z ]"
 GUIDE_REGEX = GUIDE_CHARS + "{60,}"
 ADJUSTMENTS = {
-    "t1.0-bias-penalties": dict(logit_bias={5: 2.0, 17: -1.0}, presence_penalty=-2.0, frequency_penalty=-2.0, repetition_penalty=0.5),
+    "t1.0-bias-penalties-limits": dict(
+        logit_bias={5: 2.0, 17: -1.0},
+        presence_penalty=-2.0,
+        frequency_penalty=-2.0,
+        repetition_penalty=0.5,
+        allowed_token_ids=[t for t in range(384) if t % 3],  # the random family's vocabulary is 384 tokens
+        bad_words=["the", "in", "of"],  # one and two tokens, first and after a space (`adjust`)
+    ),
     # Structured output: lowercase letters and spaces, at least 60 characters (more than MAX_TOKENS tokens spell), so
     # that every position allows exactly the tokens spelt with those characters alone (`adjust`).
     "t1.0-guided": dict(guide=common_pb2.Guide(kind="regex", spec=GUIDE_REGEX)),
@@ -240,7 +248,9 @@ def adjust(logits: torch.Tensor, prompt_ids: list[int], x: torch.Tensor, asked: 
     """logits [m, J, V] after each sample's prompt and x_<j, as `asked` (ADJUSTMENTS) changes them, written out here:
     the bias added; then for each token the prompt or x_<j holds, a positive logit divided by the repetition penalty
     and a negative one multiplied by it; then frequency times the token's count in x_<j and presence once for each
-    token x_<j holds subtracted. A guide (GUIDE_REGEX) leaves the tokens whose text is lowercase letters and spaces."""
+    token x_<j holds subtracted; tokens outside allowed_token_ids, and each bad word's last token where x_<j ends with
+    its other tokens (the word as the tokenizer writes it first and after a space), given none. A guide (GUIDE_REGEX)
+    leaves the tokens whose text is lowercase letters and spaces."""
     if not asked:
         return logits
     logits = logits.double().clone()
@@ -250,6 +260,9 @@ def adjust(logits: torch.Tensor, prompt_ids: list[int], x: torch.Tensor, asked: 
     for token, value in asked["logit_bias"].items():
         logits[..., token] += value
     vocab = logits.shape[-1]
+    outside = torch.ones(vocab, dtype=torch.bool).index_fill_(0, torch.tensor(asked["allowed_token_ids"]), False)
+    logits[..., outside] = float("-inf")
+    words = [tokenizer.encode(text, add_special_tokens=False) for word in asked["bad_words"] for text in (word, " " + word)]
     for j in range(logits.shape[1]):
         counts = torch.zeros(len(x), vocab, dtype=torch.float64).scatter_add_(1, x[:, :j], torch.ones(len(x), j, dtype=torch.float64))
         seen = counts > 0
@@ -257,6 +270,10 @@ def adjust(logits: torch.Tensor, prompt_ids: list[int], x: torch.Tensor, asked: 
         row, penalty = logits[:, j], asked["repetition_penalty"]
         row = torch.where(seen, torch.where(row > 0, row / penalty, row * penalty), row)
         logits[:, j] = row - asked["frequency_penalty"] * counts - asked["presence_penalty"] * (counts > 0)
+        for s, before in enumerate(x[:, :j].tolist()):
+            for word in words:
+                if len(word) - 1 <= j and before[j - len(word) + 1 :] == word[:-1]:
+                    logits[s, j, word[-1]] = float("-inf")
     return logits
 
 

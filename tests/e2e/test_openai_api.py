@@ -248,6 +248,10 @@ REFUSED = [
     ("completions", {"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
     ("completions", {"extra_body": {"min_tokens": 5}}, "min_tokens"),  # beyond max_tokens (4)
     ("chat", {"extra_body": {"stop_token_ids": [999999]}}, "stop_token_ids"),
+    ("chat", {"extra_body": {"allowed_token_ids": [999999]}}, "allowed_token_ids"),
+    ("completions", {"extra_body": {"allowed_token_ids": []}}, "allowed_token_ids"),
+    ("completions", {"extra_body": {"bad_words": ["  "]}}, "bad_words"),
+    ("chat", {"extra_body": {"allowed_token_ids": [5], "structured_outputs": {"regex": "a"}}}, "allowed_token_ids"),
     ("chat", {"extra_body": {"echo": True}}, "echo"),
     ("completions", {"extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs"),
     ("chat", {"stream": True, "extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
@@ -663,6 +667,65 @@ def test_logit_bias_gives_the_target_s_output_under_the_same_bias_and_drafters_b
     forced = client.completions.create(model="random-target", prompt=prompt, logprobs=0, logit_bias={"77": 100}, **args)
     assert _ids(forced.choices[0].logprobs.tokens) == [77] * MAX_TOKENS
     assert forced.model_extra["speculation"][0]["accepted_tokens"] > 0
+
+
+def _limited_greedy(path: str, prompt_ids: list[int], allowed: list[int], bad_words: list[list[int]], max_tokens: int) -> list[int]:
+    """transformers' greedy `generate` with vLLM's allowed_token_ids and bad_words: only the allowed tokens, and each bad
+    word's last token never where the output (not the prompt) ends with its other tokens."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    from tests.helpers import load_target
+
+    class Limits(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            output = input_ids[0, len(prompt_ids) :].tolist()
+            if allowed:
+                keep = torch.full_like(scores, float("-inf"))
+                keep[:, allowed] = 0
+                scores = scores + keep
+            for word in bad_words:
+                if len(word) == 1 or output[len(output) - len(word) + 1 :] == word[:-1]:
+                    scores[:, word[-1]] = float("-inf")
+            return scores
+
+    model, tokenizer = load_target(path)
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id,
+            logits_processor=LogitsProcessorList([Limits()]),
+        )  # fmt: skip
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def test_allowed_token_ids_and_bad_words_give_the_target_s_output_under_them_over_http_and_grpc(api, client, tokenizer, target_with_template):
+    """Greedy with drafting on: allowed_token_ids keep the output to them, and a bad word (as the target's tokenizer
+    writes it first and after a space) is never generated; the output is transformers' greedy `generate` under the
+    same limits, unary, streaming and over gRPC."""
+    path, prompt = str(target_with_template), PROMPTS[0]
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    plain = target_greedy(path, prompt, MAX_TOKENS)
+    allowed = sorted(set(plain[1:8]) | {77})
+    expected = _limited_greedy(path, prompt_ids, allowed, [], MAX_TOKENS)
+    assert expected != plain[: len(expected)] and set(expected) <= set(allowed)
+    args = greedy(return_tokens_as_token_ids=True, ignore_eos=True, allowed_token_ids=allowed)
+    reply = client.completions.create(model="random-target", prompt=prompt, logprobs=0, **args)
+    assert _ids(reply.choices[0].logprobs.tokens) == expected
+    # A word of the target's own output, as the router tokenizes it: the output differs where it would have held it.
+    for word in (tokenizer.decode(plain[k : k + 2]) for k in range(1, 8)):
+        spellings = [tokenizer.encode(text, add_special_tokens=False) for text in (word.lstrip(), " " + word.lstrip())]
+        expected = _limited_greedy(path, prompt_ids, [], spellings, MAX_TOKENS)
+        if expected != plain:
+            break
+    assert expected != plain, "some word of the output changes it when banned"
+    args = greedy(return_tokens_as_token_ids=True, ignore_eos=True, bad_words=[word])
+    reply = client.completions.create(model="random-target", prompt=prompt, logprobs=0, **args)
+    assert _ids(reply.choices[0].logprobs.tokens) == expected
+    streamed = [t for chunk in client.completions.create(model="random-target", prompt=prompt, logprobs=0, stream=True, **args)
+                if chunk.choices and chunk.choices[0].logprobs for t in chunk.choices[0].logprobs.tokens]  # fmt: skip
+    assert streamed == reply.choices[0].logprobs.tokens
+    with api.channel() as channel:
+        request = greedy_request(prompt, MAX_TOKENS, 4, stop_at_eos=False, bad_words=[word], allowed_token_ids=[])
+        assert list(generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=120).token_ids) == expected
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "sampled"])

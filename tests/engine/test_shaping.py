@@ -140,3 +140,39 @@ def test_min_tokens_holds_back_its_tokens_at_the_rows_before_the_output_s_last_h
     token_map = torch.tensor([4, 9, 0, 1])
     drafted = shaping.adjusted([p], logits[:, 0, :4], [(tokens, [[]])], global_ids=lambda local: token_map[local])[0]
     assert drafted[0] == drafted[2] == float("-inf") and torch.equal(drafted[[1, 3]], logits[0, 0, [1, 3]])
+
+
+def test_allowed_token_ids_leave_every_other_token_no_chance_at_every_row():
+    """Every row of a session with allowed_token_ids keeps their logits alone; another session is left as it was; a
+    drafter's positions keep the allowed ids they hold, and a drafter holding none of them drafts unmasked."""
+    logits = torch.randn(2, 3, 10, generator=torch.Generator().manual_seed(5))
+    params = [SamplingParams(allowed_token_ids=(2, 7)), SamplingParams()]
+    out = shaping.adjusted(params, logits.to(DEVICE)).cpu()
+    others = [v for v in range(10) if v not in (2, 7)]
+    assert (out[0][:, others] == float("-inf")).all() and torch.equal(out[0][:, [2, 7]], logits[0][:, [2, 7]])
+    assert torch.equal(out[1], logits[1])
+    token_map = torch.tensor([7, 3, 2, 5])
+    drafted = shaping.adjusted(params[:1], logits[:1, 0, :4], global_ids=lambda local: token_map[local])[0]
+    assert drafted[1] == drafted[3] == float("-inf") and torch.equal(drafted[[0, 2]], logits[0, 0, [0, 2]])
+    none_held = shaping.adjusted(params[:1], logits[:1, 0, :4], global_ids=lambda local: torch.tensor([1, 3, 4, 5])[local])
+    assert torch.equal(none_held[0], logits[0, 0, :4])
+
+
+def test_bad_words_ban_a_word_s_last_token_where_each_row_s_output_ends_with_the_rest():
+    """Row r sees the output (from output_start, never the prompt) then its path: a one-token word is banned at every
+    row, a longer one's last token only where that context ends with its other tokens; bans that would leave a row no
+    token at all are not made there; a drafter's positions are read as their ids."""
+    logits = torch.randn(1, 4, 10, generator=torch.Generator().manual_seed(7))
+    p = SamplingParams(output_start=2, bad_words=((9,), (5, 6, 8), (6, 3)))
+    tokens, paths = [1, 5, 6], shaping.tree_paths([5, 6, 4], [-1, 0, 1])  # output [6]; paths [], [5], [5, 6], [5, 6, 4]
+    out = shaping.adjusted([p], logits.to(DEVICE), [(tokens, paths)]).cpu()
+    banned = {0: {9, 3}, 1: {9}, 2: {9, 8, 3}, 3: {9}}  # the prompt's 5 never counts: row 0 keeps 8
+    for r, ids in banned.items():
+        assert {v for v in range(10) if out[0, r, v] == float("-inf")} == ids, r
+    only = SamplingParams(allowed_token_ids=(3, 9), output_start=2, bad_words=((9,), (6, 3)))
+    kept = shaping.adjusted([only], logits[:, :2].to(DEVICE), [(tokens, paths[:2])]).cpu()
+    assert kept[0, 0, 3] == logits[0, 0, 3] and kept[0, 0, 9] == logits[0, 0, 9]  # after 6, both banned: none is
+    assert kept[0, 1, 9] == float("-inf") and kept[0, 1, 3] == logits[0, 1, 3]
+    token_map = torch.tensor([8, 9, 0])
+    drafted = shaping.adjusted([p], logits[:, 2, :3], [(tokens, [[5, 6]])], global_ids=lambda local: token_map[local])[0]
+    assert drafted[0] == drafted[1] == float("-inf") and drafted[2] == logits[0, 2, 2]

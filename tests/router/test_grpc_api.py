@@ -36,10 +36,13 @@ def test_every_generate_request_field_reaches_the_router_s_params():
         guide=common_pb2.Guide(kind="regex", spec="a+"),
         include_stop_str_in_output=True,
         skip_special_tokens=False,
+        allowed_token_ids=[6, 8],
+        bad_words=["no"],
     )
     params, defaults = params_of(request), GenerationParams()
     unset = [f.name for f in dataclasses.fields(GenerationParams) if getattr(params, f.name) == getattr(defaults, f.name)]
     assert not unset, unset
     assert (params.min_p, params.top_p, params.guide.spec) == (0.25, 0.75, "a+")
+    assert (params.allowed_token_ids, params.bad_words) == ([6, 8], ["no"])
     # Every field of the message is set above: one the test leaves out would leave its parameter unchecked.
     assert {f.name for f, _ in request.ListFields()} == set(request.DESCRIPTOR.fields_by_name)

@@ -41,6 +41,8 @@ SAMPLING = SamplingParams(
     held_back=(0, 7),
     guide=Guide("json", "{}", compact=True),
     min_p=0.25,
+    allowed_token_ids=(1, 2, 5),
+    bad_words=((3,), (4, 6)),
 )
 
 
@@ -71,8 +73,10 @@ def test_draft_and_verify_records_carry_every_field_of_the_contract():
         got.held_back,
         got.guide,
         got.min_p,
+        got.allowed_token_ids,
+        got.bad_words,
     )
-    assert adjustments == (SAMPLING.logit_bias, 0.5, -0.25, 1.25, 3, 2, (0, 7), Guide("json", "{}", compact=True), 0.25)
+    assert adjustments == (SAMPLING.logit_bias, 0.5, -0.25, 1.25, 3, 2, (0, 7), Guide("json", "{}", compact=True), 0.25, (1, 2, 5), ((3,), (4, 6)))
 
     proposal = transport.point_mass(7)
     tree = messages.TokenTree(token_ids=[7, 8], parents=[-1, 0], proposals=[proposal, proposal])
