@@ -64,7 +64,7 @@ def params_of(req: generation_pb2.GenerateRequest) -> GenerationParams:
         stop_token_ids=list(req.stop_token_ids),
         min_tokens=req.min_tokens,
         prompt_logprobs=req.prompt_logprobs if req.HasField("prompt_logprobs") else None,
-        guide=Guide(req.guide.kind, req.guide.spec, req.guide.compact) if req.HasField("guide") else None,
+        guide=Guide.from_proto(req.guide) if req.HasField("guide") else None,
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens if req.HasField("skip_special_tokens") else True,
         allowed_token_ids=list(req.allowed_token_ids),

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 import uuid
 
@@ -36,7 +37,7 @@ from router.tokens_api import token_routes
 from router.metrics_api import metrics_routes
 from router.openai_logprobs import chat_logprobs, completion_logprobs, echo_logprobs, prompt_logprobs_json, token_text
 from router.chat_reply import ChatReply
-from router.reasoning import ReasoningReader, thinks
+from router.reasoning import ReasoningReader, guide_after_thought, thinks
 from router.tool_parsers import parser_for
 from specfleet.config import RouterConfig
 from router.openai_schema import (
@@ -180,6 +181,10 @@ class OpenAIServer:
             max_tokens = chat_max_tokens(body)
             prompt = chat_prompt(self.front_door.tokenizer, body)
             params = [params_of(body, max_tokens, prompt, c, c) for c in range(body.n)]
+            if self.thinks:
+                encode = functools.partial(self.front_door.tokenizer.encode, add_special_tokens=False)
+                for p in params:
+                    p.guide = guide_after_thought(p.guide, prompt, encode)
             replies = [
                 ChatReply(body.tools, body.tool_choice, body.parallel_tool_calls, self.tool_parser, ReasoningReader(prompt) if self.thinks else None)
                 for _ in range(body.n)

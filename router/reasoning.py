@@ -8,8 +8,11 @@ Output that does neither is all content. A thought that max_tokens cuts before `
 
 from __future__ import annotations
 
+import dataclasses
+
 from router.request import partial_tail
 from specfleet.config.router import REASONING_PARSERS
+from specfleet.guides import Guide
 
 OPEN, CLOSE = "<think>", "</think>"
 
@@ -18,6 +21,21 @@ def thinks(setting: str, chat_template: str | None) -> bool:
     """Whether `router.reasoning_parser` reads thoughts: "auto" where the chat template writes the tag."""
     assert setting in REASONING_PARSERS, setting
     return setting == "think" or (setting == "auto" and OPEN in (chat_template or ""))
+
+
+def guide_after_thought(guide: Guide | None, prompt: str, encode) -> Guide | None:
+    """A chat request's guide as vLLM applies it to a reasoning model: to the answer after the thought, which it leaves
+    alone. `prompt` is the rendered chat, `encode` the target's tokenizer's (text to ids). Where the prompt opens the
+    thought the output starts inside it; where the prompt closes it (a template's "no thinking") the guide reads the
+    output from its first token; elsewhere an output that opens with `<think>` thinks first, where that is one token
+    (a reasoning model's own), and is guided from its first token otherwise."""
+    if guide is None or prompt.rstrip().endswith(CLOSE):
+        return guide
+    end = tuple(encode(CLOSE))
+    if prompt.rstrip().endswith(OPEN):
+        return dataclasses.replace(guide, thought_end=end)
+    opens = encode(OPEN)
+    return dataclasses.replace(guide, thought_end=end, thought_open=opens[0]) if len(opens) == 1 else guide
 
 
 class ReasoningReader:

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import grpc
 
 from router import messages
+from specfleet.guides import Guide
 from specfleet.sampling import SamplingParams
 from specfleet.security import Security
 from specfleet.serving import CHANNEL_OPTIONS
@@ -76,10 +77,17 @@ def sampling_message(params: SamplingParams) -> common_pb2.SamplingParams:
             output_start=params.output_start,
             min_tokens=params.min_tokens,
             held_back=params.held_back,
-            guide=common_pb2.Guide(kind=params.guide.kind, spec=params.guide.spec, compact=params.guide.compact) if params.guide else None,
+            guide=_guide(params.guide) if params.guide else None,
             allowed_token_ids=params.allowed_token_ids,
             bad_words=[common_pb2.TokenSequence(token_ids=word) for word in params.bad_words],
         )
+    return message
+
+
+def _guide(guide: Guide) -> common_pb2.Guide:
+    message = common_pb2.Guide(kind=guide.kind, spec=guide.spec, compact=guide.compact, thought_end=guide.thought_end)
+    if guide.thought_open is not None:
+        message.thought_open = guide.thought_open
     return message
 
 

@@ -48,7 +48,7 @@ def validate(params: GenerationParams, tokenizer, limits: Limits, guides: GuideC
     prompt_ids = _prompt_ids(params, tokenizer, limits)
     max_tokens = _max_tokens(params, len(prompt_ids), limits)
     bad_words = _bad_words(params.bad_words, tokenizer, limits)
-    sampling = _sampling(params, limits, len(prompt_ids), max_tokens, _guide(params.guide, guides), bad_words)
+    sampling = _sampling(params, limits, len(prompt_ids), max_tokens, _guide(params.guide, guides, limits.vocab_size), bad_words)
     if sampling.guide is not None and params.min_tokens:
         # Where the guide completes before min_tokens, it allows end of sequence alone, which min_tokens holds back.
         raise invalid("min_tokens", "cannot be combined with structured output: the guide decides where the output ends")
@@ -126,13 +126,15 @@ def _max_tokens(params: GenerationParams, prompt_tokens: int, limits: Limits) ->
     return max_tokens
 
 
-def _guide(guide: Guide | None, guides: GuideCompiler | None) -> Guide | None:
+def _guide(guide: Guide | None, guides: GuideCompiler | None, vocab_size: int) -> Guide | None:
     if guide is None:
         return None
     try:
         problem = guide.problem()
         if problem:
             raise GuideError(problem)
+        if any(not 0 <= token < vocab_size for token in guide.thought_tokens):
+            raise GuideError(f"a thought's tokens must be ids in the vocabulary [0, {vocab_size})")
         if guides is None:
             raise GuideError("structured output needs the xgrammar package where the verifier runs, which it lacks: pip install xgrammar there")
         guides.compile(guide)

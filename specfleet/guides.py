@@ -37,9 +37,17 @@ class Guide:
     # JSON without any whitespace between its tokens, separators "," and ":" (vLLM's disable_any_whitespace): a small
     # model's JSON cannot wander into whitespace it never ends.
     compact: bool = False
+    # A reasoning model's thought, which the guide leaves alone: the output follows the guide after it, as vLLM guides
+    # a reasoning model's answer. `thought_end`: the token ids that end a thought (`</think>`'s); () where the output
+    # has no thought. `thought_open`: None where the output starts inside the thought (the prompt opened it), else the
+    # token that opens one: an output whose first token it is thinks first, any other is guided from its first token.
+    thought_end: tuple[int, ...] = ()
+    thought_open: int | None = None
 
     def problem(self) -> str | None:
         """What makes this guide malformed before compiling it, or None."""
+        if self.thought_open is not None and not self.thought_end:
+            return "thought_open needs thought_end: the tokens that end the thought it opens"
         if self.kind not in KINDS:
             return f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}"
         if len(self.spec) > MAX_SPEC_CHARS:
@@ -59,6 +67,17 @@ class Guide:
             if not isinstance(schema, dict | bool):
                 return "a json spec must be a JSON schema (an object)"
         return None
+
+    @property
+    def thought_tokens(self) -> list[int]:
+        """Every token id the thought's fields name (each must be in the vocabulary)."""
+        return [*self.thought_end, *([] if self.thought_open is None else [self.thought_open])]
+
+    @classmethod
+    def from_proto(cls, msg) -> "Guide":
+        """From the contract's specfleet.v1.Guide."""
+        opens = msg.thought_open if msg.HasField("thought_open") else None
+        return cls(msg.kind, msg.spec, msg.compact, tuple(msg.thought_end), opens)
 
 
 def available() -> bool:
@@ -119,6 +138,7 @@ class GuideCompiler:
         if problem:
             raise GuideError(problem)
         with self._lock:
+            guide = Guide(guide.kind, guide.spec, guide.compact)  # the grammar: what a thought does not change
             if guide in self._compiled:
                 self._compiled.move_to_end(guide)
                 return self._compiled[guide]

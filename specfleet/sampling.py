@@ -108,6 +108,8 @@ class SamplingParams:
             problem = self.guide.problem()
             if problem:
                 return f"sampling.guide: {problem}"
+            if any(not 0 <= token < vocab_size for token in self.guide.thought_tokens):
+                return f"sampling.guide: a thought's tokens outside the vocabulary [0, {vocab_size})"
         return None
 
     @property
@@ -142,7 +144,7 @@ class SamplingParams:
             msg.output_start,
             msg.min_tokens,
             tuple(msg.held_back),
-            Guide(msg.guide.kind, msg.guide.spec, msg.guide.compact) if msg.HasField("guide") else None,
+            Guide.from_proto(msg.guide) if msg.HasField("guide") else None,
             msg.min_p,
             tuple(msg.allowed_token_ids),
             tuple(tuple(word.token_ids) for word in msg.bad_words),

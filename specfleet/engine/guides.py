@@ -7,6 +7,10 @@ paths[r], as the row's logits are the model's after them. A row whose path leave
 not allow, which the verification then rejects with p = 0) or follows a completed one is left unmasked: no emitted
 token is drawn from it. Once the output itself has left the grammar (past end of sequence, where a request ignores it),
 nothing is masked.
+
+A reasoning model's thought (`Guide.thought_end`) is left alone: the grammar reads what follows the first end of the
+thought, and a row inside the thought (its output and path not past that end) is unmasked. Where the output may open a
+thought (`Guide.thought_open`), its first row allows that token beside the grammar's.
 """
 
 from __future__ import annotations
@@ -48,17 +52,39 @@ class GuideState:
                 self._left = True
             self._accepted.append(token)
 
+    def _guided(self, output: list[int], paths: list[list[int]]) -> tuple[list[int] | None, list[list[int] | None], bool]:
+        """What the grammar reads: the output's part past its thought (None: the output is inside one), each row's
+        path past the thought (None: the row is inside it), and whether the output may still open a thought."""
+        end, opens = self.guide.thought_end, self.guide.thought_open
+        if not end:
+            return output, paths, False
+        if opens is not None and not output:
+            return [], [path if path[:1] != [opens] else _past(path, end, 1) for path in paths], True
+        thought = 0 if opens is None else 1 if output[0] == opens else None  # where the output's thought starts
+        if thought is None:
+            return output, paths, False
+        start = _end(output, end, thought)
+        if start is not None:
+            return output[start:], paths, False
+        # The output's last tokens may begin an end that a path completes: what follows it is all the path's.
+        tail = output[max(thought, len(output) - len(end) + 1) :]
+        return None, [_past(tail + path, end, 0) for path in paths], False
+
     def bitmask(self, output: list[int], paths: list[list[int]]) -> torch.Tensor | None:
         """The tokens the guide allows at row r, after `output` (the session's output so far) then paths[r], as
         xgrammar's bitmask: int32 [len(paths), ceil(vocab_size / 32)] on the CPU (rows reused by the next call), bit j
-        of word w set where token 32 w + j is allowed; a row no emitted token can come from allows every token. None:
-        nothing masked."""
-        self._sync(output)
-        if self._left or self._matcher.is_terminated():
+        of word w set where token 32 w + j is allowed; a row no emitted token can come from, or inside a thought,
+        allows every token. None: nothing masked."""
+        base, rows, may_open = self._guided(output, paths)
+        self._sync(base if base is not None else [])
+        if self._left or self._matcher.is_terminated() or all(row is None for row in rows):
             return None
         bitmask = self._rows(len(paths))
         walked: list[int] = []  # the tokens past the output the matcher holds: rows share their paths' prefixes
-        for r, path in enumerate(paths):
+        for r, path in enumerate(rows):
+            if path is None:
+                bitmask[r] = -1  # inside the thought
+                continue
             shared = 0
             while shared < min(len(walked), len(path)) and walked[shared] == path[shared]:
                 shared += 1
@@ -72,6 +98,9 @@ class GuideState:
                 bitmask[r] = -1  # a path the grammar disallows, or past its end: no emitted token comes from it
         if walked:
             self._matcher.rollback(len(walked))
+        if may_open:  # the first row may open the thought instead
+            bit = self.guide.thought_open % 32
+            bitmask[0, self.guide.thought_open // 32] |= (1 << bit) if bit < 31 else -(1 << 31)
         return bitmask
 
     def _rows(self, n: int) -> torch.Tensor:
@@ -83,7 +112,10 @@ class GuideState:
     def allows(self, output: list[int], tokens: list[int]) -> int:
         """How many of `tokens`, after `output`, the guide allows in a row (all of them where the output has left
         the grammar)."""
-        self._sync(output)
+        base, _, may_open = self._guided(output, [])
+        if base is None or may_open:
+            return len(tokens)  # inside a thought, or where one may open: the grammar has not begun
+        self._sync(base)
         if self._left:
             return len(tokens)
         walked = self._walk(tokens)
@@ -103,8 +135,11 @@ class GuideState:
         it forces next (xgrammar's jump-forward string: a JSON schema's keys and punctuation, the rest of the one
         choice left) as `tokenizer` encodes it, then while exactly one token is allowed (end of sequence once the
         grammar is complete), that token. A tokenization the grammar allows but the target would not choose is only
-        a draft the verification rejects; [] where the next token is the model's choice."""
-        self._sync(output)
+        a draft the verification rejects; [] where the next token is the model's choice (inside a thought, say)."""
+        base, _, may_open = self._guided(output, [])
+        if base is None or may_open:
+            return []
+        self._sync(base)
         if self._left or self._matcher.is_terminated():
             return []
         text = self._matcher.find_jump_forward_string()
@@ -121,6 +156,25 @@ class GuideState:
         if chain:
             self._matcher.rollback(len(chain))
         return chain
+
+
+def _end(tokens: list[int], end: tuple[int, ...], start: int) -> int | None:
+    """The index just past the first `end` in tokens[start:], or None."""
+    at = start
+    while True:
+        try:
+            at = tokens.index(end[0], at)
+        except ValueError:
+            return None
+        if tuple(tokens[at : at + len(end)]) == end:
+            return at + len(end)
+        at += 1
+
+
+def _past(tokens: list[int], end: tuple[int, ...], start: int) -> list[int] | None:
+    """What follows the first `end` in tokens[start:], or None where there is none."""
+    past = _end(tokens, end, start)
+    return None if past is None else tokens[past:]
 
 
 def unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

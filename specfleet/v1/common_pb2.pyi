@@ -68,14 +68,18 @@ class TokenSequence(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Guide(_message.Message):
-    __slots__ = ("kind", "spec", "compact")
+    __slots__ = ("kind", "spec", "compact", "thought_end", "thought_open")
     KIND_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     COMPACT_FIELD_NUMBER: _ClassVar[int]
+    THOUGHT_END_FIELD_NUMBER: _ClassVar[int]
+    THOUGHT_OPEN_FIELD_NUMBER: _ClassVar[int]
     kind: str
     spec: str
     compact: bool
-    def __init__(self, kind: _Optional[str] = ..., spec: _Optional[str] = ..., compact: _Optional[bool] = ...) -> None: ...
+    thought_end: _containers.RepeatedScalarFieldContainer[int]
+    thought_open: int
+    def __init__(self, kind: _Optional[str] = ..., spec: _Optional[str] = ..., compact: _Optional[bool] = ..., thought_end: _Optional[_Iterable[int]] = ..., thought_open: _Optional[int] = ...) -> None: ...
 
 class SessionSync(_message.Message):
     __slots__ = ("session_id", "prefix_length", "new_token_ids")

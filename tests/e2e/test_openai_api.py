@@ -1109,7 +1109,7 @@ def test_auto_tool_choice_reads_the_calls_the_model_writes_and_its_text_as_conte
     assert plain.choices[0].finish_reason == "stop"
 
 
-def test_a_thought_is_the_reply_s_reasoning_and_chat_template_kwargs_reach_the_template(client, tokenizer):
+def test_a_thought_is_the_reply_s_reasoning_and_chat_template_kwargs_reach_the_template(client, tokenizer, target_with_template):
     messages = [{"role": "user", "content": "Where is Paris?"}]
     args = dict(model="random-target", messages=messages, temperature=0, max_tokens=64)
     # The model's output guided to open with a thought, as a reasoning model writes it.
@@ -1119,12 +1119,20 @@ def test_a_thought_is_the_reply_s_reasoning_and_chat_template_kwargs_reach_the_t
     deltas = [c.choices[0].delta for c in client.chat.completions.create(**args, extra_body=thought, stream=True) if c.choices]
     assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == message.reasoning
     assert "".join(d.content or "" for d in deltas) == "In France."
-    # chat_template_kwargs reach the template: here it opens the thought, so the output starts inside it.
-    opened = {"chat_template_kwargs": {"thinking": True}, "structured_outputs": {"regex": r"Hmm\.</think>Yes\."}}
+    # chat_template_kwargs reach the template: here it opens the thought, so the output starts inside it, where a guide
+    # (vLLM's way with reasoning models) leaves it alone: the random target never ends it, so all of it is the
+    # unguided target's thought.
+    opened = {"chat_template_kwargs": {"thinking": True}, "structured_outputs": {"regex": r"Yes\."}}
     reply = client.chat.completions.create(**args, extra_body=opened)
-    assert (reply.choices[0].message.reasoning, reply.choices[0].message.content) == ("Hmm.", "Yes.")
     prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, thinking=True)
     assert prompt.endswith("<assistant><think>") and reply.usage.prompt_tokens == len(tokenizer.encode(prompt, add_special_tokens=False))
+    plain = target_greedy(str(target_with_template), prompt, 64)
+    assert reply.choices[0].message.reasoning == tokenizer.decode(plain, skip_special_tokens=True) and not reply.choices[0].message.content
+    # A prompt that closes the thought (a template's "no thinking"): the guide reads the output from its first token.
+    closed = [*messages, {"role": "assistant", "content": "<think>Hmm.</think>"}]
+    body = dict(add_generation_prompt=False, continue_final_message=True, structured_outputs={"regex": r"Yes\."})
+    reply = client.chat.completions.create(**{**args, "messages": closed}, extra_body=body)
+    assert (getattr(reply.choices[0].message, "reasoning", None), reply.choices[0].message.content) == (None, "Yes.")
 
 
 TEMPLATE_REFUSALS = [

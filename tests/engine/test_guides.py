@@ -113,3 +113,44 @@ def test_allows_counts_the_tokens_the_guide_allows_in_a_row_and_leaves_the_match
     assert state.allows(cat[:1], dog[1:]) == len(dog) - 1 or cat[:1] != dog[:1]
     assert state.allows([], _encode(compiler, "zebra")) == 0
     assert torch.equal(allowed(state, [], [[]]), _fresh(compiler, [], [[]]))
+
+
+def _thinking(compiler: GuideCompiler, opens: int | None = None) -> GuideState:
+    guide = Guide(GUIDE.kind, GUIDE.spec, thought_end=tuple(_encode(compiler, "</think>")), thought_open=opens)
+    return GuideState(guide, compiler.compile(guide), compiler.vocab_size)
+
+
+def test_a_thought_the_output_starts_inside_is_unmasked_and_the_grammar_reads_what_follows_its_end(compiler):
+    """The output starts inside the thought: it is unmasked until the thought's end (several tokens here), after which
+    each row is masked as the plain guide's after what follows the end; an end a row's path completes counts from that
+    row; rolled back into the thought, nothing is masked again; inside it nothing is cut or forced."""
+    cat, end, thought = _encode(compiler, "the cat sat"), _encode(compiler, "</think>"), _encode(compiler, "hmm, a cat")
+    assert len(end) > 1
+    state = _thinking(compiler)
+    assert allowed(state, thought, [[], cat[:1]]) is None
+    assert torch.equal(allowed(state, thought + end, [[]]), _fresh(compiler, [], [[]]))
+    assert torch.equal(allowed(state, thought + end + cat[:1], [[], cat[1:2]]), _fresh(compiler, cat[:1], [[], cat[1:2]]))
+    masks = allowed(state, thought + end[:-1], [[], end[-1:], end[-1:] + cat[:1], [5]])
+    assert masks[0].all() and masks[3].all(), "rows inside the thought allow every token"
+    assert torch.equal(masks[1:3], _fresh(compiler, [], [[], cat[:1]]))
+    assert allowed(state, thought, [[]]) is None
+    assert state.allows(thought, [5, 6]) == 2 and state.forced(thought, 8, compiler.tokenizer) == []
+    assert state.allows(thought + end, cat + [5]) == len(cat)
+
+
+def test_an_output_that_may_open_a_thought_allows_its_token_first_and_is_guided_from_its_start_without_one(compiler):
+    """thought_open set: the first row allows the grammar's tokens and the opening token; an output that starts with
+    it is inside a thought until its end; one that does not is guided from its first token."""
+    cat, end, thought = _encode(compiler, "the cat sat"), _encode(compiler, "</think>"), _encode(compiler, "hmm")
+    opens = _encode(compiler, "z")[0]
+    state = _thinking(compiler, opens)
+    first = allowed(state, [], [[], [opens], [opens, *end], cat[:1]])
+    plain = _fresh(compiler, [], [[], cat[:1]])
+    assert first[0, opens] and not plain[0, opens]
+    assert torch.equal(first[0].clone().index_fill_(0, torch.tensor([opens]), False), plain[0])
+    assert first[1].all() and torch.equal(first[2], plain[0]) and torch.equal(first[3], plain[1])
+    assert allowed(state, [opens, *thought], [[]]) is None
+    assert torch.equal(allowed(state, [opens, *thought, *end, *cat[:1]], [[]]), _fresh(compiler, cat[:1], [[]]))
+    assert torch.equal(allowed(state, cat[:1], [[]]), _fresh(compiler, cat[:1], [[]]))
+    assert state.allows([], [5]) == 1 and state.forced([], 8, compiler.tokenizer) == []
+    assert Guide("regex", "a", thought_open=opens).problem() == "thought_open needs thought_end: the tokens that end the thought it opens"

@@ -9,7 +9,8 @@ import pytest
 
 from router.chat_reply import ChatReply
 from router.openai_tools import ToolError
-from router.reasoning import ReasoningReader
+from router.reasoning import ReasoningReader, guide_after_thought
+from specfleet.guides import Guide
 
 ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}
 PING = {"type": "function", "function": {"name": "ping"}}
@@ -70,3 +71,16 @@ def test_a_thought_is_the_reply_s_reasoning_whole_and_streamed_before_its_answer
     # Output that does not open a thought is all content, streamed as it comes once it cannot be the tag.
     plain = streamed(ChatReply(None, None, True, "", ReasoningReader("<assistant>")), ["<", "b>bold"])
     assert plain[0] is None and plain[1] == ({"content": "<b>bold"}, None)
+
+
+def test_a_chat_guide_leaves_the_thought_as_the_prompt_leaves_it():
+    """The prompt opens the thought: the guide starts after its end; the prompt closes it: the guide reads the output
+    from its first token; neither: an output may open one where `<think>` is one token (a reasoning model's own)."""
+    guide = Guide("regex", "a+")
+    one = {"<think>": [7], "</think>": [8, 9]}.__getitem__
+    several = {"<think>": [1, 2], "</think>": [8, 9]}.__getitem__
+    assert guide_after_thought(guide, "<assistant><think>\n", one) == Guide("regex", "a+", thought_end=(8, 9))
+    assert guide_after_thought(guide, "<assistant><think>\n\n</think>\n\n", one) == guide
+    assert guide_after_thought(guide, "<assistant>", one) == Guide("regex", "a+", thought_end=(8, 9), thought_open=7)
+    assert guide_after_thought(guide, "<assistant>", several) == guide
+    assert guide_after_thought(None, "<think>", one) is None

@@ -39,7 +39,7 @@ SAMPLING = SamplingParams(
     output_start=3,
     min_tokens=2,
     held_back=(0, 7),
-    guide=Guide("json", "{}", compact=True),
+    guide=Guide("json", "{}", compact=True, thought_end=(3, 4), thought_open=5),
     min_p=0.25,
     allowed_token_ids=(1, 2, 5),
     bad_words=((3,), (4, 6)),
@@ -76,7 +76,7 @@ def test_draft_and_verify_records_carry_every_field_of_the_contract():
         got.allowed_token_ids,
         got.bad_words,
     )
-    assert adjustments == (SAMPLING.logit_bias, 0.5, -0.25, 1.25, 3, 2, (0, 7), Guide("json", "{}", compact=True), 0.25, (1, 2, 5), ((3,), (4, 6)))
+    assert adjustments == (SAMPLING.logit_bias, 0.5, -0.25, 1.25, 3, 2, (0, 7), SAMPLING.guide, 0.25, (1, 2, 5), ((3,), (4, 6)))
 
     proposal = transport.point_mass(7)
     tree = messages.TokenTree(token_ids=[7, 8], parents=[-1, 0], proposals=[proposal, proposal])

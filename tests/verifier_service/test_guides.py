@@ -155,3 +155,19 @@ def test_tokens_the_guide_forces_are_verified_in_one_pass_and_are_the_tokens_of_
         )
         assert chained.token_ids == plain, guide.kind
         assert chained.lookup_accepted > 0 and chained.steps < len(plain), (guide.kind, chained.steps, len(plain))
+
+
+def test_a_thought_is_left_unguided_and_the_answer_after_its_end_is_guided(random_family):
+    """A guide with a thought's end: a session whose output is inside the thought emits the unguided target's tokens;
+    once its output holds the end, the tokens after it are transformers' with xgrammar's mask from there."""
+    path, prompt, guide = str(random_family["target"]), _prompt(random_family), GUIDES[1]
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    end, thought = tokenizer.encode("</think>", add_special_tokens=False), tokenizer.encode(" let me see", add_special_tokens=False)
+    thinking = Guide(guide.kind, guide.spec, thought_end=tuple(end))
+    inside, answered = prompt + thought, prompt + thought + end
+    (unguided,) = _verifier(random_family).verify_batch([VerifyItem("s", 0, inside, _guided(prompt, thinking), plain_steps=STEPS)])
+    assert unguided.token_ids == reference(path, inside, None)[: len(unguided.token_ids)] and len(unguided.token_ids) > 1
+    expected = reference(path, answered, guide)
+    assert expected != reference(path, answered, None), "the guide changes the answer's greedy tokens"
+    (guided,) = _verifier(random_family).verify_batch([VerifyItem("t", 0, answered, _guided(prompt, thinking), plain_steps=len(expected))])
+    assert guided.token_ids[: len(expected)] == expected
