@@ -51,6 +51,9 @@ class GenerationParams:
     skip_special_tokens: bool = True  # vLLM's: special tokens' text left out of the output's
     allowed_token_ids: list[int] = field(default_factory=list)  # vLLM's: only these are generated; []: all are
     bad_words: list[str] = field(default_factory=list)  # vLLM's: words never generated (at the start or after a space)
+    # vLLM's: only the prompt's last this many tokens are read; -1: as many as fit beside max_tokens (or the server's
+    # default). None: all of it.
+    truncate_prompt_tokens: int | None = None
 
 
 @dataclass

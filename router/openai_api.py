@@ -141,8 +141,10 @@ class OpenAIServer:
         # echo: each choice's prompt (text, ids) until its first event carries it, ahead of the output.
         echo = [None] * len(generations)
         if body.echo:
-            texts = [p if isinstance(p, str) else self.front_door.tokenizer.decode(p) for p in prompts for _ in range(n)]
-            echo = [(text, g.prompt_ids) for text, g in zip(texts, generations)]
+            # The prompt as read: its text where it was sent whole, else its tokens' (ids, or truncated).
+            whole = body.truncate_prompt_tokens is None
+            texts = [p if isinstance(p, str) and whole else None for p in prompts for _ in range(n)]
+            echo = [(text or self.front_door.tokenizer.decode(g.prompt_ids), g.prompt_ids) for text, g in zip(texts, generations)]
 
         def choice(index: int, text: str, logprobs: list, finish: str | None, prompt: list | None = None) -> dict:
             lp = None

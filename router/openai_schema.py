@@ -68,6 +68,7 @@ class Sampling(BaseModel):
     skip_special_tokens: bool = True  # vLLM's
     allowed_token_ids: list[int] | None = None  # vLLM's
     bad_words: str | list[str] | None = None  # vLLM's
+    truncate_prompt_tokens: int | None = None  # vLLM's
     ignore_eos: bool = False
     # Name logprobs' tokens "token_id:<id>" (vLLM's option): exact where a token's text is not.
     return_tokens_as_token_ids: bool = False
@@ -229,6 +230,7 @@ def params_of(body: Sampling, max_tokens: int | None, prompt: str | list[int], i
         guide=guide_of(body),
         allowed_token_ids=list(body.allowed_token_ids or []),
         bad_words=[body.bad_words] if isinstance(body.bad_words, str) else list(body.bad_words or []),
+        truncate_prompt_tokens=body.truncate_prompt_tokens,
     )
     if isinstance(prompt, str):
         params.prompt = prompt

@@ -89,6 +89,11 @@ def validate(params: GenerationParams, tokenizer, limits: Limits, guides: GuideC
 
 
 def _prompt_ids(params: GenerationParams, tokenizer, limits: Limits) -> list[int]:
+    keep = params.truncate_prompt_tokens
+    if keep is not None and keep < 1 and keep != -1:
+        raise invalid("truncate_prompt_tokens", f"must be >= 1 (the prompt's last tokens kept) or -1 (as many as fit), got {keep}")
+    if keep == -1:
+        keep = max(1, limits.max_context - (params.max_tokens or limits.requests.default_max_tokens))
     if params.prompt and params.prompt_token_ids:
         raise invalid("prompt", "set either prompt or prompt_token_ids, not both")
     if params.prompt_token_ids:
@@ -99,11 +104,13 @@ def _prompt_ids(params: GenerationParams, tokenizer, limits: Limits) -> list[int
     else:
         if not params.prompt:
             raise invalid("prompt", "must not be empty (or set prompt_token_ids)")
-        if len(params.prompt) > limits.max_prompt_chars:
+        if len(params.prompt) > limits.max_prompt_chars and keep is None:
             raise invalid("prompt", f"{len(params.prompt)} characters cannot fit the model's context of {limits.max_context} tokens; shorten it")
         prompt_ids = tokenizer.encode(params.prompt, add_special_tokens=False)
         if not prompt_ids:
             raise invalid("prompt", "encodes to no tokens")
+    if keep is not None:
+        prompt_ids = prompt_ids[-keep:]
     if len(prompt_ids) >= limits.max_context:
         raise invalid("prompt", f"{len(prompt_ids)} tokens leaves no room in the model's context of {limits.max_context} tokens; shorten it")
     return prompt_ids

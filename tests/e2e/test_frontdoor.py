@@ -139,6 +139,8 @@ REFUSED = [
     (dict(bad_words=[" "]), "bad_words"),
     (dict(bad_words=["x"] * 65), "bad_words"),
     (dict(bad_words=["word " * 40]), "bad_words"),  # more tokens than a bad word may have
+    (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+    (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
 ]
 
 
@@ -176,6 +178,13 @@ def test_valid_params_become_the_request_asked_for(tokenizer, limits):
     words = (tuple(tokenizer.encode("fox", add_special_tokens=False)), tuple(tokenizer.encode(" fox", add_special_tokens=False)))
     assert limited.sampling.allowed_token_ids == (3, 9) and limited.sampling.bad_words == tuple(dict.fromkeys(words))
     assert limited.sampling.output_start == len(prompt_ids) and len(words[1]) == 1
+    # vLLM's truncate_prompt_tokens: the prompt's last tokens; -1 keeps what fits beside max_tokens, and a prompt longer
+    # than the context's characters is read (truncated) rather than refused.
+    assert validate(GenerationParams(prompt_token_ids=prompt_ids, truncate_prompt_tokens=2), tokenizer, limits).prompt_ids == prompt_ids[-2:]
+    fitted = validate(GenerationParams(prompt_token_ids=long_prompt + [7], max_tokens=1000, truncate_prompt_tokens=-1), tokenizer, limits)
+    assert fitted.prompt_ids == (long_prompt + [7])[-24:] and fitted.max_tokens == 1000
+    text = validate(GenerationParams(prompt="word " * 3000, truncate_prompt_tokens=-1), tokenizer, limits)
+    assert len(text.prompt_ids) == 1024 - limits.requests.default_max_tokens
 
 
 def test_a_guide_is_compiled_on_admission_and_refused_where_the_verifier_cannot_compile_guides(tokenizer, limits):

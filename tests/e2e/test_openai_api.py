@@ -251,6 +251,7 @@ REFUSED = [
     ("chat", {"extra_body": {"allowed_token_ids": [999999]}}, "allowed_token_ids"),
     ("completions", {"extra_body": {"allowed_token_ids": []}}, "allowed_token_ids"),
     ("completions", {"extra_body": {"bad_words": ["  "]}}, "bad_words"),
+    ("completions", {"extra_body": {"truncate_prompt_tokens": 0}}, "truncate_prompt_tokens"),
     ("chat", {"extra_body": {"allowed_token_ids": [5], "structured_outputs": {"regex": "a"}}}, "allowed_token_ids"),
     ("chat", {"extra_body": {"echo": True}}, "echo"),
     ("completions", {"extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs"),
@@ -725,6 +726,21 @@ def test_allowed_token_ids_and_bad_words_give_the_target_s_output_under_them_ove
     assert streamed == reply.choices[0].logprobs.tokens
     with api.channel() as channel:
         request = greedy_request(prompt, MAX_TOKENS, 4, stop_at_eos=False, bad_words=[word], allowed_token_ids=[])
+        assert list(generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=120).token_ids) == expected
+
+
+def test_a_truncated_prompt_is_its_last_tokens_over_http_and_grpc(api, client, tokenizer, target_with_template):
+    """vLLM's truncate_prompt_tokens: the output is the target's greedy continuation of the prompt's last tokens, which
+    usage counts and echo repeats."""
+    prompt = PROMPTS[2]
+    kept = tokenizer.encode(prompt, add_special_tokens=False)[-3:]
+    expected = _limited_greedy(str(target_with_template), kept, [], [], MAX_TOKENS)
+    args = greedy(return_tokens_as_token_ids=True, ignore_eos=True, truncate_prompt_tokens=3)
+    reply = client.completions.create(model="random-target", prompt=prompt, logprobs=0, echo=True, **args)
+    assert reply.usage.prompt_tokens == 3 and _ids(reply.choices[0].logprobs.tokens) == kept + expected
+    assert reply.choices[0].text.startswith(tokenizer.decode(kept))
+    with api.channel() as channel:
+        request = greedy_request(prompt, MAX_TOKENS, 4, stop_at_eos=False, truncate_prompt_tokens=3)
         assert list(generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=120).token_ids) == expected
 
 
