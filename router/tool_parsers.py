@@ -5,6 +5,8 @@ parsers read them: no guide, the model decides whether to call, and each family 
   `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; text before the first call is the reply's content.
 - llama3_json (Llama 3.1 and later): output that opens with a JSON object is calls, `{"name": ..., "parameters": {...}}`
   separated by `;`; any other output is content.
+- pythonic (Llama 3.2 and 4, and models trained on that form): output that opens with `[` is a Python list of calls,
+  `[get_weather(city="Paris"), get_time()]`, their arguments literals; any other output is content.
 
 A reader follows one choice's output as it streams (`feed`, then `finish`): content is released as soon as it cannot
 be the start of a call, a call once it is complete. Text that looks like a call and is not (JSON that does not parse,
@@ -13,13 +15,15 @@ no name) stays content, so nothing the model wrote is lost.
 
 from __future__ import annotations
 
+import ast
 import json
 
 from router.request import partial_tail
 from specfleet.config.router import TOOL_CALL_PARSERS
 
 # What a chat template says that names its family's format, in the order they are tried.
-TEMPLATE_MARKS = (("<tool_call>", "hermes"), ("<|python_tag|>", "llama3_json"))
+# The pythonic one is the example of the form its templates give the model ("[func_name1(params_name1=...").
+TEMPLATE_MARKS = (("<tool_call>", "hermes"), ("<|python_tag|>", "llama3_json"), ("[func_name1(", "pythonic"))
 
 
 def parser_for(setting: str, chat_template: str | None) -> str:
@@ -32,7 +36,7 @@ def parser_for(setting: str, chat_template: str | None) -> str:
 
 def reader(parser: str):
     """A new reader of one choice's output in `parser`'s format."""
-    return {"hermes": HermesReader, "llama3_json": Llama3JsonReader}[parser]()
+    return {"hermes": HermesReader, "llama3_json": Llama3JsonReader, "pythonic": PythonicReader}[parser]()
 
 
 def _call(text: str, keys: tuple[str, ...]) -> tuple[str, str] | None:
@@ -100,7 +104,12 @@ class HermesReader:
             out.append(text)
 
 
-class Llama3JsonReader:
+class WholeOutputReader:
+    """A format whose calls are the whole output, which opens with `OPENS`: any other output is content, released as
+    soon as its first non-blank character says so; calls are read once the output is complete."""
+
+    OPENS = ""
+
     def __init__(self):
         self.head = ""  # the output until its first non-blank character decides what it is
         self.calls: bool | None = None  # None: undecided; True: the output is calls, buffered whole
@@ -110,28 +119,59 @@ class Llama3JsonReader:
             return text, []
         self.head += text
         if self.calls is None and self.head.strip():
-            self.calls = self.head.lstrip().startswith("{")
+            self.calls = self.head.lstrip().startswith(self.OPENS)
             if not self.calls:
                 content, self.head = self.head, ""
                 return content, []
         return "", []
 
     def finish(self) -> tuple[str, list[tuple[str, str]]]:
-        if not self.calls:
-            content, self.head = self.head, ""
-            return content, []
         text, self.head = self.head, ""
+        calls = self.parse(text) if self.calls else None
+        return ("", calls) if calls else (text, [])  # not calls after all (cut by max_tokens, say): the content
+
+    def parse(self, text: str) -> list[tuple[str, str]] | None:
+        """The calls `text` holds, or None where it is not calls."""
+        raise NotImplementedError
+
+
+class Llama3JsonReader(WholeOutputReader):
+    OPENS = "{"
+
+    def parse(self, text: str) -> list[tuple[str, str]] | None:
         decoder, calls, at = json.JSONDecoder(), [], 0
         while True:
             while at < len(text) and (text[at].isspace() or text[at] == ";"):
                 at += 1
             if at == len(text):
-                return "", calls
+                return calls
             try:
                 obj, at = decoder.raw_decode(text, at)
             except ValueError:
-                return text, []  # not calls after all (cut by max_tokens, say): the text is the content
+                return None
             call = _call(json.dumps(obj), ("parameters", "arguments"))
             if call is None:
-                return text, []
+                return None
             calls.append(call)
+
+
+class PythonicReader(WholeOutputReader):
+    OPENS = "["
+
+    def parse(self, text: str) -> list[tuple[str, str]] | None:
+        try:
+            tree = ast.parse(text.strip(), mode="eval").body
+        except SyntaxError:
+            return None
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return None
+        calls = []
+        for node in tree.elts:
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args and all(k.arg for k in node.keywords)):
+                return None  # a call by name with keyword arguments alone, as the format writes them
+            try:
+                arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+                calls.append((node.func.id, json.dumps(arguments)))
+            except (ValueError, TypeError, SyntaxError, RecursionError):
+                return None  # an argument that is not a literal (a name, a call), or not JSON (a set, bytes)
+        return calls

@@ -16,7 +16,7 @@ from specfleet.config.services import CORES, PORT
 
 ROUTING_POLICIES = ("expertise", "fixed", "random", "oracle")
 DOMAIN_PRIORS = ("likelihood", "exemplars")
-TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "none")
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "pythonic", "none")
 REASONING_PARSERS = ("auto", "think", "none")
 
 
@@ -167,8 +167,8 @@ class RouterConfig:
     tool_call_parser: str = knob(
         "auto",
         'how the HTTP API reads tool calls from the text of a chat whose tool_choice is "auto" (router/tool_parsers.py): '
-        'hermes (<tool_call>{...}</tool_call>: Qwen, Hermes), llama3_json (Llama 3.1 and later), none ("auto" refused), '
-        "auto: the one the target's chat template writes, else none",
+        "hermes (<tool_call>{...}</tool_call>: Qwen, Hermes), llama3_json (Llama 3.1 and later), pythonic ([f(x=1)]: "
+        'Llama 3.2 and 4), none ("auto" refused), auto: the one the target\'s chat template writes, else none',
         check=one_of(TOOL_CALL_PARSERS),
     )
     reasoning_parser: str = knob(

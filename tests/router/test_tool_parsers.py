@@ -67,3 +67,24 @@ def test_llama3_json_calls_are_output_that_opens_with_an_object_and_anything_els
         assert read_all("llama3_json", other) == (other, []), other
         content, calls = streamed("llama3_json", other, size)
         assert "".join(content) == other and calls == []
+
+
+PYTHONIC = '[get_weather(city="Paris"), get_time()]'
+
+
+@pytest.mark.parametrize("size", [1, 3, 1000])
+def test_pythonic_calls_are_a_list_of_calls_by_keyword_read_once_the_output_is_complete(size):
+    """An output that opens with "[" is calls once it parses as a list of calls with literal keyword arguments (strings,
+    numbers, lists, dicts, True/False/None, as JSON); any other output, or one that is not such a list, is content."""
+    assert parser_for("auto", "put it in the format of [func_name1(params_name1=params_value1, ...)]") == "pythonic"
+    assert read_all("pythonic", PYTHONIC) == ("", CALLS)
+    assert streamed("pythonic", "  " + PYTHONIC, size) == ([], CALLS)
+    nested = '[f(a=1, b=[True, None], c={"k": 2.5}, d="x\\ty")]'
+    assert read_all("pythonic", nested) == ("", [("f", json.dumps({"a": 1, "b": [True, None], "c": {"k": 2.5}, "d": "x\ty"}))])
+    not_calls = ["Paris is sunny.", "[1, 2]", "[f(x)]", "[f(a=g())]", "[f(a={1, 2})]", "[]", '[get_weather(city="Par', "[a.b(c=1)]"]
+    for text in not_calls:
+        assert read_all("pythonic", text) == (text, []), text
+        content, calls = streamed("pythonic", text, 1)
+        assert "".join(content) == text and calls == []
+    # Content is released as soon as its first non-blank character says it is no call.
+    assert streamed("pythonic", "Sunny [f(a=1)]", 1)[0][0] == "S"
