@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specfleet.engine.shaping import token_logprobs
+
 
 @dataclass
 class PromptLogprobs:
@@ -31,14 +33,14 @@ class PromptLogprobs:
             raise RuntimeError(f"prompt logprobs recorded up to token {len(self.logprobs)}, prefill from position {start}")
         del self.logprobs[kept:], self.ranks[kept:]
         del self.top_token_ids[kept * self.top :], self.top_logprobs[kept * self.top :]
-        logp = logits.float().log_softmax(dim=-1)
-        chosen = logp.gather(1, torch.tensor(successors, device=logp.device).unsqueeze(1))
-        self.logprobs.extend(chosen.squeeze(1).tolist())
-        self.ranks.extend(((logp > chosen).sum(dim=1) + 1).tolist())
-        if self.top > 0:
-            best = logp.topk(self.top, dim=-1)
-            self.top_token_ids.extend(best.indices.flatten().tolist())
-            self.top_logprobs.extend(best.values.flatten().tolist())
+        logits = logits.float()
+        chosen, top_token_ids, top_logprobs = token_logprobs(logits, successors, self.top)
+        self.logprobs.extend(chosen)
+        self.top_token_ids.extend(top_token_ids)
+        self.top_logprobs.extend(top_logprobs)
+        # A token's rank among the logits is its rank in the distribution: log-softmax keeps their order.
+        picked = logits.gather(1, torch.tensor(successors, device=logits.device).unsqueeze(1))
+        self.ranks.extend(((logits > picked).sum(dim=1) + 1).tolist())
 
     def complete(self, context_length: int) -> bool:
         """Whether every token of a context of this length past its first has its entry."""
