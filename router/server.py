@@ -79,6 +79,8 @@ async def build(cfg: config_mod.Config, verifiers: list | None = None, drafters:
     target.structured_output = all(info.structured_output for info in infos)
     pool = VerifierPool(verifiers, wait_s=rcfg.verifier_wait_s)
     tokenizer = load_tokenizer(rcfg.tokenizer or cfg.verifier.model)
+    if rcfg.chat_template:  # vLLM's --chat-template: the tokenizer's own replaced
+        tokenizer.chat_template = config_mod.chat_template_text(rcfg.chat_template)
     if tokenizer_fingerprint(tokenizer) != target.tokenizer_fingerprint:
         raise StartupError(
             f"the router's tokenizer ({rcfg.tokenizer or cfg.verifier.model}) differs from the target's "

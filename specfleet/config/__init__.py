@@ -51,6 +51,7 @@ from specfleet.config.router import (
     RoutingConfig,
     SchedulingConfig,
     SpeculationConfig,
+    chat_template_text,
 )
 from specfleet.config.runtime import (
     DEMO_MODELS,
@@ -117,6 +118,7 @@ __all__ = [
     "VerifierConfig",
     "at_least",
     "build",
+    "chat_template_text",
     "check_devices",
     "check_fields",
     "default_config",

@@ -9,6 +9,7 @@ default lives in one place. `router: {routing: {...}}` is read too.
 
 from __future__ import annotations
 
+import pathlib
 from dataclasses import dataclass
 
 from specfleet.config.fields import Check, above, at_least, knob, one_of, section
@@ -18,6 +19,20 @@ ROUTING_POLICIES = ("expertise", "fixed", "random", "oracle")
 DOMAIN_PRIORS = ("likelihood", "exemplars")
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "pythonic", "none")
 REASONING_PARSERS = ("auto", "think", "none")
+
+
+def chat_template_text(setting: str) -> str | None:
+    """router.chat_template's template: the setting itself where it holds Jinja's `{{` or `{%`, else the text of the
+    file it names; None where it is empty (the tokenizer's own)."""
+    if not setting:
+        return None
+    return setting if "{{" in setting or "{%" in setting else pathlib.Path(setting).read_text()
+
+
+def _chat_template_check(setting: str) -> str | None:
+    if not setting or "{{" in setting or "{%" in setting or pathlib.Path(setting).is_file():
+        return None
+    return f"must be a chat template (Jinja, holding {{{{ or {{%) or the path of a file that holds one; no such file: {setting!r}"
 
 
 @dataclass
@@ -170,6 +185,12 @@ class RouterConfig:
         "hermes (<tool_call>{...}</tool_call>: Qwen, Hermes), llama3_json (Llama 3.1 and later), pythonic ([f(x=1)]: "
         'Llama 3.2 and 4), none ("auto" refused), auto: the one the target\'s chat template writes, else none',
         check=one_of(TOOL_CALL_PARSERS),
+    )
+    chat_template: str = knob(
+        "",
+        "the chat template the HTTP API renders chats with (vLLM's --chat-template), read at start-up: a Jinja file's path, "
+        "or the template itself; empty: the tokenizer's own",
+        check=_chat_template_check,
     )
     reasoning_parser: str = knob(
         "auto",

@@ -26,8 +26,14 @@ from tests.e2e.test_collaboration import multi_drafter_config
 MAX_QUEUED = 4
 
 
+# router.chat_template (vLLM's --chat-template) for a target whose tokenizer has none.
+CHAT_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]"
+
+
 @pytest.fixture(scope="module")
 def ops(random_family, tmp_path_factory):
+    template = tmp_path_factory.mktemp("template") / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
     config = multi_drafter_config(
         random_family,
         across_services=False,
@@ -43,6 +49,7 @@ def ops(random_family, tmp_path_factory):
         # speculation the plan may leave a round's requests to plain steps with the verifier's lookup, where what
         # the lookup learned from the earlier tests' traffic says those commit more (tests/router tests the plan).
         adaptive_speculation=False,
+        chat_template=str(template),
     )
     config["verifier"]["colocate"] = False  # the tests pause the verifier alone (SIGSTOP), not the router with it
     cluster = Cluster(config, tmp_path_factory.mktemp("ops"), "ops").start()
@@ -292,3 +299,13 @@ def test_refused_requests_count_as_failures_by_status(ops, stub):
         stub.Generate(greedy_request(PROMPTS[0], 0, 2), timeout=60)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert metrics(_port(ops)).get(name, 0.0) - before == 1
+
+
+def test_chats_are_rendered_by_the_configured_chat_template(ops, random_family):
+    """router.chat_template: a target whose tokenizer has no chat template serves chats rendered by the configured one."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{ops.config['router']['http_port']}/v1", api_key="-", max_retries=0, timeout=600)
+    reply = client.chat.completions.create(model=client.models.list().data[0].id, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+    tokenizer = load_tokenizer(str(random_family["target"]))
+    assert reply.usage.prompt_tokens == len(tokenizer.encode("[user] hi\n[assistant]", add_special_tokens=False))

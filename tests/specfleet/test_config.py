@@ -90,6 +90,7 @@ BAD = [
     ("replica without port", with_("verifier.replicas", ["verifier-1"]), "verifier.replicas[0]: address 'verifier-1' must be host:port"),
     ("replica twice", with_("verifier.replicas", ["127.0.0.1:50061"]), "verifier.replicas[0]: 127.0.0.1:50061 is listed twice"),
     ("verifier wait zero", with_("router.verifier_wait_s", 0), "router.verifier_wait_s: must be above 0"),
+    ("chat template missing", with_("router.chat_template", "no/such.jinja"), "router.chat_template: must be a chat template (Jinja"),
     ("default drafter not served", with_("router.default_drafter", "prose"), "router.default_drafter: 'prose' is not a configured draft model"),
 ]
 
