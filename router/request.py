@@ -182,7 +182,9 @@ class RequestState:
         return max(0, len(mirror.diff(self.tokens)[1] if mirror is not None else self.tokens) - 1)
 
     def commit(self, new_tokens: list[int], logprobs: list | None = None) -> None:
-        """Append verified tokens (with their TokenLogprobs, when asked), stopping at max_tokens, end of sequence or a stop string."""
+        """Append verified tokens (with their TokenLogprobs, when asked), stopping at max_tokens, end of sequence or a stop
+        string. The token that ends the output (end of sequence, a stop token) is kept in its ids and, as vLLM does, left
+        out of its text unless include_stop_str_in_output asks for it."""
         new_tokens = new_tokens[: self.remaining()]
         self.logprobs.extend((logprobs or [])[: len(new_tokens)])
         if self.spec.stop_at_eos and self.eos_token_id in new_tokens:
@@ -192,30 +194,32 @@ class RequestState:
         if stops:
             new_tokens = new_tokens[: stops[0] + 1]
             self.finish_reason = "stop"
+        ended_by_token = bool(self.finish_reason) and not self.spec.include_stop_str_in_output
         start = len(self.tokens)
         self.tokens.extend(new_tokens)
         if not self.finish_reason and self.remaining() <= 0:
             self.finish_reason = "length"
-        self._detokenize()
+        self._detokenize(len(self.tokens) - ended_by_token)
         if self.spec.stop and len(self.output_ids) >= self.spec.min_tokens:
             self._apply_stop(start)
         del self.logprobs[len(self.output_ids) :]  # what the end of sequence or a stop string cut
 
-    def _detokenize(self) -> None:
-        """self.text: the output decoded, as decoding all of it would give, at a cost that does not grow with
-        the output. The new tokens are decoded after a few tokens of context and the context's own text is cut
-        off the front (a token's leading space, say, decodes by what precedes it); text stays pending until its
+    def _detokenize(self, end: int) -> None:
+        """self.text: the output up to tokens[end] decoded, as decoding all of it would give, at a cost that does not
+        grow with the output. The new tokens are decoded after a few tokens of context and the context's own text is
+        cut off the front (a token's leading space, say, decodes by what precedes it); text stays pending until its
         last character is complete."""
-        start = max(len(self.spec.prompt_ids), self.decoded_to - DETOKENIZE_CONTEXT)
+        prompt_len = len(self.spec.prompt_ids)
+        start = max(prompt_len, self.decoded_to - DETOKENIZE_CONTEXT)
         skip = self.spec.skip_special_tokens
         context = self.tokenizer.decode(self.tokens[start : self.decoded_to], skip_special_tokens=skip)
-        window = self.tokenizer.decode(self.tokens[start:], skip_special_tokens=skip)
+        window = self.tokenizer.decode(self.tokens[start:end], skip_special_tokens=skip)
         if window.startswith(context):
             self.text = self.decoded + window[len(context) :]
         else:  # a decoder that rewrites text before the new tokens: decode the whole output
-            self.text = self.tokenizer.decode(self.output_ids, skip_special_tokens=skip)
+            self.text = self.tokenizer.decode(self.tokens[prompt_len:end], skip_special_tokens=skip)
         if not self.text.endswith("\ufffd"):
-            self.decoded, self.decoded_to = self.text, len(self.tokens)
+            self.decoded, self.decoded_to = self.text, end
 
     def _apply_stop(self, start: int) -> None:
         search_from = max(0, self.sent_text - max(len(s) for s in self.spec.stop))

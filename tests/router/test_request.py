@@ -131,6 +131,27 @@ def test_special_tokens_text_is_left_out_unless_asked_for(random_family):
     )
 
 
+@pytest.mark.parametrize("step", [1, 1000], ids=["token by token", "all at once"])
+def test_the_token_that_ends_the_output_is_in_its_ids_and_in_its_text_only_where_asked(random_family, step):
+    """End of sequence (its text kept: skip_special_tokens false) or a stop token ends the output: the ids keep it, the
+    text leaves it out as vLLM's does, unless include_stop_str_in_output asks for it."""
+    tokenizer = _tokenizers(random_family)[0]
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    eos, stop = tokenizer.eos_token_id, ids[8]
+    for ender, include in ((eos, False), (eos, True), (stop, False), (stop, True)):
+        state = _state(tokenizer, ids[:3])
+        state.eos_token_id, state.spec.stop_at_eos, state.spec.stop_token_ids = eos, True, [stop]
+        state.spec.skip_special_tokens, state.spec.include_stop_str_in_output = False, include
+        output = [*ids[3:8], ender, *ids[9:]]
+        for i in range(0, len(output), step):
+            state.commit(output[i : i + step])
+            if state.finish_reason:
+                break
+        assert state.output_ids == output[:6] and state.finish_reason == ("eos" if ender == eos else "stop")
+        assert state.text == tokenizer.decode(output[: 6 if include else 5]), (ender, include)
+        assert include or state.take_chunk().text == tokenizer.decode(output[:5])
+
+
 @pytest.mark.parametrize("step", [1, 8, 1000], ids=["token by token", "8 a commit", "all at once"])
 def test_a_stop_string_counts_only_past_the_first_min_tokens_tokens(random_family, step):
     """With min_tokens, a stop string in the output's first min_tokens tokens does not end it, however the tokens
