@@ -38,7 +38,7 @@ from router.metrics_api import metrics_routes
 from router.openai_logprobs import chat_logprobs, completion_logprobs, echo_logprobs, prompt_logprobs_json, token_text
 from router.chat_reply import ChatReply
 from router.reasoning import ReasoningReader, guide_after_thought, thinks
-from router.tool_parsers import parser_for
+from router.tool_parsers import KEEP_SPECIAL_TOKENS, parser_for
 from specfleet.config import RouterConfig
 from router.openai_schema import (
     FINISH_REASONS,
@@ -177,20 +177,28 @@ class OpenAIServer:
             "speculation": [speculation_json(r.speculation) for r in results],
         }
 
+    def _chat_params(self, body: ChatRequest, max_tokens: int | None, prompt: str, mode: str) -> list:
+        """Each choice's request: a guide leaves a reasoning model's thought alone, and where tool calls are read from
+        the text by a parser whose tags may be special tokens, their text is kept (vLLM's parsers ask alike)."""
+        params = [params_of(body, max_tokens, prompt, c, c) for c in range(body.n)]
+        encode = functools.partial(self.front_door.tokenizer.encode, add_special_tokens=False)
+        for p in params:
+            if self.thinks:
+                p.guide = guide_after_thought(p.guide, prompt, encode)
+            if mode == "auto" and self.tool_parser in KEEP_SPECIAL_TOKENS:
+                p.skip_special_tokens = False
+        return params
+
     async def chat(self, body: ChatRequest, request: Request):
         with self._refusals():
             self._check(body)
             max_tokens = chat_max_tokens(body)
             prompt = chat_prompt(self.front_door.tokenizer, body)
-            params = [params_of(body, max_tokens, prompt, c, c) for c in range(body.n)]
-            if self.thinks:
-                encode = functools.partial(self.front_door.tokenizer.encode, add_special_tokens=False)
-                for p in params:
-                    p.guide = guide_after_thought(p.guide, prompt, encode)
             replies = [
                 ChatReply(body.tools, body.tool_choice, body.parallel_tool_calls, self.tool_parser, ReasoningReader(prompt) if self.thinks else None)
                 for _ in range(body.n)
             ]
+            params = self._chat_params(body, max_tokens, prompt, replies[0].mode)
         generations = await self._submit(params, request)
         name = self._name(body)
 

@@ -7,6 +7,11 @@ parsers read them: no guide, the model decides whether to call, and each family 
   separated by `;`; any other output is content.
 - pythonic (Llama 3.2 and 4, and models trained on that form): output that opens with `[` is a Python list of calls,
   `[get_weather(city="Paris"), get_time()]`, their arguments literals; any other output is content.
+- mistral (Mistral 7B v0.3, Nemo, Small, Large): text before `[TOOL_CALLS]` is content, after it the calls, a JSON list
+  of `{"name", "arguments"}` (v3 tokenizers) or `name[ARGS]{...}` each after its own `[TOOL_CALLS]` (v11 and later).
+
+Hermes' and Mistral's tags are special tokens in some vocabularies, whose text the output leaves out by default: a
+request these parsers read keeps special tokens' text (`KEEP_SPECIAL_TOKENS`), as vLLM's parsers ask.
 
 A reader follows one choice's output as it streams (`feed`, then `finish`): content is released as soon as it cannot
 be the start of a call, a call once it is complete. Text that looks like a call and is not (JSON that does not parse,
@@ -23,7 +28,8 @@ from specfleet.config.router import TOOL_CALL_PARSERS
 
 # What a chat template says that names its family's format, in the order they are tried.
 # The pythonic one is the example of the form its templates give the model ("[func_name1(params_name1=...").
-TEMPLATE_MARKS = (("<tool_call>", "hermes"), ("<|python_tag|>", "llama3_json"), ("[func_name1(", "pythonic"))
+TEMPLATE_MARKS = (("<tool_call>", "hermes"), ("<|python_tag|>", "llama3_json"), ("[TOOL_CALLS]", "mistral"), ("[func_name1(", "pythonic"))
+KEEP_SPECIAL_TOKENS = ("hermes", "mistral")
 
 
 def parser_for(setting: str, chat_template: str | None) -> str:
@@ -36,7 +42,7 @@ def parser_for(setting: str, chat_template: str | None) -> str:
 
 def reader(parser: str):
     """A new reader of one choice's output in `parser`'s format."""
-    return {"hermes": HermesReader, "llama3_json": Llama3JsonReader, "pythonic": PythonicReader}[parser]()
+    return {"hermes": HermesReader, "llama3_json": Llama3JsonReader, "pythonic": PythonicReader, "mistral": MistralReader}[parser]()
 
 
 def _call(text: str, keys: tuple[str, ...]) -> tuple[str, str] | None:
@@ -175,3 +181,58 @@ class PythonicReader(WholeOutputReader):
             except (ValueError, TypeError, SyntaxError, RecursionError):
                 return None  # an argument that is not a literal (a name, a call), or not JSON (a set, bytes)
         return calls
+
+
+class MistralReader:
+    MARK, ARGS = "[TOOL_CALLS]", "[ARGS]"
+
+    def __init__(self):
+        self.buffer = ""  # what may begin the mark, or everything from it on
+        self.calls = False  # the mark was read: the rest is calls, read once the output is complete
+
+    def feed(self, text: str) -> tuple[str, list[tuple[str, str]]]:
+        self.buffer += text
+        if self.calls:
+            return "", []
+        start = self.buffer.find(self.MARK)
+        if start >= 0:
+            content, self.buffer, self.calls = self.buffer[:start], self.buffer[start:], True
+            return content, []
+        keep = partial_tail(self.buffer, self.MARK)
+        content, self.buffer = self.buffer[: len(self.buffer) - keep], self.buffer[len(self.buffer) - keep :]
+        return content, []
+
+    def finish(self) -> tuple[str, list[tuple[str, str]]]:
+        text, self.buffer = self.buffer, ""
+        calls = self.parse(text) if self.calls else None
+        return ("", calls) if calls else (text, [])
+
+    def parse(self, text: str) -> list[tuple[str, str]] | None:
+        calls = []
+        for part in (p.strip() for p in text.split(self.MARK)[1:]):
+            if part.startswith("["):  # v3: a JSON list of calls
+                try:
+                    items = json.loads(part)
+                except ValueError:
+                    return None
+                found = [_call(json.dumps(item), ("arguments", "parameters")) for item in items] if isinstance(items, list) else [None]
+                if None in found:
+                    return None
+                calls += found
+            elif self.ARGS in part:  # v11: name[ARGS]{...}
+                name, arguments = part.split(self.ARGS, 1)
+                call = _call(json.dumps({"name": name.strip(), "arguments": _json(arguments)}), ("arguments",))
+                if call is None:
+                    return None
+                calls.append(call)
+            else:
+                return None
+        return calls or None
+
+
+def _json(text: str):
+    """text's JSON value, or None where it is not JSON."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None

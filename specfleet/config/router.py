@@ -17,7 +17,7 @@ from specfleet.config.services import CORES, PORT
 
 ROUTING_POLICIES = ("expertise", "fixed", "random", "oracle")
 DOMAIN_PRIORS = ("likelihood", "exemplars")
-TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "pythonic", "none")
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "pythonic", "mistral", "none")
 REASONING_PARSERS = ("auto", "think", "none")
 
 
@@ -183,7 +183,8 @@ class RouterConfig:
         "auto",
         'how the HTTP API reads tool calls from the text of a chat whose tool_choice is "auto" (router/tool_parsers.py): '
         "hermes (<tool_call>{...}</tool_call>: Qwen, Hermes), llama3_json (Llama 3.1 and later), pythonic ([f(x=1)]: "
-        'Llama 3.2 and 4), none ("auto" refused), auto: the one the target\'s chat template writes, else none',
+        'Llama 3.2 and 4), mistral ([TOOL_CALLS]...), none ("auto" refused), auto: the one the target\'s chat template '
+        "writes, else none",
         check=one_of(TOOL_CALL_PARSERS),
     )
     chat_template: str = knob(

@@ -1101,7 +1101,7 @@ def test_a_named_tool_choice_and_required_give_tool_calls_whose_arguments_follow
 CALLED = r'Checking\.<tool_call>\{"name":"get_weather","arguments":\{"city":"(Paris|Oslo)","unit":"(C|F)"\}\}</tool_call>'
 
 
-def test_auto_tool_choice_reads_the_calls_the_model_writes_and_its_text_as_content_unary_and_streaming(client):
+def test_auto_tool_choice_reads_the_calls_the_model_writes_and_its_text_as_content_unary_and_streaming(client, tokenizer):
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     args = dict(model="random-target", messages=messages, temperature=0, max_tokens=96, tools=[WEATHER, TIME])
     called = dict(args, extra_body={"structured_outputs": {"regex": CALLED}})
@@ -1123,6 +1123,10 @@ def test_auto_tool_choice_reads_the_calls_the_model_writes_and_its_text_as_conte
     plain = client.chat.completions.create(**args, tool_choice="auto", extra_body={"structured_outputs": {"regex": "Paris is (sunny|grey)\\."}})
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content in ("Paris is sunny.", "Paris is grey.")
     assert plain.choices[0].finish_reason == "stop"
+    # A parser whose tags may be special tokens keeps their text: end of sequence's here, raised by its bias and no end.
+    eos = tokenizer.eos_token_id
+    special = client.chat.completions.create(**{**args, "max_tokens": 3}, logit_bias={str(eos): 100}, extra_body={"ignore_eos": True})
+    assert special.choices[0].message.content == tokenizer.decode([eos] * 3, skip_special_tokens=False) != ""
 
 
 def test_a_thought_is_the_reply_s_reasoning_and_chat_template_kwargs_reach_the_template(client, tokenizer, target_with_template):

@@ -88,3 +88,22 @@ def test_pythonic_calls_are_a_list_of_calls_by_keyword_read_once_the_output_is_c
         assert "".join(content) == text and calls == []
     # Content is released as soon as its first non-blank character says it is no call.
     assert streamed("pythonic", "Sunny [f(a=1)]", 1)[0][0] == "S"
+
+
+V3 = 'Checking. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {}}]'
+V11 = 'Checking. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}'
+
+
+@pytest.mark.parametrize("size", [1, 4, 1000])
+@pytest.mark.parametrize("text", [V3, V11], ids=["v3", "v11"])
+def test_mistral_calls_follow_the_tool_calls_mark_as_a_json_list_or_name_and_args(text, size):
+    """Text before [TOOL_CALLS] is content, released as it comes (never a piece of the mark); the calls after it are
+    read once the output is complete, a JSON list (v3 tokenizers) or name[ARGS]{...} each (v11); what is not calls
+    after the mark is content."""
+    assert parser_for("auto", "{{ '[TOOL_CALLS]' + tool_calls | tojson }}") == "mistral"
+    assert read_all("mistral", text) == ("Checking. ", CALLS)
+    content, calls = streamed("mistral", text, size)
+    assert "".join(content) == "Checking. " and calls == CALLS and not any("[" in piece for piece in content)
+    for broken in ("a [TOOL_CALLS] [{x", "a [TOOL_CALLS]get_weather", 'a [TOOL_CALLS][{"name": "f"}, {"arguments": {}}]', "a [TOOL_CALLS]f[ARGS][1]"):
+        assert read_all("mistral", broken) == (broken, []), broken
+    assert read_all("mistral", "no calls, a lone [TOOL") == ("no calls, a lone [TOOL", [])
