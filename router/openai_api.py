@@ -19,7 +19,6 @@ queue full, 503 verifier down or server shutting down, 504 deadline.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import time
@@ -27,14 +26,15 @@ import uuid
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from router.api import Finished, GenerationError, GenerationParams, Usage
-from router.frontdoor import FrontDoor, Generation, interleave
+from router.api import GenerationError, GenerationParams
+from router.frontdoor import FrontDoor, Generation
 from router.http_gate import BodyGate, error_response
 from router.tokens_api import token_routes
 from router.metrics_api import metrics_routes
+from router.openai_stream import run_unary, stream
 from router.openai_logprobs import chat_logprobs, completion_logprobs, echo_logprobs, prompt_logprobs_json, token_text
 from router.chat_reply import ChatReply
 from router.reasoning import ReasoningReader, guide_after_thought, thinks
@@ -53,17 +53,10 @@ from router.openai_schema import (
     chat_prompt,
     render_chat,
     speculation_json,
-    sse,
     usage_json,
 )
 
 __all__ = ["ApiError", "create_app", "render_chat"]
-
-# How often a unary request checks that its client is still connected.
-DISCONNECT_POLL_S = 0.25
-
-# Why an HTTP request's unfinished choices are cancelled (the log says it).
-GONE = "its HTTP client went away or a sibling prompt failed"
 
 
 class OpenAIServer:
@@ -161,8 +154,8 @@ class OpenAIServer:
             return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
 
         if body.stream:
-            return self._stream(generations, "text_completion", choice, body)
-        await _run_unary(generations, request)
+            return stream(generations, self._envelope("cmpl", "text_completion"), choice, body)
+        await run_unary(generations, request)
         results = [g.completion() for g in generations]
         return {
             **self._envelope("cmpl", "text_completion"),
@@ -170,8 +163,9 @@ class OpenAIServer:
                 {
                     **choice(i, r.text, r.logprobs, FINISH_REASONS.get(r.finish_reason), r.prompt_logprobs),
                     **self._prompt_logprobs(body, name, r.prompt_logprobs),
+                    **({"prompt_token_ids": g.prompt_ids, "token_ids": r.token_ids} if body.return_token_ids else {}),
                 }
-                for i, r in enumerate(results)
+                for i, (r, g) in enumerate(zip(results, generations))
             ],
             "usage": usage_json([r.usage for r in results]),
             "speculation": [speculation_json(r.speculation) for r in results],
@@ -217,8 +211,8 @@ class OpenAIServer:
                 return {"index": index, "delta": delta, "logprobs": logprobs_of(logprobs), "finish_reason": finish}
 
             first = [{"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None} for c in range(body.n)]
-            return self._stream(generations, "chat.completion.chunk", choice, body, first)
-        await _run_unary(generations, request)
+            return stream(generations, self._envelope("chatcmpl", "chat.completion.chunk"), choice, body, first)
+        await run_unary(generations, request)
         results = [g.completion() for g in generations]
         return {
             **self._envelope("chatcmpl", "chat.completion"),
@@ -228,6 +222,7 @@ class OpenAIServer:
                     "message": {"role": "assistant", "content": None, **reply},
                     "logprobs": logprobs_of(r.logprobs),
                     "finish_reason": finish,
+                    **({"token_ids": r.token_ids} if body.return_token_ids else {}),
                 }
                 for c, r in enumerate(results)
                 for reply, finish in [replies[c].message(r.text, FINISH_REASONS.get(r.finish_reason))]
@@ -235,6 +230,7 @@ class OpenAIServer:
             "usage": usage_json([r.usage for r in results]),
             "speculation": [speculation_json(r.speculation) for r in results],
             **self._prompt_logprobs(body, name, results[0].prompt_logprobs),
+            **({"prompt_token_ids": generations[0].prompt_ids} if body.return_token_ids else {}),
         }
 
     @staticmethod
@@ -244,71 +240,6 @@ class OpenAIServer:
 
     def _envelope(self, prefix: str, kind: str) -> dict:
         return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()), "model": self.model_name}
-
-    def _stream(self, generations: list[Generation], kind: str, choice, body: Sampling, first: list[dict] | None = None) -> StreamingResponse:
-        """Server-sent events of `kind` (text_completion or chat.completion.chunk), ending with [DONE].
-
-        choice(index, text, logprobs, finish_reason, prompt_logprobs): one choice's JSON, or None to send nothing for it
-        yet; `first`: choices sent before any output. With continuous usage (vLLM's), each event with a choice carries that choice's usage so far."""
-        head = self._envelope("chatcmpl" if kind.startswith("chat") else "cmpl", kind)
-        streamed = [0] * len(generations)  # tokens each choice has sent
-
-        def event(choices: list[dict], **extra) -> str:
-            if body.continuous_usage and len(choices) == 1:
-                index = choices[0]["index"]
-                extra["usage"] = usage_json([Usage(len(generations[index].prompt_ids), streamed[index])])
-            return sse({**head, "choices": choices, **extra})
-
-        async def events():
-            try:
-                for c in first or []:
-                    yield event([c])
-                # Closed however this ends (a client gone closes this generator): its unfinished requests are cancelled.
-                async with contextlib.aclosing(interleave(generations, GONE)) as updates:
-                    async for index, update in updates:
-                        streamed[index] += len(update.token_ids)
-                        final = isinstance(update, Finished)
-                        if not update.text and not final and not update.logprobs and update.prompt_logprobs is None:
-                            continue
-                        finish = FINISH_REASONS.get(update.finish_reason) if final else None
-                        c = choice(index, update.text, update.logprobs, finish, update.prompt_logprobs)
-                        if c is None:  # held back (a tool choice's output until it is complete)
-                            continue
-                        if final:
-                            c["speculation"] = speculation_json(update.speculation)
-                        yield event([c])
-                if body.include_usage:
-                    yield event([], usage=usage_json([g.usage() for g in generations]))
-            except GenerationError as err:
-                # The status line is already sent: the error travels as an event, as vLLM does.
-                yield sse(ApiError.of(err).body())
-            yield sse("[DONE]")
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-
-async def _run_unary(generations: list[Generation], request: Request) -> None:
-    """Until every generation has finished; a client that hangs up meanwhile cancels them. Raises ApiError for a failure."""
-
-    async def drain() -> None:
-        async with contextlib.aclosing(interleave(generations, GONE)) as updates:
-            async for _ in updates:
-                pass
-
-    task = asyncio.create_task(drain())
-    try:
-        while True:
-            # uvicorn tells a waiting handler nothing of a closed connection: ask every so often.
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                try:
-                    return task.result()
-                except GenerationError as err:
-                    raise ApiError.of(err) from None
-            if await request.is_disconnected():
-                return
-    finally:
-        task.cancel()  # interleave's cleanup cancels whatever has not finished
 
 
 # What an unknown route's 404 lists.

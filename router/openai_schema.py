@@ -72,6 +72,8 @@ class Sampling(BaseModel):
     ignore_eos: bool = False
     # Name logprobs' tokens "token_id:<id>" (vLLM's option): exact where a token's text is not.
     return_tokens_as_token_ids: bool = False
+    # vLLM's: each choice's token ids beside its text, and the prompt's (router/openai_stream.py says where streamed).
+    return_token_ids: bool = False
     # vLLM's: each prompt token's log-probability past the first, with this many alternatives (not with stream).
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
     speculation: Speculation | None = None

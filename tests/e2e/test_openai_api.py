@@ -744,6 +744,26 @@ def test_a_truncated_prompt_is_its_last_tokens_over_http_and_grpc(api, client, t
         assert list(generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=120).token_ids) == expected
 
 
+def test_return_token_ids_gives_the_prompt_s_and_the_output_s_ids_unary_and_streaming(client, tokenizer, target_with_template):
+    """vLLM's return_token_ids: a completion's choices carry the prompt's ids and their own; streamed, each event the
+    ids its text came from and the first the prompt's; a chat's ids beside its choices, the prompt's once at the top."""
+    prompt = PROMPTS[1]
+    ids, plain = tokenizer.encode(prompt, add_special_tokens=False), target_greedy(str(target_with_template), PROMPTS[1], MAX_TOKENS)
+    choice = client.completions.create(model="random-target", prompt=prompt, **greedy(return_token_ids=True)).choices[0]
+    assert (choice.prompt_token_ids, choice.token_ids) == (ids, plain)
+    events = [e for e in client.completions.create(model="random-target", prompt=prompt, stream=True, **greedy(return_token_ids=True)) if e.choices]
+    assert events[0].choices[0].prompt_token_ids == ids and not any("prompt_token_ids" in e.choices[0].model_extra for e in events[1:])
+    assert [t for e in events for t in e.choices[0].token_ids] == plain
+    assert "token_ids" not in client.completions.create(model="random-target", prompt=prompt, **greedy()).choices[0].model_extra
+    messages = [{"role": "user", "content": prompt}]
+    chat = client.chat.completions.create(model="random-target", messages=messages, **greedy(return_token_ids=True))
+    rendered = tokenizer.encode(render_chat(tokenizer, messages), add_special_tokens=False)
+    assert chat.prompt_token_ids == rendered and len(chat.choices[0].token_ids) == chat.usage.completion_tokens
+    events = list(client.chat.completions.create(model="random-target", messages=messages, stream=True, **greedy(return_token_ids=True)))
+    assert events[0].prompt_token_ids == rendered and not any("prompt_token_ids" in e.model_extra for e in events[1:])
+    assert [t for e in events if e.choices for t in e.choices[0].token_ids] == chat.choices[0].token_ids
+
+
 @pytest.mark.parametrize("sampling", ["greedy", "sampled"])
 def test_completions_logprobs_are_the_target_s_unary_and_streaming(client, tokenizer, target_with_template, sampling):
     prompt = PROMPTS[0]
