@@ -54,6 +54,7 @@ class GenerationParams:
     # vLLM's: only the prompt's last this many tokens are read; -1: as many as fit beside max_tokens (or the server's
     # default). None: all of it.
     truncate_prompt_tokens: int | None = None
+    priority: int = 0  # vLLM's: where router.priority_scheduling is on, lower is admitted first
 
 
 @dataclass

@@ -70,6 +70,7 @@ def params_of(req: generation_pb2.GenerateRequest) -> GenerationParams:
         allowed_token_ids=list(req.allowed_token_ids),
         bad_words=list(req.bad_words),
         truncate_prompt_tokens=req.truncate_prompt_tokens if req.HasField("truncate_prompt_tokens") else None,
+        priority=req.priority,
     )
 
 

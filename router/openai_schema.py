@@ -69,6 +69,7 @@ class Sampling(BaseModel):
     allowed_token_ids: list[int] | None = None  # vLLM's
     bad_words: str | list[str] | None = None  # vLLM's
     truncate_prompt_tokens: int | None = None  # vLLM's
+    priority: int = 0  # vLLM's
     ignore_eos: bool = False
     # Name logprobs' tokens "token_id:<id>" (vLLM's option): exact where a token's text is not.
     return_tokens_as_token_ids: bool = False
@@ -233,6 +234,7 @@ def params_of(body: Sampling, max_tokens: int | None, prompt: str | list[int], i
         allowed_token_ids=list(body.allowed_token_ids or []),
         bad_words=[body.bad_words] if isinstance(body.bad_words, str) else list(body.bad_words or []),
         truncate_prompt_tokens=body.truncate_prompt_tokens,
+        priority=body.priority,
     )
     if isinstance(prompt, str):
         params.prompt = prompt

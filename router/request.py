@@ -55,6 +55,7 @@ class RequestSpec:
     prompt_logprobs: int | None = None  # the prompt's log-probabilities with this many alternatives (None: not asked)
     include_stop_str_in_output: bool = False  # the stop string that ended the output stays in its text
     skip_special_tokens: bool = True  # special tokens' text left out of the output's
+    priority: int = 0  # admitted before requests of a higher one (router.priority_scheduling)
 
 
 class SessionMirror:

@@ -148,9 +148,10 @@ class Scheduler:
         # Clients take turns: the one that has had the fewest of its requests admitted while some wait goes next, so
         # that a client sending a thousand prompts (in one call or in many) does not run them all before another
         # client's one, whatever deadlines it sets. Within a client, earliest deadline first, then first come, first
-        # served.
+        # served. A request's priority (0 unless router.priority_scheduling lets requests set one) comes before all.
         def turn(state: RequestState) -> tuple:
-            return (self._turns[state.client], state.deadline if state.deadline is not None else float("inf"), state.admitted_at)
+            deadline = state.deadline if state.deadline is not None else float("inf")
+            return (state.spec.priority, self._turns[state.client], deadline, state.admitted_at)
 
         while self._waiting and self.running < self.context.config.settings.max_running:
             if len(lane) > min(len(other) for other in self._lanes):

@@ -85,6 +85,7 @@ def validate(params: GenerationParams, tokenizer, limits: Limits, guides: GuideC
         prompt_logprobs=params.prompt_logprobs,
         include_stop_str_in_output=params.include_stop_str_in_output,
         skip_special_tokens=params.skip_special_tokens,
+        priority=_priority(params.priority, limits),
     )
 
 
@@ -265,3 +266,11 @@ def _allowed_token_ids(ids: list[int], vocab_size: int) -> tuple[int, ...]:
     if bad:
         raise invalid("allowed_token_ids", f"ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
     return tuple(allowed)
+
+
+def _priority(priority: int, limits: Limits) -> int:
+    if priority and not limits.requests.priority_scheduling:
+        raise invalid("priority", "this server admits requests in turns, not by priority; its operator may set router.priority_scheduling")
+    if not -(2**31) <= priority < 2**31:
+        raise invalid("priority", f"must fit in 32 bits, got {priority}")
+    return priority

@@ -43,6 +43,11 @@ class RequestLimitsConfig:
     max_tokens_limit: int = knob(2048, "the most tokens a request may ask for")
     num_draft_tokens: int = knob(4, "draft tokens per round when the request does not say (0 to max_draft_tokens)")
     max_draft_tokens: int = knob(16, "the most draft tokens per round a request may ask for")
+    priority_scheduling: bool = knob(
+        False,
+        "admit waiting requests by their priority (lower first) ahead of clients' turns, as vLLM's --scheduling-policy "
+        "priority; off: a request that sets a priority other than 0 is refused, so no client can jump the queue",
+    )
 
 
 @dataclass

@@ -141,6 +141,7 @@ REFUSED = [
     (dict(bad_words=["word " * 40]), "bad_words"),  # more tokens than a bad word may have
     (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
     (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
+    (dict(priority=1), "priority"),  # router.priority_scheduling is off
 ]
 
 
@@ -185,6 +186,11 @@ def test_valid_params_become_the_request_asked_for(tokenizer, limits):
     assert fitted.prompt_ids == (long_prompt + [7])[-24:] and fitted.max_tokens == 1000
     text = validate(GenerationParams(prompt="word " * 3000, truncate_prompt_tokens=-1), tokenizer, limits)
     assert len(text.prompt_ids) == 1024 - limits.requests.default_max_tokens
+    # vLLM's priority, where the server admits by it.
+    by_priority = dataclasses.replace(limits, requests=dataclasses.replace(limits.requests, priority_scheduling=True))
+    assert validate(GenerationParams(prompt_token_ids=prompt_ids, priority=-3), tokenizer, by_priority).priority == -3
+    with pytest.raises(GenerationError, match="priority: must fit in 32 bits"):
+        validate(GenerationParams(prompt_token_ids=prompt_ids, priority=2**31), tokenizer, by_priority)
 
 
 def test_a_guide_is_compiled_on_admission_and_refused_where_the_verifier_cannot_compile_guides(tokenizer, limits):

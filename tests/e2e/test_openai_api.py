@@ -252,6 +252,7 @@ REFUSED = [
     ("completions", {"extra_body": {"allowed_token_ids": []}}, "allowed_token_ids"),
     ("completions", {"extra_body": {"bad_words": ["  "]}}, "bad_words"),
     ("completions", {"extra_body": {"truncate_prompt_tokens": 0}}, "truncate_prompt_tokens"),
+    ("chat", {"extra_body": {"priority": 1}}, "priority"),  # router.priority_scheduling is off
     ("chat", {"extra_body": {"allowed_token_ids": [5], "structured_outputs": {"regex": "a"}}}, "allowed_token_ids"),
     ("chat", {"extra_body": {"echo": True}}, "echo"),
     ("completions", {"extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs"),

@@ -50,6 +50,7 @@ def ops(random_family, tmp_path_factory):
         # the lookup learned from the earlier tests' traffic says those commit more (tests/router tests the plan).
         adaptive_speculation=False,
         chat_template=str(template),
+        priority_scheduling=True,
     )
     config["verifier"]["colocate"] = False  # the tests pause the verifier alone (SIGSTOP), not the router with it
     cluster = Cluster(config, tmp_path_factory.mktemp("ops"), "ops").start()
@@ -97,6 +98,19 @@ def test_admission_is_earliest_deadline_first(ops, stub, random_family):
         assert list(future.result().token_ids) == reference
     finished = re.findall(r"request (edf-\d+) finished", ops.log_path.read_text())
     assert finished == [f"edf-{t}" for t in sorted(timeouts)]
+
+
+def test_a_lower_priority_is_admitted_first_ahead_of_deadlines_and_arrival(ops, stub, random_family):
+    """With router.priority_scheduling, requests queued behind a running one run (one at a time) by priority, lower
+    first, whatever their deadlines and arrival; equal priorities by deadline."""
+    reference = target_greedy(str(random_family["target"]), PROMPTS[1], 4)
+    asked = [(0, 300), (5, 100), (-1, 400), (0, 200)]  # (priority, timeout)
+    with _slot_taken(ops, stub, "priority-blocker") as blocker:
+        queued = [_queue(ops, stub, greedy_request(PROMPTS[1], 4, 2, request_id=f"prio-{i}", priority=p), t) for i, (p, t) in enumerate(asked)]
+    assert blocker.result().finish_reason
+    assert all(list(future.result().token_ids) == reference for future in queued)
+    finished = re.findall(r"request (prio-\d+) finished", ops.log_path.read_text())
+    assert finished == ["prio-2", "prio-3", "prio-0", "prio-1"]
 
 
 def test_admission_takes_turns_between_calls(ops, stub, random_family):
