@@ -27,6 +27,8 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_ALLOWED_TOKEN_IDS = 4096
 MAX_BAD_WORDS = 64
 MAX_BAD_WORD_TOKENS = 32
+# A bad word's characters, checked before it is tokenized (a token is rarely longer than 16 characters).
+MAX_BAD_WORD_CHARS = 16 * MAX_BAD_WORD_TOKENS
 
 
 def _float32(x: float) -> float:
@@ -244,6 +246,8 @@ def _bad_words(words: list[str], tokenizer, limits: Limits) -> tuple[tuple[int, 
         word = word.lstrip()
         if not word:
             raise invalid("bad_words", f"word {i} is empty or only whitespace")
+        if len(word) > MAX_BAD_WORD_CHARS:
+            raise invalid("bad_words", f"word {i} is {len(word)} characters; at most {MAX_BAD_WORD_CHARS}")
         plain = tuple(tokenizer.encode(word, add_special_tokens=False))
         if not plain:
             raise invalid("bad_words", f"word {i} encodes to no tokens")

@@ -179,6 +179,8 @@ def test_valid_params_become_the_request_asked_for(tokenizer, limits):
     words = (tuple(tokenizer.encode("fox", add_special_tokens=False)), tuple(tokenizer.encode(" fox", add_special_tokens=False)))
     assert limited.sampling.allowed_token_ids == (3, 9) and limited.sampling.bad_words == tuple(dict.fromkeys(words))
     assert limited.sampling.output_start == len(prompt_ids) and len(words[1]) == 1
+    with pytest.raises(GenerationError, match="bad_words: word 1 is 513 characters; at most 512"):  # refused untokenized
+        validate(GenerationParams(prompt_token_ids=prompt_ids, bad_words=["fox", "w" * 513]), tokenizer, limits)
     # vLLM's truncate_prompt_tokens: the prompt's last tokens; -1 keeps what fits beside max_tokens, and a prompt longer
     # than the context's characters is read (truncated) rather than refused.
     assert validate(GenerationParams(prompt_token_ids=prompt_ids, truncate_prompt_tokens=2), tokenizer, limits).prompt_ids == prompt_ids[-2:]
