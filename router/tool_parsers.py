@@ -45,12 +45,17 @@ def reader(parser: str):
     return {"hermes": HermesReader, "llama3_json": Llama3JsonReader, "pythonic": PythonicReader, "mistral": MistralReader}[parser]()
 
 
-def _call(text: str, keys: tuple[str, ...]) -> tuple[str, str] | None:
-    """(name, arguments JSON) of one call's JSON text, or None where it is not a call."""
+def _json(text: str):
+    """text's JSON value, or None where it is not JSON."""
     try:
-        call = json.loads(text)
+        return json.loads(text)
     except ValueError:
         return None
+
+
+def _call(call, keys: tuple[str, ...]) -> tuple[str, str] | None:
+    """(name, arguments JSON) of one call's JSON value, its arguments under the first of `keys` it has, or None where
+    it is not a call."""
     if not (isinstance(call, dict) and isinstance(call.get("name"), str) and call["name"]):
         return None
     arguments = next((call[k] for k in keys if k in call), {})
@@ -81,7 +86,7 @@ class HermesReader:
                 if end < 0 and not final:
                     break
                 body = self.buffer if end < 0 else self.buffer[:end]
-                call = _call(body, ("arguments", "parameters"))
+                call = _call(_json(body), ("arguments", "parameters"))
                 if call is not None:
                     calls.append(call)
                     self.called, self.blank = True, ""
@@ -155,7 +160,7 @@ class Llama3JsonReader(WholeOutputReader):
                 obj, at = decoder.raw_decode(text, at)
             except ValueError:
                 return None
-            call = _call(json.dumps(obj), ("parameters", "arguments"))
+            call = _call(obj, ("parameters", "arguments"))
             if call is None:
                 return None
             calls.append(call)
@@ -211,28 +216,17 @@ class MistralReader:
         calls = []
         for part in (p.strip() for p in text.split(self.MARK)[1:]):
             if part.startswith("["):  # v3: a JSON list of calls
-                try:
-                    items = json.loads(part)
-                except ValueError:
-                    return None
-                found = [_call(json.dumps(item), ("arguments", "parameters")) for item in items] if isinstance(items, list) else [None]
+                items = _json(part)
+                found = [_call(item, ("arguments", "parameters")) for item in items] if isinstance(items, list) else [None]
                 if None in found:
                     return None
                 calls += found
             elif self.ARGS in part:  # v11: name[ARGS]{...}
                 name, arguments = part.split(self.ARGS, 1)
-                call = _call(json.dumps({"name": name.strip(), "arguments": _json(arguments)}), ("arguments",))
+                call = _call({"name": name.strip(), "arguments": _json(arguments)}, ("arguments",))
                 if call is None:
                     return None
                 calls.append(call)
             else:
                 return None
         return calls or None
-
-
-def _json(text: str):
-    """text's JSON value, or None where it is not JSON."""
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None

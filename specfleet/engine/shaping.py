@@ -78,7 +78,7 @@ def adjusted(
 def _allow(rows: torch.Tensor, allowed: tuple[int, ...], ids_of: torch.Tensor | None) -> None:
     """Every token outside `allowed` given no chance (logit -inf) at every row of rows [W, V'] in place. A drafter whose
     vocabulary holds none of them drafts unmasked: what it proposes then has p = 0 at the target, and is rejected."""
-    at = torch.tensor(allowed) if ids_of is None else torch.isin(ids_of, torch.tensor(allowed)).nonzero().squeeze(1)
+    at = _positions(allowed, ids_of)
     if len(at) == 0:
         return
     keep = torch.zeros(rows.shape[-1], dtype=torch.bool, device=rows.device)
@@ -97,11 +97,18 @@ def _ban_words(rows: torch.Tensor, params: SamplingParams, tokens: list[int], pa
         banned = [word[-1] for word in params.bad_words if len(word) == 1 or context[len(context) - len(word) + 1 :] == list(word[:-1])]
         if not banned:
             continue
-        at = torch.tensor(banned) if ids_of is None else torch.isin(ids_of, torch.tensor(banned)).nonzero().squeeze(1)
+        at = _positions(banned, ids_of)
         left = torch.isfinite(rows[r])
         left[at.to(rows.device)] = False
         if left.any():
             rows[r, at.to(rows.device)] = float("-inf")
+
+
+def _positions(ids, ids_of: torch.Tensor | None) -> torch.Tensor:
+    """Where vocabulary ids lie along a row: the ids themselves, or the positions that hold them where ids_of[j] is
+    position j's id (a drafter's token map; an id it lacks has none)."""
+    ids = torch.as_tensor(ids)
+    return ids if ids_of is None else torch.isin(ids_of, ids).nonzero().squeeze(1)
 
 
 def _guide(rows: torch.Tensor, params: SamplingParams, state: GuideState, tokens: list[int], paths: list[list[int]], ids_of) -> None:
@@ -118,8 +125,7 @@ def _hold_back(rows: torch.Tensor, params: SamplingParams, tokens: list[int], pa
     early = [r for r, path in enumerate(paths) if len(tokens) + len(path) - params.output_start < params.min_tokens]
     if not early:
         return
-    held = torch.tensor(params.held_back)
-    at = held if ids_of is None else torch.isin(ids_of, held).nonzero().squeeze(1)
+    at = _positions(params.held_back, ids_of)
     rows[torch.tensor(early, device=rows.device).unsqueeze(1), at.to(rows.device).unsqueeze(0)] = float("-inf")
 
 

@@ -6,24 +6,13 @@ trees alike, greedy, sampled and raced; ids outside the vocabulary are refused n
 from __future__ import annotations
 
 import pytest
-import torch
 
-from specfleet.engine import SessionStore, load_model
 from specfleet.sampling import SamplingParams
 from verifier_service.validation import validate_item
-from verifier_service.verifier import Verifier, VerifyItem
+from tests.verifier_service import random_target
+from verifier_service.verifier import VerifyItem
 
 ALLOWED = (17, 123, 250)
-
-
-def _verifier(random_family) -> Verifier:
-    verifier = Verifier(load_model("target", str(random_family["target"])), SessionStore(1 << 30, 100))
-    verifier.loaded.eos_token_id = -1  # no session stops at end of sequence here
-    return verifier
-
-
-def _prompt() -> list[int]:
-    return torch.randint(1, 300, (12,), generator=torch.Generator().manual_seed(5)).tolist()
 
 
 @pytest.mark.parametrize(
@@ -32,11 +21,11 @@ def _prompt() -> list[int]:
     ids=["greedy", "sampled", "raced"],
 )
 def test_plain_steps_emit_allowed_tokens_alone_and_the_batch_s_other_session_is_left_alone(random_family, sampling):
-    prompt = _prompt()
+    prompt = random_target.prompt()
     limited = SamplingParams(sampling.temperature, seed=sampling.seed, drafter_invariant=sampling.drafter_invariant, allowed_token_ids=ALLOWED)
-    alone = _verifier(random_family).verify_batch([VerifyItem("plain", 0, prompt, sampling, plain_steps=6)])[0]
+    alone = random_target.verifier(random_family).verify_batch([VerifyItem("plain", 0, prompt, sampling, plain_steps=6)])[0]
     assert not set(alone.token_ids) <= set(ALLOWED)
-    both = _verifier(random_family).verify_batch(
+    both = random_target.verifier(random_family).verify_batch(
         [VerifyItem("limited", 0, prompt, limited, plain_steps=6), VerifyItem("plain", 0, prompt, sampling, plain_steps=6)]
     )
     assert len(both[0].token_ids) == 6 and set(both[0].token_ids) <= set(ALLOWED)
@@ -47,17 +36,17 @@ def test_a_bad_word_s_last_token_is_rejected_where_the_row_s_path_ends_with_the_
     """Greedy: the target's first two tokens (a, b) as a bad word make it emit a, then another token than b, in plain
     steps; proposed as a chain [a, b], a is accepted and b rejected (the row after a sees a on its path); the word
     (a, c) for another c leaves the chain accepted whole."""
-    prompt = _prompt()
-    (free,) = _verifier(random_family).verify_batch([VerifyItem("s", 0, prompt, SamplingParams(), plain_steps=3)])
+    prompt = random_target.prompt()
+    (free,) = random_target.verifier(random_family).verify_batch([VerifyItem("s", 0, prompt, SamplingParams(), plain_steps=3)])
     a, b = free.token_ids[:2]
     banned = SamplingParams(output_start=len(prompt), bad_words=((a, b),))
-    (stepped,) = _verifier(random_family).verify_batch([VerifyItem("s", 0, prompt, banned, plain_steps=3)])
+    (stepped,) = random_target.verifier(random_family).verify_batch([VerifyItem("s", 0, prompt, banned, plain_steps=3)])
     assert stepped.token_ids[0] == a and stepped.token_ids[1] != b
     chain = dict(tree_tokens=[a, b], tree_parents=[-1, 0], proposals=[([a], [1.0]), ([b], [1.0])])
-    (tree,) = _verifier(random_family).verify_batch([VerifyItem("t", 0, prompt, banned, **chain)])
+    (tree,) = random_target.verifier(random_family).verify_batch([VerifyItem("t", 0, prompt, banned, **chain)])
     assert tree.accepted_nodes == [0] and tree.token_ids == stepped.token_ids[:2]
     other = SamplingParams(output_start=len(prompt), bad_words=((a, (b + 1) % 300),))
-    (whole,) = _verifier(random_family).verify_batch([VerifyItem("t", 0, prompt, other, **chain)])
+    (whole,) = random_target.verifier(random_family).verify_batch([VerifyItem("t", 0, prompt, other, **chain)])
     assert whole.accepted_nodes == [0, 1]
 
 

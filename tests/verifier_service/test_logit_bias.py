@@ -7,24 +7,14 @@ vocabulary is refused naming the field."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from specfleet.engine import SessionStore, load_model
 from specfleet.sampling import SamplingParams
 from verifier_service.validation import validate_item
+from tests.verifier_service import random_target
 from verifier_service.verifier import Verifier, VerifyItem
 
 FORCED = 123  # a token the random target seldom picks: a bias of 100 makes it the target's at every position
-
-
-def _verifier(random_family) -> Verifier:
-    verifier = Verifier(load_model("target", str(random_family["target"])), SessionStore(1 << 30, 100))
-    verifier.loaded.eos_token_id = -1  # no session stops at end of sequence here
-    return verifier
-
-
-def _prompt() -> list[int]:
-    return torch.randint(1, 300, (12,), generator=torch.Generator().manual_seed(5)).tolist()
 
 
 @pytest.mark.parametrize(
@@ -36,11 +26,12 @@ def test_a_forcing_bias_makes_every_token_the_biased_one_and_leaves_the_batch_s_
     """Five plain steps of a session that biases FORCED by 100 emit FORCED five times; the batch's unbiased session emits
     what it emits alone; the biased session's logprobs are those of the raw distribution (FORCED's is the unbiased
     session's first-position logprob of it, from the same prompt)."""
-    prompt = _prompt()
+    prompt = random_target.prompt()
     biased = SamplingParams(sampling.temperature, seed=sampling.seed, drafter_invariant=sampling.drafter_invariant, logit_bias=((FORCED, 100.0),))
-    alone = _verifier(random_family).verify_batch([VerifyItem("plain", 0, prompt, sampling, logprobs=True, top_logprobs=20, plain_steps=5)])[0]
+    plain = VerifyItem("plain", 0, prompt, sampling, logprobs=True, top_logprobs=20, plain_steps=5)
+    alone = random_target.verifier(random_family).verify_batch([plain])[0]
     assert FORCED not in alone.token_ids
-    both = _verifier(random_family).verify_batch(
+    both = random_target.verifier(random_family).verify_batch(
         [
             VerifyItem("biased", 0, prompt, biased, logprobs=True, top_logprobs=20, plain_steps=5),
             VerifyItem("plain", 0, prompt, sampling, logprobs=True, top_logprobs=20, plain_steps=5),
@@ -57,15 +48,15 @@ def test_a_forcing_bias_makes_every_token_the_biased_one_and_leaves_the_batch_s_
 def test_a_tree_of_the_biased_token_is_accepted_whole_and_a_banned_argmax_never_emitted(random_family):
     """Greedy: a chain of FORCED under a bias of 100 on it is accepted whole (rejected whole without the bias);
     a bias of -100 on the token the target emits unbiased makes the session emit another."""
-    prompt = _prompt()
+    prompt = random_target.prompt()
     chain = dict(tree_tokens=[FORCED] * 3, tree_parents=[-1, 0, 1], proposals=[([FORCED], [1.0])] * 3)
     forced = SamplingParams(logit_bias=((FORCED, 100.0),))
-    (accepted,) = _verifier(random_family).verify_batch([VerifyItem("s", 0, prompt, forced, **chain)])
+    (accepted,) = random_target.verifier(random_family).verify_batch([VerifyItem("s", 0, prompt, forced, **chain)])
     assert accepted.accepted_nodes == [0, 1, 2] and accepted.token_ids == [FORCED] * 4
-    (rejected,) = _verifier(random_family).verify_batch([VerifyItem("s", 0, prompt, SamplingParams(), **chain)])
+    (rejected,) = random_target.verifier(random_family).verify_batch([VerifyItem("s", 0, prompt, SamplingParams(), **chain)])
     assert rejected.accepted_nodes == []
     banned = SamplingParams(logit_bias=((rejected.token_ids[0], -100.0),))
-    (other,) = _verifier(random_family).verify_batch([VerifyItem("s", 0, prompt, banned)])
+    (other,) = random_target.verifier(random_family).verify_batch([VerifyItem("s", 0, prompt, banned)])
     assert other.token_ids[0] != rejected.token_ids[0]
 
 
@@ -87,12 +78,12 @@ def test_min_tokens_holds_end_of_sequence_back_until_the_output_is_long_enough(r
     """End of sequence raised by 100 is every position's token, except at the positions before min_tokens, where it is
     held back: plain steps emit four other tokens, then it; a chain of four tokens the target would emit there is
     accepted whole and end of sequence follows."""
-    prompt = _prompt()
+    prompt = random_target.prompt()
     verifier = Verifier(load_model("target", str(random_family["target"])), SessionStore(1 << 30, 100))
     eos = verifier.loaded.eos_token_id
     sampling = SamplingParams(logit_bias=((eos, 100.0),), output_start=len(prompt), min_tokens=4, held_back=(eos,))
     (stepped,) = verifier.verify_batch([VerifyItem("s", 0, prompt, sampling, plain_steps=8)])
     assert len(stepped.token_ids) == 5 and eos not in stepped.token_ids[:4] and stepped.token_ids[4] == eos
     chain = dict(tree_tokens=stepped.token_ids[:4], tree_parents=[-1, 0, 1, 2], proposals=[([t], [1.0]) for t in stepped.token_ids[:4]])
-    (tree,) = _verifier(random_family).verify_batch([VerifyItem("t", 0, prompt, sampling, **chain)])
+    (tree,) = random_target.verifier(random_family).verify_batch([VerifyItem("t", 0, prompt, sampling, **chain)])
     assert tree.accepted_nodes == [0, 1, 2, 3] and tree.token_ids == stepped.token_ids
