@@ -62,6 +62,7 @@ class DraftItem:
     stop_below_confidence: float = 0.0
     score_context: bool = False
     lockstep_group: str = ""
+    cache_salt: str = ""  # read with prefix_length = 0: the session's cached blocks are shared only under the same salt
 
 
 @dataclass
@@ -228,7 +229,7 @@ def _draft_batch(models: dict[str, DraftModel | NgramModel], tagged: list[tuple[
     for name, item in tagged:
         model = models[name]
         try:
-            session = model.store.sync(item.session_id, item.prefix_length, item.new_token_ids)
+            session = model.store.sync(item.session_id, item.prefix_length, item.new_token_ids, item.cache_salt)
         except UnknownSession:
             results.append(DraftResult(item.session_id, known=False))
             continue

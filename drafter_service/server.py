@@ -39,6 +39,7 @@ def session_item(s, sampling: SamplingParams) -> tuple[str, DraftItem]:
         s.stop_below_confidence,
         s.score_context,
         s.lockstep_group,
+        s.sync.cache_salt,
     )
 
 

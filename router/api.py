@@ -55,6 +55,7 @@ class GenerationParams:
     # default). None: all of it.
     truncate_prompt_tokens: int | None = None
     priority: int = 0  # vLLM's: where router.priority_scheduling is on, lower is admitted first
+    cache_salt: str | None = None  # vLLM's: the prompt shares cached KV only with requests of the same salt; None: with all unsalted
 
 
 @dataclass

@@ -120,9 +120,9 @@ class Drafting:
                     if drafters.get(model) is service:
                         mirror.reset()
             transports[transport.name] = transport
-            prefix, new = state.drafter_mirrors.setdefault(call.drafter, SessionMirror()).diff(call.tokens)
+            diff = state.drafter_mirrors.setdefault(call.drafter, SessionMirror()).diff(call.tokens)
             session = messages.DraftSession(
-                sync=messages.SessionSync(state.spec.session_id, prefix, new),
+                sync=messages.SessionSync.of(state.spec.session_id, diff, state.spec.cache_salt),
                 model=call.drafter,
                 num_draft_tokens=call.k,
                 sampling=state.spec.sampling,

@@ -71,6 +71,7 @@ def params_of(req: generation_pb2.GenerateRequest) -> GenerationParams:
         bad_words=list(req.bad_words),
         truncate_prompt_tokens=req.truncate_prompt_tokens if req.HasField("truncate_prompt_tokens") else None,
         priority=req.priority,
+        cache_salt=req.cache_salt or None,
     )
 
 

@@ -28,6 +28,14 @@ class SessionSync:
     session_id: str
     prefix_length: int = 0
     new_token_ids: list[int] = field(default_factory=list)
+    cache_salt: str = ""  # the request's (vLLM's): read where prefix_length = 0, by the session's first block's hash
+
+    @classmethod
+    def of(cls, session_id: str, diff: tuple[int, list[int]], cache_salt: str) -> SessionSync:
+        """A mirror's diff (SessionMirror.diff) as a sync; the salt travels only where the server starts the session
+        afresh (prefix 0), the one place it reads it."""
+        prefix, new = diff
+        return cls(session_id, prefix, new, cache_salt if prefix == 0 else "")
 
 
 @dataclass

@@ -70,6 +70,7 @@ class Sampling(BaseModel):
     bad_words: str | list[str] | None = None  # vLLM's
     truncate_prompt_tokens: int | None = None  # vLLM's
     priority: int = 0  # vLLM's
+    cache_salt: str | None = None  # vLLM's: a non-empty string
     ignore_eos: bool = False
     # Name logprobs' tokens "token_id:<id>" (vLLM's option): exact where a token's text is not.
     return_tokens_as_token_ids: bool = False
@@ -235,6 +236,7 @@ def params_of(body: Sampling, max_tokens: int | None, prompt: str | list[int], i
         bad_words=[body.bad_words] if isinstance(body.bad_words, str) else list(body.bad_words or []),
         truncate_prompt_tokens=body.truncate_prompt_tokens,
         priority=body.priority,
+        cache_salt=body.cache_salt,
     )
     if isinstance(prompt, str):
         params.prompt = prompt

@@ -56,6 +56,7 @@ class RequestSpec:
     include_stop_str_in_output: bool = False  # the stop string that ended the output stays in its text
     skip_special_tokens: bool = True  # special tokens' text left out of the output's
     priority: int = 0  # admitted before requests of a higher one (router.priority_scheduling)
+    cache_salt: str = ""  # its sessions share cached KV blocks only with those of the same salt
 
 
 class SessionMirror:

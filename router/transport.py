@@ -97,7 +97,9 @@ def point_mass(token: int) -> common_pb2.SparseDistribution:
 
 
 def _sync(sync: messages.SessionSync) -> common_pb2.SessionSync:
-    return common_pb2.SessionSync(session_id=sync.session_id, prefix_length=sync.prefix_length, new_token_ids=sync.new_token_ids)
+    return common_pb2.SessionSync(
+        session_id=sync.session_id, prefix_length=sync.prefix_length, new_token_ids=sync.new_token_ids, cache_salt=sync.cache_salt
+    )
 
 
 def draft_request(sessions: list[messages.DraftSession]) -> drafter_pb2.DraftRequest:

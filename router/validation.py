@@ -29,6 +29,8 @@ MAX_BAD_WORDS = 64
 MAX_BAD_WORD_TOKENS = 32
 # A bad word's characters, checked before it is tokenized (a token is rarely longer than 16 characters).
 MAX_BAD_WORD_CHARS = 16 * MAX_BAD_WORD_TOKENS
+# A cache salt names a tenant (an id, a hash): it rides in each new session's first message to every server.
+MAX_CACHE_SALT_CHARS = 256
 
 
 def _float32(x: float) -> float:
@@ -88,6 +90,7 @@ def validate(params: GenerationParams, tokenizer, limits: Limits, guides: GuideC
         include_stop_str_in_output=params.include_stop_str_in_output,
         skip_special_tokens=params.skip_special_tokens,
         priority=_priority(params.priority, limits),
+        cache_salt=_cache_salt(params.cache_salt),
     )
 
 
@@ -278,3 +281,13 @@ def _priority(priority: int, limits: Limits) -> int:
     if not -(2**31) <= priority < 2**31:
         raise invalid("priority", f"must fit in 32 bits, got {priority}")
     return priority
+
+
+def _cache_salt(salt: str | None) -> str:
+    if salt is None:
+        return ""
+    if not salt:
+        raise invalid("cache_salt", "must be a non-empty string where set (unset: the prompt shares the cache with every unsalted request)")
+    if len(salt) > MAX_CACHE_SALT_CHARS:
+        raise invalid("cache_salt", f"is {len(salt)} characters; at most {MAX_CACHE_SALT_CHARS}")
+    return salt

@@ -132,13 +132,13 @@ class Verifying:
         units = []
         for request in requests:
             state = request.state
-            prefix, new = state.verifier_mirror.diff(state.tokens)
+            diff = state.verifier_mirror.diff(state.tokens)
             tree = trees.get(state.spec.session_id)
             # The lookup is speculation: a round the measured check sent to plain decoding (unrouted) runs without it,
             # so that the check weighs speculating, lookup included, against k = 0 (router/measured_goodput.py).
             lookup = min(self.context.config.settings.lookup_tokens, state.spec.max_draft_tokens) if request.plain_steps > 1 and plan.routed else 0
             session = messages.VerifySession(
-                sync=messages.SessionSync(state.spec.session_id, prefix, new),
+                sync=messages.SessionSync.of(state.spec.session_id, diff, state.spec.cache_salt),
                 tree=tree.token_tree() if tree else messages.TokenTree(),
                 sampling=state.spec.sampling,
                 logprobs=state.spec.logprobs,

@@ -43,6 +43,7 @@ def session_item(s, sampling: SamplingParams) -> VerifyItem:
         plain_steps=s.plain_steps or 1,
         lookup_tokens=s.lookup_tokens,
         max_tokens=s.max_tokens,
+        cache_salt=s.sync.cache_salt,
     )
 
 

@@ -56,6 +56,7 @@ class VerifyItem:
     lookup_tokens: int = 0
     # Tokens the call may emit for the session at most beyond its tree's accepted ones (0: its passes bound them).
     max_tokens: int = 0
+    cache_salt: str = ""  # read with prefix_length = 0: its cached blocks are shared only with its salt's sessions
     # Set by the verifier on a pass whose tree is its own lookup, not the client's: each token's confidence.
     lookup_confidences: list[float] = field(default_factory=list)
     # Set by the verifier on a pass whose tree is the text the session's guide forces (`_forced`): its own, never a
@@ -149,7 +150,7 @@ class Verifier:
         live = []
         for idx, item in enumerate(items):
             try:
-                session = self.store.sync(item.session_id, item.prefix_length, item.new_token_ids)
+                session = self.store.sync(item.session_id, item.prefix_length, item.new_token_ids, item.cache_salt)
             except UnknownSession:
                 results[idx] = VerifyResult(item.session_id, known=False)
                 continue

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import threading
@@ -11,6 +12,12 @@ from collections import OrderedDict
 from specfleet.engine.kv import Session
 
 log = logging.getLogger(__name__)
+
+
+def salted(namespace: bytes, cache_salt: str) -> bytes:
+    """Where a session's first block's hash starts from: its model's namespace, followed by a fixed-length digest of
+    its request's salt where it has one, so that no two salts' blocks (nor a salt's and the unsalted) ever meet."""
+    return namespace + b"\0salt:" + hashlib.blake2b(cache_salt.encode(), digest_size=16).digest() if cache_salt else namespace
 
 
 class UnknownSession(Exception):
@@ -40,14 +47,16 @@ class SessionStore:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def sync(self, session_id: str, prefix_length: int, new_token_ids: list[int]) -> Session:
-        """Apply a client's SessionSync: keep prefix_length tokens, append new ones."""
+    def sync(self, session_id: str, prefix_length: int, new_token_ids: list[int], cache_salt: str = "") -> Session:
+        """Apply a client's SessionSync: keep prefix_length tokens, append new ones. A session started afresh
+        (prefix_length 0) shares cached blocks only with sessions of its `cache_salt`."""
         session = self._sessions.get(session_id)
         if prefix_length == 0:
             if session is None:
-                session = Session(token_ids=[], namespace=self.namespace)
+                session = Session(token_ids=[])
                 self._sessions[session_id] = session
             session.truncate(0)
+            session.namespace = salted(self.namespace, cache_salt)
         elif session is None or len(session.token_ids) < prefix_length:
             raise UnknownSession(session_id)
         else:

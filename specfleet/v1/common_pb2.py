@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specfleet/v1/common.proto\x12\x0cspecfleet.v1\"\xeb\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x19\n\x11\x64rafter_invariant\x18\x05 \x01(\x08\x12?\n\nlogit_bias\x18\x06 \x03(\x0b\x32+.specfleet.v1.SamplingParams.LogitBiasEntry\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12\x14\n\x0coutput_start\x18\n \x01(\x05\x12\x12\n\nmin_tokens\x18\x0b \x01(\x05\x12\x11\n\theld_back\x18\x0c \x03(\x05\x12\"\n\x05guide\x18\r \x01(\x0b\x32\x13.specfleet.v1.Guide\x12\r\n\x05min_p\x18\x0e \x01(\x02\x12\x19\n\x11\x61llowed_token_ids\x18\x0f \x03(\x05\x12.\n\tbad_words\x18\x10 \x03(\x0b\x32\x1b.specfleet.v1.TokenSequence\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"u\n\x05Guide\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\x12\x0f\n\x07\x63ompact\x18\x03 \x01(\x08\x12\x13\n\x0bthought_end\x18\x04 \x03(\x05\x12\x19\n\x0cthought_open\x18\x05 \x01(\x05H\x00\x88\x01\x01\x42\x0f\n\r_thought_open\"O\n\x0bSessionSync\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rprefix_length\x18\x02 \x01(\x05\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x05\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\x93\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\x12\x14\n\x0c\x65os_token_id\x18\x05 \x01(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x06 \x01(\t\x12\x12\n\nparameters\x18\x07 \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x11\n\tattention\x18\n \x01(\t\x12\x0c\n\x04host\x18\x0b \x01(\t\x12\x0c\n\x04\x63pus\x18\x0c \x03(\x05\x12\x0f\n\x07threads\x18\r \x01(\x05\x12\x19\n\x11structured_output\x18\x0e \x01(\x08\":\n\x0eReleaseRequest\x12\x13\n\x0bsession_ids\x18\x01 \x03(\t\x12\x13\n\x0bkeep_tokens\x18\x02 \x01(\x08\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x05\"\r\n\x0bInfoRequest*l\n\rSessionStatus\x12\x1e\n\x1aSESSION_STATUS_UNSPECIFIED\x10\x00\x12\x0e\n\nSESSION_OK\x10\x01\x12\x13\n\x0fSESSION_UNKNOWN\x10\x02\x12\x16\n\x12SESSION_PREFILLING\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specfleet/v1/common.proto\x12\x0cspecfleet.v1\"\xeb\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x19\n\x11\x64rafter_invariant\x18\x05 \x01(\x08\x12?\n\nlogit_bias\x18\x06 \x03(\x0b\x32+.specfleet.v1.SamplingParams.LogitBiasEntry\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12\x14\n\x0coutput_start\x18\n \x01(\x05\x12\x12\n\nmin_tokens\x18\x0b \x01(\x05\x12\x11\n\theld_back\x18\x0c \x03(\x05\x12\"\n\x05guide\x18\r \x01(\x0b\x32\x13.specfleet.v1.Guide\x12\r\n\x05min_p\x18\x0e \x01(\x02\x12\x19\n\x11\x61llowed_token_ids\x18\x0f \x03(\x05\x12.\n\tbad_words\x18\x10 \x03(\x0b\x32\x1b.specfleet.v1.TokenSequence\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"u\n\x05Guide\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\x12\x0f\n\x07\x63ompact\x18\x03 \x01(\x08\x12\x13\n\x0bthought_end\x18\x04 \x03(\x05\x12\x19\n\x0cthought_open\x18\x05 \x01(\x05H\x00\x88\x01\x01\x42\x0f\n\r_thought_open\"c\n\x0bSessionSync\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rprefix_length\x18\x02 \x01(\x05\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x05\x12\x12\n\ncache_salt\x18\x04 \x01(\t\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\x93\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\x12\x14\n\x0c\x65os_token_id\x18\x05 \x01(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x06 \x01(\t\x12\x12\n\nparameters\x18\x07 \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x11\n\tattention\x18\n \x01(\t\x12\x0c\n\x04host\x18\x0b \x01(\t\x12\x0c\n\x04\x63pus\x18\x0c \x03(\x05\x12\x0f\n\x07threads\x18\r \x01(\x05\x12\x19\n\x11structured_output\x18\x0e \x01(\x08\":\n\x0eReleaseRequest\x12\x13\n\x0bsession_ids\x18\x01 \x03(\t\x12\x13\n\x0bkeep_tokens\x18\x02 \x01(\x08\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x05\"\r\n\x0bInfoRequest*l\n\rSessionStatus\x12\x1e\n\x1aSESSION_STATUS_UNSPECIFIED\x10\x00\x12\x0e\n\nSESSION_OK\x10\x01\x12\x13\n\x0fSESSION_UNKNOWN\x10\x02\x12\x16\n\x12SESSION_PREFILLING\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_SESSIONSTATUS']._serialized_start=1219
-  _globals['_SESSIONSTATUS']._serialized_end=1327
+  _globals['_SESSIONSTATUS']._serialized_start=1239
+  _globals['_SESSIONSTATUS']._serialized_end=1347
   _globals['_SAMPLINGPARAMS']._serialized_start=44
   _globals['_SAMPLINGPARAMS']._serialized_end=535
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=487
@@ -44,15 +44,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GUIDE']._serialized_start=573
   _globals['_GUIDE']._serialized_end=690
   _globals['_SESSIONSYNC']._serialized_start=692
-  _globals['_SESSIONSYNC']._serialized_end=771
-  _globals['_SPARSEDISTRIBUTION']._serialized_start=773
-  _globals['_SPARSEDISTRIBUTION']._serialized_end=827
-  _globals['_MODELINFO']._serialized_start=830
-  _globals['_MODELINFO']._serialized_end=1105
-  _globals['_RELEASEREQUEST']._serialized_start=1107
-  _globals['_RELEASEREQUEST']._serialized_end=1165
-  _globals['_RELEASERESPONSE']._serialized_start=1167
-  _globals['_RELEASERESPONSE']._serialized_end=1202
-  _globals['_INFOREQUEST']._serialized_start=1204
-  _globals['_INFOREQUEST']._serialized_end=1217
+  _globals['_SESSIONSYNC']._serialized_end=791
+  _globals['_SPARSEDISTRIBUTION']._serialized_start=793
+  _globals['_SPARSEDISTRIBUTION']._serialized_end=847
+  _globals['_MODELINFO']._serialized_start=850
+  _globals['_MODELINFO']._serialized_end=1125
+  _globals['_RELEASEREQUEST']._serialized_start=1127
+  _globals['_RELEASEREQUEST']._serialized_end=1185
+  _globals['_RELEASERESPONSE']._serialized_start=1187
+  _globals['_RELEASERESPONSE']._serialized_end=1222
+  _globals['_INFOREQUEST']._serialized_start=1224
+  _globals['_INFOREQUEST']._serialized_end=1237
 # @@protoc_insertion_point(module_scope)

@@ -82,14 +82,16 @@ class Guide(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., spec: _Optional[str] = ..., compact: _Optional[bool] = ..., thought_end: _Optional[_Iterable[int]] = ..., thought_open: _Optional[int] = ...) -> None: ...
 
 class SessionSync(_message.Message):
-    __slots__ = ("session_id", "prefix_length", "new_token_ids")
+    __slots__ = ("session_id", "prefix_length", "new_token_ids", "cache_salt")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PREFIX_LENGTH_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prefix_length: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., prefix_length: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, session_id: _Optional[str] = ..., prefix_length: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class SparseDistribution(_message.Message):
     __slots__ = ("token_ids", "probs")

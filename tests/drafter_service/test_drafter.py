@@ -263,6 +263,22 @@ def test_stacked_models_share_a_prefix_cache_only_within_each_model(random_famil
             torch.testing.assert_close(torch.tensor(probs), torch.tensor(alone_probs), atol=TOLERANCE, rtol=0)
 
 
+def test_a_salted_session_takes_only_its_own_salt_s_cached_blocks(random_family):
+    """vLLM's cache_salt at a drafter: of four sessions of one prompt, the third (the first's salt) takes the first's
+    two blocks and the fourth (unsalted) the second's; each drafts what the first drafts."""
+    name = "drafter-copy"
+    model = DraftModel(load_model(name, random_family[name], use_token_map=True, device=DEVICE, prefix_caching=True), SessionStore(1 << 30, 100), 8)
+    prompt = list(range(40, 88))
+    drafts, hits = [], []
+    for sid, salt in [("a", "x"), ("b", ""), ("c", "x"), ("d", "")]:
+        before = model.loaded.pool.hits
+        (result,) = draft_batch({name: model}, [(name, DraftItem(sid, 0, prompt, 4, SamplingParams(), cache_salt=salt))])
+        drafts.append(result.token_ids)
+        hits.append(model.loaded.pool.hits - before)
+    assert hits == [0, 0, 32, 32]
+    assert all(d == drafts[0] for d in drafts)
+
+
 def test_a_long_prompt_is_prefilled_in_chunks_beside_drafting_sessions(drafter_path):
     """max_prefill_tokens 64: a 300-token prompt drafts nothing while its prefill goes on, 64 positions a call, and
     its result says it is prefilling; the short sessions beside it draft every call, and once it is in it drafts what an unchunked session drafts."""

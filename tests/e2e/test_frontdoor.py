@@ -142,6 +142,8 @@ REFUSED = [
     (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
     (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
     (dict(priority=1), "priority"),  # router.priority_scheduling is off
+    (dict(cache_salt=""), "cache_salt"),  # set, it names a tenant
+    (dict(cache_salt="t" * 257), "cache_salt"),
 ]
 
 
@@ -193,6 +195,8 @@ def test_valid_params_become_the_request_asked_for(tokenizer, limits):
     assert validate(GenerationParams(prompt_token_ids=prompt_ids, priority=-3), tokenizer, by_priority).priority == -3
     with pytest.raises(GenerationError, match="priority: must fit in 32 bits"):
         validate(GenerationParams(prompt_token_ids=prompt_ids, priority=2**31), tokenizer, by_priority)
+    # vLLM's cache_salt: a tenant's name, up to 256 characters, carried to the request's sessions.
+    assert validate(GenerationParams(prompt_token_ids=prompt_ids, cache_salt="t" * 256), tokenizer, limits).cache_salt == "t" * 256
 
 
 def test_a_guide_is_compiled_on_admission_and_refused_where_the_verifier_cannot_compile_guides(tokenizer, limits):

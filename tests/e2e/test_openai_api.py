@@ -71,6 +71,7 @@ def api(random_family, target_with_template, tmp_path_factory):
     )
     config["verifier"]["model"] = str(target_with_template)
     config["verifier"]["metrics_port"] = free_port()
+    config["drafters"][0]["metrics_port"] = free_port()
     # `specfleet serve` reads it (as `--api-key`); the gRPC API needs it too (cluster.channel() sends it).
     cluster = Cluster(config, tmp_path_factory.mktemp("openai"), "openai", env={"SPECFLEET_API_KEY": API_KEY}).start()
     cluster.base_url = f"http://127.0.0.1:{config['router']['http_port']}"
@@ -253,6 +254,7 @@ REFUSED = [
     ("completions", {"extra_body": {"bad_words": ["  "]}}, "bad_words"),
     ("completions", {"extra_body": {"truncate_prompt_tokens": 0}}, "truncate_prompt_tokens"),
     ("chat", {"extra_body": {"priority": 1}}, "priority"),  # router.priority_scheduling is off
+    ("completions", {"extra_body": {"cache_salt": ""}}, "cache_salt"),
     ("chat", {"extra_body": {"allowed_token_ids": [5], "structured_outputs": {"regex": "a"}}}, "allowed_token_ids"),
     ("chat", {"extra_body": {"echo": True}}, "echo"),
     ("completions", {"extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs"),
@@ -924,6 +926,34 @@ def test_a_prompt_that_starts_like_an_earlier_one_reuses_its_cached_prefix(api, 
     assert prompt_tokens > 64
     assert _metric(verifier_metrics, "specfleet:prefix_cache_hits_total") - hits >= prompt_tokens - 16
     assert _metric(verifier_metrics, "specfleet:prefix_cache_queries_total") - queries >= 2 * (prompt_tokens - 1)
+
+
+def _hits(url: str) -> float:
+    """A service's prefix cache hits, over all its label sets (a drafter service's are labelled by it)."""
+    text = without_model_name(urllib.request.urlopen(url, timeout=10).read().decode())
+    return sum(float(v) for v in re.findall(r"^specfleet:prefix_cache_hits_total(?:\{[^}]*\})? (\S+)$", text, re.M))
+
+
+def test_a_cache_salt_shares_cached_prompts_only_among_its_own_requests(api, client):
+    """vLLM's cache_salt: a salted prompt takes cached blocks at the verifier and the drafter only from earlier
+    requests of the same salt, never another salt's or an unsalted one's; the output is the target's either way."""
+    ports = api.config["verifier"]["metrics_port"], api.config["drafters"][0]["metrics_port"]
+    services = [f"http://127.0.0.1:{port}/metrics" for port in ports]
+    # About 12 blocks: the CPU's pool (64 blocks until sessions need more) keeps the first request's idle blocks cached
+    # beside the next two requests' (it forgets idle blocks only when a new session finds no room).
+    prompt = f"Ledger {time.monotonic_ns()}: " + " ".join(f"entry {i} balances" for i in range(12))
+
+    def complete(salt: str | None) -> tuple[str, list[float]]:
+        before = [_hits(url) for url in services]
+        extra = {"ignore_eos": True, "speculation": {"max_draft_tokens": 4}} | ({"cache_salt": salt} if salt is not None else {})
+        text = client.completions.create(model="random-target", prompt=prompt, max_tokens=8, temperature=0, extra_body=extra).choices[0].text
+        return text, [_hits(url) - b for url, b in zip(services, before)]
+
+    runs = [complete(salt) for salt in ("tenant-a", "tenant-b", None, "tenant-a")]
+    assert all(text == runs[0][0] for text, _ in runs)
+    assert [hits for _, hits in runs[:3]] == [[0, 0]] * 3, "no salt takes another's blocks"
+    verifier_hits, drafter_hits = runs[3][1]
+    assert verifier_hits >= 128 and drafter_hits >= 128, "tenant-a's second request takes its first's blocks at both"
 
 
 def _prompt_reference(path: str, prompt_ids: list[int], top: int):

@@ -97,7 +97,7 @@ def test_the_record_path_carries_every_field_both_ways():
     sampling = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=123, drafter_invariant=True)
     proposal = type("Proposal", (), {"token_ids": [7, 9], "probs": [0.75, 0.25]})()
     session = messages.VerifySession(
-        sync=messages.SessionSync("s", 3, [1, 2]),
+        sync=messages.SessionSync("s", 3, [1, 2], "tenant"),
         tree=messages.TokenTree([7], [-1], [proposal]),
         sampling=sampling,
         logprobs=True,
@@ -114,7 +114,7 @@ def test_the_record_path_carries_every_field_both_ways():
     assert core.size == (1, 3 + 2 + 1)
     own = {"lookup_confidences", "forced"}  # set by the verifier on its own chains (lookup, forced text), never by a caller
     assert all(getattr(item, f.name) != VerifyItem.__dataclass_fields__[f.name].default for f in dataclasses.fields(VerifyItem) if f.name not in own)
-    assert item == VerifyItem("s", 3, [1, 2], sampling, [7], [-1], [([7, 9], [0.75, 0.25])], True, 1, 4, 2, 3, 7)
+    assert item == VerifyItem("s", 3, [1, 2], sampling, [7], [-1], [([7, 9], [0.75, 0.25])], True, 1, 4, 2, 3, 7, "tenant")
     (verified,) = reply.sessions
     prompt = messages.PromptLogprobs([-2.0], [3], [1], [-0.25])
     assert verified == messages.VerifiedSession(True, False, [0], [7, 8], [-0.5, -0.25], [7, 3], [-0.5, -1.5], 3, 2, prompt)
@@ -177,12 +177,12 @@ def test_the_drafter_record_path_carries_every_field_both_ways():
             return [DraftResult("s", True, [7, 8], [([7, 9], [0.75, 0.25]), ([8], [1.0])], [0.75, 1.0], -1.5, 3)], BatchStats(2.0, 1, 0.25)
 
     sampling = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=123, drafter_invariant=True)
-    session = messages.DraftSession(messages.SessionSync("s", 3, [1, 2]), "m", 2, sampling, 0.25, True, "g")
+    session = messages.DraftSession(messages.SessionSync("s", 3, [1, 2], "tenant"), "m", 2, sampling, 0.25, True, "g")
     core = Core()
     reply = asyncio.run(RecordDrafter(core).call([session]))
     ((model, item),) = core.items
     assert core.size == (1, 3 + 2 + 2)
-    assert model == "m" and item == DraftItem("s", 3, [1, 2], 2, sampling, 0.25, True, "g")
+    assert model == "m" and item == DraftItem("s", 3, [1, 2], 2, sampling, 0.25, True, "g", "tenant")
     assert all(getattr(item, f.name) != f.default for f in dataclasses.fields(DraftItem) if f.default is not dataclasses.MISSING)
     (drafted,) = reply.sessions
     assert (drafted.known, drafted.token_ids, drafted.confidences) == (True, [7, 8], [0.75, 1.0])

@@ -74,6 +74,22 @@ def test_a_chunked_batch_looks_each_prompt_up_in_the_prefix_cache_once(random_fa
     assert (loaded.pool.queries, loaded.pool.hits) == (78, 32), "b finds a's two full blocks"
 
 
+def test_a_salted_prompt_shares_cached_blocks_only_with_its_own_salt(random_family):
+    """vLLM's cache_salt: a prompt's cached blocks serve later prompts of the same salt, never another salt's nor an
+    unsalted one's, and the tokens are the target's either way."""
+    loaded = load_model("target", str(random_family["target"]), prefix_caching=True)
+    verifier = Verifier(loaded, SessionStore(1 << 30, 100))
+    prompt = torch.randint(1, 300, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    tokens, hits = [], []
+    for sid, salt in [("a", ""), ("b", "tenant-1"), ("c", "tenant-2"), ("d", "tenant-1"), ("e", "")]:
+        before = loaded.pool.hits
+        (result,) = verifier.verify_batch([VerifyItem(sid, 0, prompt, SamplingParams(), cache_salt=salt)])
+        tokens.append(result.token_ids)
+        hits.append(loaded.pool.hits - before)
+    assert hits == [0, 0, 0, 32, 32], "d finds b's blocks, e finds a's; b and c find none"
+    assert all(t == tokens[0] for t in tokens)
+
+
 PLAIN = [SamplingParams(), SamplingParams(0.8, seed=7, drafter_invariant=True), SamplingParams(0.8, top_p=0.9, seed=11)]
 
 
