@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API, served by the router process next to its gRPC port.
 
-    POST /v1/completions        POST /v1/chat/completions
+    POST /v1/completions        POST /v1/chat/completions     POST /v1/responses
     GET  /v1/models             GET  /health             GET /version
 
 An adapter over router.frontdoor, as the gRPC servicer is: a request body becomes router.api.GenerationParams
@@ -35,6 +35,7 @@ from router.http_gate import BodyGate, error_response
 from router.tokens_api import token_routes
 from router.metrics_api import metrics_routes
 from router.openai_stream import run_unary, stream
+from router.openai_responses import ResponsesRequest, create_response
 from router.openai_logprobs import chat_logprobs, completion_logprobs, echo_logprobs, prompt_logprobs_json, token_text
 from router.chat_reply import ChatReply
 from router.reasoning import ReasoningReader, guide_after_thought, thinks
@@ -71,7 +72,7 @@ class OpenAIServer:
         self.created = int(time.time())
 
     @contextlib.contextmanager
-    def _refusals(self):
+    def refusals(self):
         """What HTTP refuses before a request reaches the front door counts as a failure, as the front door's refusals do."""
         try:
             yield
@@ -124,7 +125,7 @@ class OpenAIServer:
         }
 
     async def completions(self, body: CompletionRequest, request: Request):
-        with self._refusals():
+        with self.refusals():
             self._check(body)
             prompts, n = completion_prompts(body), body.n
             params = [params_of(body, body.max_tokens, p, i * n + c, c) for i, p in enumerate(prompts) for c in range(n)]
@@ -183,8 +184,10 @@ class OpenAIServer:
                 p.skip_special_tokens = False
         return params
 
-    async def chat(self, body: ChatRequest, request: Request):
-        with self._refusals():
+    async def submit_chat(self, body: ChatRequest, request: Request, renamed=contextlib.nullcontext) -> tuple[list[ChatReply], list[Generation]]:
+        """A chat request checked, rendered and submitted: each choice's reply reader and generation. `renamed()`: a
+        context its refusals leave through (the Responses API's, router/openai_responses.py, names fields its own way)."""
+        with self.refusals(), renamed():
             self._check(body)
             max_tokens = chat_max_tokens(body)
             prompt = chat_prompt(self.front_door.tokenizer, body)
@@ -193,7 +196,11 @@ class OpenAIServer:
                 for _ in range(body.n)
             ]
             params = self._chat_params(body, max_tokens, prompt, replies[0].mode)
-        generations = await self._submit(params, request)
+        with renamed():
+            return replies, await self._submit(params, request)
+
+    async def chat(self, body: ChatRequest, request: Request):
+        replies, generations = await self.submit_chat(body, request)
         name = self._name(body)
 
         def logprobs_of(logprobs: list) -> dict | None:
@@ -243,12 +250,14 @@ class OpenAIServer:
 
 
 # What an unknown route's 404 lists.
-ROUTES = "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET /version"
+ROUTES = (
+    "POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET /version"
+)
 
 
 # An HTTP refusal's gRPC status name: the label it counts under in specfleet:request_failure_total.
 GRPC_STATUS_NAMES = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE"}
-GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 
 def _add_error_handlers(app: FastAPI, front_door: FrontDoor) -> None:
@@ -307,6 +316,10 @@ def _v1(server: OpenAIServer) -> APIRouter:
     @v1.post("/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         return await server.chat(body, request)
+
+    @v1.post("/responses")
+    async def responses(body: ResponsesRequest, request: Request):
+        return await create_response(server, body, request)
 
     return v1
 
