@@ -214,6 +214,8 @@ def load_core(svc: config_mod.DrafterServiceConfig, threads: int | None = None) 
     for m in models.values():
         if isinstance(m, DraftModel) and m.stack is None:
             m.loaded.prepare(m.store.max_cache_bytes, m.store.max_sessions)
+        if isinstance(m, DraftModel):
+            m.loaded.pool.add_budget(m.store.max_cache_bytes)  # a stack's pool: its members' budgets together
     pools = list({id(m.loaded.pool): m.loaded.pool for m in models.values() if isinstance(m, DraftModel)}.values())
     telemetry = PassTelemetry("drafter", lambda: [m.store for m in models.values()], {"drafter_service": svc.name}, pools=lambda: pools)
     batcher = BatchQueue(

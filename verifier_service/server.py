@@ -175,6 +175,7 @@ def load_core(vcfg: config_mod.VerifierConfig, model: str | None = None, threads
     )
     store = SessionStore(max_cache_bytes=int(vcfg.max_cache_mb * 2**20), max_sessions=vcfg.max_sessions, idle_s=vcfg.session_idle_s)
     loaded.prepare(store.max_cache_bytes, store.max_sessions)
+    loaded.pool.add_budget(store.max_cache_bytes)
     verifier = Verifier(loaded, store, vcfg.max_prefill_tokens)
     telemetry = PassTelemetry("verifier", lambda: [store], pools=lambda: [loaded.pool])
     batcher = BatchQueue(

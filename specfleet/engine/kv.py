@@ -55,7 +55,8 @@ class KVPool:
     and counted (a block goes back to the pool when no session holds it). A cached block is
     never written again: a session that rolls back into one gives it up and recomputes the
     positions it kept of it. When no session holds a cached block it stays cached, idle, until
-    the pool needs its room (least recently released first).
+    the pool needs its room (least recently released first) and has grown to its services' KV
+    budget (`cache_budget`).
     """
 
     def __init__(self, model: LlamaModel, block_size: int = BLOCK_SIZE, blocks: int = INITIAL_BLOCKS, prefix_caching: bool = False):
@@ -69,6 +70,10 @@ class KVPool:
         self._cached: dict[bytes, int] = {}  # a full block's hash -> the block holding its KV
         self._hash_of: dict[int, bytes] = {}  # the other way: the cached blocks, never written again
         self._idle: OrderedDict[int, None] = OrderedDict()  # cached blocks no session holds, least recently released first
+        # Blocks the pool grows to before it forgets idle cached blocks to make room: its services' KV budget
+        # (`add_budget`). A pool sized by its sessions would otherwise keep only a few prompts' worth of idle blocks,
+        # and a conversation's next turn would find its earlier turns forgotten.
+        self.cache_budget = 0
         self.queries = self.hits = 0  # tokens looked up in the prefix cache, and found (vLLM's prefix_cache_queries, _hits)
         self.block_bytes = model.num_layers * 2 * model.kv_heads * block_size * model.head_dim * self.kv.element_size()
         # Moving a session to keep it consecutive pays where attention reads views (a CPU, per session).
@@ -88,6 +93,16 @@ class KVPool:
     def free_blocks(self) -> int:
         return len(self._free)
 
+    def add_budget(self, max_cache_bytes: int) -> None:
+        """A service's KV budget for the sessions this pool holds (a stack's members each add theirs)."""
+        self.cache_budget += max_cache_bytes // self.block_bytes
+
+    def _grow_for_cache(self, count: int) -> None:
+        """Where idle cached blocks stand in the way of `count` more and the budget allows, grow (doubling, at least
+        `count` more) rather than forget them."""
+        if self._idle and self.blocks < self.cache_budget:
+            self._grow(min(self.cache_budget, max(2 * self.blocks, self.blocks + count)))
+
     def reserve(self, blocks: int) -> None:
         """Hold at least `blocks` blocks now (one allocation up front, as a GPU serving a budget wants)."""
         if blocks > self.blocks:
@@ -100,6 +115,8 @@ class KVPool:
         if self.free_after(after, count):
             return self.take(range(after + 1, after + 1 + count))
         if not self.relocate:  # any free blocks: batched attention gathers them anyway, and no gap is searched for
+            if len(self._free) < count:
+                self._grow_for_cache(count)
             self._reclaim(lambda: len(self._free) >= count)
             if len(self._free) < count:
                 self._grow(max(2 * self.blocks, self.blocks + count))
@@ -111,8 +128,12 @@ class KVPool:
         return after is not None and all(b in self._free for b in range(after + 1, after + 1 + count))
 
     def run(self, count: int) -> list[int]:
-        """`count` consecutive free blocks: idle cached blocks forgotten, or else the pool grown (doubling), when no gap holds them."""
+        """`count` consecutive free blocks: where no gap holds them, the pool grown within its budget, else idle cached
+        blocks forgotten, else the pool grown (doubling) past it."""
         start = self.gap_for(count)
+        if start is None:
+            self._grow_for_cache(count)
+            start = self.gap_for(count)
         if start is None:
             self._reclaim(lambda: self.gap_for(count) is not None)
             start = self.gap_for(count)

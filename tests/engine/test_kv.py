@@ -50,6 +50,31 @@ def test_a_session_that_moves_keeps_its_prefix_cached_where_its_kv_now_lies():
     assert resent.blocks == session.blocks and resent.kv_len == 16 and pool.hits == 16
 
 
+def test_idle_cached_blocks_are_forgotten_only_once_the_pool_holds_its_budget():
+    """A new session that finds no gap grows the pool, up to its services' KV budget, rather than forget the idle
+    blocks of a finished one (a conversation's earlier turns, say); at the budget it forgets them, least recently
+    released first."""
+    for budget, kept in ((0, False), (64, True)):
+        pool = _pool(blocks=8)
+        pool.add_budget(budget * pool.block_bytes)
+        finished = Session(token_ids=[])
+        _grow(pool, finished, list(range(100, 116)))  # four full blocks
+        finished.evict_kv()  # its client is done: the blocks are idle, still cached
+        other = Session(token_ids=[])
+        _grow(pool, other, list(range(200, 220)))  # five blocks: no gap holds them beside the idle four
+        again = Session(token_ids=list(range(100, 116)) + [7])
+        again.reuse_prefix(pool, 16)
+        assert (again.kv_len == 16) is kept, budget
+        assert pool.blocks == (16 if kept else 8)
+    pool = _pool(blocks=8)
+    pool.add_budget(8 * pool.block_bytes)  # the pool already holds its budget
+    finished = Session(token_ids=[])
+    _grow(pool, finished, list(range(100, 116)))
+    finished.evict_kv()
+    _grow(pool, Session(token_ids=[]), list(range(200, 220)))
+    assert pool.blocks == 8 and not pool._idle
+
+
 def test_a_moved_session_leaves_a_block_it_shares_cached_where_the_other_holds_it():
     """A cached block another session also holds stays where it is: that session still reads it there."""
     pool = _pool(blocks=16)

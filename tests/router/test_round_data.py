@@ -48,7 +48,7 @@ SAMPLING = SamplingParams(
 
 def test_draft_and_verify_records_carry_every_field_of_the_contract():
     draft = messages.DraftSession(
-        sync=messages.SessionSync("s", 3, [1, 2]),
+        sync=messages.SessionSync("s", 3, [1, 2], "tenant"),
         model="m",
         num_draft_tokens=4,
         sampling=SAMPLING,
@@ -58,7 +58,7 @@ def test_draft_and_verify_records_carry_every_field_of_the_contract():
     )
     (sent,) = transport.draft_request([draft]).sessions
     assert not _every_field_set(sent), _every_field_set(sent)
-    assert (sent.sync.session_id, sent.sync.prefix_length, list(sent.sync.new_token_ids)) == ("s", 3, [1, 2])
+    assert (sent.sync.session_id, sent.sync.prefix_length, list(sent.sync.new_token_ids), sent.sync.cache_salt) == ("s", 3, [1, 2], "tenant")
     assert (sent.model, sent.num_draft_tokens, sent.score_context, sent.lockstep_group) == ("m", 4, True, "g")
     assert abs(sent.stop_below_confidence - 0.25) < 1e-7
     got = SamplingParams.from_proto(sent.sampling)
@@ -81,7 +81,7 @@ def test_draft_and_verify_records_carry_every_field_of_the_contract():
     proposal = transport.point_mass(7)
     tree = messages.TokenTree(token_ids=[7, 8], parents=[-1, 0], proposals=[proposal, proposal])
     verify = messages.VerifySession(
-        sync=messages.SessionSync("s", 1, [9]),
+        sync=messages.SessionSync("s", 1, [9], "tenant"),
         tree=tree,
         sampling=SAMPLING,
         logprobs=True,
