@@ -38,7 +38,7 @@ from router.openai_stream import run_unary, stream
 from router.openai_responses import ResponsesRequest, create_response
 from router.openai_logprobs import chat_logprobs, completion_logprobs, echo_logprobs, prompt_logprobs_json, token_text
 from router.chat_reply import ChatReply
-from router.reasoning import ReasoningReader, guide_after_thought, thinks
+from router.reasoning import ReasoningReader, guide_after_thought, special_tags, thinks
 from router.tool_parsers import KEEP_SPECIAL_TOKENS, parser_for
 from specfleet.config import RouterConfig
 from router.openai_schema import (
@@ -68,7 +68,8 @@ class OpenAIServer:
         self.model_name = model_name
         template = getattr(front_door.tokenizer, "chat_template", None)
         self.tool_parser = parser_for(tool_call_parser, template)
-        self.thinks = thinks(reasoning_parser, template)
+        self.thinks = thinks(reasoning_parser, template)  # the thought's tags, or None
+        self.special_thoughts = special_tags(front_door.tokenizer, self.thinks)
         self.created = int(time.time())
 
     @contextlib.contextmanager
@@ -174,13 +175,14 @@ class OpenAIServer:
 
     def _chat_params(self, body: ChatRequest, max_tokens: int | None, prompt: str, mode: str) -> list:
         """Each choice's request: a guide leaves a reasoning model's thought alone, and where tool calls are read from
-        the text by a parser whose tags may be special tokens, their text is kept (vLLM's parsers ask alike)."""
+        the text by a parser whose tags may be special tokens, or a thought's tags are, their text is kept (vLLM's
+        parsers ask alike)."""
         params = [params_of(body, max_tokens, prompt, c, c) for c in range(body.n)]
         encode = functools.partial(self.front_door.tokenizer.encode, add_special_tokens=False)
         for p in params:
             if self.thinks:
-                p.guide = guide_after_thought(p.guide, prompt, encode)
-            if mode == "auto" and self.tool_parser in KEEP_SPECIAL_TOKENS:
+                p.guide = guide_after_thought(p.guide, prompt, encode, self.thinks)
+            if (mode == "auto" and self.tool_parser in KEEP_SPECIAL_TOKENS) or self.special_thoughts:
                 p.skip_special_tokens = False
         return params
 
@@ -191,8 +193,9 @@ class OpenAIServer:
             self._check(body)
             max_tokens = chat_max_tokens(body)
             prompt = chat_prompt(self.front_door.tokenizer, body)
+            tags = self.thinks
             replies = [
-                ChatReply(body.tools, body.tool_choice, body.parallel_tool_calls, self.tool_parser, ReasoningReader(prompt) if self.thinks else None)
+                ChatReply(body.tools, body.tool_choice, body.parallel_tool_calls, self.tool_parser, ReasoningReader(prompt, tags) if tags else None)
                 for _ in range(body.n)
             ]
             params = self._chat_params(body, max_tokens, prompt, replies[0].mode)

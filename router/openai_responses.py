@@ -287,7 +287,8 @@ class ResponseWriter:
         """The whole response, once `generation` has finished and `items` hold its output; with specfleet's
         `speculation` statistics beside it, as chat's carry them."""
         result = generation.completion()
-        reasoning = reasoning_tokens(self.server.front_door.tokenizer, result.token_ids, items.reasoned)
+        close = self.server.thinks.close if items.reasoned else None
+        reasoning = reasoning_tokens(self.server.front_door.tokenizer, result.token_ids, close)
         usage = usage_of(result.usage.prompt_tokens, result.usage.completion_tokens, reasoning)
         return self.json(status_of(result.finish_reason), items.items, usage, speculation=speculation_json(result.speculation))
 

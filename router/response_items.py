@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import uuid
 
-from router.reasoning import CLOSE
 
 # Each kind of item that holds text: its id's prefix, its part's type, the event its text streams in.
 TEXT_ITEMS = {
@@ -108,14 +107,15 @@ class OutputItems:
         return {"logprobs": []} if kind == "message" else {}
 
 
-def reasoning_tokens(tokenizer, token_ids: list[int], reasoned: bool) -> int:
-    """The output's tokens up to the end of its thought, `</think>` included (all of them where it never closes); 0
-    where there is no thought. The smallest prefix whose text holds the tag, found by halving: a few decodes."""
-    if not reasoned:
+def reasoning_tokens(tokenizer, token_ids: list[int], close: str | None) -> int:
+    """The output's tokens up to the end of its thought, its closing tag `close` included (all of them where it never
+    closes); 0 where there is no thought (`close` None). The smallest prefix whose text holds the tag, found by
+    halving: a few decodes."""
+    if close is None:
         return 0
 
     def closed(n: int) -> bool:
-        return CLOSE in tokenizer.decode(token_ids[:n], skip_special_tokens=False)
+        return close in tokenizer.decode(token_ids[:n], skip_special_tokens=False)
 
     if not closed(len(token_ids)):
         return len(token_ids)

@@ -18,7 +18,7 @@ from specfleet.config.services import CORES, PORT
 ROUTING_POLICIES = ("expertise", "fixed", "random", "oracle")
 DOMAIN_PRIORS = ("likelihood", "exemplars")
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "pythonic", "mistral", "none")
-REASONING_PARSERS = ("auto", "think", "none")
+REASONING_PARSERS = ("auto", "think", "mistral", "none")
 
 
 def chat_template_text(setting: str) -> str | None:
@@ -201,8 +201,8 @@ class RouterConfig:
     reasoning_parser: str = knob(
         "auto",
         "whether the HTTP API tells a reasoning model's thought from its answer (router/reasoning.py): think (the text "
-        "between <think> and </think> is a chat reply's `reasoning`: DeepSeek R1, Qwen 3, QwQ), none, "
-        "auto: think where the target's chat template writes <think>",
+        "between <think> and </think> is a chat reply's `reasoning`: DeepSeek R1, Qwen 3, QwQ), mistral (between [THINK] "
+        "and [/THINK]: Magistral), none, auto: the one whose opening tag the target's chat template writes",
         check=one_of(REASONING_PARSERS),
     )
     cpus: list[int] = knob(

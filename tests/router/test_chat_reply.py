@@ -9,11 +9,12 @@ import pytest
 
 from router.chat_reply import ChatReply
 from router.openai_tools import ToolError
-from router.reasoning import ReasoningReader, guide_after_thought
+from router.reasoning import TAGS, ReasoningReader, guide_after_thought, thinks
 from specfleet.guides import Guide
 
 ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}
 PING = {"type": "function", "function": {"name": "ping"}}
+THINK, MISTRAL = TAGS["think"], TAGS["mistral"]
 
 
 def test_auto_without_a_parser_is_refused_saying_what_to_set():
@@ -54,22 +55,22 @@ def streamed(reply: ChatReply, pieces: list[str], finish: str = "stop") -> list:
 
 def test_a_thought_is_the_reply_s_reasoning_whole_and_streamed_before_its_answer_and_calls():
     text = "<think>Add them.</think>Sure." + CALL
-    message, finish = ChatReply([ADD], "auto", True, "hermes", ReasoningReader("<user>hi\n<assistant>")).message(text, "stop")
+    message, finish = ChatReply([ADD], "auto", True, "hermes", ReasoningReader("<user>hi\n<assistant>", THINK)).message(text, "stop")
     assert (message["reasoning"], message["content"], finish) == ("Add them.", "Sure.", "tool_calls")
-    deltas = streamed(ChatReply([ADD], "auto", True, "hermes", ReasoningReader("<assistant>")), list(text))
+    deltas = streamed(ChatReply([ADD], "auto", True, "hermes", ReasoningReader("<assistant>", THINK)), list(text))
     assert "".join(d[0].get("reasoning", "") for d in deltas if d) == "Add them."
     assert "".join(d[0].get("content", "") for d in deltas if d) == "Sure."
     assert not any("<" in d[0].get("reasoning", "") + d[0].get("content", "") for d in deltas if d)
     # A template that opens the thought in the prompt: the output starts inside it.
-    opened = ChatReply(None, None, True, "", ReasoningReader("<assistant><think>\n"))
+    opened = ChatReply(None, None, True, "", ReasoningReader("<assistant><think>\n", THINK))
     assert opened.message("Hmm.</think>\n\n42", "stop") == ({"content": "\n\n42", "reasoning": "Hmm."}, "stop")
     # Cut by max_tokens inside the thought: all reasoning, no content.
-    assert ChatReply(None, None, True, "", ReasoningReader("<assistant>")).message("<think>Hmm", "length") == (
+    assert ChatReply(None, None, True, "", ReasoningReader("<assistant>", THINK)).message("<think>Hmm", "length") == (
         {"content": None, "reasoning": "Hmm"},
         "length",
     )
     # Output that does not open a thought is all content, streamed as it comes once it cannot be the tag.
-    plain = streamed(ChatReply(None, None, True, "", ReasoningReader("<assistant>")), ["<", "b>bold"])
+    plain = streamed(ChatReply(None, None, True, "", ReasoningReader("<assistant>", THINK)), ["<", "b>bold"])
     assert plain[0] is None and plain[1] == ({"content": "<b>bold"}, None)
 
 
@@ -79,8 +80,24 @@ def test_a_chat_guide_leaves_the_thought_as_the_prompt_leaves_it():
     guide = Guide("regex", "a+")
     one = {"<think>": [7], "</think>": [8, 9]}.__getitem__
     several = {"<think>": [1, 2], "</think>": [8, 9]}.__getitem__
-    assert guide_after_thought(guide, "<assistant><think>\n", one) == Guide("regex", "a+", thought_end=(8, 9))
-    assert guide_after_thought(guide, "<assistant><think>\n\n</think>\n\n", one) == guide
-    assert guide_after_thought(guide, "<assistant>", one) == Guide("regex", "a+", thought_end=(8, 9), thought_open=7)
-    assert guide_after_thought(guide, "<assistant>", several) == guide
-    assert guide_after_thought(None, "<think>", one) is None
+    assert guide_after_thought(guide, "<assistant><think>\n", one, THINK) == Guide("regex", "a+", thought_end=(8, 9))
+    assert guide_after_thought(guide, "<assistant><think>\n\n</think>\n\n", one, THINK) == guide
+    assert guide_after_thought(guide, "<assistant>", one, THINK) == Guide("regex", "a+", thought_end=(8, 9), thought_open=7)
+    assert guide_after_thought(guide, "<assistant>", several, THINK) == guide
+    assert guide_after_thought(None, "<think>", one, THINK) is None
+
+
+def test_magistral_s_thought_tags_are_read():
+    """router.reasoning_parser: auto reads the tags the template writes (Magistral's [THINK] and [/THINK])."""
+    assert thinks("auto", "{{ '[THINK]' }}...") == MISTRAL and thinks("auto", "<think>") == THINK
+    assert thinks("auto", "plain") is None and thinks("none", "<think>") is None and thinks("mistral", None) == MISTRAL
+    text = "[THINK]Add them.[/THINK]Sure."
+    assert ChatReply(None, None, True, "", ReasoningReader("[INST]hi[/INST]", MISTRAL)).message(text, "stop") == (
+        {"content": "Sure.", "reasoning": "Add them."},
+        "stop",
+    )
+    deltas = streamed(ChatReply(None, None, True, "", ReasoningReader("[INST]hi[/INST]", MISTRAL)), list(text))
+    assert "".join(d[0].get("reasoning", "") for d in deltas if d) == "Add them."
+    assert "".join(d[0].get("content", "") for d in deltas if d) == "Sure."
+    one = {"[THINK]": [7], "[/THINK]": [8]}.__getitem__
+    assert guide_after_thought(Guide("regex", "a+"), "[/INST]", one, MISTRAL) == Guide("regex", "a+", thought_end=(8,), thought_open=7)
