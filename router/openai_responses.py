@@ -115,13 +115,13 @@ def _refuse_unserved(body: ResponsesRequest) -> None:
         raise unsupported(f"reasoning.{asked[0]}", why)
 
 
-def _text(i: int, content, where: str) -> str:
-    """A message's content: a string, or text parts joined."""
+def _text(i: int, content, where: str, kinds: tuple[str, ...] = TEXT_PARTS) -> str:
+    """A message's content: a string, or text parts (of `kinds`) joined."""
     if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
-            if not (isinstance(part, dict) and part.get("type") in TEXT_PARTS and isinstance(part.get("text"), str)):
-                raise ApiError(400, f"input[{i}].{where}[{j}]: only text parts ({', '.join(TEXT_PARTS)}) are supported", param="input")
+            if not (isinstance(part, dict) and part.get("type") in kinds and isinstance(part.get("text"), str)):
+                raise ApiError(400, f"input[{i}].{where}[{j}]: only text parts ({', '.join(kinds)}) are supported", param="input")
             texts.append(part["text"])
         return "".join(texts)
     if not isinstance(content, str):
@@ -130,7 +130,8 @@ def _text(i: int, content, where: str) -> str:
 
 
 def _fields(i: int, item: dict, required: dict[str, type], optional: tuple[str, ...] = ("id", "status")) -> None:
-    extra = sorted(set(item) - {"type", *required, *optional})
+    # A key set to null is absent: a client that sends back a response's items as its SDK dumps them sends every field.
+    extra = sorted({key for key, value in item.items() if value is not None} - {"type", *required, *optional})
     if extra:
         raise ApiError(400, f"input[{i}].{extra[0]}: not supported by specfleet", param="input")
     for key, kind in required.items():
@@ -138,10 +139,23 @@ def _fields(i: int, item: dict, required: dict[str, type], optional: tuple[str, 
             raise ApiError(400, f"input[{i}].{key}: a {kind.__name__} is required", param="input")
 
 
+def _thought(i: int, item: dict) -> str:
+    """A reasoning item's thought: its content's text, or its summary's where it has no content."""
+    _fields(i, item, {}, ("id", "status", "summary", "content", "encrypted_content"))
+    if item.get("encrypted_content") is not None:
+        raise ApiError(400, f"input[{i}].encrypted_content: specfleet encrypts no thoughts; send the reasoning item's content", param="input")
+    if item.get("content"):
+        return _text(i, item["content"], "content", ("reasoning_text",))
+    return _text(i, item.get("summary") or [], "summary", ("summary_text",))
+
+
 def messages_of(body: ResponsesRequest) -> list[dict]:
-    """The chat messages of `instructions` and `input`; a tool call joins the assistant's message before it."""
+    """The chat messages of `instructions` and `input`; a tool call joins the assistant's message before it, and a
+    reasoning item's thought (an earlier response's output sent back) becomes the next assistant message's
+    `reasoning`, which a template may render (one that no assistant's turn follows is left out)."""
     messages = [] if body.instructions is None else [{"role": "system", "content": body.instructions}]
     items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
+    thought = None
     for i, item in enumerate(items):
         kind = item.get("type", "message")
         if kind == "message":
@@ -149,6 +163,9 @@ def messages_of(body: ResponsesRequest) -> list[dict]:
             if item["role"] not in ROLES:
                 raise ApiError(400, f"input[{i}].role: must be one of {', '.join(ROLES)}, got {item['role']!r}", param="input")
             messages.append({"role": item["role"], "content": _text(i, item.get("content"), "content")})
+        elif kind == "reasoning":
+            thought = (thought or "") + _thought(i, item)
+            continue
         elif kind == "function_call":
             _fields(i, item, {"call_id": str, "name": str, "arguments": str})
             call = {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
@@ -161,6 +178,9 @@ def messages_of(body: ResponsesRequest) -> list[dict]:
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
         else:
             raise ApiError(400, f"input[{i}].type: {kind!r} items are not supported by specfleet", param="input", code="unsupported_field")
+        if thought is not None and messages[-1]["role"] == "assistant":
+            messages[-1].setdefault("reasoning", thought)
+        thought = None
     return messages
 
 

@@ -258,6 +258,44 @@ TEMPLATE_ARGUMENTS = ("messages", "conversation", "tools", "documents", "add_gen
 TEMPLATE_ARGUMENTS += ("tokenize", "chat_template")
 
 
+def _message(i: int, message: dict) -> dict:
+    """One chat message as the template reads it: text content, an assistant's tool calls and earlier thought, a tool
+    result's call id."""
+    role, content = message.get("role"), message.get("content")
+    if role not in ("system", "user", "assistant", "developer", "tool"):
+        raise ApiError(400, f"messages[{i}].role: must be system, developer, user, assistant or tool, got {role!r}", param="messages")
+    if content is None and role == "assistant" and (message.get("tool_calls") or _thought(i, message)):
+        content = ""  # an assistant turn that called tools or only thought, and said nothing
+    if isinstance(content, list):  # content parts: only text ones
+        if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
+            raise ApiError(400, f"messages[{i}].content: only text parts are supported", param="messages")
+        content = "".join(p.get("text", "") for p in content)
+    if not isinstance(content, str):
+        raise ApiError(400, f"messages[{i}].content: must be a string or a list of text parts", param="messages")
+    extra = sorted(set(message) - {"role", "content", "name", "tool_calls", "tool_call_id", *THOUGHT_KEYS})
+    if extra:
+        raise ApiError(400, f"messages[{i}].{extra[0]}: not supported by specfleet", param="messages")
+    plain = {**{k: message[k] for k in ("tool_calls", "tool_call_id") if k in message}, "role": role, "content": content}
+    thought = _thought(i, message)
+    # Under both names, as vLLM passes it: Qwen 3's and DeepSeek's templates read reasoning_content.
+    return plain | dict.fromkeys(THOUGHT_KEYS, thought) if thought is not None else plain
+
+
+# An assistant message's earlier thought (a reply's `reasoning`, sent back in a later turn), as vLLM names it.
+THOUGHT_KEYS = ("reasoning", "reasoning_content")
+
+
+def _thought(i: int, message: dict) -> str | None:
+    given = [key for key in THOUGHT_KEYS if message.get(key) is not None]
+    if not given:
+        return None
+    if message.get("role") != "assistant" or not isinstance(message[given[0]], str):
+        raise ApiError(400, f"messages[{i}].{given[0]}: an assistant message's earlier thought, a string", param="messages")
+    if len(given) > 1 and message[given[0]] != message[given[1]]:
+        raise ApiError(400, f"messages[{i}].reasoning_content: set it or reasoning (the same thought), not both", param="messages")
+    return message[given[0]]
+
+
 def render_chat(
     tokenizer,
     messages: list[dict],
@@ -283,23 +321,7 @@ def render_chat(
             param="messages",
             code="no_chat_template",
         )
-    plain = []
-    for i, message in enumerate(messages):
-        role, content = message.get("role"), message.get("content")
-        if role not in ("system", "user", "assistant", "developer", "tool"):
-            raise ApiError(400, f"messages[{i}].role: must be system, developer, user, assistant or tool, got {role!r}", param="messages")
-        if content is None and role == "assistant" and message.get("tool_calls"):
-            content = ""  # an assistant turn that called tools and said nothing
-        if isinstance(content, list):  # content parts: only text ones
-            if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
-                raise ApiError(400, f"messages[{i}].content: only text parts are supported", param="messages")
-            content = "".join(p.get("text", "") for p in content)
-        if not isinstance(content, str):
-            raise ApiError(400, f"messages[{i}].content: must be a string or a list of text parts", param="messages")
-        extra = sorted(set(message) - {"role", "content", "name", "tool_calls", "tool_call_id"})
-        if extra:
-            raise ApiError(400, f"messages[{i}].{extra[0]}: not supported by specfleet", param="messages")
-        plain.append({**{k: message[k] for k in ("tool_calls", "tool_call_id") if k in message}, "role": role, "content": content})
+    plain = [_message(i, message) for i, message in enumerate(messages)]
     try:
         return tokenizer.apply_chat_template(
             plain,

@@ -29,10 +29,12 @@ from tests.operations import host_pid, metrics, service_pid, without_model_name
 
 API_KEY = "test-key-123"
 # Tools are rendered, and calls asked for, as the hermes format writes them, and a thought opened where the template's
-# `thinking` is set (chat_template_kwargs): router.tool_call_parser and reasoning_parser "auto" read both.
+# `thinking` is set (chat_template_kwargs): router.tool_call_parser and reasoning_parser "auto" read both. An assistant
+# message's earlier thought is rendered as Qwen 3's template renders it.
 TEMPLATE = (
     "{% if tools %}<tools>{{ tools | tojson }}</tools> Call one as <tool_call>{...}</tool_call>\n{% endif %}"
-    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% for m in messages %}<{{ m['role'] }}>{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+    "{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% if thinking %}<think>{% endif %}{% endif %}"
 )
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "name: specfleet\nversion:"]
@@ -1204,6 +1206,28 @@ def test_a_thought_is_the_reply_s_reasoning_and_chat_template_kwargs_reach_the_t
     body = dict(add_generation_prompt=False, continue_final_message=True, structured_outputs={"regex": r"Yes\."})
     reply = client.chat.completions.create(**{**args, "messages": closed}, extra_body=body)
     assert (getattr(reply.choices[0].message, "reasoning", None), reply.choices[0].message.content) == (None, "Yes.")
+
+
+def test_an_assistant_message_s_earlier_thought_reaches_the_template_under_either_name(client, tokenizer):
+    """vLLM's reasoning (or reasoning_content) on an assistant message sent back in a later turn: the template reads it
+    as reasoning_content (Qwen 3's renders it); on another role, or two different thoughts, it is refused by name."""
+    turns = [{"role": "user", "content": "Where is Paris?"}, None, {"role": "user", "content": "And?"}]
+    earlier = {"role": "assistant", "content": "In France.", "reasoning_content": "A city."}
+    expected = tokenizer.apply_chat_template([turns[0], earlier, turns[2]], tokenize=False, add_generation_prompt=True)
+    assert "<assistant><think>A city.</think>In France." in expected
+    for key in ("reasoning", "reasoning_content"):
+        turns[1] = {"role": "assistant", "content": "In France.", key: "A city."}
+        reply = client.chat.completions.create(model="random-target", messages=turns, max_tokens=1)
+        assert reply.usage.prompt_tokens == len(tokenizer.encode(expected, add_special_tokens=False)), key
+    refused = [
+        [{"role": "user", "content": "hi", "reasoning": "Hm."}],
+        [{"role": "assistant", "content": "hi", "reasoning": "Hm.", "reasoning_content": "Other."}],
+        [{"role": "assistant", "content": "hi", "reasoning": 3}],
+    ]
+    for messages in refused:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="random-target", messages=messages, max_tokens=1)
+        assert err.value.body["param"] == "messages" and "messages[0].reasoning" in err.value.body["message"], err.value.body
 
 
 TEMPLATE_REFUSALS = [

@@ -153,6 +153,15 @@ def test_a_thought_is_a_reasoning_item_and_its_tokens_are_reasoning_tokens_unary
     completed = events[-1].response
     assert [item.type for item in completed.output] == ["reasoning", "message"]
     assert completed.usage.model_dump() == reply.usage.model_dump()
+    # The output sent back in the next turn's input (a stateless conversation): the thought rides with the assistant's
+    # message, as chat's reasoning_content, which the template renders.
+    follow_up = [{"role": "user", "content": "Where is Paris?"}, *[item.model_dump() for item in reply.output], {"role": "user", "content": "And?"}]
+    again = client.responses.create(model=MODEL, input=follow_up, temperature=0, max_output_tokens=1)
+    earlier = {"role": "assistant", "content": "In France.", "reasoning_content": reasoning.content[0].text}
+    chat = client.chat.completions.create(model=MODEL, messages=[*messages, earlier, {"role": "user", "content": "And?"}], max_tokens=1)
+    prompt = tokenizer.apply_chat_template([*messages, earlier, {"role": "user", "content": "And?"}], tokenize=False, add_generation_prompt=True)
+    assert "<think>" + reasoning.content[0].text + "</think>In France." in prompt
+    assert again.usage.input_tokens == chat.usage.prompt_tokens == len(tokenizer.encode(prompt, add_special_tokens=False))
 
 
 def test_function_tools_give_function_call_items_and_a_call_s_output_goes_back_in_input(client):
@@ -227,7 +236,8 @@ REFUSED = [
     ({"text": {"format": {"type": "xml"}}}, "text.format"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
     ({"text": {"verbosity": "low"}}, "text.verbosity"),
-    ({"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]}, "input"),
+    ({"input": [{"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "x"}]}, "input"),
+    ({"input": [{"type": "reasoning", "id": "rs_1", "content": [{"type": "output_text", "text": "Hm."}]}]}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://example.com/a.png"}]}]}, "input"),
     ({"input": [{"role": "tool", "content": "18 C"}]}, "input"),
     ({"extra_body": {"max_tokens": 5}}, "max_tokens"),
