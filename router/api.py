@@ -78,6 +78,7 @@ class TokenLogprobs:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # of the prompt's, those the verifier's prefix cache held (computed by an earlier request)
 
     @property
     def total_tokens(self) -> int:

@@ -119,7 +119,7 @@ class Generation:
         )
 
     def usage(self) -> Usage:
-        return Usage(prompt_tokens=len(self.state.spec.prompt_ids), completion_tokens=len(self.state.output_ids))
+        return Usage(len(self.state.spec.prompt_ids), len(self.state.output_ids), min(self.state.cached_tokens, len(self.state.spec.prompt_ids)))
 
     def speculation(self) -> SpeculationStats:
         state = self.state

@@ -88,7 +88,7 @@ def logprobs_proto(logprobs: list[TokenLogprobs]) -> list[generation_pb2.TokenLo
 
 
 def usage_proto(usage: Usage) -> generation_pb2.Usage:
-    return generation_pb2.Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens)
+    return generation_pb2.Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens, cached_tokens=usage.cached_tokens)
 
 
 def speculation_proto(stats: SpeculationStats) -> generation_pb2.SpeculationStats:

@@ -112,6 +112,7 @@ class VerifiedSession:
     lookup_proposed: int = 0  # tokens the verifier's lookup drafted in the call's plain passes
     lookup_accepted: int = 0  # of which the target accepted
     prompt_logprobs: PromptLogprobs | None = None  # when the session asked for them, once
+    cached_tokens: int = 0  # of its prompt, the tokens the verifier's prefix cache held
 
 
 @dataclass

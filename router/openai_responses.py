@@ -309,7 +309,7 @@ class ResponseWriter:
         result = generation.completion()
         close = self.server.thinks.close if items.reasoned else None
         reasoning = reasoning_tokens(self.server.front_door.tokenizer, result.token_ids, close)
-        usage = usage_of(result.usage.prompt_tokens, result.usage.completion_tokens, reasoning)
+        usage = usage_of(result.usage, reasoning)
         return self.json(status_of(result.finish_reason), items.items, usage, speculation=speculation_json(result.speculation))
 
 

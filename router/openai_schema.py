@@ -347,7 +347,8 @@ def chat_prompt(tokenizer, body) -> str:
 def usage_json(usages: list[Usage]) -> dict:
     prompt = sum(u.prompt_tokens for u in usages)
     completion = sum(u.completion_tokens for u in usages)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = {"cached_tokens": sum(u.cached_tokens for u in usages)}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion, "prompt_tokens_details": cached}
 
 
 def _shortest_float32(x: float) -> float:

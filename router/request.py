@@ -152,6 +152,7 @@ class RequestState:
     timing_ms: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIMINGS, 0.0))
     logprobs: list = field(default_factory=list)  # the verifier's log-probabilities per output token, when asked
     prompt_logprobs: list | None = None  # the prompt's (router.api.TokenLogprobs), once the verifier answered them
+    cached_tokens: int = 0  # of the prompt, the tokens the verifier's prefix cache held (its answers' most)
     sent_prompt_logprobs: bool = False
     text: str = ""  # output text so far (stop strings removed)
     sent_text: int = 0  # characters of text already streamed

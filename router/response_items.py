@@ -126,11 +126,12 @@ def reasoning_tokens(tokenizer, token_ids: list[int], close: str | None) -> int:
     return low
 
 
-def usage_of(prompt_tokens: int, output_tokens: int, reasoning: int) -> dict:
-    """The Responses API's usage. No cached count is reported: the prefix cache's hits are not tallied per request."""
+def usage_of(usage, reasoning: int) -> dict:
+    """The Responses API's usage of a request's `usage` (router.api.Usage) with `reasoning` tokens of its output."""
+    prompt_tokens, output_tokens = usage.prompt_tokens, usage.completion_tokens
     return {
         "input_tokens": prompt_tokens,
-        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": output_tokens,
         "output_tokens_details": {"reasoning_tokens": reasoning},
         "total_tokens": prompt_tokens + output_tokens,

@@ -176,6 +176,7 @@ def verify_response(reply: verifier_pb2.VerifyResponse) -> messages.VerifyRespon
                 lookup_proposed=s.lookup_proposed,
                 lookup_accepted=s.lookup_accepted,
                 prompt_logprobs=_prompt_logprobs(s.prompt_logprobs) if s.HasField("prompt_logprobs") else None,
+                cached_tokens=s.cached_tokens,
             )
             for s in reply.sessions
         ],

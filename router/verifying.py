@@ -204,6 +204,7 @@ class Verifying:
                 metrics.session_misses += 1
                 state.verifier_mirror.reset()
                 continue
+            state.cached_tokens = max(state.cached_tokens, verified.cached_tokens)
             if verified.prefilling:
                 # A long prompt prefilled in chunks: the verifier holds the tokens synced, nothing was committed;
                 # the request verifies again next round.

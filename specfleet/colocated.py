@@ -73,6 +73,7 @@ class RecordVerifier(_RecordCore):
                 lookup_proposed=r.lookup_proposed,
                 lookup_accepted=r.lookup_accepted,
                 prompt_logprobs=None if r.prompt is None else _prompt_logprobs(r.prompt),
+                cached_tokens=r.cached_tokens,
             )
             for r in results
         ]

@@ -122,6 +122,7 @@ class VerifierCore:
                     lookup_proposed=r.lookup_proposed,
                     lookup_accepted=r.lookup_accepted,
                     prompt_logprobs=prompt_message(r.prompt),
+                    cached_tokens=r.cached_tokens,
                 )
                 for r in results
             ],

@@ -80,6 +80,7 @@ class VerifyResult:
     # Tokens the verifier's lookup drafted in this call's plain passes, and how many of them the target accepted.
     lookup_proposed: int = 0
     lookup_accepted: int = 0
+    cached_tokens: int = 0  # of its prompt, the tokens the prefix cache held (vLLM's cached_tokens; `Session.cached_tokens`)
 
 
 def passes(results: list[VerifyResult]) -> int:
@@ -327,7 +328,7 @@ class Verifier:
             if share == need:
                 ready.append((idx, item, session))
             else:
-                results[idx] = VerifyResult(item.session_id, known=True, prefilling=True)
+                results[idx] = VerifyResult(item.session_id, known=True, prefilling=True, cached_tokens=session.cached_tokens or 0)
         # Prefilled here, each looked up in the prefix cache once above (a second lookup would count its queries twice).
         prefill(self.loaded, [s for s, _ in todo], ends=[end for _, end in todo], reuse=False)
         return ready
@@ -370,14 +371,13 @@ class Verifier:
             verdicts = verify_trees(target_probs, tokens, parents, [item.proposals for item in items], uniforms, final)
             for b, (path, token) in zip(sampled, verdicts):
                 accepted[b], next_token[b] = path, token
-
         results = []
         for b, (_, item, session) in enumerate(live):
             path = accepted[b]
             rows = [0] + [node + 1 for node in path]  # the row whose distribution each emitted token was drawn from
             session.commit(rows)
             tokens = [item.tree_tokens[node] for node in path] + [next_token[b]]
-            result = VerifyResult(item.session_id, known=True, accepted_nodes=path, token_ids=tokens, steps=1)
+            result = VerifyResult(item.session_id, True, accepted_nodes=path, token_ids=tokens, steps=1, cached_tokens=session.cached_tokens or 0)
             if session.prompt_logprobs is not None and session.prompt_logprobs.complete(len(session.token_ids)):
                 result.prompt, session.prompt_logprobs = session.prompt_logprobs, None
             session.token_ids.extend(tokens)

@@ -294,6 +294,8 @@ class Session:
     # model's session never takes another's cached blocks.
     namespace: bytes = b""
     used_at: float = 0.0  # time.monotonic() of the last call that synced it (SessionStore.expire_idle)
+    # Of its prompt, the tokens its first lookup in the prefix cache found (vLLM's cached_tokens); None before it.
+    cached_tokens: int | None = None
     # While a verifier owes its client the prompt's log-probabilities: prefill records them and skips the prefix cache.
     prompt_logprobs: PromptLogprobs | None = None
     # A guided session's grammar matcher after its output (specfleet/engine/guides.py `session_guide`).
@@ -365,6 +367,8 @@ class Session:
             self.pool = pool
             self.blocks, self.hashes = pool.match(self.token_ids, end, self.namespace)
             self.kv_len = len(self.blocks) * pool.block_size
+            if self.cached_tokens is None:
+                self.cached_tokens = self.kv_len
 
     def evict_kv(self) -> None:
         if self.blocks:

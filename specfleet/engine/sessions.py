@@ -56,7 +56,7 @@ class SessionStore:
                 session = Session(token_ids=[])
                 self._sessions[session_id] = session
             session.truncate(0)
-            session.namespace = salted(self.namespace, cache_salt)
+            session.namespace, session.cached_tokens = salted(self.namespace, cache_salt), None
         elif session is None or len(session.token_ids) < prefix_length:
             raise UnknownSession(session_id)
         else:

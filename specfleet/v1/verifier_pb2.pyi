@@ -60,7 +60,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, sessions: _Optional[_Iterable[_Union[VerifySession, _Mapping]]] = ...) -> None: ...
 
 class VerifiedSession(_message.Message):
-    __slots__ = ("session_id", "status", "accepted_nodes", "token_ids", "logprobs", "top_token_ids", "top_logprobs", "lookup_proposed", "lookup_accepted", "prompt_logprobs")
+    __slots__ = ("session_id", "status", "accepted_nodes", "token_ids", "logprobs", "top_token_ids", "top_logprobs", "lookup_proposed", "lookup_accepted", "prompt_logprobs", "cached_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_NODES_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,7 @@ class VerifiedSession(_message.Message):
     LOOKUP_PROPOSED_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     status: _common_pb2.SessionStatus
     accepted_nodes: _containers.RepeatedScalarFieldContainer[int]
@@ -81,7 +82,8 @@ class VerifiedSession(_message.Message):
     lookup_proposed: int
     lookup_accepted: int
     prompt_logprobs: PromptLogprobs
-    def __init__(self, session_id: _Optional[str] = ..., status: _Optional[_Union[_common_pb2.SessionStatus, str]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., lookup_proposed: _Optional[int] = ..., lookup_accepted: _Optional[int] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., status: _Optional[_Union[_common_pb2.SessionStatus, str]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., lookup_proposed: _Optional[int] = ..., lookup_accepted: _Optional[int] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("sessions", "compute_ms", "batch_size", "queue_ms", "passes", "shared_ms")

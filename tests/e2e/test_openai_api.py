@@ -913,9 +913,10 @@ def test_a_chunked_body_is_refused_413_once_it_passes_max_request_bytes(api):
 def test_a_prompt_that_starts_like_an_earlier_one_reuses_its_cached_prefix(api, client):
     """Prefix caching through the services (`enable_prefix_caching`, on by default): the same prompt again
     takes the verifier's cached blocks of the first (all its full 16-token blocks: prefix_cache_hits_total,
-    vLLM's name) and gives the same greedy completion."""
+    vLLM's name) and gives the same greedy completion; each request's usage says how many of its prompt's tokens
+    the cache held (OpenAI's prompt_tokens_details.cached_tokens), over HTTP and gRPC."""
     verifier_metrics = f"http://127.0.0.1:{api.config['verifier']['metrics_port']}/metrics"
-    prompt = " ".join(f"The report {i} says" for i in range(40))
+    prompt = f"Run {time.monotonic_ns()}: " + " ".join(f"The report {i} says" for i in range(40))
 
     def complete():
         return client.completions.create(model="random-target", prompt=prompt, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
@@ -926,8 +927,13 @@ def test_a_prompt_that_starts_like_an_earlier_one_reuses_its_cached_prefix(api, 
     assert second.choices[0].text == first.choices[0].text
     prompt_tokens = first.usage.prompt_tokens
     assert prompt_tokens > 64
-    assert _metric(verifier_metrics, "specfleet:prefix_cache_hits_total") - hits >= prompt_tokens - 16
+    hit = _metric(verifier_metrics, "specfleet:prefix_cache_hits_total") - hits
+    assert hit >= prompt_tokens - 16
     assert _metric(verifier_metrics, "specfleet:prefix_cache_queries_total") - queries >= 2 * (prompt_tokens - 1)
+    assert (first.usage.prompt_tokens_details.cached_tokens, second.usage.prompt_tokens_details.cached_tokens) == (0, hit)
+    with api.channel() as channel:
+        reply = generation_pb2_grpc.GenerationStub(channel).Generate(greedy_request(prompt, 8), timeout=120)
+    assert (reply.usage.prompt_tokens, reply.usage.cached_tokens) == (prompt_tokens, hit)
 
 
 def _hits(url: str) -> float:

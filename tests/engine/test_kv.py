@@ -89,3 +89,19 @@ def test_a_moved_session_leaves_a_block_it_shares_cached_where_the_other_holds_i
     assert pool.relocations == 1 and not set(a.blocks) & set(b.blocks)
     assert [pool._cached[h] for h in a.hashes] == a.blocks
     assert pool._cached[b.hashes[-1]] == b.blocks[-1]  # its own new block, cached where it lies
+
+
+def test_a_session_s_cached_tokens_are_its_first_lookup_s():
+    """vLLM's cached_tokens: of a prompt, what its first lookup in the prefix cache found; a rebuild after its KV was
+    evicted (which finds its own output cached too) changes nothing."""
+    pool = _pool(blocks=16)
+    first = Session(token_ids=[])
+    _grow(pool, first, list(range(100, 108)))  # two full blocks, cached
+    second = Session(token_ids=list(range(100, 108)) + [1, 2, 3])
+    assert second.cached_tokens is None
+    second.reuse_prefix(pool, len(second.token_ids) - 1)
+    assert second.cached_tokens == 8
+    _grow(pool, second, [4, 5, 6, 7, 8])  # its own blocks past the prompt's, cached too
+    second.evict_kv()
+    second.reuse_prefix(pool, len(second.token_ids) - 1)
+    assert second.kv_len == 12 and second.cached_tokens == 8

@@ -86,6 +86,7 @@ def test_a_salted_prompt_shares_cached_blocks_only_with_its_own_salt(random_fami
         (result,) = verifier.verify_batch([VerifyItem(sid, 0, prompt, SamplingParams(), cache_salt=salt)])
         tokens.append(result.token_ids)
         hits.append(loaded.pool.hits - before)
+        assert result.cached_tokens == hits[-1], "the result says what its prompt found (vLLM's cached_tokens)"
     assert hits == [0, 0, 0, 32, 32], "d finds b's blocks, e finds a's; b and c find none"
     assert all(t == tokens[0] for t in tokens)
 
