@@ -127,11 +127,12 @@ def test_replies_become_records():
         lookup_proposed=4,
         lookup_accepted=1,
         prompt_logprobs=verifier_pb2.PromptLogprobs(logprobs=[-2.0], ranks=[3], top_token_ids=[1], top_logprobs=[-0.25]),
+        cached_tokens=16,
     )
     reply = transport.verify_response(verifier_pb2.VerifyResponse(sessions=[verified], compute_ms=3.0, batch_size=5, passes=3, shared_ms=0.5))
     (got,) = reply.sessions
     assert (reply.compute_ms, reply.batch_size, reply.passes, reply.shared_ms) == (3.0, 5, 3, 0.5)
-    assert (got.known, got.accepted_nodes, got.token_ids) == (True, [0], [4, 6])
+    assert (got.known, got.accepted_nodes, got.token_ids, got.cached_tokens) == (True, [0], [4, 6], 16)
     assert transport.verify_response(verifier_pb2.VerifyResponse(compute_ms=1.0)).passes == 1, "a server that does not say ran one pass"
     assert (got.logprobs, got.top_token_ids, got.top_logprobs) == ([-0.5, -1.0], [4, 6], [-0.5, -1.0])
     assert (got.lookup_proposed, got.lookup_accepted) == (4, 1)
