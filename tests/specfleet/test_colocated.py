@@ -91,7 +91,9 @@ def test_the_record_path_carries_every_field_both_ways():
         async def verify_items(self, items):
             self.items = items
             prompt = PromptLogprobs(1, [-2.0], [3], [1], [-0.25])
-            result = VerifyResult("s", True, False, [0], [7, 8], [-0.5, -0.25], [7, 3], [-0.5, -1.5], prompt, lookup_proposed=3, lookup_accepted=2, cached_tokens=16)
+            result = VerifyResult(
+                "s", True, False, [0], [7, 8], [-0.5, -0.25], [7, 3], [-0.5, -1.5], prompt, lookup_proposed=3, lookup_accepted=2, cached_tokens=16
+            )
             return [result], BatchStats(compute_ms=3.0, batch_size=4, queue_ms=0.5, passes=2, shared_ms=1.25)
 
     sampling = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=123, drafter_invariant=True)
