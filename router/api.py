@@ -56,6 +56,7 @@ class GenerationParams:
     truncate_prompt_tokens: int | None = None
     priority: int = 0  # vLLM's: where router.priority_scheduling is on, lower is admitted first
     cache_salt: str | None = None  # vLLM's: the prompt shares cached KV only with requests of the same salt; None: with all unsalted
+    add_special_tokens: bool = True  # a text prompt encoded with the tokenizer's special tokens (a BOS), as vLLM's completions
 
 
 @dataclass

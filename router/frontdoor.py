@@ -16,6 +16,7 @@ module: neither knows of the other, and nothing here knows of either.
 from __future__ import annotations
 
 import asyncio
+import functools
 import concurrent.futures
 import logging
 import time
@@ -171,9 +172,10 @@ class FrontDoor:
         if self.draining:
             raise GenerationError(ErrorKind.SHUTTING_DOWN, SHUTTING_DOWN)
 
-    async def tokenize(self, text: str) -> list[int]:
-        """text's token ids as a prompt is encoded (no special tokens added), on the tokenizer's thread."""
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, lambda: self.tokenizer.encode(text, add_special_tokens=False))
+    async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        """text's token ids as a prompt is encoded (`GenerationParams.add_special_tokens`), on the tokenizer's thread."""
+        encode = functools.partial(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, encode)
 
     async def detokenize(self, ids: list[int]) -> str:
         """ids' text, special tokens included, on the tokenizer's thread."""

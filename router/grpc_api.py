@@ -72,6 +72,7 @@ def params_of(req: generation_pb2.GenerateRequest) -> GenerationParams:
         truncate_prompt_tokens=req.truncate_prompt_tokens if req.HasField("truncate_prompt_tokens") else None,
         priority=req.priority,
         cache_salt=req.cache_salt or None,
+        add_special_tokens=req.add_special_tokens if req.HasField("add_special_tokens") else True,
     )
 
 

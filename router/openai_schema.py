@@ -71,6 +71,8 @@ class Sampling(BaseModel):
     truncate_prompt_tokens: int | None = None  # vLLM's
     priority: int = 0  # vLLM's
     cache_salt: str | None = None  # vLLM's: a non-empty string
+    # vLLM's: a text prompt's special tokens (a BOS) added; unset: a completion's are, a chat's not (its template's are).
+    add_special_tokens: bool | None = None
     ignore_eos: bool = False
     # Name logprobs' tokens "token_id:<id>" (vLLM's option): exact where a token's text is not.
     return_tokens_as_token_ids: bool = False
@@ -81,7 +83,6 @@ class Sampling(BaseModel):
     speculation: Speculation | None = None
     domain: str = ""
     request_id: str = ""
-
     # Structured output (router/openai_guides.py): OpenAI's response_format ({"type": "text"}, the default;
     # "json_object"; "json_schema" with json_schema.schema) or vLLM's structured_outputs (one of json, regex, choice,
     # grammar, json_object).
@@ -237,6 +238,7 @@ def params_of(body: Sampling, max_tokens: int | None, prompt: str | list[int], i
         truncate_prompt_tokens=body.truncate_prompt_tokens,
         priority=body.priority,
         cache_salt=body.cache_salt,
+        add_special_tokens=isinstance(body, CompletionRequest) if body.add_special_tokens is None else body.add_special_tokens,
     )
     if isinstance(prompt, str):
         params.prompt = prompt

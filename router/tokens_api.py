@@ -1,7 +1,8 @@
 """vLLM's `POST /tokenize` and `POST /detokenize` beside the OpenAI API (router/openai_api.py), behind the same gate.
 
-/tokenize gives a prompt's token ids exactly as the completions and chat endpoints send them to the model (the
-prompt encoded without special tokens; chat messages rendered by the tokenizer's chat template first), so `count`
+/tokenize gives a prompt's token ids exactly as the completions and chat endpoints send them to the model (a prompt
+encoded with the tokenizer's special tokens, a BOS say; chat messages rendered by the tokenizer's chat template, which
+writes its own, and encoded without; `add_special_tokens` as each endpoint takes it), so `count`
 is the `usage.prompt_tokens` a request with that prompt reports, beside `max_model_len`, the context it must fit.
 /detokenize gives token ids' text, special tokens included.
 
@@ -31,6 +32,11 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
+    add_special_tokens: bool | None = None  # vLLM's; unset: with a prompt, with messages not
+
+    def special_tokens(self) -> bool:
+        """Whether the text is encoded with the tokenizer's special tokens, as the endpoint it stands for encodes it."""
+        return self.prompt is not None if self.add_special_tokens is None else self.add_special_tokens
 
 
 class DetokenizeRequest(BaseModel):
@@ -62,7 +68,7 @@ def token_routes(front_door: FrontDoor, model_name: str) -> APIRouter:
         limits = front_door.limits
         if len(text) > limits.max_prompt_chars:
             raise ApiError(400, f"prompt: {len(text)} characters cannot fit the model's context of {limits.max_context} tokens", param="prompt")
-        ids = await front_door.tokenize(text)
+        ids = await front_door.tokenize(text, body.special_tokens())
         return {"count": len(ids), "max_model_len": limits.max_context, "tokens": ids}
 
     @routes.post("/detokenize")

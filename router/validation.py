@@ -112,7 +112,7 @@ def _prompt_ids(params: GenerationParams, tokenizer, limits: Limits) -> list[int
             raise invalid("prompt", "must not be empty (or set prompt_token_ids)")
         if len(params.prompt) > limits.max_prompt_chars and keep is None:
             raise invalid("prompt", f"{len(params.prompt)} characters cannot fit the model's context of {limits.max_context} tokens; shorten it")
-        prompt_ids = tokenizer.encode(params.prompt, add_special_tokens=False)
+        prompt_ids = tokenizer.encode(params.prompt, add_special_tokens=params.add_special_tokens)
         if not prompt_ids:
             raise invalid("prompt", "encodes to no tokens")
     if keep is not None:

@@ -12,12 +12,14 @@ import dataclasses
 import math
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import threading
 import time
 
 import pytest
+import tokenizers
 
 from router.api import (
     Completion,
@@ -32,11 +34,16 @@ from router.api import (
     TokenLogprobs,
 )
 from router.frontdoor import FrontDoor, interleave
+from router.grpc_api import params_of
+from router.openai_schema import ChatRequest, CompletionRequest
+from router.openai_schema import params_of as params_of_body
+from router.tokens_api import TokenizeRequest
 from specfleet.guides import Guide, GuideCompiler
 from router.validation import validate
 from router.request import Limits
 from specfleet.config import RequestLimitsConfig
 from specfleet.tokenizer import load_tokenizer
+from specfleet.v1 import generation_pb2
 from tests.helpers import PROMPTS, target_greedy
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -197,6 +204,30 @@ def test_valid_params_become_the_request_asked_for(tokenizer, limits):
         validate(GenerationParams(prompt_token_ids=prompt_ids, priority=2**31), tokenizer, by_priority)
     # vLLM's cache_salt: a tenant's name, up to 256 characters, carried to the request's sessions.
     assert validate(GenerationParams(prompt_token_ids=prompt_ids, cache_salt="t" * 256), tokenizer, limits).cache_salt == "t" * 256
+
+
+def test_a_text_prompt_gets_the_tokenizer_s_special_tokens_unless_asked_not_to(random_family, tmp_path, limits):
+    """vLLM's add_special_tokens: a text prompt encoded as the tokenizer encodes it, a BOS first where it adds one (as
+    vLLM's completions and transformers' generate), unless the request says not to (a chat's rendered template, which
+    wrote its own); gRPC's default is a completion's. /tokenize counts a prompt as the endpoint it stands for does."""
+    path = tmp_path / "bos"
+    shutil.copytree(random_family["target"], path)
+    backend = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+    bos = backend.token_to_id("<|endoftext|>")
+    backend.post_processor = tokenizers.processors.TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)])
+    backend.save(str(path / "tokenizer.json"))
+    with_bos = load_tokenizer(path)
+    plain = with_bos.encode("The fox", add_special_tokens=False)
+    assert validate(GenerationParams(prompt="The fox"), with_bos, limits).prompt_ids == [bos, *plain]
+    assert validate(GenerationParams(prompt="The fox", add_special_tokens=False), with_bos, limits).prompt_ids == plain
+    assert params_of(generation_pb2.GenerateRequest(prompt="x")).add_special_tokens
+    assert not params_of(generation_pb2.GenerateRequest(prompt="x", add_special_tokens=False)).add_special_tokens
+    completion, chat = CompletionRequest(model="m", prompt="x"), ChatRequest(model="m", messages=[{"role": "user", "content": "x"}])
+    assert params_of_body(completion, 4, "x", 0, 0).add_special_tokens and not params_of_body(chat, 4, "x", 0, 0).add_special_tokens
+    chat.add_special_tokens = True
+    assert params_of_body(chat, 4, "x", 0, 0).add_special_tokens
+    assert TokenizeRequest(model="m", prompt="x").special_tokens() and not TokenizeRequest(model="m", messages=[{"role": "user"}]).special_tokens()
+    assert not TokenizeRequest(model="m", prompt="x", add_special_tokens=False).special_tokens()
 
 
 def test_a_guide_is_compiled_on_admission_and_refused_where_the_verifier_cannot_compile_guides(tokenizer, limits):

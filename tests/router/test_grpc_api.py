@@ -41,6 +41,7 @@ def test_every_generate_request_field_reaches_the_router_s_params():
         truncate_prompt_tokens=5,
         priority=2,
         cache_salt="tenant",
+        add_special_tokens=False,
     )
     params, defaults = params_of(request), GenerationParams()
     unset = [f.name for f in dataclasses.fields(GenerationParams) if getattr(params, f.name) == getattr(defaults, f.name)]
