@@ -169,7 +169,7 @@ class OpenAIServer:
                 }
                 for i, (r, g) in enumerate(zip(results, generations))
             ],
-            "usage": usage_json([r.usage for r in results]),
+            "usage": usage_json([r.usage for r in results], body.n),
             "speculation": [speculation_json(r.speculation) for r in results],
         }
 
@@ -237,7 +237,7 @@ class OpenAIServer:
                 for c, r in enumerate(results)
                 for reply, finish in [replies[c].message(r.text, FINISH_REASONS.get(r.finish_reason))]
             ],
-            "usage": usage_json([r.usage for r in results]),
+            "usage": usage_json([r.usage for r in results], body.n),
             "speculation": [speculation_json(r.speculation) for r in results],
             **self._prompt_logprobs(body, name, results[0].prompt_logprobs),
             **({"prompt_token_ids": generations[0].prompt_ids} if body.return_token_ids else {}),

@@ -83,9 +83,8 @@ class Sampling(BaseModel):
     speculation: Speculation | None = None
     domain: str = ""
     request_id: str = ""
-    # Structured output (router/openai_guides.py): OpenAI's response_format ({"type": "text"}, the default;
-    # "json_object"; "json_schema" with json_schema.schema) or vLLM's structured_outputs (one of json, regex, choice,
-    # grammar, json_object).
+    # Structured output (router/openai_guides.py): OpenAI's response_format ({"type": "text"}, the default; "json_object";
+    # "json_schema" with json_schema.schema) or vLLM's structured_outputs (one of json, regex, choice, grammar, json_object).
     response_format: dict | None = None
     structured_outputs: dict | None = None
 
@@ -346,10 +345,11 @@ def chat_prompt(tokenizer, body) -> str:
 # --- results as OpenAI's JSON ---------------------------------------------------------------------------------------
 
 
-def usage_json(usages: list[Usage]) -> dict:
-    prompt = sum(u.prompt_tokens for u in usages)
+def usage_json(usages: list[Usage], n: int = 1) -> dict:
+    """Choices' usage, `n` a prompt (prompt i's c-th at i * n + c): a prompt counted once, as OpenAI and vLLM count it."""
+    prompt = sum(u.prompt_tokens for u in usages[::n])
     completion = sum(u.completion_tokens for u in usages)
-    cached = {"cached_tokens": sum(u.cached_tokens for u in usages)}
+    cached = {"cached_tokens": sum(u.cached_tokens for u in usages[::n])}
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion, "prompt_tokens_details": cached}
 
 

@@ -68,7 +68,7 @@ def stream(generations: list[Generation], head: dict, choice, body: Sampling, fi
                         c["speculation"] = speculation_json(update.speculation)
                     yield event([c])
             if body.include_usage:
-                yield event([], usage=usage_json([g.usage() for g in generations]))
+                yield event([], usage=usage_json([g.usage() for g in generations], body.n))
         except GenerationError as err:
             # The status line is already sent: the error travels as an event, as vLLM does.
             yield sse(ApiError.of(err).body())

@@ -152,7 +152,7 @@ def test_continuous_usage_stats_give_each_chunk_its_choice_s_usage_so_far(client
         by_choice[chunk.choices[0].index].append(chunk.usage.completion_tokens)
     expected = len(target_greedy(str(target_with_template), PROMPTS[0], MAX_TOKENS))
     assert all(counts == sorted(counts) and counts[-1] == expected for counts in by_choice.values())
-    assert total == 2 * expected
+    assert total == 2 * expected and chunks[-1].usage.prompt_tokens == prompt_tokens, "the prompt counted once, its two choices' output each"
     # Without it, the chunks carry no usage.
     plain = list(client.completions.create(model="random-target", prompt=PROMPTS[0], stream=True, stream_options={"include_usage": True}, **greedy()))
     assert all(c.usage is None for c in plain[:-1])
@@ -205,10 +205,14 @@ def test_n_choices_greedy_are_the_target_s_and_seeded_ones_differ_and_repeat(cli
     assert [c.index for c in reply.choices] == list(range(6))
     assert [c.text for c in reply.choices] == [expected[0]] * 3 + [expected[1]] * 3
     assert reply.usage.completion_tokens == 3 * (len(ids[0]) + len(ids[1]))
+    # Each prompt counted once, however many choices it has (OpenAI's and vLLM's usage).
+    assert reply.usage.prompt_tokens == sum(len(tokenizer.encode(p, add_special_tokens=False)) for p in PROMPTS[:2])
     assert len(reply.model_extra["speculation"]) == 6
     # Sampled with a seed: each choice its own sample, and the seed fixes all of them.
     sampled = {"model": "random-target", "messages": [{"role": "user", "content": "hi"}], "n": 3, "seed": 11, "temperature": 1.0, "max_tokens": 16}
-    first = [c.message.content for c in client.chat.completions.create(**sampled).choices]
+    chat = client.chat.completions.create(**sampled)
+    first = [c.message.content for c in chat.choices]
+    assert chat.usage.prompt_tokens == client.chat.completions.create(**{**sampled, "n": 1}).usage.prompt_tokens
     again = [c.message.content for c in client.chat.completions.create(**sampled, stream=False).choices]
     streamed = ["", "", ""]
     for chunk in client.chat.completions.create(**sampled, stream=True):
