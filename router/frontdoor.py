@@ -16,8 +16,8 @@ module: neither knows of the other, and nothing here knows of either.
 from __future__ import annotations
 
 import asyncio
-import functools
 import concurrent.futures
+import functools
 import logging
 import time
 import uuid

@@ -265,7 +265,8 @@ def _message(i: int, message: dict) -> dict:
     role, content = message.get("role"), message.get("content")
     if role not in ("system", "user", "assistant", "developer", "tool"):
         raise ApiError(400, f"messages[{i}].role: must be system, developer, user, assistant or tool, got {role!r}", param="messages")
-    if content is None and role == "assistant" and (message.get("tool_calls") or _thought(i, message)):
+    thought = _thought(i, message)
+    if content is None and role == "assistant" and (message.get("tool_calls") or thought is not None):
         content = ""  # an assistant turn that called tools or only thought, and said nothing
     if isinstance(content, list):  # content parts: only text ones
         if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
@@ -277,7 +278,6 @@ def _message(i: int, message: dict) -> dict:
     if extra:
         raise ApiError(400, f"messages[{i}].{extra[0]}: not supported by specfleet", param="messages")
     plain = {**{k: message[k] for k in ("tool_calls", "tool_call_id") if k in message}, "role": role, "content": content}
-    thought = _thought(i, message)
     # Under both names, as vLLM passes it: Qwen 3's and DeepSeek's templates read reasoning_content.
     return plain | dict.fromkeys(THOUGHT_KEYS, thought) if thought is not None else plain
 

@@ -97,11 +97,15 @@ class KVPool:
         """A service's KV budget for the sessions this pool holds (a stack's members each add theirs)."""
         self.cache_budget += max_cache_bytes // self.block_bytes
 
-    def _grow_for_cache(self, count: int) -> None:
-        """Where idle cached blocks stand in the way of `count` more and the budget allows, grow (doubling, at least
-        `count` more) rather than forget them."""
+    def _make_room(self, count: int, enough) -> None:
+        """Room for `count` more blocks, `enough()` saying when there is: the pool grown (doubling, at least `count`
+        more) within its cache budget where idle cached blocks stand in the way, rather than forget them; else idle
+        blocks forgotten, least recently released first; else the pool grown past the budget."""
         if self._idle and self.blocks < self.cache_budget:
             self._grow(min(self.cache_budget, max(2 * self.blocks, self.blocks + count)))
+        self._reclaim(enough)
+        if not enough():
+            self._grow(max(2 * self.blocks, self.blocks + count))
 
     def reserve(self, blocks: int) -> None:
         """Hold at least `blocks` blocks now (one allocation up front, as a GPU serving a budget wants)."""
@@ -116,10 +120,7 @@ class KVPool:
             return self.take(range(after + 1, after + 1 + count))
         if not self.relocate:  # any free blocks: batched attention gathers them anyway, and no gap is searched for
             if len(self._free) < count:
-                self._grow_for_cache(count)
-            self._reclaim(lambda: len(self._free) >= count)
-            if len(self._free) < count:
-                self._grow(max(2 * self.blocks, self.blocks + count))
+                self._make_room(count, lambda: len(self._free) >= count)
             return self.take([self._free.pop() for _ in range(count)])
         return self.run(count)
 
@@ -128,17 +129,10 @@ class KVPool:
         return after is not None and all(b in self._free for b in range(after + 1, after + 1 + count))
 
     def run(self, count: int) -> list[int]:
-        """`count` consecutive free blocks: where no gap holds them, the pool grown within its budget, else idle cached
-        blocks forgotten, else the pool grown (doubling) past it."""
+        """`count` consecutive free blocks: in the gap `gap_for` picks, room made (`_make_room`) where none holds them."""
         start = self.gap_for(count)
         if start is None:
-            self._grow_for_cache(count)
-            start = self.gap_for(count)
-        if start is None:
-            self._reclaim(lambda: self.gap_for(count) is not None)
-            start = self.gap_for(count)
-        if start is None:
-            self._grow(max(2 * self.blocks, self.blocks + count))
+            self._make_room(count, lambda: self.gap_for(count) is not None)
             start = self.gap_for(count)
         return self.take(range(start, start + count))
 
