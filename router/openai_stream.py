@@ -36,7 +36,8 @@ def stream(generations: list[Generation], head: dict, choice, body: Sampling, fi
     def event(choices: list[dict], **extra) -> str:
         if body.continuous_usage and len(choices) == 1:
             index = choices[0]["index"]
-            extra["usage"] = usage_json([Usage(len(generations[index].prompt_ids), streamed[index])])
+            so_far = generations[index].usage()  # its output may run ahead of what this choice has streamed
+            extra["usage"] = usage_json([Usage(so_far.prompt_tokens, streamed[index], so_far.cached_tokens)])
         if body.return_token_ids:
             for c in choices:
                 c["token_ids"], pending[c["index"]] = pending[c["index"]], []

@@ -938,6 +938,10 @@ def test_a_prompt_that_starts_like_an_earlier_one_reuses_its_cached_prefix(api, 
     with api.channel() as channel:
         reply = generation_pb2_grpc.GenerationStub(channel).Generate(greedy_request(prompt, 8), timeout=120)
     assert (reply.usage.prompt_tokens, reply.usage.cached_tokens) == (prompt_tokens, hit)
+    # Streamed with continuous usage (vLLM's), every chunk's usage says so too, not only the last.
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(client.completions.create(model="random-target", prompt=prompt, max_tokens=8, temperature=0, stream=True, stream_options=options))
+    assert [c.usage.prompt_tokens_details.cached_tokens for c in chunks] == [hit] * len(chunks)
 
 
 def _hits(url: str) -> float:
