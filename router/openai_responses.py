@@ -1,4 +1,4 @@
-"""OpenAI's Responses API, `POST /v1/responses`, as vLLM serves it without a response store.
+"""OpenAI's Responses API, `POST /v1/responses`, with `GET` and `DELETE /v1/responses/{id}` of stored responses.
 
 A request is a chat request in other words: `instructions` is a system message first, `input` the conversation (a
 string, a user's message; or message items, function calls and their outputs), `text.format` the response_format,
@@ -8,8 +8,9 @@ passed as they are. It is checked, rendered by the chat template and submitted a
 (`OpenAIServer.submit_chat`, router/openai_api.py); its reply is read as chat's (router/chat_reply.py: thought,
 answer, tool calls) and becomes output items (router/response_items.py), whole or as server-sent events.
 
-Nothing is stored, as in vLLM by default: `store` is accepted (true is OpenAI's default), and what would read a
-stored response (`previous_response_id`, `background`) is refused, as is every field not served, by name.
+A finished response is kept (router/response_store.py) unless the request says `store: false`: a request with its
+id as `previous_response_id` continues its conversation (its input and output items first, its instructions not
+carried over, as OpenAI does). `background` is refused, as is every field not served, by name.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from router.frontdoor import interleave
 from router.openai_errors import ApiError, unsupported
 from router.openai_schema import FINISH_REASONS, ChatRequest, refuse_lone_surrogates, speculation_json
 from router.openai_stream import GONE, run_unary
+from router.response_store import ResponseStore
 from router.response_items import OutputItems, reasoning_tokens, usage_of
 
 
@@ -52,9 +54,9 @@ class ResponsesRequest(BaseModel):
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
     truncation: Literal["auto", "disabled"] | None = None
+    previous_response_id: str | None = None
     # Served only at their neutral value (_refuse_unserved).
     background: bool | None = None
-    previous_response_id: str | None = None
     include: list[str] | None = None
     reasoning: dict | None = None
 
@@ -102,11 +104,8 @@ def renamed():
 
 
 def _refuse_unserved(body: ResponsesRequest) -> None:
-    if body.previous_response_id is not None:
-        why = "specfleet stores no responses (store is accepted, and nothing is kept, as in vLLM): send the conversation in input"
-        raise unsupported("previous_response_id", why)
     if body.background:
-        raise unsupported("background", "specfleet stores no responses to fetch later: wait for the response, or stream it")
+        raise unsupported("background", "specfleet answers a response as it is generated: wait for it, or stream it")
     if body.include:
         raise unsupported("include", f"{body.include[0]!r} is not served")
     asked = [key for key, value in (body.reasoning or {}).items() if value is not None]
@@ -149,14 +148,19 @@ def _thought(i: int, item: dict) -> str:
     return _text(i, item.get("summary") or [], "summary", ("summary_text",))
 
 
-def messages_of(body: ResponsesRequest) -> list[dict]:
-    """The chat messages of `instructions` and `input`; a tool call joins the assistant's message before it, and a
-    reasoning item's thought (an earlier response's output sent back) becomes the next assistant message's
-    `reasoning`, which a template may render (one that no assistant's turn follows is left out)."""
+def items_of(body: ResponsesRequest) -> list[dict]:
+    """The request's `input` as items: a string is a user's message."""
+    return [{"type": "message", "role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
+
+
+def messages_of(body: ResponsesRequest, earlier: list[dict] = ()) -> list[dict]:
+    """The chat messages of `instructions`, the `earlier` conversation's items and `input`'s; a tool call joins the
+    assistant's message before it, and a reasoning item's thought (an earlier response's output) becomes the next
+    assistant message's `reasoning`, which a template may render (one that no assistant's turn follows is left out).
+    `input[i]` in a refusal counts from input's first item: the earlier items were checked when they were input."""
     messages = [] if body.instructions is None else [{"role": "system", "content": body.instructions}]
-    items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
     thought = None
-    for i, item in enumerate(items):
+    for i, item in enumerate([*earlier, *items_of(body)], start=-len(earlier)):
         kind = item.get("type", "message")
         if kind == "message":
             _fields(i, item, {"role": str}, ("content", "id", "status"))
@@ -234,11 +238,11 @@ def format_of(text: dict | None) -> dict | None:
     return {"type": "json_schema", "json_schema": {key: value for key, value in fmt.items() if key != "type"}}
 
 
-def chat_request(body: ResponsesRequest) -> ChatRequest:
-    """The chat request this one is; a 400 names the first field it cannot serve."""
+def chat_request(body: ResponsesRequest, earlier: list[dict] = ()) -> ChatRequest:
+    """The chat request this one is, continuing the `earlier` conversation; a 400 names the first field it cannot serve."""
     refuse_lone_surrogates(body)
     _refuse_unserved(body)
-    chat = {"model": body.model, "messages": messages_of(body), "stream": body.stream, "parallel_tool_calls": body.parallel_tool_calls}
+    chat = {"model": body.model, "messages": messages_of(body, earlier), "stream": body.stream, "parallel_tool_calls": body.parallel_tool_calls}
     for name in sorted(body.model_extra or {}):
         if name in ELSEWHERE:
             raise unsupported(name, f"not a field of /v1/responses: {ELSEWHERE[name]}")
@@ -268,11 +272,14 @@ def chat_request(body: ResponsesRequest) -> ChatRequest:
 
 
 class ResponseWriter:
-    """One request's response object, as it starts and once finished; `chat` is the chat request it became."""
+    """One request's response object, as it starts and once finished (then stored, unless the request says
+    `store: false`, answering `context`: the earlier conversation's items and its own input's)."""
 
-    def __init__(self, server, body: ResponsesRequest, chat: ChatRequest):
-        self.server, self.body, self.chat = server, body, chat
+    def __init__(self, server, body: ResponsesRequest, chat: ChatRequest, context: list[dict]):
+        self.server, self.body, self.chat, self.context = server, body, chat, context
         self.id, self.created = f"resp_{uuid.uuid4().hex}", int(time.time())
+        self.responses: ResponseStore = server.responses
+        self.store = body.store is not False and self.responses.budget_bytes > 0
 
     def json(self, status: str, output: list[dict], usage: dict | None = None, **extra) -> dict:
         body = self.body
@@ -297,7 +304,8 @@ class ResponseWriter:
             "text": body.text or {"format": {"type": "text"}},
             "truncation": body.truncation or "disabled",
             "reasoning": body.reasoning,
-            "previous_response_id": None,
+            "previous_response_id": body.previous_response_id,
+            "store": self.store,
             "background": False,
             "usage": usage,
             **extra,
@@ -310,7 +318,10 @@ class ResponseWriter:
         close = self.server.thinks.close if items.reasoned else None
         reasoning = reasoning_tokens(self.server.front_door.tokenizer, result.token_ids, close)
         usage = usage_of(result.usage, reasoning)
-        return self.json(status_of(result.finish_reason), items.items, usage, speculation=speculation_json(result.speculation))
+        response = self.json(status_of(result.finish_reason), items.items, usage, speculation=speculation_json(result.speculation))
+        if self.store and not self.responses.put(response, self.context):
+            response["store"] = False  # alone larger than the store's budget
+        return response
 
 
 def status_of(finish_reason: str | None) -> str:
@@ -320,9 +331,10 @@ def status_of(finish_reason: str | None) -> str:
 async def create_response(server, body: ResponsesRequest, request: Request):
     """POST /v1/responses over `server` (router/openai_api.py's OpenAIServer)."""
     with server.refusals():
-        chat = chat_request(body)
+        earlier = [] if body.previous_response_id is None else server.responses.get(body.previous_response_id, "previous_response_id").conversation()
+        chat = chat_request(body, earlier)
     replies, generations = await server.submit_chat(chat, request, renamed)
-    writer = ResponseWriter(server, body, chat)
+    writer = ResponseWriter(server, body, chat, [*earlier, *items_of(body)])
     if body.stream:
         return StreamingResponse(_events(writer, replies[0], generations), media_type="text/event-stream")
     await run_unary(generations, request)

@@ -205,6 +205,12 @@ class RouterConfig:
         "and [/THINK]: Magistral), none, auto: the one whose opening tag the target's chat template writes",
         check=one_of(REASONING_PARSERS),
     )
+    response_store_mb: int = knob(
+        64,
+        "the memory the HTTP API keeps finished /v1/responses in (for previous_response_id and GET /v1/responses/{id}), "
+        "the least recently used forgotten first; 0: none kept",
+        check=at_least(0),
+    )
     cpus: list[int] = knob(
         doc="cores `specfleet serve` pins the router to (empty: any)",
         factory=list,

@@ -57,8 +57,9 @@ def test_greedy_output_is_the_chat_completion_s_and_the_target_s_with_the_same_u
         assert usage.input_tokens_details.cached_tokens == (usage.input_tokens - 1) // 16 * 16
         assert usage.output_tokens_details.reasoning_tokens == 0
         assert reply.model_extra["speculation"]["rounds"] >= 1
-    # store: true, OpenAI's default, is accepted too: nothing is kept either way.
-    assert client.responses.create(**greedy(input=PROMPTS[0], store=True)).output_text == expected
+    # store: true, OpenAI's default, keeps the response; the output is the same.
+    kept = client.responses.create(**greedy(input=PROMPTS[0], store=True))
+    assert (kept.output_text, kept.store, reply.store) == (expected, True, False)
 
 
 def test_instructions_are_a_system_message_first(client):
@@ -202,6 +203,9 @@ def test_function_tools_give_function_call_items_and_a_call_s_output_goes_back_i
     auto = client.responses.create(**args, extra_body={"structured_outputs": {"regex": hermes}})
     assert [item.type for item in auto.output] == ["message", "function_call"] and auto.output_text == "Checking."
     assert auto.output[1].name == "get_weather"
+    # The call's output after the stored response that made it (previous_response_id): the same prompt again.
+    after = client.responses.create(**greedy(input=turn[1:], tools=FUNCTIONS[:1], tool_choice="none", previous_response_id=reply.id))
+    assert (after.output_text, after.usage.input_tokens) == (followed.output_text, followed.usage.input_tokens)
 
 
 def test_an_unfinished_assistant_message_last_is_continued_as_chat_s_continue_final_message(client):
@@ -229,7 +233,6 @@ def test_truncation_auto_keeps_the_prompt_s_last_tokens_that_fit_beside_the_outp
 
 
 REFUSED = [
-    ({"previous_response_id": "resp_123"}, "previous_response_id"),
     ({"background": True}, "background"),
     ({"include": ["message.output_text.logprobs"]}, "include"),
     ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
@@ -306,3 +309,62 @@ def test_a_client_that_leaves_a_stream_cancels_its_request(api, client):
     assert metrics(router)["specfleet:num_requests_running"] == 0 and metrics(verifier)["specfleet:sessions"] == 0
     assert metrics(router)["specfleet:request_cancelled_total"] == cancelled + 1
     assert metrics(router)["specfleet:generation_tokens_total"] - tokens < 900
+
+
+def test_a_response_continues_a_stored_one_as_if_its_conversation_were_sent_whole(client):
+    """previous_response_id: the stored response's input and output items come before this request's input (its
+    instructions do not, as OpenAI has it); the same output and prompt as the whole conversation sent in input, and as
+    chat's messages. Each response is kept (GET returns it) and continues from a stream's too."""
+    first = client.responses.create(**greedy(input=PROMPTS[0], instructions="Be brief."))
+    assert (first.store, first.previous_response_id) == (True, None)
+    second = client.responses.create(**greedy(input=PROMPTS[1], previous_response_id=first.id))
+    assert second.previous_response_id == first.id
+    sent = [{"role": "user", "content": PROMPTS[0]}, *[item.model_dump() for item in first.output], {"role": "user", "content": PROMPTS[1]}]
+    whole = client.responses.create(**greedy(input=sent))
+    assert (second.output_text, second.usage.input_tokens) == (whole.output_text, whole.usage.input_tokens)
+    messages = [{"role": "user", "content": PROMPTS[0]}, {"role": "assistant", "content": first.output_text}, {"role": "user", "content": PROMPTS[1]}]
+    chat = chat_greedy(client, messages)
+    assert (second.output_text, second.usage.input_tokens) == (chat.choices[0].message.content, chat.usage.prompt_tokens)
+    # Three turns: the second's conversation (the first's included) comes before the third's input.
+    third = client.responses.create(**greedy(input=PROMPTS[2], previous_response_id=second.id))
+    more = chat_greedy(client, [*messages, {"role": "assistant", "content": second.output_text}, {"role": "user", "content": PROMPTS[2]}])
+    assert (third.output_text, third.usage.input_tokens) == (more.choices[0].message.content, more.usage.prompt_tokens)
+    stored = client.responses.retrieve(second.id)
+    assert (stored.id, stored.output_text, stored.usage.input_tokens, stored.previous_response_id) == (
+        second.id,
+        second.output_text,
+        second.usage.input_tokens,
+        first.id,
+    )
+    # A streamed response is kept once complete, and continued as a unary one is.
+    events = list(client.responses.create(**greedy(input=PROMPTS[0], instructions="Be brief."), stream=True))
+    streamed = events[-1].response
+    assert client.responses.retrieve(streamed.id).output_text == streamed.output_text == first.output_text
+    again = client.responses.create(**greedy(input=PROMPTS[1], previous_response_id=streamed.id))
+    assert again.output_text == second.output_text
+
+
+def test_a_response_not_stored_or_deleted_is_not_found_naming_why(api, client):
+    """store: false keeps nothing; DELETE forgets a kept one: GET and previous_response_id then answer 404, whose message
+    says what to do, counted as refused requests are (NOT_FOUND)."""
+    port = api.config["router"]["metrics_port"]
+    refused = 'specfleet:request_failure_total{code="NOT_FOUND"}'
+    before = metrics(port).get(refused, 0.0)
+    unkept = client.responses.create(**greedy(input=PROMPTS[0], store=False))
+    assert unkept.store is False
+    with pytest.raises(openai.NotFoundError) as err:
+        client.responses.retrieve(unkept.id)
+    assert "store: false" in err.value.body["message"] and "send the conversation in input" in err.value.body["message"], err.value.body
+    with pytest.raises(openai.NotFoundError) as err:
+        client.responses.create(**greedy(input=PROMPTS[1], previous_response_id=unkept.id))
+    body = err.value.body
+    assert (body["param"], body["code"]) == ("previous_response_id", "previous_response_not_found") and unkept.id in body["message"], body
+    kept = client.responses.create(**greedy(input=PROMPTS[0]))
+    assert client.responses.retrieve(kept.id).id == kept.id
+    client.responses.delete(kept.id)
+    for call in (lambda: client.responses.retrieve(kept.id), lambda: client.responses.delete(kept.id)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(**greedy(input=PROMPTS[1], previous_response_id=kept.id))
+    assert metrics(port).get(refused, 0.0) - before == 2, "each previous_response_id not found, and nothing else"
