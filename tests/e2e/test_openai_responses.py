@@ -329,6 +329,8 @@ def test_a_response_continues_a_stored_one_as_if_its_conversation_were_sent_whol
     third = client.responses.create(**greedy(input=PROMPTS[2], previous_response_id=second.id))
     more = chat_greedy(client, [*messages, {"role": "assistant", "content": second.output_text}, {"role": "user", "content": PROMPTS[2]}])
     assert (third.output_text, third.usage.input_tokens) == (more.choices[0].message.content, more.usage.prompt_tokens)
+    # Its prompt starts with the second's, whose full blocks (16 tokens) the verifier's prefix cache kept.
+    assert third.usage.input_tokens_details.cached_tokens >= (second.usage.input_tokens - 1) // 16 * 16 > 0
     stored = client.responses.retrieve(second.id)
     assert (stored.id, stored.output_text, stored.usage.input_tokens, stored.previous_response_id) == (
         second.id,
