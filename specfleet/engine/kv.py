@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specfleet.engine.free_runs import FreeRuns
 from specfleet.engine.llama import LlamaModel
 from specfleet.engine.prompt_logprobs import PromptLogprobs
 
@@ -43,9 +44,12 @@ class KVPool:
     consecutive (`relocate`): a session grows into the block after its last one, a new run
     starts in the middle of the largest free gap (leaving the session before it room to
     grow), one that cannot grow in place moves to a gap that holds it (one copy of its
-    cache), and the pool doubles when no gap does. Elsewhere (a GPU, whose batched
-    attention gathers through block tables anyway) a session takes the block after its
-    last where it is free, else any free blocks, with no search.
+    cache), and the pool doubles when no gap does. The free blocks are kept as runs too
+    (`FreeRuns`, updated as blocks are taken and freed), so a gap is found in a step per
+    run, about one per session, not by sorting every free block (a pool grown to its budget
+    holds thousands). Elsewhere (a GPU, whose batched attention gathers through block tables
+    anyway) a session takes the block after its last where it is free, else any free
+    blocks, with no search.
     Block 0 is the pool's scratch: never handed out, it is where padding reads (masked)
     and a CUDA graph's padding rows write.
 
@@ -64,7 +68,9 @@ class KVPool:
             raise ValueError(f"a KV block holds at least one position, not {block_size}")
         self.block_size = block_size
         self.kv = torch.zeros(model.num_layers, 2, model.kv_heads, blocks * block_size, model.head_dim, dtype=model.dtype, device=model.device)
-        self._free: set[int] = set(range(1, blocks))
+        self._free: set[int] = set()
+        self._runs = FreeRuns()  # the same blocks as runs of consecutive blocks: `gap_for` reads them
+        self._mark_free(range(1, blocks))
         self._refs: dict[int, int] = {}  # held blocks: how many sessions hold each
         self.prefix_caching = prefix_caching
         self._cached: dict[bytes, int] = {}  # a full block's hash -> the block holding its KV
@@ -121,7 +127,7 @@ class KVPool:
         if not self.relocate:  # any free blocks: batched attention gathers them anyway, and no gap is searched for
             if len(self._free) < count:
                 self._make_room(count, lambda: len(self._free) >= count)
-            return self.take([self._free.pop() for _ in range(count)])
+            return self.take([self._free.pop() for _ in range(count)])  # `take` tells the runs
         return self.run(count)
 
     def free_after(self, after: int | None, count: int) -> bool:
@@ -141,6 +147,7 @@ class KVPool:
 
         Not zeroed: positions past a session's length are masked, and every value here is a finite
         key or value written by some pass (or the zeros of allocation), so masked reads add 0."""
+        freed = []
         for b in blocks:
             refs = self._refs.pop(b, 1) - 1
             if refs > 0:
@@ -148,21 +155,34 @@ class KVPool:
             elif b in self._hash_of:
                 self._idle[b] = None
             else:
-                self._free.add(b)
+                freed.append(b)
+        self._mark_free(freed)
 
     def take(self, blocks) -> list[int]:
         taken = list(blocks)
-        self._free.difference_update(taken)
+        self._mark_taken(taken)
         self._refs.update(dict.fromkeys(taken, 1))
         return taken
+
+    def _mark_free(self, blocks) -> None:
+        """These blocks are free now: in the free set, and in its runs."""
+        self._free.update(blocks)
+        self._runs.add(blocks)
+
+    def _mark_taken(self, blocks: list[int]) -> None:
+        """These free blocks are held now (the runs are told even where the caller already popped them from the set)."""
+        self._free.difference_update(blocks)
+        self._runs.remove(blocks)
 
     def _reclaim(self, enough) -> None:
         """Forget idle cached blocks, least recently released first, until `enough()` (or none is left)."""
         while self._idle and not enough():
+            forgotten = []
             for _ in range(min(len(self._idle), 16)):
                 b, _ = self._idle.popitem(last=False)
                 del self._cached[self._hash_of.pop(b)]
-                self._free.add(b)
+                forgotten.append(b)
+            self._mark_free(forgotten)  # before `enough()` asks again, which may look for a gap
 
     def match(self, tokens: list[int], limit: int, namespace: bytes = b"") -> tuple[list[int], list[bytes]]:
         """The cached blocks (taken, shared) holding the longest run of full blocks that `tokens[:limit]` starts with,
@@ -201,28 +221,14 @@ class KVPool:
     def gap_for(self, count: int) -> int | None:
         """Where `count` consecutive free blocks start: in the largest free gap, past its middle when a
         session's blocks precede it (room for that one to grow), else at its start; None if no gap fits."""
-        best = None  # (length, start)
-        for start, length in self._gaps():
-            if length >= count and (best is None or length > best[0]):
-                best = (length, start)
+        best = self._runs.largest(count)  # ties: the lowest start
         if best is None:
             return None
-        length, start = best
-        if start - 1 in self._free or start == 1:  # nothing before it grows into it
+        start, length = best
+        # Runs are maximal, so the block before one is never free: only block 0, the scratch, never grows into the next.
+        if start == 1:
             return start
         return start + (length - count) // 2
-
-    def _gaps(self):
-        """(first block, length) of every run of free blocks, in order."""
-        run_start, previous = None, None
-        for b in sorted(self._free):
-            if previous is None or b != previous + 1:
-                if run_start is not None:
-                    yield run_start, previous - run_start + 1
-                run_start = b
-            previous = b
-        if run_start is not None:
-            yield run_start, previous - run_start + 1
 
     def move(self, blocks: list[int], to: list[int], length: int) -> None:
         """Copy positions [0, length) of a session from `blocks` to `to` (same order), in one indexed copy.
@@ -265,7 +271,7 @@ class KVPool:
         shape[3] = blocks * self.block_size
         self.kv = torch.zeros(shape, dtype=old.dtype, device=old.device)
         self.kv[:, :, :, : old.shape[3]] = old
-        self._free.update(range(old.shape[3] // self.block_size, blocks))
+        self._mark_free(range(old.shape[3] // self.block_size, blocks))  # joins a free run at the old end
         self.generation += 1
         if self.log is not None:
             self.log.append(("grow", blocks))
