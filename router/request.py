@@ -161,6 +161,7 @@ class RequestState:
     decoded_to: int = 0  # index into tokens (0: set to the prompt's end on creation)
     updates: asyncio.Queue = field(default_factory=asyncio.Queue)
     admitted_at: float = field(default_factory=time.monotonic)
+    scheduled_at: float | None = None  # when it left the queue for its first round
 
     def __post_init__(self) -> None:
         self.tokens = list(self.spec.prompt_ids)

@@ -158,6 +158,7 @@ class Scheduler:
                 break
             state = min(self._waiting, key=turn)
             self._waiting.remove(state)
+            state.scheduled_at = time.monotonic()
             lane.append(state)
             self._turns[state.client] += 1
         waiting_clients = {s.client for s in self._waiting}

@@ -10,7 +10,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from specfleet.metrics import E2E_BUCKETS, ITL_BUCKETS, PASS_BUCKETS, TTFT_BUCKETS
+from specfleet.metrics import E2E_BUCKETS, ITL_BUCKETS, PASS_BUCKETS, TOKEN_BUCKETS, TTFT_BUCKETS
 
 # Where a round's time goes (specfleet:round_phase_seconds): each draft and verify call's server compute,
 # server queue and transport (the rest of its wall time), and the router's own time per round.
@@ -38,6 +38,7 @@ class RouterTelemetry:
             registry=r,
         )
         self.e2e = Histogram("specfleet:e2e_request_latency_seconds", "Time from admission to the last token.", buckets=E2E_BUCKETS, registry=r)
+        self._add_request_histograms(r)
         self.success = Counter("specfleet:request_success", "Requests finished, by reason (eos, length, stop).", ["finished_reason"], registry=r)
         self.failed = Counter("specfleet:request_failure", "Requests refused or ended with an error, by gRPC status.", ["code"], registry=r)
         self.cancelled = Counter("specfleet:request_cancelled", "Requests whose client went away before the end.", registry=r)
@@ -88,6 +89,28 @@ class RouterTelemetry:
         )
         r.register(_RoundState(scheduler))
         self._last_token_at: dict[int, float] = {}  # id(state) -> when its last tokens went out
+        self._first_token_at: dict[int, float] = {}  # id(state) -> when its first tokens went out
+
+    def _add_request_histograms(self, r: CollectorRegistry) -> None:
+        """A finished request's phases and lengths, as vLLM's request_* histograms: queue (admission to its first round),
+        prefill (to its first token), decode (first to last token), inference (first round to last token)."""
+        self.phase_seconds = {
+            phase: Histogram(f"specfleet:request_{phase}_time_seconds", doc, buckets=E2E_BUCKETS, registry=r)
+            for phase, doc in (
+                ("queue", "Time a finished request waited for its first round."),
+                ("prefill", "Time from a finished request's first round to its first token."),
+                ("decode", "Time from a finished request's first token to its last."),
+                ("inference", "Time from a finished request's first round to its last token."),
+            )
+        }
+        self.lengths = {
+            name: Histogram(f"specfleet:request_{name}", doc, buckets=TOKEN_BUCKETS, registry=r)
+            for name, doc in (
+                ("prompt_tokens", "Prompt tokens of a finished request."),
+                ("generation_tokens", "Output tokens of a finished request."),
+                ("params_max_tokens", "The max_tokens a finished request ran with."),
+            )
+        }
 
     def call_phases(self, stage: str, wall_ms: float, compute_ms: float, queue_ms: float) -> None:
         """One draft or verify call (stage) took wall_ms at the router, of which the server reported compute_ms
@@ -106,6 +129,7 @@ class RouterTelemetry:
             last = self._last_token_at.get(id(state))
             if last is None:
                 self.ttft.observe(now - state.admitted_at)
+                self._first_token_at[id(state)] = now
             else:
                 for _ in range(n):
                     self.itl.observe((now - last) / n)
@@ -115,14 +139,31 @@ class RouterTelemetry:
             self.e2e.observe(now - state.admitted_at)
             self.success.labels(finished_reason=state.finish_reason).inc()
             self.prompt_tokens.inc(len(state.spec.prompt_ids))
+            self._finished(state, now)
+
+    def _finished(self, state, now: float) -> None:
+        """A finished request's phases (those it reached) and lengths."""
+        first = self._first_token_at.pop(id(state), None)
+        scheduled = state.scheduled_at
+        if scheduled is not None:
+            self.phase_seconds["queue"].observe(scheduled - state.admitted_at)
+            self.phase_seconds["inference"].observe(now - scheduled)
+            if first is not None:
+                self.phase_seconds["prefill"].observe(first - scheduled)
+                self.phase_seconds["decode"].observe(now - first)
+        self.lengths["prompt_tokens"].observe(len(state.spec.prompt_ids))
+        self.lengths["generation_tokens"].observe(len(state.output_ids))
+        self.lengths["params_max_tokens"].observe(state.spec.max_tokens)
 
     def cancelled_request(self, state) -> None:
         """Its client went away before the end (Scheduler._publish drops it)."""
         self._last_token_at.pop(id(state), None)
+        self._first_token_at.pop(id(state), None)
         self.cancelled.inc()
 
     def failed_with(self, state, code) -> None:
         self._last_token_at.pop(id(state), None)
+        self._first_token_at.pop(id(state), None)
         self.failed.labels(code=getattr(code, "name", str(code))).inc()
 
     def verified(self, state, drafters: list[str], tree, accepted_nodes: list[int]) -> None:

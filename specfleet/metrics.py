@@ -7,6 +7,9 @@ dashboards and autoscalers written for vLLM read specfleet:
     router    specfleet:num_requests_running, :num_requests_waiting,
               :time_to_first_token_seconds, :inter_token_latency_seconds,
               :e2e_request_latency_seconds, :request_success_total{finished_reason},
+              :request_queue_time_seconds, :request_prefill_time_seconds, :request_decode_time_seconds,
+              :request_inference_time_seconds, :request_prompt_tokens, :request_generation_tokens,
+              :request_params_max_tokens,
               :prompt_tokens_total, :generation_tokens_total,
               :spec_decode_num_drafts_total, :spec_decode_num_draft_tokens_total,
               :spec_decode_num_accepted_tokens_total,
@@ -53,6 +56,8 @@ disable_created_metrics()
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
+# Token counts (vLLM's 1-2-5 series), up to a long context's.
+TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))
 # A forward pass or an RPC of ours: a millisecond to a few seconds.
 PASS_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.0, 2.0, 4.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)

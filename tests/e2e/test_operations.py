@@ -217,6 +217,17 @@ def test_metrics_count_what_the_replies_report(ops, stub):
         assert calls > 0 and all(moved(phase.format("count", f"{stage}_{part}")) == calls for part in ("queue", "transport"))
         assert all(moved(phase.format("sum", f"{stage}_{part}")) >= 0 for part in ("compute", "queue", "transport"))
     assert moved(phase.format("sum", "router")) > 0
+    # vLLM's per-request histograms: one sample a finished request, each length summing what the replies report, and
+    # each request's inference time its prefill's and decode's.
+    lengths = {"prompt_tokens": sum(r.usage.prompt_tokens for r in replies), "generation_tokens": sum(len(r.token_ids) for r in replies)}
+    lengths["params_max_tokens"] = 24 * len(replies)
+    for name, total in lengths.items():
+        assert (moved(f"specfleet:request_{name}_count"), moved(f"specfleet:request_{name}_sum")) == (len(replies), total), name
+    times = {p: moved(f"specfleet:request_{p}_time_seconds_sum") for p in ("queue", "prefill", "decode", "inference")}
+    assert all(moved(f"specfleet:request_{p}_time_seconds_count") == len(replies) for p in times) and min(times.values()) >= 0, times
+    assert times["inference"] == pytest.approx(times["prefill"] + times["decode"], rel=1e-6) and times["prefill"] > 0, times
+    e2e = moved("specfleet:e2e_request_latency_seconds_sum")
+    assert times["queue"] + times["inference"] == pytest.approx(e2e, rel=1e-6), (times, e2e)
 
 
 def test_a_cancelled_request_stops_and_counts_as_cancelled(ops, stub):
