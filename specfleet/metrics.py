@@ -19,10 +19,11 @@ dashboards and autoscalers written for vLLM read specfleet:
               :fusion_width, :pipeline_lane_requests{lane}, :draft_call_seconds{drafter_service},
               :verify_call_seconds, :round_phase_seconds{phase}
     verifier  specfleet:verifier_batch_size, :verifier_pass_seconds, :sessions, :kv_cache_used_bytes,
-              :prefix_cache_queries_total, :prefix_cache_hits_total
+              :kv_cache_usage_perc, :num_preemptions_total, :prefix_cache_queries_total, :prefix_cache_hits_total
     drafter   specfleet:drafter_batch_size{drafter_service}, :drafter_pass_seconds{drafter_service},
-              :sessions{drafter_service}, :kv_cache_used_bytes{drafter_service},
-              :prefix_cache_queries_total{drafter_service}, :prefix_cache_hits_total{drafter_service}
+              :sessions{drafter_service}, :kv_cache_used_bytes{drafter_service}, :kv_cache_usage_perc{drafter_service},
+              :num_preemptions_total{drafter_service}, :prefix_cache_queries_total{drafter_service},
+              :prefix_cache_hits_total{drafter_service}
 
 Each service has its own registry, so a test (or a process hosting several
 services) never mixes their samples.
@@ -43,7 +44,7 @@ import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
 log = logging.getLogger(__name__)
@@ -204,21 +205,31 @@ def _store_gauges(registry: CollectorRegistry, stores: Callable[[], list], label
     (kv.labels(**labels) if names else kv).set_function(lambda: sum(s.kv_bytes() for s in held()))
 
 
-class _PrefixCache:
-    """The prefix cache's lookups and hits, in tokens, summed over the service's KV pools at scrape time."""
+class _KVCache:
+    """The service's KV cache at scrape time, over its KV pools and session stores: the prefix cache's lookups and
+    hits (in tokens), the share of the KV budget sessions hold, and the sessions that lost their KV (preempted, as
+    vLLM counts them: their KV is computed again when they next run)."""
 
-    def __init__(self, pools: Callable[[], list], labels: dict[str, str]):
-        self.pools, self.labels = pools, labels
+    def __init__(self, pools: Callable[[], list], stores: Callable[[], list], labels: dict[str, str]):
+        self.pools, self.stores, self.labels = pools, stores, labels
 
     def collect(self):
         pools = self.pools()
         for name, doc, count in (
-            ("queries", "Prompt tokens looked up in the prefix cache.", sum(p.queries for p in pools)),
-            ("hits", "Prompt tokens found in the prefix cache (their KV not computed again).", sum(p.hits for p in pools)),
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", sum(p.queries for p in pools)),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache (their KV not computed again).", sum(p.hits for p in pools)),
+            ("num_preemptions", "Sessions that lost their KV to the budget (computed again when used).", sum(s.evictions for s in self.stores())),
         ):
-            family = CounterMetricFamily(f"specfleet:prefix_cache_{name}", doc, labels=list(self.labels))
-            family.add_metric(list(self.labels.values()), count)
-            yield family
+            yield self._family(CounterMetricFamily, name, doc, count)
+        # A pool holds more than its budget only while one pass's sessions need it: the share then passes 1.
+        budget = sum(max(p.cache_budget, p.blocks - 1) for p in pools)
+        doc = "Share of the KV budget's blocks that sessions hold (1: all; vLLM's kv_cache_usage_perc)."
+        yield self._family(GaugeMetricFamily, "kv_cache_usage_perc", doc, sum(p.held_blocks for p in pools) / budget if budget else 0.0)
+
+    def _family(self, kind, name: str, doc: str, value: float):
+        family = kind(f"specfleet:{name}", doc, labels=list(self.labels))
+        family.add_metric(list(self.labels.values()), value)
+        return family
 
 
 class PassTelemetry:
@@ -240,7 +251,7 @@ class PassTelemetry:
             registry=self.registry,
         )
         _store_gauges(self.registry, stores, labels)
-        self.registry.register(_PrefixCache(pools, labels))
+        self.registry.register(_KVCache(pools, stores, labels))
 
     def timed(self, process: Callable[[list], list]) -> Callable[[list], list]:
         """`process` (a BatchQueue's batch function), observing each batch."""

@@ -99,6 +99,11 @@ class KVPool:
     def free_blocks(self) -> int:
         return len(self._free)
 
+    @property
+    def held_blocks(self) -> int:
+        """Blocks some session holds (a shared one once)."""
+        return len(self._refs)
+
     def add_budget(self, max_cache_bytes: int) -> None:
         """A service's KV budget for the sessions this pool holds (a stack's members each add theirs)."""
         self.cache_budget += max_cache_bytes // self.block_bytes
