@@ -36,7 +36,7 @@ from router.tokens_api import token_routes
 from router.metrics_api import metrics_routes
 from router.openai_stream import run_unary, stream
 from router.openai_responses import ResponsesRequest, create_response
-from router.response_store import ResponseStore
+from router.response_store import Responses, ResponseStore
 from router.openai_logprobs import chat_logprobs, completion_logprobs, echo_logprobs, prompt_logprobs_json, token_text
 from router.chat_reply import ChatReply
 from router.reasoning import ReasoningReader, guide_after_thought, special_tags, thinks
@@ -65,7 +65,12 @@ class OpenAIServer:
     """The /v1 endpoints over `front_door`, serving `model_name`."""
 
     def __init__(
-        self, front_door: FrontDoor, model_name: str, tool_call_parser: str = "auto", reasoning_parser: str = "auto", response_store_mb: int = 0
+        self,
+        front_door: FrontDoor,
+        model_name: str,
+        tool_call_parser: str = "auto",
+        reasoning_parser: str = "auto",
+        responses: Responses | None = None,
     ):
         self.front_door = front_door
         self.model_name = model_name
@@ -74,7 +79,7 @@ class OpenAIServer:
         self.thinks = thinks(reasoning_parser, template)  # the thought's tags, or None
         self.special_thoughts = special_tags(front_door.tokenizer, self.thinks)
         self.created = int(time.time())
-        self.responses = ResponseStore(response_store_mb * 2**20)  # what /v1/responses keeps (router/response_store.py)
+        self.responses = responses or Responses(ResponseStore(0))  # what /v1/responses keeps (router/response_store.py)
 
     @contextlib.contextmanager
     def refusals(self):
@@ -331,14 +336,19 @@ def _v1(server: OpenAIServer) -> APIRouter:
 
     @v1.get("/responses/{response_id}")
     async def stored_response(response_id: str):
-        return server.responses.get(response_id).response
+        return (await server.responses.get(response_id)).response
 
     @v1.delete("/responses/{response_id}")
     async def delete_response(response_id: str):
-        server.responses.delete(response_id)
+        await server.responses.delete(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
     return v1
+
+
+def responses_of(settings: RouterConfig) -> Responses:
+    """The stored responses the router's settings ask for: in memory, and shared through Redis with router.redis_url."""
+    return Responses(ResponseStore(settings.response_store_mb * 2**20), settings.routing.redis_url, settings.response_ttl_s)
 
 
 def create_app(front_door: FrontDoor, model_name: str, settings: RouterConfig, api_key: str = "", metrics=None, metrics_token: str = "") -> BodyGate:
@@ -349,7 +359,7 @@ def create_app(front_door: FrontDoor, model_name: str, settings: RouterConfig, a
     app = FastAPI(title="specfleet", docs_url=None, redoc_url=None, openapi_url=None)
     _add_error_handlers(app, front_door)
     _add_health(app, front_door)
-    app.include_router(_v1(OpenAIServer(front_door, model_name, settings.tool_call_parser, settings.reasoning_parser, settings.response_store_mb)))
+    app.include_router(_v1(OpenAIServer(front_door, model_name, settings.tool_call_parser, settings.reasoning_parser, responses_of(settings))))
     app.include_router(token_routes(front_door, model_name))
     if metrics is not None:
         app.include_router(metrics_routes(metrics, metrics_token))

@@ -31,7 +31,7 @@ from router.frontdoor import interleave
 from router.openai_errors import ApiError, unsupported
 from router.openai_schema import FINISH_REASONS, ChatRequest, refuse_lone_surrogates, speculation_json
 from router.openai_stream import GONE, run_unary
-from router.response_store import ResponseStore
+from router.response_store import Responses
 from router.response_items import OutputItems, reasoning_tokens, usage_of
 
 
@@ -278,8 +278,8 @@ class ResponseWriter:
     def __init__(self, server, body: ResponsesRequest, chat: ChatRequest, context: list[dict]):
         self.server, self.body, self.chat, self.context = server, body, chat, context
         self.id, self.created = f"resp_{uuid.uuid4().hex}", int(time.time())
-        self.responses: ResponseStore = server.responses
-        self.store = body.store is not False and self.responses.budget_bytes > 0
+        self.responses: Responses = server.responses
+        self.store = body.store is not False and self.responses.enabled
 
     def json(self, status: str, output: list[dict], usage: dict | None = None, **extra) -> dict:
         body = self.body
@@ -311,15 +311,16 @@ class ResponseWriter:
             **extra,
         }
 
-    def finished(self, generation, items: OutputItems) -> dict:
-        """The whole response, once `generation` has finished and `items` hold its output; with specfleet's
-        `speculation` statistics beside it, as chat's carry them."""
+    async def finished(self, generation, items: OutputItems) -> dict:
+        """The whole response, once `generation` has finished and `items` hold its output (stored before it is
+        answered, so that the client's next request finds it); with specfleet's `speculation` statistics beside it,
+        as chat's carry them."""
         result = generation.completion()
         close = self.server.thinks.close if items.reasoned else None
         reasoning = reasoning_tokens(self.server.front_door.tokenizer, result.token_ids, close)
         usage = usage_of(result.usage, reasoning)
         response = self.json(status_of(result.finish_reason), items.items, usage, speculation=speculation_json(result.speculation))
-        if self.store and not self.responses.put(response, self.context):
+        if self.store and not await self.responses.keep(response, self.context):
             response["store"] = False  # alone larger than the store's budget
         return response
 
@@ -331,7 +332,8 @@ def status_of(finish_reason: str | None) -> str:
 async def create_response(server, body: ResponsesRequest, request: Request):
     """POST /v1/responses over `server` (router/openai_api.py's OpenAIServer)."""
     with server.refusals():
-        earlier = [] if body.previous_response_id is None else server.responses.get(body.previous_response_id, "previous_response_id").conversation()
+        previous = None if body.previous_response_id is None else await server.responses.get(body.previous_response_id, "previous_response_id")
+        earlier = [] if previous is None else previous.conversation()
         chat = chat_request(body, earlier)
     replies, generations = await server.submit_chat(chat, request, renamed)
     writer = ResponseWriter(server, body, chat, [*earlier, *items_of(body)])
@@ -343,7 +345,7 @@ async def create_response(server, body: ResponsesRequest, request: Request):
     message, _ = replies[0].message(result.text, FINISH_REASONS.get(result.finish_reason))
     items.feed(message)
     items.finish(status_of(result.finish_reason))
-    return writer.finished(generations[0], items)
+    return await writer.finished(generations[0], items)
 
 
 async def _events(writer: ResponseWriter, reply, generations: list):
@@ -369,7 +371,7 @@ async def _events(writer: ResponseWriter, reply, generations: list):
                     yield sse(event)
         for event in items.finish(status_of(generations[0].completion().finish_reason)):
             yield sse(event)
-        yield sse({"type": "response.completed", "response": writer.finished(generations[0], items)})
+        yield sse({"type": "response.completed", "response": await writer.finished(generations[0], items)})
     except GenerationError as err:
         # The status line is already sent: the failure travels as OpenAI's error event.
         failure = ApiError.of(err)

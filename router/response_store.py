@@ -1,5 +1,7 @@
 """The Responses API's stored responses (router/openai_responses.py): what `previous_response_id` continues and
-`GET /v1/responses/{id}` returns, kept in the router's memory within `router.response_store_mb`.
+`GET /v1/responses/{id}` returns, kept in the router's memory within `router.response_store_mb` (`ResponseStore`)
+and, with `router.redis_url`, in Redis too, so that a conversation goes on through whichever router replica its
+next request reaches (`Responses`).
 
 A stored response keeps its whole conversation (`context`: every earlier response's input and output items in
 order, then its own input), so that a continuation reads one entry, whatever was forgotten since. An entry is
@@ -8,11 +10,16 @@ only overstate the memory held. The least recently stored or read goes first whe
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from router.expertise import redacted
 from router.openai_errors import ApiError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -36,6 +43,9 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def __contains__(self, response_id: str) -> bool:
+        return response_id in self._entries
+
     def put(self, response: dict, context: list[dict]) -> bool:
         """Keep `response` (answering `context`), forgetting the least recently used to make room; False where it
         alone is over the budget (then nothing is forgotten for it)."""
@@ -53,23 +63,108 @@ class ResponseStore:
         """The stored response, now the most recently used; a 404 naming why it may be missing where it is not kept."""
         entry = self._entries.get(response_id)
         if entry is None:
-            raise self._missing(response_id, param)
+            raise missing(response_id, param, self.budget_bytes == 0)
         self._entries.move_to_end(response_id)
         return entry[0]
 
     def delete(self, response_id: str) -> None:
-        entry = self._entries.pop(response_id, None)
-        if entry is None:
-            raise self._missing(response_id, None)
-        self.used_bytes -= entry[1]
+        if not self.discard(response_id):
+            raise missing(response_id, None, self.budget_bytes == 0)
 
-    def _missing(self, response_id: str, param: str | None) -> ApiError:
-        if self.budget_bytes == 0:
-            why = "this server stores no responses (router.response_store_mb is 0): send the conversation in input"
-        else:
-            why = (
-                "it was not stored (store: false), was deleted, was forgotten to keep router.response_store_mb, "
-                "or another router served it; send the conversation in input"
-            )
-        code = "previous_response_not_found" if param == "previous_response_id" else "not_found"
-        return ApiError(404, f"{param or 'response_id'}: no stored response {response_id!r}: {why}", param=param, code=code)
+    def discard(self, response_id: str) -> bool:
+        """Forget it; whether it was kept."""
+        entry = self._entries.pop(response_id, None)
+        if entry is not None:
+            self.used_bytes -= entry[1]
+        return entry is not None
+
+
+def missing(response_id: str, param: str | None, store_off: bool) -> ApiError:
+    """A 404 for a response not kept, saying why that may be and what to do."""
+    if store_off:
+        why = "this server stores no responses (router.response_store_mb is 0): send the conversation in input"
+    else:
+        why = (
+            "it was not stored (store: false), was deleted, was forgotten (router.response_store_mb, router.response_ttl_s), "
+            "or another router without router.redis_url served it; send the conversation in input"
+        )
+    code = "previous_response_not_found" if param == "previous_response_id" else "not_found"
+    return ApiError(404, f"{param or 'response_id'}: no stored response {response_id!r}: {why}", param=param, code=code)
+
+
+class Responses:
+    """The HTTP API's stored responses: this router's own in memory, and with `redis_url` every router's in Redis
+    (for `ttl_s`; Redis's own maxmemory policy bounds them), which is then the one that answers: a response deleted
+    through one router is gone for all. While Redis is away a router still reads the responses it answered itself
+    (from memory), and a response it cannot read from Redis is a 503 that says so."""
+
+    def __init__(self, memory: ResponseStore, redis_url: str = "", ttl_s: float = 30 * 24 * 3600):
+        self.memory, self.ttl_s = memory, ttl_s
+        self.enabled = memory.budget_bytes > 0
+        self._redis = None
+        self._where = redacted(redis_url)
+        if redis_url and self.enabled:
+            import redis
+
+            self._redis = redis.Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        self._away = False  # Redis failed the last call: logged once until it answers again
+
+    async def keep(self, response: dict, context: list[dict]) -> bool:
+        """Store `response` (answering `context`) here, and in Redis; False where it is too large to keep."""
+        if not self.memory.put(response, context):
+            return False
+        if self._redis is not None:
+            value = json.dumps({"response": response, "context": context})
+            await self._shared(self._redis.set, _key(response["id"]), value, ex=max(1, round(self.ttl_s)))
+        return True
+
+    async def get(self, response_id: str, param: str | None = None) -> Stored:
+        if self._redis is None:
+            return self.memory.get(response_id, param)
+        try:
+            value = await self._shared(self._redis.get, _key(response_id), raising=True)
+        except ConnectionError:
+            if response_id in self.memory:
+                return self.memory.get(response_id, param)
+            raise self._unavailable(param, "send the conversation in input") from None
+        if value is None:
+            self.memory.discard(response_id)  # deleted or expired: through another router, perhaps
+            raise missing(response_id, param, False)
+        stored = json.loads(value)
+        return Stored(stored["response"], stored["context"])
+
+    async def delete(self, response_id: str) -> None:
+        here = self.memory.discard(response_id)
+        shared = 0
+        if self._redis is not None:
+            try:
+                shared = await self._shared(self._redis.delete, _key(response_id), raising=True)
+            except ConnectionError:
+                raise self._unavailable(None, "delete it again once Redis is back") from None
+        if not (here or shared):
+            raise missing(response_id, None, not self.enabled)
+
+    def _unavailable(self, param: str | None, then: str) -> ApiError:
+        why = f"Redis at {self._where} (router.redis_url), which holds the stored responses, is unavailable: retry, or {then}"
+        return ApiError(503, f"{param or 'response_id'}: {why}", param=param, code="unavailable")
+
+    async def _shared(self, call, *args, raising: bool = False, **kwargs):
+        """One Redis call off the event loop; a failure is logged once while it lasts, and raised as ConnectionError
+        where `raising` (else None)."""
+        try:
+            result = await asyncio.to_thread(call, *args, **kwargs)
+        except Exception as err:
+            if not self._away:
+                self._away = True
+                log.warning("redis at %s unavailable (%s); stored responses are read from this router's memory meanwhile", self._where, err)
+            if raising:
+                raise ConnectionError(str(err)) from None
+            return None
+        if self._away:
+            self._away = False
+            log.info("redis at %s is back: stored responses are shared again", self._where)
+        return result
+
+
+def _key(response_id: str) -> str:
+    return f"specfleet:response:{response_id}"

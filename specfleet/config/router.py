@@ -127,7 +127,7 @@ class RoutingConfig:
         "draft positions at which the cooperating drafters after the first propose (0: all k)",
         check=Check(lambda v: v >= 0, "0 (every position) or at least 1, got {value}"),
     )
-    redis_url: str = knob("", "shared routing state: redis://host:port/db; empty: in-process state")
+    redis_url: str = knob("", "state router replicas share, learned expertise and stored responses: redis://host:port/db; empty: in-process state")
     expertise_decay: float = knob(
         0.995,
         "weight left on old routing evidence after each update (follows drifting traffic)",
@@ -210,6 +210,11 @@ class RouterConfig:
         "the memory the HTTP API keeps finished /v1/responses in (for previous_response_id and GET /v1/responses/{id}), "
         "the least recently used forgotten first; 0: none kept",
         check=at_least(0),
+    )
+    response_ttl_s: float = knob(
+        30 * 24 * 3600.0,
+        "with redis_url: how long Redis keeps a stored response, which every router replica then reads (OpenAI keeps them 30 days)",
+        check=above(0),
     )
     cpus: list[int] = knob(
         doc="cores `specfleet serve` pins the router to (empty: any)",

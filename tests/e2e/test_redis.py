@@ -13,9 +13,13 @@ import pytest
 import redis
 
 from specfleet.v1 import generation_pb2_grpc
-from tests.harness import REPO, Cluster, free_port
+from tests.harness import REPO, Cluster, cluster_config, free_port
 from tests.helpers import PROMPTS, greedy_request
 from tests.e2e.test_collaboration import multi_drafter_config
+from tests.e2e import test_openai_api as served
+
+# test_openai_api.py's fixture: the random target with a chat template (the Responses API renders chats).
+target_with_template = served.target_with_template
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed (scripts/ensure-redis)")
 
@@ -117,6 +121,63 @@ def test_two_routers_share_expertise_and_survive_redis_restarts(random_family, t
         assert "drafter-copy" in after and after["drafter-copy"][0] > 0
         assert "is back" in cluster.log_path.read_text()
         assert before > 0
+    finally:
+        if second is not None:
+            second.terminate()
+            second.wait(timeout=30)
+        cluster.stop()
+        server.kill()
+
+
+def test_two_routers_share_stored_responses_through_redis_and_read_their_own_while_it_is_away(random_family, target_with_template, tmp_path):
+    """The Responses API behind two router replicas (router.redis_url): a conversation goes on through either, a
+    response deleted through one is gone through the other; with Redis away, a router reads the responses it answered
+    itself, and one it did not is a 503 that names Redis, not a 404."""
+    import openai
+    import yaml
+
+    server = RedisServer(free_port()).start()
+    config = cluster_config(random_family, router={"http_port": free_port(), "redis_url": server.url, "served_model_name": "m"})
+    config["verifier"]["model"] = str(target_with_template)
+    cluster = Cluster(config, tmp_path, "responses").start()
+    second = None
+    try:
+        other = {**config, "router": {**config["router"], "port": free_port(), "http_port": free_port()}}
+        other_path = tmp_path / "router2.yaml"
+        other_path.write_text(yaml.safe_dump(other))
+        second = subprocess.Popen(
+            [sys.executable, "-m", "router", "--config", str(other_path)],
+            cwd=REPO,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            stderr=open(tmp_path / "router2.log", "w"),
+        )
+        import asyncio
+
+        from specfleet.serving import wait_until_serving
+
+        asyncio.run(wait_until_serving(f"127.0.0.1:{other['router']['port']}", 120))
+        one, two = (
+            openai.OpenAI(base_url=f"http://127.0.0.1:{c['router']['http_port']}/v1", api_key="-", max_retries=0, timeout=120)
+            for c in (config, other)
+        )
+        greedy = {"model": "m", "temperature": 0, "max_output_tokens": 8}
+        first = one.responses.create(input=PROMPTS[0], **greedy)
+        assert two.responses.retrieve(first.id).output_text == first.output_text
+        through_two = two.responses.create(input=PROMPTS[1], previous_response_id=first.id, **greedy)
+        through_one = one.responses.create(input=PROMPTS[1], previous_response_id=first.id, **greedy)
+        assert through_two.output_text == through_one.output_text and through_two.usage.input_tokens == through_one.usage.input_tokens
+        # Deleted through the second router: gone through the first too, though the first answered it.
+        two.responses.delete(first.id)
+        with pytest.raises(openai.NotFoundError):
+            one.responses.retrieve(first.id)
+        # Redis away: each router reads its own from memory; the other's is a 503 naming Redis; new responses still come.
+        server.kill()
+        assert two.responses.retrieve(through_two.id).output_text == through_two.output_text
+        with pytest.raises(openai.InternalServerError) as err:
+            one.responses.retrieve(through_two.id)
+        assert err.value.status_code == 503 and "Redis" in err.value.body["message"] and "router.redis_url" in err.value.body["message"]
+        assert one.responses.create(input=PROMPTS[2], **greedy).output_text
+        assert "stored responses are read from this router's memory" in cluster.log_path.read_text()
     finally:
         if second is not None:
             second.terminate()
