@@ -96,7 +96,8 @@ class Responses:
     """The HTTP API's stored responses: this router's own in memory, and with `redis_url` every router's in Redis
     (for `ttl_s`; Redis's own maxmemory policy bounds them), which is then the one that answers: a response deleted
     through one router is gone for all. While Redis is away a router still reads the responses it answered itself
-    (from memory), and a response it cannot read from Redis is a 503 that says so."""
+    (from memory), and a response it cannot read from Redis is a 503 that says so; those it answered meanwhile stay
+    its own (Redis never saw them) until it forgets them."""
 
     def __init__(self, memory: ResponseStore, redis_url: str = "", ttl_s: float = 30 * 24 * 3600):
         self.memory, self.ttl_s = memory, ttl_s
@@ -108,6 +109,7 @@ class Responses:
 
             self._redis = redis.Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
         self._away = False  # Redis failed the last call: logged once until it answers again
+        self._unshared: set[str] = set()  # kept while Redis was away: Redis's "no such response" does not hold for them
 
     async def keep(self, response: dict, context: list[dict]) -> bool:
         """Store `response` (answering `context`) here, and in Redis; False where it is too large to keep."""
@@ -115,7 +117,8 @@ class Responses:
             return False
         if self._redis is not None:
             value = json.dumps({"response": response, "context": context})
-            await self._shared(self._redis.set, _key(response["id"]), value, ex=max(1, round(self.ttl_s)))
+            if not await self._shared(self._redis.set, _key(response["id"]), value, ex=max(1, round(self.ttl_s))):
+                self._unshared.add(response["id"])
         return True
 
     async def get(self, response_id: str, param: str | None = None) -> Stored:
@@ -128,12 +131,16 @@ class Responses:
                 return self.memory.get(response_id, param)
             raise self._unavailable(param, "send the conversation in input") from None
         if value is None:
+            if response_id in self._unshared and response_id in self.memory:
+                return self.memory.get(response_id, param)
+            self._unshared.discard(response_id)
             self.memory.discard(response_id)  # deleted or expired: through another router, perhaps
             raise missing(response_id, param, False)
         stored = json.loads(value)
         return Stored(stored["response"], stored["context"])
 
     async def delete(self, response_id: str) -> None:
+        self._unshared.discard(response_id)
         here = self.memory.discard(response_id)
         shared = 0
         if self._redis is not None:

@@ -176,8 +176,15 @@ def test_two_routers_share_stored_responses_through_redis_and_read_their_own_whi
         with pytest.raises(openai.InternalServerError) as err:
             one.responses.retrieve(through_two.id)
         assert err.value.status_code == 503 and "Redis" in err.value.body["message"] and "router.redis_url" in err.value.body["message"]
-        assert one.responses.create(input=PROMPTS[2], **greedy).output_text
+        meanwhile = one.responses.create(input=PROMPTS[2], **greedy)
         assert "stored responses are read from this router's memory" in cluster.log_path.read_text()
+        # Redis back (empty): what a router kept meanwhile stays its own, and sharing resumes.
+        server = RedisServer(server.port).start()
+        assert one.responses.retrieve(meanwhile.id).output_text == meanwhile.output_text
+        with pytest.raises(openai.NotFoundError):
+            two.responses.retrieve(meanwhile.id)
+        after = one.responses.create(input=PROMPTS[3], **greedy)
+        assert two.responses.retrieve(after.id).output_text == after.output_text
     finally:
         if second is not None:
             second.terminate()
