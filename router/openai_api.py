@@ -36,7 +36,7 @@ from router.tokens_api import token_routes
 from router.metrics_api import metrics_routes
 from router.openai_stream import run_unary, stream
 from router.openai_responses import ResponsesRequest, create_response
-from router.response_store import Responses, ResponseStore
+from router.response_store import Responses, ResponseStore, input_items
 from router.openai_logprobs import chat_logprobs, completion_logprobs, echo_logprobs, prompt_logprobs_json, token_text
 from router.chat_reply import ChatReply
 from router.reasoning import ReasoningReader, guide_after_thought, special_tags, thinks
@@ -263,7 +263,8 @@ class OpenAIServer:
 
 # What an unknown route's 404 lists.
 ROUTES = (
-    "POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET and DELETE /v1/responses/{id}, GET /v1/models, "
+    "POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET and DELETE /v1/responses/{id}, "
+    "GET /v1/responses/{id}/input_items, GET /v1/models, "
     "POST /tokenize, POST /detokenize, GET /health, GET /version"
 )
 
@@ -337,6 +338,10 @@ def _v1(server: OpenAIServer) -> APIRouter:
     @v1.get("/responses/{response_id}")
     async def stored_response(response_id: str):
         return (await server.responses.get(response_id)).response
+
+    @v1.get("/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str, limit: int = 20, order: str = "desc", after: str | None = None, before: str | None = None):
+        return input_items(await server.responses.get(response_id), limit, order, after, before)
 
     @v1.delete("/responses/{response_id}")
     async def delete_response(response_id: str):

@@ -31,7 +31,7 @@ from router.frontdoor import interleave
 from router.openai_errors import ApiError, unsupported
 from router.openai_schema import FINISH_REASONS, ChatRequest, refuse_lone_surrogates, speculation_json
 from router.openai_stream import GONE, run_unary
-from router.response_store import Responses
+from router.response_store import Responses, identified
 from router.response_items import OutputItems, reasoning_tokens, usage_of
 
 
@@ -336,7 +336,7 @@ async def create_response(server, body: ResponsesRequest, request: Request):
         earlier = [] if previous is None else previous.conversation()
         chat = chat_request(body, earlier)
     replies, generations = await server.submit_chat(chat, request, renamed)
-    writer = ResponseWriter(server, body, chat, [*earlier, *items_of(body)])
+    writer = ResponseWriter(server, body, chat, [*earlier, *map(identified, items_of(body))])
     if body.stream:
         return StreamingResponse(_events(writer, replies[0], generations), media_type="text/event-stream")
     await run_unary(generations, request)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -77,6 +78,46 @@ class ResponseStore:
         if entry is not None:
             self.used_bytes -= entry[1]
         return entry is not None
+
+
+# An input item's id prefix, by its type (OpenAI's).
+ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def identified(item: dict) -> dict:
+    """An input item as `input_items` lists it: with an id of its own, and a message's text as an input_text part."""
+    kind = item.get("type", "message")
+    item = {"type": kind, **item}
+    if kind == "message" and isinstance(item.get("content"), str):
+        part = "output_text" if item.get("role") == "assistant" else "input_text"
+        item["content"] = [{"type": part, "text": item["content"]}]
+    if not item.get("id"):
+        item["id"] = f"{ID_PREFIXES.get(kind, 'item')}_{uuid.uuid4().hex}"
+    return item
+
+
+def input_items(stored: Stored, limit: int = 20, order: str = "desc", after: str | None = None, before: str | None = None) -> dict:
+    """GET /v1/responses/{id}/input_items: the items of the conversation a response answered (earlier turns' input
+    and output included), a page of `limit` (1 to 100) in `order`, after or before an item's id."""
+    if not 1 <= limit <= 100:
+        raise ApiError(400, f"limit: from 1 to 100, got {limit}", param="limit")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, f"order: asc or desc, got {order!r}", param="order")
+    items = stored.context if order == "asc" else stored.context[::-1]
+    ids = [item.get("id") for item in items]
+    for name, cursor in (("after", after), ("before", before)):
+        if cursor is not None and cursor not in ids:
+            raise ApiError(400, f"{name}: no item {cursor!r} among this response's input items", param=name)
+    start = ids.index(after) + 1 if after is not None else 0
+    end = ids.index(before) if before is not None else len(items)
+    page = items[start:end][:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": start + len(page) < end,
+    }
 
 
 def missing(response_id: str, param: str | None, store_off: bool) -> ApiError:

@@ -338,6 +338,12 @@ def test_a_response_continues_a_stored_one_as_if_its_conversation_were_sent_whol
         second.usage.input_tokens,
         first.id,
     )
+    # Its input items: the whole conversation it answered, newest first, each with an id.
+    listed = client.responses.input_items.list(third.id)
+    roles = [(item.type, item.role) for item in listed.data]
+    assert roles == [("message", "user"), ("message", "assistant"), ("message", "user"), ("message", "assistant"), ("message", "user")], roles
+    assert listed.data[0].content[0].text == PROMPTS[2] and listed.data[-1].content[0].text == PROMPTS[0]
+    assert listed.data[1].id == second.output[0].id and len({item.id for item in listed.data}) == 5
     # A streamed response is kept once complete, and continued as a unary one is.
     events = list(client.responses.create(**greedy(input=PROMPTS[0], instructions="Be brief."), stream=True))
     streamed = events[-1].response

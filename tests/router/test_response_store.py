@@ -7,7 +7,7 @@ import json
 import pytest
 
 from router.openai_errors import ApiError
-from router.response_store import ResponseStore
+from router.response_store import ResponseStore, Stored, identified, input_items
 
 
 def response(i: int, text: str = "x" * 100) -> dict:
@@ -64,3 +64,25 @@ def test_a_store_of_no_bytes_keeps_nothing_and_says_so():
     with pytest.raises(ApiError) as err:
         store.get("resp_0")
     assert "router.response_store_mb is 0" in err.value.message
+
+
+def test_input_items_are_the_conversation_paged_newest_first_by_default():
+    items = [identified({"role": "user", "content": f"turn {i}"}) for i in range(5)]
+    assert all(item["id"].startswith("msg_") and item["content"] == [{"type": "input_text", "text": f"turn {i}"}] for i, item in enumerate(items))
+    stored = Stored(response(0), items)
+    page = input_items(stored, limit=2)
+    assert [i["id"] for i in page["data"]] == [items[4]["id"], items[3]["id"]] and page["has_more"]
+    assert (page["first_id"], page["last_id"]) == (items[4]["id"], items[3]["id"])
+    rest = input_items(stored, limit=10, after=page["last_id"])
+    assert [i["id"] for i in rest["data"]] == [items[i]["id"] for i in (2, 1, 0)] and not rest["has_more"]
+    assert [i["id"] for i in input_items(stored, order="asc", before=items[2]["id"])["data"]] == [items[0]["id"], items[1]["id"]]
+    for bad, param in (({"limit": 0}, "limit"), ({"order": "up"}, "order"), ({"after": "msg_nope"}, "after")):
+        with pytest.raises(ApiError) as err:
+            input_items(stored, **bad)
+        assert (err.value.status, err.value.param) == (400, param)
+
+
+def test_an_item_with_an_id_keeps_it_and_an_assistant_s_text_is_output_text():
+    kept = identified({"type": "function_call_output", "call_id": "c1", "output": "18 C", "id": "fco_1"})
+    assert kept["id"] == "fco_1" and identified({"type": "function_call_output", "call_id": "c1", "output": "x"})["id"].startswith("fco_")
+    assert identified({"role": "assistant", "content": "Hi."})["content"] == [{"type": "output_text", "text": "Hi."}]
