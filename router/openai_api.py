@@ -264,8 +264,8 @@ class OpenAIServer:
 # What an unknown route's 404 lists.
 ROUTES = (
     "POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET and DELETE /v1/responses/{id}, "
-    "GET /v1/responses/{id}/input_items, GET /v1/models, "
-    "POST /tokenize, POST /detokenize, GET /health, GET /version"
+    "GET /v1/responses/{id}/input_items, GET /v1/models, GET /v1/models/{model}, "
+    "POST /tokenize, POST /detokenize, GET /health, GET or POST /ping, GET /load, GET /version"
 )
 
 
@@ -298,11 +298,19 @@ def _add_error_handlers(app: FastAPI, front_door: FrontDoor) -> None:
 
 
 def _add_health(app: FastAPI, front_door: FrontDoor) -> None:
-    @app.get("/health")
+    # /ping (GET or POST) is /health under the name SageMaker's and vLLM's load balancers probe.
+    @app.api_route("/health", methods=["GET"])
+    @app.api_route("/ping", methods=["GET", "POST"])
     async def health():
         if front_door.draining:
             return JSONResponse({"status": "shutting down"}, status_code=503)
         return {"status": "ok"}
+
+    @app.get("/load")
+    async def load():
+        """vLLM's: the requests this router holds (running and waiting), for a load balancer to spread new ones by."""
+        scheduler = front_door.scheduler
+        return {"server_load": scheduler.running + scheduler.waiting}
 
     @app.get("/version")
     async def version():
@@ -322,6 +330,14 @@ def _v1(server: OpenAIServer) -> APIRouter:
     @v1.get("/models")
     async def models():
         return server.models()
+
+    @v1.get("/models/{model:path}")
+    async def model(model: str):
+        """One model's card (OpenAI's retrieve): the served model's, else a 404 naming it."""
+        card = server.models()["data"][0]
+        if model != card["id"]:
+            raise ApiError(404, f"model: {model!r} is not served here; this server serves {card['id']!r}", param="model", code="model_not_found")
+        return card
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):

@@ -52,7 +52,7 @@ FIELDS = [
     "return_tokens_as_token_ids", "speculation", "domain", "request_id", "logprobs", "echo", "best_of", "suffix",
     "prompt", "messages", "max_completion_tokens", "top_logprobs",
 ]  # fmt: skip
-ROUTES = ["/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/version"]
+ROUTES = ["/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ping", "/load", "/version"]
 ODD_ROUTES = [
     "/",
     "/v1",

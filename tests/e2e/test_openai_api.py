@@ -466,15 +466,24 @@ def test_a_wrong_or_missing_key_is_refused(api, client):
     with pytest.raises(urllib.error.HTTPError) as err:  # no Authorization header at all
         urllib.request.urlopen(api.base_url + "/v1/models", timeout=10)
     assert err.value.code == 401
-    # Health and version are for load balancers and need no key.
+    # Health (and /ping, its other name), load and version are for load balancers and need no key.
     assert urllib.request.urlopen(api.base_url + "/health", timeout=10).status == 200
+    for method in ("GET", "POST"):
+        ping = urllib.request.urlopen(urllib.request.Request(api.base_url + "/ping", method=method), timeout=10)
+        assert (ping.status, json.loads(ping.read())) == (200, {"status": "ok"}), method
     assert json.loads(urllib.request.urlopen(api.base_url + "/version", timeout=10).read())["version"]
+    # Nothing else runs in this module's cluster meanwhile: no request is held.
+    assert json.loads(urllib.request.urlopen(api.base_url + "/load", timeout=10).read()) == {"server_load": 0}
 
 
 def test_models_lists_the_served_name_and_unknown_models_are_404(client):
     assert [m.id for m in client.models.list()] == ["random-target"]
     # Its root is the name too, as vLLM's: not the target's path on the server's disk.
     assert [m.model_extra["root"] for m in client.models.list()] == ["random-target"]
+    assert client.models.retrieve("random-target").model_dump() == client.models.list().data[0].model_dump()
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("gpt-4")
+    assert (err.value.body["param"], err.value.body["code"]) == ("model", "model_not_found") and "random-target" in err.value.body["message"]
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
     assert err.value.body["param"] == "model"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.client
 import json
 import time
+import urllib.request
 
 import openai
 import pytest
@@ -302,6 +303,8 @@ def test_a_client_that_leaves_a_stream_cancels_its_request(api, client):
     events = iter(stream)
     assert next(e for e in events if e.type == "response.output_text.delta").delta
     assert metrics(verifier)["specfleet:sessions"] == 1
+    # vLLM's /load: the one request the router holds, for a load balancer to spread new ones by.
+    assert json.loads(urllib.request.urlopen(api.base_url + "/load", timeout=10).read()) == {"server_load": 1}
     stream.close()
     deadline = time.monotonic() + 60
     while (metrics(router)["specfleet:num_requests_running"] or metrics(verifier)["specfleet:sessions"]) and time.monotonic() < deadline:
