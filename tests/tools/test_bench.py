@@ -10,7 +10,7 @@ import pytest
 
 from tools.bench import main as bench_main
 from tools.bench import report, runner, workload
-from tests.harness import REPO
+from tests.harness import DRAFTING_PAYS, REPO
 
 
 def test_builtin_workload_names_win_over_folders_of_that_name(tmp_path, monkeypatch):
@@ -350,3 +350,24 @@ def test_a_json_schema_run_sends_every_system_the_schema_and_checks_them_against
     assert results["config"]["json_schema"] == schema and results["config"]["json_compact"] is True
     for r in results["runs"]:
         assert r["status"] == "ok" and r["checked"] == 3 and r["mismatches"] == 0, (r["label"], r.get("mismatch_examples"))
+
+
+def test_specfleet_through_its_http_api_is_measured_and_checked_as_through_grpc(random_family, tmp_path):
+    """specfleet-http and specfleet-off-http: `specfleet serve` driven through /v1/completions by the client the vLLM
+    systems use; outputs checked against the target alone, and the speculation statistics read from the final chunk."""
+    root = random_family["target"].parent
+    out = tmp_path / "out"
+    argv = ["run", "--models", str(root), "--drafter", "drafter-noisy", "--systems", "hf-target,specfleet-http,specfleet-off-http"]
+    argv += ["--requests", "3", "--prompt-tokens", "12", "--max-tokens", "10", "--warmup", "1", "--concurrency", "2"]
+    argv += ["--out", str(out), "--no-progress"]
+    # Drafting as k asks, whatever this machine measures (tests/harness.py's cost model where drafting pays).
+    for key, value in {**DRAFTING_PAYS, "remeasure_every": 0}.items():
+        argv += ["--set", f"router.{key}={str(value).lower()}"]
+    assert bench_main(argv) == 0
+    runs = {r["label"]: r for r in json.loads((out / "results.json").read_text())["runs"]}
+    for label in ("specfleet-http", "specfleet-off-http"):
+        r = runs[label]
+        assert (r["status"], r["errors"], r["checked"], r["mismatches"], r["output_tokens"]) == ("ok", 0, 3, 0, 30), (label, r)
+        assert r["ttft_ms"]["p50"] > 0
+    assert runs["specfleet-http"]["speculation"]["draft_tokens"] > 0 and "drafter-noisy" in runs["specfleet-http"]["speculation"]["per_drafter"]
+    assert runs["specfleet-off-http"]["speculation"]["draft_tokens"] == 0

@@ -28,6 +28,9 @@ Systems (--systems, comma separated; LABEL=SYSTEM gives a second copy its own na
   specfleet        specfleet serve, one drafter (--drafter)
   specfleet-multi  specfleet serve hosting every drafter of the family
   specfleet-fleet  specfleet serve, one drafter service per drafter, each on a core of its own (--drafter-cpus)
+  specfleet-http, specfleet-off-http, specfleet-multi-http
+                   the same through specfleet's OpenAI-compatible HTTP API (streamed /v1/completions), by the
+                   client the vLLM systems use: what the HTTP front costs, and vLLM compared through one protocol
   vllm-target      vLLM CPU OpenAI-compatible server, target alone
   vllm-draft       vLLM, speculative_config {"method": "draft_model", "model": DRAFTER, "num_speculative_tokens": k}
   vllm-ngram       vLLM, speculative_config {"method": "ngram", "num_speculative_tokens": k, ...}

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 
+from tools.bench.http_client import stream_completion
 from tools.bench.systems import REPO, Output, System, free_port, taskset_prefix
 from tools.bench.workload import Request
 
@@ -186,46 +187,18 @@ class VLLMTarget(System):
         raise RuntimeError(f"{self.label}: the vLLM server did not become healthy (exit code {self.proc.returncode}); log {self.log_path}:\n{tail}")
 
     def _generate_sync(self, req: Request) -> Output:
-        import requests
-
         body = {
             "model": "target",
             "prompt": req.prompt_ids,
             "max_tokens": req.max_tokens,
             "temperature": self.settings.temperature,
             "ignore_eos": self.settings.ignore_eos,
-            "stream": True,
-            "return_token_ids": True,
             "seed": 0,
             **self.settings.penalties,
         }
         if self.settings.json_schema is not None:
             body["structured_outputs"] = {"json": self.settings.json_schema, "disable_any_whitespace": self.settings.json_compact}
-        t_submit = time.perf_counter()
-        t_first, ids, text_seen = None, [], False
-        try:
-            with requests.post(f"{self.base}/v1/completions", json=body, stream=True, timeout=self.settings.startup_timeout_s) as r:
-                if r.status_code != 200:
-                    return Output([], t_submit, None, time.perf_counter(), error=f"HTTP {r.status_code}: {r.text[:300]}")
-                for line in r.iter_lines():
-                    if not line or not line.startswith(b"data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        break
-                    chunk = json.loads(data)
-                    for choice in chunk.get("choices", []):
-                        new = choice.get("token_ids") or []
-                        if (new or choice.get("text")) and t_first is None:
-                            t_first = time.perf_counter()
-                        text_seen = text_seen or bool(choice.get("text"))
-                        ids.extend(new)
-        except requests.RequestException as err:
-            return Output(ids, t_submit, t_first, time.perf_counter(), error=f"{type(err).__name__}: {err}")
-        error = None
-        if not ids and text_seen:
-            error = "vLLM returned text without token ids (return_token_ids unsupported); cannot check exactness"
-        return Output(ids, t_submit, t_first, time.perf_counter(), error=error)
+        return stream_completion(self.base, body, self.settings.startup_timeout_s)
 
     async def generate(self, req: Request) -> Output:
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._generate_sync, req)
