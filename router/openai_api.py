@@ -36,6 +36,7 @@ from router.tokens_api import token_routes
 from router.metrics_api import metrics_routes
 from router.openai_stream import run_unary, stream
 from router.openai_responses import ResponsesRequest, create_response
+from router.response_background import Background
 from router.response_store import Responses, ResponseStore, input_items
 from router.openai_logprobs import chat_logprobs, completion_logprobs, echo_logprobs, prompt_logprobs_json, token_text
 from router.chat_reply import ChatReply
@@ -80,6 +81,7 @@ class OpenAIServer:
         self.special_thoughts = special_tags(front_door.tokenizer, self.thinks)
         self.created = int(time.time())
         self.responses = responses or Responses(ResponseStore(0))  # what /v1/responses keeps (router/response_store.py)
+        self.background = Background(self.responses)  # the background responses it runs (router/response_background.py)
 
     @contextlib.contextmanager
     def refusals(self):
@@ -264,7 +266,7 @@ class OpenAIServer:
 # What an unknown route's 404 lists.
 ROUTES = (
     "POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET and DELETE /v1/responses/{id}, "
-    "GET /v1/responses/{id}/input_items, GET /v1/models, GET /v1/models/{model}, "
+    "GET /v1/responses/{id}/input_items, POST /v1/responses/{id}/cancel, GET /v1/models, GET /v1/models/{model}, "
     "POST /tokenize, POST /detokenize, GET /health, GET or POST /ping, GET /load, GET /version"
 )
 
@@ -358,6 +360,10 @@ def _v1(server: OpenAIServer) -> APIRouter:
     @v1.get("/responses/{response_id}/input_items")
     async def response_input_items(response_id: str, limit: int = 20, order: str = "desc", after: str | None = None, before: str | None = None):
         return input_items(await server.responses.get(response_id), limit, order, after, before)
+
+    @v1.post("/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str):
+        return await server.background.cancel(response_id)
 
     @v1.delete("/responses/{response_id}")
     async def delete_response(response_id: str):

@@ -10,7 +10,9 @@ answer, tool calls) and becomes output items (router/response_items.py), whole o
 
 A finished response is kept (router/response_store.py) unless the request says `store: false`: a request with its
 id as `previous_response_id` continues its conversation (its input and output items first, its instructions not
-carried over, as OpenAI does). `background` is refused, as is every field not served, by name.
+carried over, as OpenAI does). With `background: true` the answer is the response as it starts, generated on
+(router/response_background.py) for GET to read and `POST /v1/responses/{id}/cancel` to stop. Every field not
+served is refused by name.
 """
 
 from __future__ import annotations
@@ -18,8 +20,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import time
-import uuid
 from typing import Literal
 
 from fastapi import Request
@@ -29,10 +29,10 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from router.api import Finished, GenerationError
 from router.frontdoor import interleave
 from router.openai_errors import ApiError, unsupported
-from router.openai_schema import FINISH_REASONS, ChatRequest, refuse_lone_surrogates, speculation_json
+from router.openai_schema import FINISH_REASONS, ChatRequest, refuse_lone_surrogates
 from router.openai_stream import GONE, run_unary
-from router.response_store import Responses, identified
-from router.response_items import OutputItems, reasoning_tokens, usage_of
+from router.response_items import OutputItems, ResponseWriter, output_of, status_of
+from router.response_store import identified
 
 
 class ResponsesRequest(BaseModel):
@@ -55,8 +55,8 @@ class ResponsesRequest(BaseModel):
     parallel_tool_calls: bool = True
     truncation: Literal["auto", "disabled"] | None = None
     previous_response_id: str | None = None
-    # Served only at their neutral value (_refuse_unserved).
     background: bool | None = None
+    # Served only at their neutral value (_refuse_unserved).
     include: list[str] | None = None
     reasoning: dict | None = None
 
@@ -104,8 +104,10 @@ def renamed():
 
 
 def _refuse_unserved(body: ResponsesRequest) -> None:
-    if body.background:
-        raise unsupported("background", "specfleet answers a response as it is generated: wait for it, or stream it")
+    if body.background and body.stream:
+        raise unsupported("background", "a background response is not streamed: read it with GET /v1/responses/{id}, or stream without it")
+    if body.background and body.store is False:
+        raise ApiError(400, "background: a background response is read back with GET, so it needs store (true, the default)", param="background")
     if body.include:
         raise unsupported("include", f"{body.include[0]!r} is not served")
     asked = [key for key, value in (body.reasoning or {}).items() if value is not None]
@@ -271,67 +273,12 @@ def chat_request(body: ResponsesRequest, earlier: list[dict] = ()) -> ChatReques
         raise ApiError(400, f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid')}", param=loc[0] if loc else None) from None
 
 
-class ResponseWriter:
-    """One request's response object, as it starts and once finished (then stored, unless the request says
-    `store: false`, answering `context`: the earlier conversation's items and its own input's)."""
-
-    def __init__(self, server, body: ResponsesRequest, chat: ChatRequest, context: list[dict]):
-        self.server, self.body, self.chat, self.context = server, body, chat, context
-        self.id, self.created = f"resp_{uuid.uuid4().hex}", int(time.time())
-        self.responses: Responses = server.responses
-        self.store = body.store is not False and self.responses.enabled
-
-    def json(self, status: str, output: list[dict], usage: dict | None = None, **extra) -> dict:
-        body = self.body
-        return {
-            "id": self.id,
-            "object": "response",
-            "created_at": self.created,
-            "model": self.server.model_name,
-            "status": status,
-            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "error": None,
-            "instructions": body.instructions,
-            "metadata": body.metadata,
-            "user": body.user,
-            "output": output,
-            "temperature": self.chat.temperature,
-            "top_p": self.chat.top_p,
-            "max_output_tokens": body.max_output_tokens,
-            "tools": body.tools or [],
-            "tool_choice": body.tool_choice if body.tool_choice is not None else "auto" if body.tools else "none",
-            "parallel_tool_calls": body.parallel_tool_calls,
-            "text": body.text or {"format": {"type": "text"}},
-            "truncation": body.truncation or "disabled",
-            "reasoning": body.reasoning,
-            "previous_response_id": body.previous_response_id,
-            "store": self.store,
-            "background": False,
-            "usage": usage,
-            **extra,
-        }
-
-    async def finished(self, generation, items: OutputItems) -> dict:
-        """The whole response, once `generation` has finished and `items` hold its output (stored before it is
-        answered, so that the client's next request finds it); with specfleet's `speculation` statistics beside it,
-        as chat's carry them."""
-        result = generation.completion()
-        close = self.server.thinks.close if items.reasoned else None
-        reasoning = reasoning_tokens(self.server.front_door.tokenizer, result.token_ids, close)
-        usage = usage_of(result.usage, reasoning)
-        response = self.json(status_of(result.finish_reason), items.items, usage, speculation=speculation_json(result.speculation))
-        if self.store and not await self.responses.keep(response, self.context):
-            response["store"] = False  # alone larger than the store's budget
-        return response
-
-
-def status_of(finish_reason: str | None) -> str:
-    return "incomplete" if FINISH_REASONS.get(finish_reason) == "length" else "completed"
-
-
 async def create_response(server, body: ResponsesRequest, request: Request):
     """POST /v1/responses over `server` (router/openai_api.py's OpenAIServer)."""
     with server.refusals():
+        if body.background and not server.responses.enabled:
+            why = "this server stores no responses (router.response_store_mb is 0), so a background one could not be read back"
+            raise ApiError(400, f"background: {why}", param="background")
         previous = None if body.previous_response_id is None else await server.responses.get(body.previous_response_id, "previous_response_id")
         earlier = [] if previous is None else previous.conversation()
         chat = chat_request(body, earlier)
@@ -339,13 +286,10 @@ async def create_response(server, body: ResponsesRequest, request: Request):
     writer = ResponseWriter(server, body, chat, [*earlier, *map(identified, items_of(body))])
     if body.stream:
         return StreamingResponse(_events(writer, replies[0], generations), media_type="text/event-stream")
+    if body.background:
+        return await server.background.start(writer, replies[0], generations[0])
     await run_unary(generations, request)
-    result = generations[0].completion()
-    items = OutputItems()
-    message, _ = replies[0].message(result.text, FINISH_REASONS.get(result.finish_reason))
-    items.feed(message)
-    items.finish(status_of(result.finish_reason))
-    return await writer.finished(generations[0], items)
+    return await writer.finished(generations[0], output_of(replies[0], generations[0]))
 
 
 async def _events(writer: ResponseWriter, reply, generations: list):

@@ -1,12 +1,16 @@
-"""A Responses API answer's output items (router/openai_responses.py), built from a chat reply's deltas
+"""A Responses API answer (router/openai_responses.py): its output items, built from a chat reply's deltas
 (router/chat_reply.py): the thought as a `reasoning` item, the answer as a `message` item with one `output_text`
 part, each tool call as a `function_call` item; with the server-sent events that build them as they stream, in
 OpenAI's names. The unary answer is built by the same steps from the whole reply, so that a stream's final items and
-the unary answer's are the same."""
+the unary answer's are the same. And the response object around them (`ResponseWriter`), stored once finished."""
 
 from __future__ import annotations
 
+import time
 import uuid
+
+from router.openai_schema import FINISH_REASONS, speculation_json
+from router.response_store import Responses
 
 
 # Each kind of item that holds text: its id's prefix, its part's type, the event its text streams in.
@@ -136,3 +140,74 @@ def usage_of(usage, reasoning: int) -> dict:
         "output_tokens_details": {"reasoning_tokens": reasoning},
         "total_tokens": prompt_tokens + output_tokens,
     }
+
+
+class ResponseWriter:
+    """One request's response object, as it starts and once finished (then stored, unless the request says
+    `store: false`, answering `context`: the earlier conversation's items and its own input's); `body` is the
+    request (router/openai_responses.py's ResponsesRequest), `chat` the chat request it became."""
+
+    def __init__(self, server, body, chat, context: list[dict]):
+        self.server, self.body, self.chat, self.context = server, body, chat, context
+        self.id, self.created = f"resp_{uuid.uuid4().hex}", int(time.time())
+        self.responses: Responses = server.responses
+        self.store = body.store is not False and self.responses.enabled
+
+    def json(self, status: str, output: list[dict], usage: dict | None = None, **extra) -> dict:
+        body = self.body
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "model": self.server.model_name,
+            "status": status,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "error": None,
+            "instructions": body.instructions,
+            "metadata": body.metadata,
+            "user": body.user,
+            "output": output,
+            "temperature": self.chat.temperature,
+            "top_p": self.chat.top_p,
+            "max_output_tokens": body.max_output_tokens,
+            "tools": body.tools or [],
+            "tool_choice": body.tool_choice if body.tool_choice is not None else "auto" if body.tools else "none",
+            "parallel_tool_calls": body.parallel_tool_calls,
+            "text": body.text or {"format": {"type": "text"}},
+            "truncation": body.truncation or "disabled",
+            "reasoning": body.reasoning,
+            "previous_response_id": body.previous_response_id,
+            "store": self.store,
+            "background": bool(body.background),
+            "usage": usage,
+            **extra,
+        }
+
+    async def finished(self, generation, items: OutputItems, status: str | None = None, **extra) -> dict:
+        """The whole response, once `generation` has finished (or stopped: `status`) and `items` hold its output (stored
+        before it is answered, so that the client's next request finds it); with specfleet's `speculation` statistics
+        beside it, as chat's carry them."""
+        result = generation.completion()
+        close = self.server.thinks.close if items.reasoned else None
+        reasoning = reasoning_tokens(self.server.front_door.tokenizer, result.token_ids, close)
+        usage = usage_of(result.usage, reasoning)
+        status = status or status_of(result.finish_reason)
+        response = self.json(status, items.items, usage, speculation=speculation_json(result.speculation), **extra)
+        if self.store and not await self.responses.keep(response, self.context):
+            response["store"] = False  # alone larger than the store's budget
+        return response
+
+
+def status_of(finish_reason: str | None) -> str:
+    return "incomplete" if FINISH_REASONS.get(finish_reason) == "length" else "completed"
+
+
+def output_of(reply, generation, status: str | None = None) -> OutputItems:
+    """A generation's output so far (all of it once finished) as items, read as chat's reply; the last item closed
+    with `status` (else as the generation finished)."""
+    result = generation.completion()
+    items = OutputItems()
+    message, _ = reply.message(result.text, FINISH_REASONS.get(result.finish_reason))
+    items.feed(message)
+    items.finish(status or status_of(result.finish_reason))
+    return items

@@ -234,7 +234,8 @@ def test_truncation_auto_keeps_the_prompt_s_last_tokens_that_fit_beside_the_outp
 
 
 REFUSED = [
-    ({"background": True}, "background"),
+    ({"background": True, "stream": True}, "background"),
+    ({"background": True, "store": False}, "background"),
     ({"include": ["message.output_text.logprobs"]}, "include"),
     ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
@@ -379,3 +380,51 @@ def test_a_response_not_stored_or_deleted_is_not_found_naming_why(api, client):
     with pytest.raises(openai.NotFoundError):
         client.responses.create(**greedy(input=PROMPTS[1], previous_response_id=kept.id))
     assert metrics(port).get(refused, 0.0) - before == 2, "each previous_response_id not found, and nothing else"
+
+
+def _until_ended(client, response_id: str, timeout_s: float = 120.0):
+    deadline = time.monotonic() + timeout_s
+    while (response := client.responses.retrieve(response_id)).status == "in_progress":
+        assert time.monotonic() < deadline, response
+        time.sleep(0.05)
+    return response
+
+
+def test_a_background_response_is_answered_as_it_starts_and_read_back_finished(client):
+    """background: true answers at once (in_progress, stored); GET reads it meanwhile and, once generated, the same
+    output as the unary response; cancelling one that ended returns it as it ended."""
+    unary = client.responses.create(**greedy(input=PROMPTS[1]))
+    started = client.responses.create(**greedy(input=PROMPTS[1], background=True))
+    assert (started.status, started.background, started.output) == ("in_progress", True, [])
+    ended = _until_ended(client, started.id)
+    assert (ended.status, ended.output_text, ended.background) == (unary.status, unary.output_text, True)
+    assert ended.usage.output_tokens == unary.usage.output_tokens
+    assert client.responses.cancel(started.id).status == ended.status
+    # It continues a conversation as any stored response does.
+    after = client.responses.create(**greedy(input=PROMPTS[2], previous_response_id=started.id))
+    assert after.output_text == client.responses.create(**greedy(input=PROMPTS[2], previous_response_id=unary.id)).output_text
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.cancel(unary.id)
+    assert "background" in err.value.body["message"]
+
+
+def test_a_cancelled_background_response_stops_and_keeps_its_output_so_far(api, client):
+    """Its client leaving changes nothing; POST /v1/responses/{id}/cancel stops it (the request cancelled at the
+    router, no session left at the verifier) and stores it as cancelled with the output it had."""
+    router, verifier = api.config["router"]["metrics_port"], api.config["verifier"]["metrics_port"]
+    cancelled = metrics(router)["specfleet:request_cancelled_total"]
+    tokens = metrics(router)["specfleet:generation_tokens_total"]
+    extra = {"ignore_eos": True, "speculation": {"disabled": True}}
+    started = client.responses.create(model=MODEL, input=PROMPTS[1], temperature=0, max_output_tokens=900, background=True, extra_body=extra)
+    deadline = time.monotonic() + 60
+    while metrics(router)["specfleet:generation_tokens_total"] == tokens:  # until its first tokens
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    stopped = client.responses.cancel(started.id)
+    assert stopped.status == "cancelled" and 0 < stopped.usage.output_tokens < 900, stopped
+    assert client.responses.retrieve(started.id).status == "cancelled"
+    deadline = time.monotonic() + 60
+    while (metrics(router)["specfleet:num_requests_running"] or metrics(verifier)["specfleet:sessions"]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert metrics(router)["specfleet:num_requests_running"] == 0 and metrics(verifier)["specfleet:sessions"] == 0
+    assert metrics(router)["specfleet:request_cancelled_total"] == cancelled + 1

@@ -51,6 +51,7 @@ def ops(random_family, tmp_path_factory):
         adaptive_speculation=False,
         chat_template=str(template),
         priority_scheduling=True,
+        response_store_mb=0,  # stored responses off: test_a_router_that_stores_no_responses_says_so
     )
     config["verifier"]["colocate"] = False  # the tests pause the verifier alone (SIGSTOP), not the router with it
     cluster = Cluster(config, tmp_path_factory.mktemp("ops"), "ops").start()
@@ -334,3 +335,20 @@ def test_chats_are_rendered_by_the_configured_chat_template(ops, random_family):
     reply = client.chat.completions.create(model=client.models.list().data[0].id, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
     tokenizer = load_tokenizer(str(random_family["target"]))
     assert reply.usage.prompt_tokens == len(tokenizer.encode("[user] hi\n[assistant]", add_special_tokens=False))
+
+
+def test_a_router_that_stores_no_responses_says_so(ops):
+    """router.response_store_mb 0: a response says store false, reading it back is a 404 naming the setting, and a
+    background response (read back by GET) is refused naming it."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{ops.config['router']['http_port']}/v1", api_key="-", max_retries=0, timeout=600)
+    model = client.models.list().data[0].id
+    reply = client.responses.create(model=model, input="hi", max_output_tokens=2)
+    assert reply.store is False
+    with pytest.raises(openai.NotFoundError) as err:
+        client.responses.retrieve(reply.id)
+    assert "router.response_store_mb is 0" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=model, input="hi", max_output_tokens=2, background=True)
+    assert err.value.body["param"] == "background" and "router.response_store_mb is 0" in err.value.body["message"]
