@@ -48,8 +48,9 @@ class ResponseStore:
         return response_id in self._entries
 
     def put(self, response: dict, context: list[dict]) -> bool:
-        """Keep `response` (answering `context`), forgetting the least recently used to make room; False where it
-        alone is over the budget (then nothing is forgotten for it)."""
+        """Keep `response` (answering `context`) in place of any kept under its id (a background response's start),
+        forgetting the least recently used to make room; False where it alone is over the budget."""
+        self.discard(response["id"])
         size = len(json.dumps(response)) + len(json.dumps(context))
         if size > self.budget_bytes:
             return False

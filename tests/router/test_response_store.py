@@ -86,3 +86,12 @@ def test_an_item_with_an_id_keeps_it_and_an_assistant_s_text_is_output_text():
     kept = identified({"type": "function_call_output", "call_id": "c1", "output": "18 C", "id": "fco_1"})
     assert kept["id"] == "fco_1" and identified({"type": "function_call_output", "call_id": "c1", "output": "x"})["id"].startswith("fco_")
     assert identified({"role": "assistant", "content": "Hi."})["content"] == [{"type": "output_text", "text": "Hi."}]
+
+
+def test_a_response_kept_again_under_its_id_replaces_the_first_and_its_bytes():
+    """A background response is kept as it starts, then again once finished: one entry, counted once."""
+    store = ResponseStore(1 << 20)
+    store.put(response(0, "short"), [])
+    store.put(response(0, "a longer text"), [])
+    assert len(store) == 1 and store.used_bytes == len(json.dumps(response(0, "a longer text"))) + len(json.dumps([]))
+    assert store.get("resp_0").response["output"][0]["content"][0]["text"] == "a longer text"
