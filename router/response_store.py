@@ -47,11 +47,12 @@ class ResponseStore:
     def __contains__(self, response_id: str) -> bool:
         return response_id in self._entries
 
-    def put(self, response: dict, context: list[dict]) -> bool:
-        """Keep `response` (answering `context`) in place of any kept under its id (a background response's start),
-        forgetting the least recently used to make room; False where it alone is over the budget."""
+    def put(self, response: dict, context: list[dict], size: int | None = None) -> bool:
+        """Keep `response` (answering `context`; `size`: their JSON's length, where the caller has it) in place of any
+        kept under its id (a background response's start), forgetting the least recently used to make room; False
+        where it alone is over the budget."""
         self.discard(response["id"])
-        size = len(json.dumps(response)) + len(json.dumps(context))
+        size = size if size is not None else len(json.dumps(response)) + len(json.dumps(context))
         if size > self.budget_bytes:
             return False
         while self.used_bytes + size > self.budget_bytes:
@@ -154,11 +155,12 @@ class Responses:
         self._unshared: set[str] = set()  # kept while Redis was away: Redis's "no such response" does not hold for them
 
     async def keep(self, response: dict, context: list[dict]) -> bool:
-        """Store `response` (answering `context`) here, and in Redis; False where it is too large to keep."""
-        if not self.memory.put(response, context):
+        """Store `response` (answering `context`) here, and in Redis; False where it is too large to keep. Its JSON is
+        written off the event loop, which runs every request's rounds: a long conversation's takes milliseconds."""
+        value = await asyncio.to_thread(json.dumps, {"response": response, "context": context})
+        if not self.memory.put(response, context, len(value)):
             return False
         if self._redis is not None:
-            value = json.dumps({"response": response, "context": context})
             if not await self._shared(self._redis.set, _key(response["id"]), value, ex=max(1, round(self.ttl_s))):
                 self._unshared.add(response["id"])
         return True
@@ -178,7 +180,7 @@ class Responses:
             self._unshared.discard(response_id)
             self.memory.discard(response_id)  # deleted or expired: through another router, perhaps
             raise missing(response_id, param, False)
-        stored = json.loads(value)
+        stored = await asyncio.to_thread(json.loads, value)
         return Stored(stored["response"], stored["context"])
 
     async def delete(self, response_id: str) -> None:
