@@ -286,7 +286,7 @@ def _add_error_handlers(app: FastAPI, front_door: FrontDoor) -> None:
         if request.url.path in GENERATION_ROUTES:
             front_door.refused("INVALID_ARGUMENT")
         first = err.errors()[0] if err.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body" and not isinstance(p, int)]
+        loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path") and not isinstance(p, int)]
         param = loc[0] if loc else None
         message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request body')}"
         return error_response(ApiError(400, message, param=param))

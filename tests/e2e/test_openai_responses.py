@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.client
 import json
 import time
+import urllib.error
 import urllib.request
 
 import openai
@@ -315,7 +316,7 @@ def test_a_client_that_leaves_a_stream_cancels_its_request(api, client):
     assert metrics(router)["specfleet:generation_tokens_total"] - tokens < 900
 
 
-def test_a_response_continues_a_stored_one_as_if_its_conversation_were_sent_whole(client):
+def test_a_response_continues_a_stored_one_as_if_its_conversation_were_sent_whole(api, client):
     """previous_response_id: the stored response's input and output items come before this request's input (its
     instructions do not, as OpenAI has it); the same output and prompt as the whole conversation sent in input, and as
     chat's messages. Each response is kept (GET returns it) and continues from a stream's too."""
@@ -348,6 +349,14 @@ def test_a_response_continues_a_stored_one_as_if_its_conversation_were_sent_whol
     assert roles == [("message", "user"), ("message", "assistant"), ("message", "user"), ("message", "assistant"), ("message", "user")], roles
     assert listed.data[0].content[0].text == PROMPTS[2] and listed.data[-1].content[0].text == PROMPTS[0]
     assert listed.data[1].id == second.output[0].id and len({item.id for item in listed.data}) == 5
+    # A bad query parameter is a 400 naming it, as a bad body field is.
+    for query, message in (("limit=abc", "limit: Input should be a valid integer"), ("limit=500", "limit: from 1 to 100")):
+        url = f"{api.base_url}/v1/responses/{third.id}/input_items?{query}"
+        request = urllib.request.Request(url, headers={"Authorization": f"Bearer {API_KEY}"})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(request, timeout=10)
+        body = json.loads(err.value.read())["error"]
+        assert (err.value.code, body["param"]) == (400, "limit") and body["message"].startswith(message), body
     # A streamed response is kept once complete, and continued as a unary one is.
     events = list(client.responses.create(**greedy(input=PROMPTS[0], instructions="Be brief."), stream=True))
     streamed = events[-1].response
