@@ -6,6 +6,10 @@ it can before reading a byte of it: without the API key (on /v1, /tokenize and /
 over `router.max_request_bytes` with 413. A body without a declared length (chunked) is read up to that
 limit and refused with 413 past it. The body read is handed to the app as it arrived, one message, and
 the client's later messages (its disconnect) after it, so a handler still sees its client go away.
+
+Every answer carries an `X-Request-Id` header (vLLM's): the client's own where it sent one (printable, at most
+`MAX_REQUEST_ID_CHARS`), else a new one; the app finds it in `scope["state"]["request_id"]` and names the request by
+it where the body names none, so that a load balancer's id and the router's log lines meet.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import contextlib
 import hmac
 import json
 import socket
+import uuid
 
 import uvicorn
 
@@ -25,6 +30,7 @@ from router.openai_schema import ApiError
 # The paths that need the API key: the OpenAI API's and vLLM's tokenizer routes (router/tokens_api.py).
 KEYED = ("/v1", "/tokenize", "/detokenize")
 KEY_HINT = "invalid API key: send Authorization: Bearer <the key given to --api-key or SPECFLEET_API_KEY>"
+MAX_REQUEST_ID_CHARS = 64
 
 
 class BodyGate:
@@ -35,6 +41,7 @@ class BodyGate:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
+        send = _with_request_id(scope, headers.get(b"x-request-id", b""), send)
         if self.api_key and scope["path"].startswith(KEYED) and not self._key_ok(headers.get(b"authorization", b"")):
             return await _refuse(scope, receive, send, ApiError(401, KEY_HINT, code="invalid_api_key"))
         declared = headers.get(b"content-length")
@@ -69,6 +76,21 @@ class BodyGate:
             f"request body of {size} bytes is over this server's limit of {self.max_request_bytes} (router.max_request_bytes)",
             code="request_too_large",
         )
+
+
+def _with_request_id(scope, given: bytes, send):
+    """`send` with the request's id added to the answer's headers, the id kept in the scope's state for the app."""
+    request_id = given.decode("latin-1")
+    if not (0 < len(request_id) <= MAX_REQUEST_ID_CHARS and request_id.isprintable()):
+        request_id = uuid.uuid4().hex
+    scope.setdefault("state", {})["request_id"] = request_id
+
+    async def sending(message):
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id.encode("latin-1"))]}
+        await send(message)
+
+    return sending
 
 
 class _ErrorResponse(JSONResponse):

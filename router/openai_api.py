@@ -37,7 +37,7 @@ from router.metrics_api import metrics_routes
 from router.openai_stream import run_unary, stream
 from router.openai_responses import ResponsesRequest, create_response
 from router.response_background import Background
-from router.response_store import Responses, ResponseStore, input_items
+from router.response_store import Responses, ResponseStore, input_items, responses_of
 from router.openai_logprobs import chat_logprobs, completion_logprobs, echo_logprobs, prompt_logprobs_json, token_text
 from router.chat_reply import ChatReply
 from router.reasoning import ReasoningReader, guide_after_thought, special_tags, thinks
@@ -111,6 +111,10 @@ class OpenAIServer:
         # A connection's calls share their turns at admission (a keep-alive client's requests, one after another).
         peer = request.scope.get("client")
         client = f"http:{peer[0]}:{peer[1]}" if peer else ""
+        named = request.scope.get("state", {}).get("request_id")  # the X-Request-Id header's (router/http_gate.py)
+        for index, p in enumerate(params):
+            if not p.request_id and named:
+                p.request_id = f"{named}-{index}"
         try:
             return await self.front_door.submit_all(params, via="HTTP", client=client)
         except GenerationError as err:
@@ -371,11 +375,6 @@ def _v1(server: OpenAIServer) -> APIRouter:
         return {"id": response_id, "object": "response", "deleted": True}
 
     return v1
-
-
-def responses_of(settings: RouterConfig) -> Responses:
-    """The stored responses the router's settings ask for: in memory, and shared through Redis with router.redis_url."""
-    return Responses(ResponseStore(settings.response_store_mb * 2**20), settings.routing.redis_url, settings.response_ttl_s)
 
 
 def create_app(front_door: FrontDoor, model_name: str, settings: RouterConfig, api_key: str = "", metrics=None, metrics_token: str = "") -> BodyGate:

@@ -219,3 +219,8 @@ class Responses:
 
 def _key(response_id: str) -> str:
     return f"specfleet:response:{response_id}"
+
+
+def responses_of(settings) -> Responses:
+    """The stored responses the router's settings (RouterConfig) ask for: in memory, and shared through Redis with router.redis_url."""
+    return Responses(ResponseStore(settings.response_store_mb * 2**20), settings.routing.redis_url, settings.response_ttl_s)

@@ -492,6 +492,26 @@ def test_models_lists_the_served_name_and_unknown_models_are_404(client):
     assert err.value.body["param"] == "model"
 
 
+def test_x_request_id_names_the_request_and_comes_back_on_every_answer(api, client):
+    """vLLM's X-Request-Id: a client's id names its request in the router's log (with its choice's index) and comes
+    back as a header; an answer to a request without one, or with an unusable one, carries a new id; a refusal too."""
+    raw = client.completions.with_raw_response.create(
+        model="random-target", prompt=PROMPTS[0], max_tokens=2, extra_headers={"X-Request-Id": "trace-7f3a"}
+    )
+    assert raw.headers["x-request-id"] == "trace-7f3a" and raw.parse().choices[0].text is not None
+    deadline = time.monotonic() + 10
+    while "request trace-7f3a-0 finished" not in api.log_path.read_text():
+        assert time.monotonic() < deadline, "the router's log never named the request by its X-Request-Id"
+        time.sleep(0.1)
+    for sent in ({}, {"X-Request-Id": "x" * 65}, {"X-Request-Id": "tab\there"}):
+        made = client.models.with_raw_response.list(extra_headers=sent).headers["x-request-id"]
+        assert re.fullmatch(r"[0-9a-f]{32}", made), (sent, made)
+    with pytest.raises(openai.AuthenticationError) as err:
+        with openai.OpenAI(base_url=api.base_url + "/v1", api_key="wrong", max_retries=0) as wrong:
+            wrong.models.list(extra_headers={"X-Request-Id": "trace-refused"})
+    assert err.value.response.headers["x-request-id"] == "trace-refused"
+
+
 def test_only_the_router_has_the_api_key_in_its_environment(api):
     """The verifier and drafters never check the key: `specfleet serve` keeps it out of their environment."""
 
