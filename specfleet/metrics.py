@@ -221,7 +221,7 @@ class _KVCache:
             ("num_preemptions", "Sessions that lost their KV to the budget (computed again when used).", sum(s.evictions for s in self.stores())),
         ):
             yield self._family(CounterMetricFamily, name, doc, count)
-        # A pool holds more than its budget only while one pass's sessions need it: the share then passes 1.
+        # A pool grown past its budget (one pass's sessions needed more) is measured against what it holds: at most 1.
         budget = sum(max(p.cache_budget, p.blocks - 1) for p in pools)
         doc = "Share of the KV budget's blocks that sessions hold (1: all; vLLM's kv_cache_usage_perc)."
         yield self._family(GaugeMetricFamily, "kv_cache_usage_perc", doc, sum(p.held_blocks for p in pools) / budget if budget else 0.0)
