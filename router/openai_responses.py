@@ -280,6 +280,9 @@ async def create_response(server, body: ResponsesRequest, request: Request):
             why = "this server stores no responses (router.response_store_mb is 0), so a background one could not be read back"
             raise ApiError(400, f"background: {why}", param="background")
         previous = None if body.previous_response_id is None else await server.responses.get(body.previous_response_id, "previous_response_id")
+        if previous is not None and previous.response["status"] == "in_progress":  # a background one, still generating
+            why = f"{body.previous_response_id!r} is still in progress: continue it once GET /v1/responses/{{id}} says it has ended"
+            raise ApiError(400, f"previous_response_id: {why}", param="previous_response_id")
         earlier = [] if previous is None else previous.conversation()
         chat = chat_request(body, earlier)
     replies, generations = await server.submit_chat(chat, request, renamed)

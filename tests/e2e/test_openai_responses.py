@@ -429,6 +429,10 @@ def test_a_cancelled_background_response_stops_and_keeps_its_output_so_far(api, 
     while metrics(router)["specfleet:generation_tokens_total"] == tokens:  # until its first tokens
         assert time.monotonic() < deadline
         time.sleep(0.05)
+    # Still generating: it cannot be continued yet, and the refusal says when it can.
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(**greedy(input=PROMPTS[2], previous_response_id=started.id))
+    assert err.value.body["param"] == "previous_response_id" and "still in progress" in err.value.body["message"]
     stopped = client.responses.cancel(started.id)
     assert stopped.status == "cancelled" and 0 < stopped.usage.output_tokens < 900, stopped
     assert client.responses.retrieve(started.id).status == "cancelled"
