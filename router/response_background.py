@@ -36,22 +36,21 @@ class Background:
         return started
 
     async def _run(self, writer: ResponseWriter, reply, generation) -> None:
+        """Until the generation ends, then its response stored: as it finished, else stopped (cancelled, failed) with
+        its output so far, the last item incomplete."""
+        stopped, extra = None, {}
         try:
             await generation.complete()
         except asyncio.CancelledError:
-            await writer.finished(generation, output_of(reply, generation, "incomplete"), "cancelled")
-            return
+            stopped = "cancelled"
         except GenerationError as err:
             failure = ApiError.of(err)
-            error = {"code": failure.code or "server_error", "message": failure.message}
-            await writer.finished(generation, output_of(reply, generation, "incomplete"), "failed", error=error)
-            return
+            stopped, extra = "failed", {"error": {"code": failure.code or "server_error", "message": failure.message}}
         except Exception:  # a bug must not leave the response in progress forever
             log.exception("background response %s failed", writer.id)
-            error = {"code": "server_error", "message": "internal error in the router; see its log"}
-            await writer.finished(generation, output_of(reply, generation, "incomplete"), "failed", error=error)
-            return
-        await writer.finished(generation, output_of(reply, generation))
+            stopped, extra = "failed", {"error": {"code": "server_error", "message": "internal error in the router; see its log"}}
+        items = output_of(reply, generation, "incomplete" if stopped else None)
+        await writer.finished(generation, items, stopped, **extra)
 
     async def cancel(self, response_id: str) -> dict:
         """POST /v1/responses/{id}/cancel: a running background response stopped (status cancelled, its output so far
@@ -61,7 +60,7 @@ class Background:
             stored = (await self.responses.get(response_id)).response
             if not stored.get("background"):
                 raise ApiError(400, f"response_id: {response_id!r} was not created with background: true; only those can be cancelled")
-            if stored["status"] in ("queued", "in_progress"):
+            if stored["status"] == "in_progress":
                 why = "it runs on another router replica, which alone can stop it: send the cancel there"
                 raise ApiError(409, f"response_id: {response_id!r} cannot be cancelled here: {why}", code="conflict")
             return stored

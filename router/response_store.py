@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 class Stored:
     response: dict  # the response object, as it was answered
     context: list[dict]  # the input items of the conversation it answered, earlier responses' output included
+    shared: bool = True  # in Redis too, where there is one (not where it was kept while Redis was away)
 
     def conversation(self) -> list[dict]:
         """What a response that continues this one reads before its own input: this one's context and output."""
@@ -44,35 +45,36 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def __contains__(self, response_id: str) -> bool:
-        return response_id in self._entries
-
-    def put(self, response: dict, context: list[dict], size: int | None = None) -> bool:
+    def put(self, response: dict, context: list[dict], size: int | None = None) -> Stored | None:
         """Keep `response` (answering `context`; `size`: their JSON's length, where the caller has it) in place of any
-        kept under its id (a background response's start), forgetting the least recently used to make room; False
+        kept under its id (a background response's start), forgetting the least recently used to make room; None
         where it alone is over the budget."""
         self.discard(response["id"])
         size = size if size is not None else len(json.dumps(response)) + len(json.dumps(context))
         if size > self.budget_bytes:
-            return False
+            return None
         while self.used_bytes + size > self.budget_bytes:
             _, (_, forgotten) = self._entries.popitem(last=False)
             self.used_bytes -= forgotten
-        self._entries[response["id"]] = (Stored(response, context), size)
+        kept = Stored(response, context)
+        self._entries[response["id"]] = (kept, size)
         self.used_bytes += size
-        return True
+        return kept
 
-    def get(self, response_id: str, param: str | None = None) -> Stored:
-        """The stored response, now the most recently used; a 404 naming why it may be missing where it is not kept."""
+    def find(self, response_id: str) -> Stored | None:
+        """The stored response, now the most recently used; None where it is not kept."""
         entry = self._entries.get(response_id)
         if entry is None:
-            raise missing(response_id, param, self.budget_bytes == 0)
+            return None
         self._entries.move_to_end(response_id)
         return entry[0]
 
-    def delete(self, response_id: str) -> None:
-        if not self.discard(response_id):
-            raise missing(response_id, None, self.budget_bytes == 0)
+    def get(self, response_id: str, param: str | None = None) -> Stored:
+        """`find`'s, or a 404 naming why it may be missing."""
+        stored = self.find(response_id)
+        if stored is None:
+            raise missing(response_id, param, self.budget_bytes == 0)
+        return stored
 
     def discard(self, response_id: str) -> bool:
         """Forget it; whether it was kept."""
@@ -152,17 +154,17 @@ class Responses:
 
             self._redis = redis.Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
         self._away = False  # Redis failed the last call: logged once until it answers again
-        self._unshared: set[str] = set()  # kept while Redis was away: Redis's "no such response" does not hold for them
 
     async def keep(self, response: dict, context: list[dict]) -> bool:
         """Store `response` (answering `context`) here, and in Redis; False where it is too large to keep. Its JSON is
         written off the event loop, which runs every request's rounds: a long conversation's takes milliseconds."""
         value = await asyncio.to_thread(json.dumps, {"response": response, "context": context})
-        if not self.memory.put(response, context, len(value)):
+        kept = self.memory.put(response, context, len(value))
+        if kept is None:
             return False
         if self._redis is not None:
             if not await self._shared(self._redis.set, _key(response["id"]), value, ex=max(1, round(self.ttl_s))):
-                self._unshared.add(response["id"])
+                kept.shared = False  # Redis's "no such response" does not hold for it
         return True
 
     async def get(self, response_id: str, param: str | None = None) -> Stored:
@@ -171,20 +173,20 @@ class Responses:
         try:
             value = await self._shared(self._redis.get, _key(response_id), raising=True)
         except ConnectionError:
-            if response_id in self.memory:
-                return self.memory.get(response_id, param)
+            kept = self.memory.find(response_id)  # its own, answered here
+            if kept is not None:
+                return kept
             raise self._unavailable(param, "send the conversation in input") from None
         if value is None:
-            if response_id in self._unshared and response_id in self.memory:
-                return self.memory.get(response_id, param)
-            self._unshared.discard(response_id)
+            kept = self.memory.find(response_id)
+            if kept is not None and not kept.shared:
+                return kept
             self.memory.discard(response_id)  # deleted or expired: through another router, perhaps
             raise missing(response_id, param, False)
         stored = await asyncio.to_thread(json.loads, value)
         return Stored(stored["response"], stored["context"])
 
     async def delete(self, response_id: str) -> None:
-        self._unshared.discard(response_id)
         here = self.memory.discard(response_id)
         shared = 0
         if self._redis is not None:

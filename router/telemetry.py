@@ -88,8 +88,7 @@ class RouterTelemetry:
             "specfleet:verifier_replica_sessions", "Request rounds each verifier replica verified.", ["replica"], registry=r
         )
         r.register(_RoundState(scheduler))
-        self._last_token_at: dict[int, float] = {}  # id(state) -> when its last tokens went out
-        self._first_token_at: dict[int, float] = {}  # id(state) -> when its first tokens went out
+        self._token_times: dict[int, tuple[float, float]] = {}  # id(state) -> when its first and its last tokens went out
 
     def _add_request_histograms(self, r: CollectorRegistry) -> None:
         """A finished request's phases and lengths, as vLLM's request_* histograms: queue (admission to its first round),
@@ -126,24 +125,22 @@ class RouterTelemetry:
         n = len(chunk.token_ids)
         if n:
             self.generation_tokens.inc(n)
-            last = self._last_token_at.get(id(state))
+            first, last = self._token_times.get(id(state), (now, None))
             if last is None:
                 self.ttft.observe(now - state.admitted_at)
-                self._first_token_at[id(state)] = now
             else:
                 for _ in range(n):
                     self.itl.observe((now - last) / n)
-            self._last_token_at[id(state)] = now
+            self._token_times[id(state)] = (first, now)
         if chunk.final:
-            self._last_token_at.pop(id(state), None)
+            first, _ = self._token_times.pop(id(state), (None, None))
             self.e2e.observe(now - state.admitted_at)
             self.success.labels(finished_reason=state.finish_reason).inc()
             self.prompt_tokens.inc(len(state.spec.prompt_ids))
-            self._finished(state, now)
+            self._finished(state, first, now)
 
-    def _finished(self, state, now: float) -> None:
-        """A finished request's phases (those it reached) and lengths."""
-        first = self._first_token_at.pop(id(state), None)
+    def _finished(self, state, first: float | None, now: float) -> None:
+        """A finished request's phases (those it reached: `first`, when its first tokens went out) and lengths."""
         scheduled = state.scheduled_at
         if scheduled is not None:
             self.phase_seconds["queue"].observe(scheduled - state.admitted_at)
@@ -157,13 +154,11 @@ class RouterTelemetry:
 
     def cancelled_request(self, state) -> None:
         """Its client went away before the end (Scheduler._publish drops it)."""
-        self._last_token_at.pop(id(state), None)
-        self._first_token_at.pop(id(state), None)
+        self._token_times.pop(id(state), None)
         self.cancelled.inc()
 
     def failed_with(self, state, code) -> None:
-        self._last_token_at.pop(id(state), None)
-        self._first_token_at.pop(id(state), None)
+        self._token_times.pop(id(state), None)
         self.failed.labels(code=getattr(code, "name", str(code))).inc()
 
     def verified(self, state, drafters: list[str], tree, accepted_nodes: list[int]) -> None:

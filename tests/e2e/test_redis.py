@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import shutil
 import subprocess
@@ -64,13 +65,35 @@ def generate(address: str, n: int, prompt_offset: int = 0):
         return [f.result() for f in futures]
 
 
+@contextlib.contextmanager
+def another_router(config_path, port: int, log_path, *flags: str):
+    """A second router process over the cluster's services (`python -m router`, the config's with `flags`), yielding
+    its gRPC address once it serves; stopped on leaving."""
+    import asyncio
+
+    from specfleet.serving import wait_until_serving
+
+    router = subprocess.Popen(
+        [sys.executable, "-m", "router", "--config", str(config_path), *flags],
+        cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stderr=open(log_path, "w"),
+    )
+    try:
+        address = f"127.0.0.1:{port}"
+        asyncio.run(wait_until_serving(address, 120))
+        yield address
+    finally:
+        router.terminate()
+        router.wait(timeout=30)
+
+
 def test_two_routers_share_expertise_and_survive_redis_restarts(random_family, tmp_path):
     server = RedisServer(free_port()).start()
     config = multi_drafter_config(random_family, across_services=False, redis_url=server.url, fusion_width=1, pipeline_depth=1)
     config["drafters"][0]["models"] = [m for m in config["drafters"][0]["models"] if m["name"] in ("drafter-copy", "drafter-random")]
     config["router"]["default_drafter"] = "drafter-copy"
     cluster = Cluster(config, tmp_path, "redis").start()
-    second = None
     try:
         # Router 1 learns: the copy of the target is accepted, the random drafter is not.
         for _ in range(3):
@@ -82,20 +105,9 @@ def test_two_routers_share_expertise_and_survive_redis_restarts(random_family, t
 
         # Router 2, a separate process with no history of its own, routes by what router 1 learned.
         port2 = free_port()
-        second = subprocess.Popen(
-            [sys.executable, "-m", "router", "--config", str(cluster.config_path), "--port", str(port2)],
-            cwd=REPO,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            stderr=open(tmp_path / "router2.log", "w"),
-        )
-        address2 = f"127.0.0.1:{port2}"
-        import asyncio
-
-        from specfleet.serving import wait_until_serving
-
-        asyncio.run(wait_until_serving(address2, 120))
-        time.sleep(1.0)  # its first sync with Redis
-        replies = generate(address2, 8, prompt_offset=5)
+        with another_router(cluster.config_path, port2, tmp_path / "router2.log", "--port", str(port2)) as address2:
+            time.sleep(1.0)  # its first sync with Redis
+            replies = generate(address2, 8, prompt_offset=5)
         rounds = collections.Counter()
         for reply in replies:
             for d in reply.speculation.drafters:
@@ -122,9 +134,6 @@ def test_two_routers_share_expertise_and_survive_redis_restarts(random_family, t
         assert "is back" in cluster.log_path.read_text()
         assert before > 0
     finally:
-        if second is not None:
-            second.terminate()
-            second.wait(timeout=30)
         cluster.stop()
         server.kill()
 
@@ -140,54 +149,40 @@ def test_two_routers_share_stored_responses_through_redis_and_read_their_own_whi
     config = cluster_config(random_family, router={"http_port": free_port(), "redis_url": server.url, "served_model_name": "m"})
     config["verifier"]["model"] = str(target_with_template)
     cluster = Cluster(config, tmp_path, "responses").start()
-    second = None
+    other = {**config, "router": {**config["router"], "port": free_port(), "http_port": free_port()}}
+    other_path = tmp_path / "router2.yaml"
+    other_path.write_text(yaml.safe_dump(other))
     try:
-        other = {**config, "router": {**config["router"], "port": free_port(), "http_port": free_port()}}
-        other_path = tmp_path / "router2.yaml"
-        other_path.write_text(yaml.safe_dump(other))
-        second = subprocess.Popen(
-            [sys.executable, "-m", "router", "--config", str(other_path)],
-            cwd=REPO,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            stderr=open(tmp_path / "router2.log", "w"),
-        )
-        import asyncio
-
-        from specfleet.serving import wait_until_serving
-
-        asyncio.run(wait_until_serving(f"127.0.0.1:{other['router']['port']}", 120))
-        one, two = (
-            openai.OpenAI(base_url=f"http://127.0.0.1:{c['router']['http_port']}/v1", api_key="-", max_retries=0, timeout=120)
-            for c in (config, other)
-        )
-        greedy = {"model": "m", "temperature": 0, "max_output_tokens": 8}
-        first = one.responses.create(input=PROMPTS[0], **greedy)
-        assert two.responses.retrieve(first.id).output_text == first.output_text
-        through_two = two.responses.create(input=PROMPTS[1], previous_response_id=first.id, **greedy)
-        through_one = one.responses.create(input=PROMPTS[1], previous_response_id=first.id, **greedy)
-        assert through_two.output_text == through_one.output_text and through_two.usage.input_tokens == through_one.usage.input_tokens
-        # Deleted through the second router: gone through the first too, though the first answered it.
-        two.responses.delete(first.id)
-        with pytest.raises(openai.NotFoundError):
-            one.responses.retrieve(first.id)
-        # Redis away: each router reads its own from memory; the other's is a 503 naming Redis; new responses still come.
-        server.kill()
-        assert two.responses.retrieve(through_two.id).output_text == through_two.output_text
-        with pytest.raises(openai.InternalServerError) as err:
-            one.responses.retrieve(through_two.id)
-        assert err.value.status_code == 503 and "Redis" in err.value.body["message"] and "router.redis_url" in err.value.body["message"]
-        meanwhile = one.responses.create(input=PROMPTS[2], **greedy)
-        assert "stored responses are read from this router's memory" in cluster.log_path.read_text()
-        # Redis back (empty): what a router kept meanwhile stays its own, and sharing resumes.
-        server = RedisServer(server.port).start()
-        assert one.responses.retrieve(meanwhile.id).output_text == meanwhile.output_text
-        with pytest.raises(openai.NotFoundError):
-            two.responses.retrieve(meanwhile.id)
-        after = one.responses.create(input=PROMPTS[3], **greedy)
-        assert two.responses.retrieve(after.id).output_text == after.output_text
+        with another_router(other_path, other["router"]["port"], tmp_path / "router2.log"):
+            one, two = (
+                openai.OpenAI(base_url=f"http://127.0.0.1:{c['router']['http_port']}/v1", api_key="-", max_retries=0, timeout=120)
+                for c in (config, other)
+            )
+            greedy = {"model": "m", "temperature": 0, "max_output_tokens": 8}
+            first = one.responses.create(input=PROMPTS[0], **greedy)
+            assert two.responses.retrieve(first.id).output_text == first.output_text
+            through_two = two.responses.create(input=PROMPTS[1], previous_response_id=first.id, **greedy)
+            through_one = one.responses.create(input=PROMPTS[1], previous_response_id=first.id, **greedy)
+            assert through_two.output_text == through_one.output_text and through_two.usage.input_tokens == through_one.usage.input_tokens
+            # Deleted through the second router: gone through the first too, though the first answered it.
+            two.responses.delete(first.id)
+            with pytest.raises(openai.NotFoundError):
+                one.responses.retrieve(first.id)
+            # Redis away: each router reads its own from memory; the other's is a 503 naming Redis; new responses still come.
+            server.kill()
+            assert two.responses.retrieve(through_two.id).output_text == through_two.output_text
+            with pytest.raises(openai.InternalServerError) as err:
+                one.responses.retrieve(through_two.id)
+            assert err.value.status_code == 503 and "Redis" in err.value.body["message"] and "router.redis_url" in err.value.body["message"]
+            meanwhile = one.responses.create(input=PROMPTS[2], **greedy)
+            assert "stored responses are read from this router's memory" in cluster.log_path.read_text()
+            # Redis back (empty): what a router kept meanwhile stays its own, and sharing resumes.
+            server = RedisServer(server.port).start()
+            assert one.responses.retrieve(meanwhile.id).output_text == meanwhile.output_text
+            with pytest.raises(openai.NotFoundError):
+                two.responses.retrieve(meanwhile.id)
+            after = one.responses.create(input=PROMPTS[3], **greedy)
+            assert two.responses.retrieve(after.id).output_text == after.output_text
     finally:
-        if second is not None:
-            second.terminate()
-            second.wait(timeout=30)
         cluster.stop()
         server.kill()

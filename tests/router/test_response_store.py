@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 
 from router.openai_errors import ApiError
-from router.response_store import ResponseStore, Stored, identified, input_items
+from router.response_store import Responses, ResponseStore, Stored, identified, input_items
 
 
 def response(i: int, text: str = "x" * 100) -> dict:
@@ -48,10 +49,11 @@ def test_one_larger_than_the_budget_is_not_kept_and_forgets_nothing():
 def test_delete_frees_its_bytes_and_an_unknown_id_is_a_404_naming_the_param():
     store = ResponseStore(1 << 20)
     store.put(response(0), [])
-    store.delete("resp_0")
+    responses = Responses(store)  # in memory alone: no redis_url
+    asyncio.run(responses.delete("resp_0"))
     assert (len(store), store.used_bytes) == (0, 0)
     with pytest.raises(ApiError) as err:
-        store.delete("resp_0")
+        asyncio.run(responses.delete("resp_0"))
     assert (err.value.status, err.value.code) == (404, "not_found")
     with pytest.raises(ApiError) as err:
         store.get("resp_9", "previous_response_id")
